@@ -1,0 +1,14 @@
+//! Keel's resource types: what is stored, what the API accepts, and the
+//! validation that keeps bad input out of the store. Nothing here does I/O.
+
+pub mod clock;
+pub mod name;
+pub mod node;
+pub mod validation;
+pub mod vm;
+
+pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use name::validate_name;
+pub use node::{Accelerator, Node, NodeStatus};
+pub use validation::ValidationError;
+pub use vm::*;

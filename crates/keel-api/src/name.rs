@@ -1,0 +1,67 @@
+//! Resource names. They become file and socket names on the host, so the
+//! rules are strict: DNS-label style, which cannot contain `/`, `..` or NUL.
+
+use crate::ValidationError;
+
+pub const MAX_NAME_LEN: usize = 63;
+
+/// Accepts `[a-z0-9]([-a-z0-9]*[a-z0-9])?` of at most 63 characters.
+pub fn validate_name(field: &str, name: &str) -> Result<(), ValidationError> {
+    if name.is_empty() {
+        return Err(ValidationError::new(field, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(ValidationError::new(
+            field,
+            format!("{} characters; at most {MAX_NAME_LEN} allowed", name.len()),
+        ));
+    }
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '-'))
+    {
+        return Err(ValidationError::new(
+            field,
+            format!(
+                "{:?} is not allowed; use lowercase letters, digits and '-'",
+                bad
+            ),
+        ));
+    }
+    if name.starts_with('-') || name.ends_with('-') {
+        return Err(ValidationError::new(
+            field,
+            "must start and end with a letter or digit",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn rejects_path_tricks() {
+        for bad in [
+            "", "a/b", "..", "a..b/", "a\0b", "-a", "a-", "A", "a b", "é",
+        ] {
+            let err = validate_name("name", bad).unwrap_err();
+            assert_eq!(err.field, "name", "{bad:?}");
+        }
+        assert!(validate_name("name", &"a".repeat(64)).is_err());
+        assert!(validate_name("name", &"a".repeat(63)).is_ok());
+        assert!(validate_name("name", "web-1").is_ok());
+    }
+
+    proptest! {
+        #[test]
+        fn accepted_names_are_safe_path_components(s in ".{0,80}") {
+            if validate_name("name", &s).is_ok() {
+                prop_assert!(!s.contains('/') && !s.contains('\0') && !s.contains(".."));
+                prop_assert!(s.len() <= MAX_NAME_LEN && !s.is_empty());
+            }
+        }
+    }
+}

@@ -1,0 +1,515 @@
+//! The VirtualMachine resource.
+//!
+//! A record has four parts, each with one writer:
+//! - `spec`: what the user asked for (API writes; the controller writes only
+//!   `spec.power` when a Manual VM's guest stops itself).
+//! - `power_intent`: the power state to return to after a restore or any
+//!   re-creation of the runtime instance. It sits outside `spec` on purpose:
+//!   a wholesale replacement of the spec cannot drop it.
+//! - `deletion_requested_at`: set once by the API; the controller deletes the
+//!   record only after the instance is observed gone and cleaned up.
+//! - `status`: the controller's bookkeeping, including the live instance,
+//!   which stays recorded until cleanup (not until stop).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{validate_name, Millis, ValidationError};
+
+pub const DEFAULT_STOP_GRACE_PERIOD_S: u64 = 60;
+pub const MIN_MEMORY_MIB: u64 = 16;
+pub const MAX_MEMORY_MIB: u64 = 1 << 20;
+pub const MAX_CPUS: u32 = 256;
+pub const MAX_DISKS: usize = 16;
+pub const MAX_DISK_SIZE_MIB: u64 = 16 << 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VirtualMachine {
+    pub name: String,
+    /// Bumped by every spec change, so the controller can tell which spec
+    /// its status describes (`status.observed_generation`).
+    #[serde(default)]
+    pub generation: u64,
+    pub spec: VmSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub power_intent: Option<PowerIntent>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deletion_requested_at: Option<Millis>,
+    #[serde(default)]
+    pub status: VmStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmSpec {
+    pub cpus: u32,
+    pub memory_mib: u64,
+    #[serde(default)]
+    pub disks: Vec<DiskSpec>,
+    #[serde(default)]
+    pub boot: BootSpec,
+    #[serde(default)]
+    pub run_policy: RunPolicy,
+    /// The power state the user last asked for. Only Manual and
+    /// AlwaysOnUnlessStoppedManually follow it; the other policies fix it.
+    #[serde(default)]
+    pub power: PowerState,
+    /// Bumped by each restart request; the controller restarts the instance
+    /// once for every bump it has not yet observed.
+    #[serde(default)]
+    pub restart_generation: u64,
+    #[serde(default = "default_grace")]
+    pub stop_grace_period_s: u64,
+    /// Node the VM must run on; `None` lets Keel place it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
+fn default_grace() -> u64 {
+    DEFAULT_STOP_GRACE_PERIOD_S
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSpec {
+    pub name: String,
+    pub size_mib: u64,
+}
+
+/// Direct kernel boot. Paths are on the node; `None` falls back to the
+/// node's default test guest.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BootSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RunPolicy {
+    /// Running whatever happens; a user stop is refused.
+    AlwaysOn,
+    /// Never running; a user start is refused.
+    AlwaysOff,
+    /// Does only what the user asks; a guest that stops or crashes stays stopped.
+    Manual,
+    /// Restarted after a crash or guest power-off, but not after a user stop.
+    #[default]
+    AlwaysOnUnlessStoppedManually,
+}
+
+impl RunPolicy {
+    pub const ALL: [RunPolicy; 4] = [
+        RunPolicy::AlwaysOn,
+        RunPolicy::AlwaysOff,
+        RunPolicy::Manual,
+        RunPolicy::AlwaysOnUnlessStoppedManually,
+    ];
+}
+
+impl std::str::FromStr for RunPolicy {
+    type Err = ValidationError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        RunPolicy::ALL
+            .into_iter()
+            .find(|p| format!("{p:?}").eq_ignore_ascii_case(s))
+            .ok_or_else(|| {
+                ValidationError::new(
+                    "spec.run_policy",
+                    format!("{s:?} is not one of AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually"),
+                )
+            })
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PowerState {
+    #[default]
+    Running,
+    Stopped,
+}
+
+/// The power state a VM must return to once its runtime instance is
+/// re-created (snapshot restore, rebuild). Written before the maintenance
+/// window starts; converted into `spec.power` and cleared exactly once,
+/// after the replacement instance has booted (or, for `Stopped`, at once).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PowerIntent {
+    pub power: PowerState,
+    /// Why it was recorded, e.g. `restore snapshot nightly`.
+    pub reason: String,
+    pub recorded_at: Millis,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    #[default]
+    Pending,
+    Starting,
+    Running,
+    Stopping,
+    Stopped,
+    /// Not running, waiting for the next start attempt after a failure.
+    BackOff,
+    Deleting,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmStatus {
+    #[serde(default)]
+    pub phase: Phase,
+    /// The spec generation this status was computed from.
+    #[serde(default)]
+    pub observed_generation: u64,
+    /// The runtime instance Keel created and has not yet cleaned up. While
+    /// this is `Some`, no other instance of the VM may be started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<Instance>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopProgress>,
+    #[serde(default)]
+    pub observed_restart_generation: u64,
+    /// Sequence number of the last instance created; instance ids are
+    /// `<vm>-<seq>`, never reused.
+    #[serde(default)]
+    pub instance_seq: u64,
+    /// Start attempts that ended without a stable boot, for backoff.
+    #[serde(default)]
+    pub failed_starts: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_start_at: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<ExitRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Instance {
+    pub id: String,
+    pub node: String,
+    pub created_at: Millis,
+    /// When the hypervisor was first seen reporting it running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_since: Option<Millis>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum StopReason {
+    User,
+    Restart,
+    Delete,
+    Policy,
+    Restore,
+    Evict,
+}
+
+/// A stop in progress: graceful power-down, re-checked with exponential
+/// backoff until the grace period ends, then forced. Stored so a controller
+/// restart continues the same schedule instead of starting over.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopProgress {
+    pub reason: StopReason,
+    pub requested_at: Millis,
+    /// Graceful power-down requests sent so far.
+    pub attempts: u32,
+    pub next_check_at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forced_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ExitKind {
+    /// The guest powered itself off (or answered our power-down).
+    GuestPoweroff,
+    Crashed,
+    /// Keel force-killed it after the grace period.
+    Killed,
+    /// The hypervisor reported it absent (NotFound) without an exit record.
+    Vanished,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExitRecord {
+    pub instance: String,
+    pub at: Millis,
+    pub kind: ExitKind,
+    /// Whether Keel had asked it to stop.
+    pub requested: bool,
+}
+
+impl VirtualMachine {
+    pub fn new(name: impl Into<String>, spec: VmSpec) -> Self {
+        Self {
+            name: name.into(),
+            generation: 1,
+            spec,
+            power_intent: None,
+            deletion_requested_at: None,
+            status: VmStatus::default(),
+        }
+    }
+
+    /// Whether, by policy and the user's last request, an instance should
+    /// be running now (ignoring backoff and pending restarts).
+    pub fn wants_running(&self) -> bool {
+        if self.deletion_requested_at.is_some() {
+            return false;
+        }
+        match self.spec.run_policy {
+            RunPolicy::AlwaysOn => true,
+            RunPolicy::AlwaysOff => false,
+            RunPolicy::Manual | RunPolicy::AlwaysOnUnlessStoppedManually => {
+                self.spec.power == PowerState::Running
+            }
+        }
+    }
+
+    pub fn restart_pending(&self) -> bool {
+        self.spec.restart_generation > self.status.observed_restart_generation
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        validate_name("name", &self.name)?;
+        self.spec.validate()
+    }
+
+    /// The user asks for the VM to run.
+    pub fn request_start(&mut self) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        if self.spec.run_policy == RunPolicy::AlwaysOff {
+            return Err(ValidationError::new(
+                "spec.run_policy",
+                format!(
+                    "VM {} is AlwaysOff; change the run policy to start it",
+                    self.name
+                ),
+            ));
+        }
+        self.set_power(PowerState::Running);
+        Ok(())
+    }
+
+    /// The user asks for the VM to stop (graceful, then forced after the grace period).
+    pub fn request_stop(&mut self) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        if self.spec.run_policy == RunPolicy::AlwaysOn {
+            return Err(ValidationError::new(
+                "spec.run_policy",
+                format!(
+                    "VM {} is AlwaysOn; change the run policy to stop it",
+                    self.name
+                ),
+            ));
+        }
+        self.set_power(PowerState::Stopped);
+        Ok(())
+    }
+
+    /// The user asks for a restart: the old instance is stopped and observed
+    /// gone before the new one starts.
+    pub fn request_restart(&mut self) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        if self.spec.run_policy == RunPolicy::AlwaysOff {
+            return Err(ValidationError::new(
+                "spec.run_policy",
+                format!(
+                    "VM {} is AlwaysOff; change the run policy to restart it",
+                    self.name
+                ),
+            ));
+        }
+        self.spec.power = PowerState::Running;
+        self.spec.restart_generation += 1;
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Replaces the spec as a whole (an update), keeping what must survive
+    /// such an overwrite: the power intent and the restart counter.
+    pub fn replace_spec(&mut self, mut spec: VmSpec) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        spec.validate()?;
+        spec.restart_generation = spec.restart_generation.max(self.spec.restart_generation);
+        if spec != self.spec {
+            self.spec = spec;
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
+    fn set_power(&mut self, power: PowerState) {
+        if self.spec.power != power {
+            self.spec.power = power;
+            self.generation += 1;
+        }
+    }
+
+    fn refuse_if_deleting(&self) -> Result<(), ValidationError> {
+        match self.deletion_requested_at {
+            Some(_) => Err(ValidationError::new(
+                "deletion_requested_at",
+                format!("VM {} is being deleted", self.name),
+            )),
+            None => Ok(()),
+        }
+    }
+}
+
+impl VmSpec {
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.cpus == 0 || self.cpus > MAX_CPUS {
+            return Err(ValidationError::new(
+                "spec.cpus",
+                format!("{} is out of range 1..={MAX_CPUS}", self.cpus),
+            ));
+        }
+        if !(MIN_MEMORY_MIB..=MAX_MEMORY_MIB).contains(&self.memory_mib) {
+            return Err(ValidationError::new(
+                "spec.memory_mib",
+                format!(
+                    "{} is out of range {MIN_MEMORY_MIB}..={MAX_MEMORY_MIB}",
+                    self.memory_mib
+                ),
+            ));
+        }
+        if self.disks.len() > MAX_DISKS {
+            return Err(ValidationError::new(
+                "spec.disks",
+                format!("{} disks; at most {MAX_DISKS}", self.disks.len()),
+            ));
+        }
+        for (i, disk) in self.disks.iter().enumerate() {
+            validate_name(&format!("spec.disks[{i}].name"), &disk.name)?;
+            if disk.size_mib == 0 || disk.size_mib > MAX_DISK_SIZE_MIB {
+                return Err(ValidationError::new(
+                    format!("spec.disks[{i}].size_mib"),
+                    format!("{} is out of range 1..={MAX_DISK_SIZE_MIB}", disk.size_mib),
+                ));
+            }
+            if self.disks[..i].iter().any(|d| d.name == disk.name) {
+                return Err(ValidationError::new(
+                    format!("spec.disks[{i}].name"),
+                    format!("{:?} is used by another disk", disk.name),
+                ));
+            }
+        }
+        for (field, path) in [
+            ("spec.boot.kernel", &self.boot.kernel),
+            ("spec.boot.initrd", &self.boot.initrd),
+        ] {
+            if let Some(path) = path {
+                validate_host_path(field, path)?;
+            }
+        }
+        if let Some(cmdline) = &self.boot.cmdline {
+            if cmdline.len() > 1024 || cmdline.contains(['\0', '\n']) {
+                return Err(ValidationError::new(
+                    "spec.boot.cmdline",
+                    "must be at most 1024 bytes on one line",
+                ));
+            }
+        }
+        if self.stop_grace_period_s == 0 || self.stop_grace_period_s > 3600 {
+            return Err(ValidationError::new(
+                "spec.stop_grace_period_s",
+                format!("{} is out of range 1..=3600", self.stop_grace_period_s),
+            ));
+        }
+        if let Some(node) = &self.node {
+            validate_name("spec.node", node)?;
+        }
+        Ok(())
+    }
+}
+
+/// Host paths are handed to QEMU as option values, where `,` is a separator.
+fn validate_host_path(field: &str, path: &str) -> Result<(), ValidationError> {
+    if !path.starts_with('/') {
+        return Err(ValidationError::new(field, "must be an absolute path"));
+    }
+    if path.contains(['\0', ',', '\n']) || path.split('/').any(|c| c == "..") {
+        return Err(ValidationError::new(
+            field,
+            "must not contain NUL, ',', newlines or '..'",
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub fn spec() -> VmSpec {
+        VmSpec {
+            cpus: 1,
+            memory_mib: 256,
+            disks: vec![DiskSpec {
+                name: "data".into(),
+                size_mib: 64,
+            }],
+            boot: BootSpec::default(),
+            run_policy: RunPolicy::Manual,
+            power: PowerState::Running,
+            restart_generation: 0,
+            stop_grace_period_s: 60,
+            node: None,
+        }
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let mut s = spec();
+        s.memory_mib = 0;
+        assert_eq!(s.validate().unwrap_err().field, "spec.memory_mib");
+        let mut s = spec();
+        s.disks[0].name = "../x".into();
+        assert_eq!(s.validate().unwrap_err().field, "spec.disks[0].name");
+        let mut s = spec();
+        s.boot.kernel = Some("/a,b".into());
+        assert_eq!(s.validate().unwrap_err().field, "spec.boot.kernel");
+    }
+
+    #[test]
+    fn unknown_fields_are_rejected() {
+        let err =
+            serde_json::from_str::<VmSpec>(r#"{"cpus":1,"memory_mib":64,"bogus":1}"#).unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn spec_overwrite_keeps_power_intent_and_restart_counter() {
+        let mut vm = VirtualMachine::new("a", spec());
+        vm.request_restart().unwrap();
+        vm.power_intent = Some(PowerIntent {
+            power: PowerState::Running,
+            reason: "restore".into(),
+            recorded_at: 1,
+        });
+        let gen = vm.generation;
+        vm.replace_spec(spec()).unwrap();
+        assert!(vm.power_intent.is_some());
+        assert_eq!(vm.spec.restart_generation, 1);
+        assert_eq!(vm.generation, gen);
+    }
+
+    #[test]
+    fn policies_refuse_contradicting_requests() {
+        let mut vm = VirtualMachine::new("a", spec());
+        vm.spec.run_policy = RunPolicy::AlwaysOn;
+        assert_eq!(vm.request_stop().unwrap_err().field, "spec.run_policy");
+        vm.spec.run_policy = RunPolicy::AlwaysOff;
+        assert!(vm.request_start().is_err());
+        assert!(!vm.wants_running());
+    }
+}

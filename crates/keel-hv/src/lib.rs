@@ -1,0 +1,128 @@
+//! The [`Hypervisor`] trait: what Keel needs from whatever runs guests on a
+//! node, and its drivers.
+//!
+//! Contract every driver keeps (the controllers depend on it):
+//! - A domain is known by its instance id from `start` until `cleanup`,
+//!   including after it exited. Stopping or killing never forgets it.
+//! - `HvError::NotFound` means the domain is absent: never started, or
+//!   cleaned up. Any other failure to look it up is `Unavailable`, which
+//!   says nothing about whether it runs.
+//! - `shutdown` asks the guest to power off (ACPI) and returns at once.
+
+pub mod qemu;
+pub mod sim;
+
+use async_trait::async_trait;
+use keel_api::{Accelerator, Millis};
+use serde::{Deserialize, Serialize};
+
+/// What to run. Disk paths are resolved by the driver inside its data dir.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainSpec {
+    pub vm: String,
+    /// Unique per start, `<vm>-<seq>`.
+    pub instance: String,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub disks: Vec<keel_api::DiskSpec>,
+    pub boot: keel_api::BootSpec,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DomainState {
+    /// The process exists, the guest is not yet running (booting firmware, incoming migration).
+    Starting,
+    Running,
+    Paused,
+    /// The process is gone; the domain is remembered until `cleanup`.
+    Exited(ExitCause),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitCause {
+    /// The guest powered off (by itself or after an ACPI request).
+    Poweroff,
+    Crashed,
+    Killed,
+}
+
+impl DomainState {
+    pub fn is_exited(&self) -> bool {
+        matches!(self, DomainState::Exited(_))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DomainInfo {
+    pub instance: String,
+    pub vm: String,
+    pub state: DomainState,
+    pub pid: Option<u32>,
+    pub started_at: Millis,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeFacts {
+    pub hypervisor: String,
+    pub accelerator: Accelerator,
+    /// Why this accelerator was chosen (e.g. the KVM probe's outcome).
+    pub accelerator_note: String,
+}
+
+/// Every variant names the domain (instance id) it is about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum HvError {
+    #[error("domain {instance} not found")]
+    NotFound { instance: String },
+    #[error("domain {instance}: hypervisor unavailable during {op}: {reason}")]
+    Unavailable {
+        instance: String,
+        op: &'static str,
+        reason: String,
+    },
+    #[error("domain {instance} already exists")]
+    AlreadyExists { instance: String },
+    #[error("domain {instance}: cleanup refused, it has not exited (state {state:?})")]
+    StillRunning {
+        instance: String,
+        state: DomainState,
+    },
+    #[error("domain {instance}: {op} failed: {reason}")]
+    Failed {
+        instance: String,
+        op: &'static str,
+        reason: String,
+    },
+}
+
+impl HvError {
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, HvError::NotFound { .. })
+    }
+}
+
+#[async_trait]
+pub trait Hypervisor: Send + Sync + 'static {
+    async fn facts(&self) -> NodeFacts;
+
+    /// Creates the VM's disks if missing and launches the domain.
+    async fn start(&self, spec: &DomainSpec) -> Result<(), HvError>;
+
+    /// Asks the guest to power off (ACPI power button). Returns at once.
+    async fn shutdown(&self, instance: &str) -> Result<(), HvError>;
+
+    /// Ends the domain now (SIGKILL / QMP quit). The record stays until `cleanup`.
+    async fn kill(&self, instance: &str) -> Result<(), HvError>;
+
+    async fn info(&self, instance: &str) -> Result<DomainInfo, HvError>;
+
+    /// Every domain this node knows, exited ones included.
+    async fn list(&self) -> Result<Vec<DomainInfo>, HvError>;
+
+    /// Forgets an exited domain and removes its runtime files. Refuses a
+    /// domain that has not exited; `NotFound` if already forgotten.
+    async fn cleanup(&self, instance: &str) -> Result<(), HvError>;
+
+    /// Deletes a VM's disks. Only called once no instance of it exists.
+    async fn delete_disks(&self, vm: &str) -> Result<(), HvError>;
+}

@@ -1,0 +1,1 @@
+//! QEMU driver: filled in by the QEMU work.

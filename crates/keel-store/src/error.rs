@@ -1,0 +1,26 @@
+use crate::{LeaseId, Revision};
+
+/// Every variant names the key (or lease) it is about.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("conflict on {key}: expected revision {expected:?}, found {actual:?}")]
+    Conflict {
+        key: String,
+        /// `None` means the writer expected the key to be absent.
+        expected: Option<Revision>,
+        /// `None` means the key does not exist.
+        actual: Option<Revision>,
+    },
+    #[error("watch of {prefix} from revision {from}: history compacted up to {compacted}")]
+    Compacted {
+        prefix: String,
+        from: Revision,
+        compacted: Revision,
+    },
+    #[error("lease {lease} not found or expired")]
+    LeaseNotFound { lease: LeaseId },
+    #[error("store unavailable while accessing {key}: {reason}")]
+    Unavailable { key: String, reason: String },
+    #[error("stored value at {key} is corrupt: {reason}")]
+    Corrupt { key: String, reason: String },
+}

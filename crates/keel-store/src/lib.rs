@@ -1,0 +1,112 @@
+//! Keel's state lives behind the [`Store`] trait: a revisioned key-value
+//! store in the style of etcd v3. Every write bumps one store-wide revision;
+//! writes are conditional on the revision the writer read, so a stale writer
+//! gets [`StoreError::Conflict`] instead of silently overwriting.
+
+mod error;
+pub mod memory;
+pub mod sqlite;
+mod typed;
+
+pub use error::StoreError;
+pub use typed::{TypedEntry, TypedStore};
+
+use async_trait::async_trait;
+
+/// Store-wide, strictly increasing revision. 0 means "never written".
+pub type Revision = u64;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub key: String,
+    pub value: Vec<u8>,
+    /// Revision at which the key was created (changes if it is deleted and re-created).
+    pub create_revision: Revision,
+    /// Revision of the last write to this key; the token for compare-and-swap.
+    pub mod_revision: Revision,
+}
+
+/// The condition a write is made under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Precondition {
+    /// The key must not exist (create).
+    Absent,
+    /// The key must exist with exactly this `mod_revision`.
+    Revision(Revision),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WatchEvent {
+    Put(Entry),
+    Deleted { key: String, revision: Revision },
+}
+
+impl WatchEvent {
+    pub fn revision(&self) -> Revision {
+        match self {
+            WatchEvent::Put(e) => e.mod_revision,
+            WatchEvent::Deleted { revision, .. } => *revision,
+        }
+    }
+    pub fn key(&self) -> &str {
+        match self {
+            WatchEvent::Put(e) => &e.key,
+            WatchEvent::Deleted { key, .. } => key,
+        }
+    }
+}
+
+/// A stream of changes under a prefix, in revision order, without gaps.
+pub struct Watch {
+    pub(crate) rx: tokio::sync::mpsc::Receiver<Result<WatchEvent, StoreError>>,
+}
+
+impl Watch {
+    pub fn new(rx: tokio::sync::mpsc::Receiver<Result<WatchEvent, StoreError>>) -> Self {
+        Self { rx }
+    }
+    /// The next change; `None` once the store is closed. An error (for
+    /// example `Compacted`) ends the watch: re-list and watch again.
+    pub async fn next(&mut self) -> Option<Result<WatchEvent, StoreError>> {
+        self.rx.recv().await
+    }
+}
+
+pub type LeaseId = i64;
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
+
+    /// Writes `value` if `precondition` holds; returns the new revision.
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+    ) -> Result<Revision, StoreError>;
+
+    /// Like `put`, but the key is deleted when `lease` expires or is revoked.
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        lease: LeaseId,
+    ) -> Result<Revision, StoreError>;
+
+    /// Deletes the key if its `mod_revision` is `revision`.
+    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError>;
+
+    /// All keys under `prefix` in key order, and the store revision the list
+    /// is consistent with (the revision to watch from, plus one).
+    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError>;
+
+    /// Changes under `prefix` with revision >= `from`.
+    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError>;
+
+    /// A lease that expires `ttl_ms` after its last keep-alive.
+    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError>;
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError>;
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError>;
+}
