@@ -3,6 +3,7 @@
 //! writes are conditional on the revision the writer read, so a stale writer
 //! gets [`StoreError::Conflict`] instead of silently overwriting.
 
+pub mod conformance;
 mod error;
 pub mod memory;
 pub mod sqlite;
@@ -87,6 +88,7 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<Revision, StoreError>;
 
     /// Like `put`, but the key is deleted when `lease` expires or is revoked.
+    /// A plain `put` over a leased key detaches it from its lease, as in etcd.
     async fn put_with_lease(
         &self,
         key: &str,
@@ -102,10 +104,14 @@ pub trait Store: Send + Sync + 'static {
     /// is consistent with (the revision to watch from, plus one).
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError>;
 
-    /// Changes under `prefix` with revision >= `from`.
+    /// Changes under `prefix` with revision >= `from` (0 and 1 both mean
+    /// "everything still in history"). Fails with `Compacted` if part of
+    /// that range is no longer kept; the error may also arrive as the first
+    /// item of the stream.
     async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError>;
 
-    /// A lease that expires `ttl_ms` after its last keep-alive.
+    /// A lease that expires `ttl_ms` after its last keep-alive. Expiry and
+    /// revocation delete every key attached to the lease.
     async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError>;
     async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError>;
     async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError>;

@@ -1,1 +1,980 @@
-//! Filled in by the SQLite work.
+//! Embedded [`Store`] on SQLite: Keel's durable state on a single node.
+//!
+//! One dedicated thread owns the `Connection` and serves requests from a
+//! channel, rather than `spawn_blocking` around a `Mutex<Connection>`:
+//! SQLite admits one writer at a time anyway, so a single owner serialises
+//! operations without lock contention or a blocking-pool thread parked per
+//! waiting caller; requests that queue up while a commit is syncing are
+//! applied together in one transaction (one fsync for the group); and watch
+//! registration is trivially atomic with respect to writes, because the
+//! thread does nothing else in between.
+//!
+//! Each batch runs in one transaction: lazy lease expiry, then every queued
+//! request (each write bumps the revision, changes `kv` and appends to
+//! `history`), then history compaction. Replies and watch events go out only
+//! after `COMMIT` returns, so nobody ever observes a write that could still
+//! roll back. If anything in a batch fails at the SQLite level, the whole
+//! batch rolls back and every request in it gets `Unavailable`.
+//!
+//! Only writes made through this process's handle reach its watches; one
+//! Keel process should own a database file.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_api::{Clock, Millis, SystemClock};
+use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+use crate::{Entry, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+
+/// `PRAGMA application_id` of a Keel store ("KEEL"), so a database that
+/// belongs to something else is refused instead of written into.
+const APPLICATION_ID: i64 = 0x4B45_454C;
+/// `PRAGMA user_version`; bump with a migration when the schema changes.
+const SCHEMA_VERSION: i64 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE meta (
+    id INTEGER PRIMARY KEY CHECK (id = 0),
+    revision INTEGER NOT NULL,
+    compacted INTEGER NOT NULL
+);
+INSERT INTO meta (id, revision, compacted) VALUES (0, 0, 0);
+CREATE TABLE kv (
+    key TEXT PRIMARY KEY NOT NULL,
+    value BLOB NOT NULL,
+    create_rev INTEGER NOT NULL,
+    mod_rev INTEGER NOT NULL,
+    lease INTEGER
+) WITHOUT ROWID;
+CREATE INDEX kv_by_lease ON kv (lease) WHERE lease IS NOT NULL;
+-- One row per revision; kind 0 = put (value, create_rev set), 1 = delete.
+CREATE TABLE history (
+    rev INTEGER PRIMARY KEY,
+    key TEXT NOT NULL,
+    kind INTEGER NOT NULL,
+    value BLOB,
+    create_rev INTEGER
+);
+-- AUTOINCREMENT so a revoked lease id is never handed out again: a stale
+-- holder must not keep a new owner's lease alive.
+CREATE TABLE leases (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    ttl_ms INTEGER NOT NULL,
+    expires_at INTEGER NOT NULL
+);
+CREATE INDEX leases_by_expiry ON leases (expires_at);
+";
+
+const KIND_PUT: i64 = 0;
+const KIND_DELETE: i64 = 1;
+
+/// Requests applied in one transaction at most; bounds reply latency of the
+/// first request in a batch.
+const MAX_BATCH: usize = 64;
+const REQUEST_QUEUE: usize = 1024;
+/// Events a watch replays per request, so a far-behind watcher neither holds
+/// the store thread long nor buffers the whole history in memory.
+const REPLAY_PAGE: usize = 512;
+const WATCH_CHANNEL: usize = 256;
+/// TTLs are stored as SQLite integers; clamping keeps `now + ttl` in range.
+const MAX_TTL_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
+
+/// Tuning for [`SqliteStore::open_with`].
+#[derive(Clone)]
+pub struct SqliteOptions {
+    /// Times leases. Deadlines are stored as wall-clock milliseconds, so
+    /// they keep their meaning across a restart.
+    pub clock: Arc<dyn Clock>,
+    /// Revisions of history kept for `watch(.., from)`; older starting
+    /// points get `Compacted`.
+    pub history_limit: u64,
+    /// How long to wait for another connection's lock before failing.
+    pub busy_timeout: Duration,
+    /// Live events buffered per watch before it falls back to re-reading
+    /// history (it never loses events, it only does more work).
+    pub watch_buffer: usize,
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            history_limit: 10_000,
+            busy_timeout: Duration::from_secs(5),
+            watch_buffer: 4096,
+        }
+    }
+}
+
+/// Why a database could not be opened as a Keel store.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot open Keel store {}: {reason}", path.display())]
+pub struct OpenError {
+    pub path: PathBuf,
+    pub reason: String,
+}
+
+impl From<OpenError> for StoreError {
+    fn from(e: OpenError) -> Self {
+        StoreError::Unavailable {
+            key: e.path.display().to_string(),
+            reason: e.reason,
+        }
+    }
+}
+
+/// Durable [`Store`] in a SQLite file. Cloning shares the same database
+/// thread; it stops once every clone and watch is dropped.
+#[derive(Clone)]
+pub struct SqliteStore {
+    requests: mpsc::Sender<Request>,
+    path: Arc<str>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store at `path`.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
+        Self::open_with(path, SqliteOptions::default())
+    }
+
+    pub fn open_with(path: impl AsRef<Path>, options: SqliteOptions) -> Result<Self, OpenError> {
+        let path = path.as_ref();
+        let fail = |reason: String| OpenError {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let conn = Connection::open(path).map_err(|e| fail(describe(&e)))?;
+        prepare(&conn, &options, true).map_err(fail)?;
+        Self::start(conn, path.display().to_string(), options).map_err(fail)
+    }
+
+    /// A private, non-durable database: for tests.
+    pub fn open_in_memory() -> Result<Self, OpenError> {
+        Self::open_in_memory_with(SqliteOptions::default())
+    }
+
+    pub fn open_in_memory_with(options: SqliteOptions) -> Result<Self, OpenError> {
+        let fail = |reason: String| OpenError {
+            path: PathBuf::from(":memory:"),
+            reason,
+        };
+        let conn = Connection::open_in_memory().map_err(|e| fail(describe(&e)))?;
+        prepare(&conn, &options, false).map_err(fail)?;
+        Self::start(conn, ":memory:".to_string(), options).map_err(fail)
+    }
+
+    fn start(conn: Connection, path: String, options: SqliteOptions) -> Result<Self, String> {
+        let (requests, rx) = mpsc::channel(REQUEST_QUEUE);
+        let (bus, _) = broadcast::channel(options.watch_buffer.max(1));
+        let path: Arc<str> = path.into();
+        let worker = Worker {
+            conn,
+            clock: options.clock,
+            bus,
+            history_limit: options.history_limit.max(1),
+            path: path.clone(),
+        };
+        std::thread::Builder::new()
+            .name("keel-store-sqlite".into())
+            .spawn(move || worker.run(rx))
+            .map_err(|e| format!("spawning the store thread: {e}"))?;
+        Ok(Self { requests, path })
+    }
+
+    /// The database path (`:memory:` for in-memory stores).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Expires due leases now, deleting their keys; returns how many
+    /// expired. Operations do this lazily anyway; run it periodically so
+    /// watchers see expiries even when nothing else touches the store.
+    pub async fn expire_leases(&self) -> Result<usize, StoreError> {
+        match self.call(Op::Expire).await? {
+            Outcome::Expired(n) => Ok(n),
+            other => Err(unexpected("leases (expiry)", &other)),
+        }
+    }
+
+    async fn call(&self, op: Op) -> Result<Outcome, StoreError> {
+        call(&self.requests, op).await
+    }
+}
+
+/// Caller-side round trip to the store thread. Dropping the future after
+/// the request is queued does not cancel it; like any RPC, it may still
+/// apply.
+async fn call(requests: &mpsc::Sender<Request>, op: Op) -> Result<Outcome, StoreError> {
+    let subject = op.subject();
+    let (reply, rx) = oneshot::channel();
+    if requests.send(Request { op, reply }).await.is_err() {
+        return Err(stopped(subject));
+    }
+    match rx.await {
+        Ok(result) => result,
+        Err(_) => Err(stopped(subject)),
+    }
+}
+
+fn stopped(key: String) -> StoreError {
+    StoreError::Unavailable {
+        key,
+        reason: "the SQLite store thread has stopped".into(),
+    }
+}
+
+fn unexpected(key: &str, outcome: &Outcome) -> StoreError {
+    StoreError::Unavailable {
+        key: key.to_string(),
+        reason: format!("internal error: unexpected reply {}", outcome.name()),
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        match self.call(Op::Get { key: key.into() }).await? {
+            Outcome::Entry(e) => Ok(e),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+    ) -> Result<Revision, StoreError> {
+        let op = Op::Put {
+            key: key.into(),
+            value,
+            precondition,
+            lease: None,
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        lease: LeaseId,
+    ) -> Result<Revision, StoreError> {
+        let op = Op::Put {
+            key: key.into(),
+            value,
+            precondition,
+            lease: Some(lease),
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
+        let op = Op::Delete {
+            key: key.into(),
+            revision,
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
+        match self
+            .call(Op::List {
+                prefix: prefix.into(),
+            })
+            .await?
+        {
+            Outcome::List(entries, rev) => Ok((entries, rev)),
+            other => Err(unexpected(prefix, &other)),
+        }
+    }
+
+    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
+        let first = replay(&self.requests, prefix, from).await?;
+        let (tx, rx) = mpsc::channel(WATCH_CHANNEL);
+        tokio::spawn(pump(
+            self.requests.downgrade(),
+            prefix.to_string(),
+            first,
+            tx,
+        ));
+        Ok(Watch::new(rx))
+    }
+
+    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError> {
+        match self.call(Op::Grant { ttl_ms }).await? {
+            Outcome::Lease(id) => Ok(id),
+            other => Err(unexpected("lease (grant)", &other)),
+        }
+    }
+
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+        match self.call(Op::KeepAlive { lease }).await? {
+            Outcome::Done => Ok(()),
+            other => Err(unexpected(&format!("lease {lease}"), &other)),
+        }
+    }
+
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        match self.call(Op::Revoke { lease }).await? {
+            Outcome::Done => Ok(()),
+            other => Err(unexpected(&format!("lease {lease}"), &other)),
+        }
+    }
+}
+
+async fn replay(
+    requests: &mpsc::Sender<Request>,
+    prefix: &str,
+    from: Revision,
+) -> Result<Replay, StoreError> {
+    let op = Op::Replay {
+        prefix: prefix.into(),
+        from,
+    };
+    match call(requests, op).await? {
+        Outcome::Replay(r) => Ok(r),
+        other => Err(unexpected(prefix, &other)),
+    }
+}
+
+/// Feeds one watch: history pages first, then live events from the
+/// broadcast. The broadcast receiver is created by the store thread in the
+/// same transaction that read the last page, and `last` is the revision
+/// that page was consistent with, so filtering live events to `> last`
+/// leaves neither a gap nor a duplicate. If the watcher is too slow and the
+/// broadcast overflows, it re-reads history from where it was instead of
+/// losing events. Holds only a weak sender so dropping the store ends it.
+async fn pump(
+    requests: mpsc::WeakSender<Request>,
+    prefix: String,
+    mut replayed: Replay,
+    out: mpsc::Sender<Result<WatchEvent, StoreError>>,
+) {
+    loop {
+        for event in replayed.events.drain(..) {
+            if out.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+        let resume_from = match replayed.live.take() {
+            None => replayed.next,
+            Some((mut live, mut last)) => loop {
+                let received = tokio::select! {
+                    _ = out.closed() => return,
+                    r = live.recv() => r,
+                };
+                match received {
+                    Ok(event) => {
+                        let revision = event.revision();
+                        if revision <= last {
+                            continue;
+                        }
+                        last = revision;
+                        if event.key().starts_with(prefix.as_str())
+                            && out.send(Ok(WatchEvent::clone(&event))).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Err(broadcast::error::RecvError::Lagged(_)) => break last + 1,
+                    Err(broadcast::error::RecvError::Closed) => return,
+                }
+            },
+        };
+        let Some(requests_now) = requests.upgrade() else {
+            return;
+        };
+        let next = replay(&requests_now, &prefix, resume_from).await;
+        drop(requests_now);
+        match next {
+            Ok(r) => replayed = r,
+            Err(e) => {
+                let _ = out.send(Err(e)).await;
+                return;
+            }
+        }
+    }
+}
+
+struct Request {
+    op: Op,
+    reply: oneshot::Sender<Result<Outcome, StoreError>>,
+}
+
+enum Op {
+    Get {
+        key: String,
+    },
+    Put {
+        key: String,
+        value: Vec<u8>,
+        precondition: Precondition,
+        lease: Option<LeaseId>,
+    },
+    Delete {
+        key: String,
+        revision: Revision,
+    },
+    List {
+        prefix: String,
+    },
+    Replay {
+        prefix: String,
+        from: Revision,
+    },
+    Grant {
+        ttl_ms: u64,
+    },
+    KeepAlive {
+        lease: LeaseId,
+    },
+    Revoke {
+        lease: LeaseId,
+    },
+    Expire,
+}
+
+impl Op {
+    /// What an error about this request names.
+    fn subject(&self) -> String {
+        match self {
+            Op::Get { key } | Op::Put { key, .. } | Op::Delete { key, .. } => key.clone(),
+            Op::List { prefix } | Op::Replay { prefix, .. } => prefix.clone(),
+            Op::Grant { .. } => "lease (grant)".into(),
+            Op::KeepAlive { lease } | Op::Revoke { lease } => format!("lease {lease}"),
+            Op::Expire => "leases (expiry)".into(),
+        }
+    }
+}
+
+enum Outcome {
+    Entry(Option<Entry>),
+    Revision(Revision),
+    List(Vec<Entry>, Revision),
+    Replay(Replay),
+    Lease(LeaseId),
+    Done,
+    Expired(usize),
+}
+
+impl Outcome {
+    fn name(&self) -> &'static str {
+        match self {
+            Outcome::Entry(_) => "entry",
+            Outcome::Revision(_) => "revision",
+            Outcome::List(..) => "list",
+            Outcome::Replay(_) => "replay",
+            Outcome::Lease(_) => "lease",
+            Outcome::Done => "done",
+            Outcome::Expired(_) => "expired",
+        }
+    }
+}
+
+/// One page of history for a watch.
+struct Replay {
+    events: Vec<WatchEvent>,
+    /// Where the next page starts if `live` is `None`.
+    next: Revision,
+    /// Set on the last page: the live feed, and the revision this page is
+    /// consistent with (live events at or below it were already replayed).
+    live: Option<(broadcast::Receiver<Arc<WatchEvent>>, Revision)>,
+}
+
+struct Worker {
+    conn: Connection,
+    clock: Arc<dyn Clock>,
+    bus: broadcast::Sender<Arc<WatchEvent>>,
+    history_limit: u64,
+    path: Arc<str>,
+}
+
+impl Worker {
+    fn run(mut self, mut rx: mpsc::Receiver<Request>) {
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        while rx.blocking_recv_many(&mut batch, MAX_BATCH) > 0 {
+            self.run_batch(&mut batch);
+        }
+        // Every handle is gone; dropping the connection checkpoints the WAL.
+    }
+
+    fn run_batch(&mut self, batch: &mut Vec<Request>) {
+        let now = self.clock.now_ms();
+        let mut events = Vec::new();
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let applied = apply(
+            &mut self.conn,
+            &self.bus,
+            self.history_limit,
+            now,
+            batch,
+            &mut events,
+            &mut outcomes,
+        );
+        match applied {
+            Ok(()) => {
+                // Live events strictly before replies: a caller that saw
+                // its write acknowledged can rely on watches having it.
+                for event in events {
+                    let _ = self.bus.send(Arc::new(event));
+                }
+                for (request, outcome) in batch.drain(..).zip(outcomes) {
+                    let _ = request.reply.send(outcome);
+                }
+            }
+            Err(e) => {
+                let reason = format!("SQLite error on {}: {}", self.path, describe(&e));
+                tracing::error!(%reason, requests = batch.len(), "store batch rolled back");
+                for request in batch.drain(..) {
+                    let key = request.op.subject();
+                    let _ = request.reply.send(Err(StoreError::Unavailable {
+                        key,
+                        reason: reason.clone(),
+                    }));
+                }
+            }
+        }
+    }
+}
+
+type Sql<T> = rusqlite::Result<T>;
+/// Outer error: SQLite failed, the batch rolls back. Inner error: this
+/// request failed on its own (conflict, missing lease), nothing was changed.
+type Applied<T> = Sql<Result<T, StoreError>>;
+
+fn apply(
+    conn: &mut Connection,
+    bus: &broadcast::Sender<Arc<WatchEvent>>,
+    history_limit: u64,
+    now: Millis,
+    batch: &mut [Request],
+    events: &mut Vec<WatchEvent>,
+    outcomes: &mut Vec<Result<Outcome, StoreError>>,
+) -> Sql<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let mut expired = expire_due(&tx, now, events)?;
+    for request in batch.iter_mut() {
+        let outcome = match &mut request.op {
+            Op::Get { key } => Ok(get(&tx, key)?.map(Outcome::Entry)),
+            Op::Put {
+                key,
+                value,
+                precondition,
+                lease,
+            } => put(
+                &tx,
+                key,
+                std::mem::take(value),
+                *precondition,
+                *lease,
+                events,
+            ),
+            Op::Delete { key, revision } => delete(&tx, key, *revision, events),
+            Op::List { prefix } => list(&tx, prefix),
+            Op::Replay { prefix, from } => replay_page(&tx, prefix, *from, bus),
+            Op::Grant { ttl_ms } => grant(&tx, now, *ttl_ms),
+            Op::KeepAlive { lease } => keep_alive(&tx, now, *lease),
+            Op::Revoke { lease } => revoke(&tx, *lease, events),
+            Op::Expire => Ok(Ok(Outcome::Expired(std::mem::take(&mut expired)))),
+        }?;
+        outcomes.push(outcome);
+    }
+    if !events.is_empty() {
+        compact(&tx, history_limit)?;
+    }
+    tx.commit()
+}
+
+fn get(tx: &Transaction<'_>, key: &str) -> Applied<Option<Entry>> {
+    let entry = tx
+        .prepare_cached("SELECT value, create_rev, mod_rev FROM kv WHERE key = ?1")?
+        .query_row([key], |row| {
+            Ok(Entry {
+                key: key.to_string(),
+                value: row.get(0)?,
+                create_revision: row.get(1)?,
+                mod_revision: row.get(2)?,
+            })
+        })
+        .optional()?;
+    Ok(Ok(entry))
+}
+
+fn bump_revision(tx: &Transaction<'_>) -> Sql<Revision> {
+    tx.prepare_cached("UPDATE meta SET revision = revision + 1 WHERE id = 0 RETURNING revision")?
+        .query_row([], |row| row.get(0))
+}
+
+fn put(
+    tx: &Transaction<'_>,
+    key: &str,
+    value: Vec<u8>,
+    precondition: Precondition,
+    lease: Option<LeaseId>,
+    events: &mut Vec<WatchEvent>,
+) -> Applied<Outcome> {
+    let current: Option<(Revision, Revision)> = tx
+        .prepare_cached("SELECT create_rev, mod_rev FROM kv WHERE key = ?1")?
+        .query_row([key], |row| Ok((row.get(0)?, row.get(1)?)))
+        .optional()?;
+    let actual = current.map(|(_, m)| m);
+    let (ok, expected) = match precondition {
+        Precondition::Absent => (actual.is_none(), None),
+        Precondition::Revision(r) => (actual == Some(r), Some(r)),
+    };
+    if !ok {
+        return Ok(Err(StoreError::Conflict {
+            key: key.to_string(),
+            expected,
+            actual,
+        }));
+    }
+    if let Some(l) = lease {
+        let exists = tx
+            .prepare_cached("SELECT 1 FROM leases WHERE id = ?1")?
+            .exists([l])?;
+        if !exists {
+            return Ok(Err(StoreError::LeaseNotFound { lease: l }));
+        }
+    }
+    let revision = bump_revision(tx)?;
+    let create_revision = current.map_or(revision, |(c, _)| c);
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO kv (key, value, create_rev, mod_rev, lease) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute(params![key, value, create_revision, revision, lease])?;
+    tx.prepare_cached(
+        "INSERT INTO history (rev, key, kind, value, create_rev) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute(params![revision, key, KIND_PUT, value, create_revision])?;
+    events.push(WatchEvent::Put(Entry {
+        key: key.to_string(),
+        value,
+        create_revision,
+        mod_revision: revision,
+    }));
+    Ok(Ok(Outcome::Revision(revision)))
+}
+
+fn delete(
+    tx: &Transaction<'_>,
+    key: &str,
+    expected: Revision,
+    events: &mut Vec<WatchEvent>,
+) -> Applied<Outcome> {
+    let actual: Option<Revision> = tx
+        .prepare_cached("SELECT mod_rev FROM kv WHERE key = ?1")?
+        .query_row([key], |row| row.get(0))
+        .optional()?;
+    if actual != Some(expected) {
+        return Ok(Err(StoreError::Conflict {
+            key: key.to_string(),
+            expected: Some(expected),
+            actual,
+        }));
+    }
+    Ok(Ok(Outcome::Revision(remove(tx, key, events)?)))
+}
+
+/// Deletes an existing key unconditionally, as one revision.
+fn remove(tx: &Transaction<'_>, key: &str, events: &mut Vec<WatchEvent>) -> Sql<Revision> {
+    tx.prepare_cached("DELETE FROM kv WHERE key = ?1")?
+        .execute([key])?;
+    let revision = bump_revision(tx)?;
+    tx.prepare_cached("INSERT INTO history (rev, key, kind) VALUES (?1, ?2, ?3)")?
+        .execute(params![revision, key, KIND_DELETE])?;
+    events.push(WatchEvent::Deleted {
+        key: key.to_string(),
+        revision,
+    });
+    Ok(revision)
+}
+
+fn list(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
+    // A range scan from `prefix` on the primary key, stopped at the first
+    // key without the prefix: TEXT compares bytewise, as Rust strings do,
+    // so the matching keys are contiguous. (LIKE would treat `_` and `%`
+    // in keys as wildcards.)
+    let mut stmt = tx.prepare_cached(
+        "SELECT key, value, create_rev, mod_rev FROM kv WHERE key >= ?1 ORDER BY key",
+    )?;
+    let mut rows = stmt.query([prefix])?;
+    let mut entries = Vec::new();
+    while let Some(row) = rows.next()? {
+        let key: String = row.get(0)?;
+        if !key.starts_with(prefix) {
+            break;
+        }
+        entries.push(Entry {
+            key,
+            value: row.get(1)?,
+            create_revision: row.get(2)?,
+            mod_revision: row.get(3)?,
+        });
+    }
+    let (revision, _) = meta(tx)?;
+    Ok(Ok(Outcome::List(entries, revision)))
+}
+
+fn meta(tx: &Transaction<'_>) -> Sql<(Revision, Revision)> {
+    tx.prepare_cached("SELECT revision, compacted FROM meta WHERE id = 0")?
+        .query_row([], |row| Ok((row.get(0)?, row.get(1)?)))
+}
+
+fn replay_page(
+    tx: &Transaction<'_>,
+    prefix: &str,
+    from: Revision,
+    bus: &broadcast::Sender<Arc<WatchEvent>>,
+) -> Applied<Outcome> {
+    let (revision, compacted) = meta(tx)?;
+    let start = from.max(1);
+    if start <= compacted {
+        return Ok(Err(StoreError::Compacted {
+            prefix: prefix.to_string(),
+            from,
+            compacted,
+        }));
+    }
+    let mut stmt = tx.prepare_cached(
+        "SELECT rev, key, kind, value, create_rev FROM history WHERE rev >= ?1 ORDER BY rev",
+    )?;
+    let mut rows = stmt.query([start])?;
+    let mut events = Vec::new();
+    let mut next = start;
+    let mut exhausted = true;
+    while let Some(row) = rows.next()? {
+        let rev: Revision = row.get(0)?;
+        let key: String = row.get(1)?;
+        next = rev + 1;
+        if !key.starts_with(prefix) {
+            continue;
+        }
+        let kind: i64 = row.get(2)?;
+        let event = match kind {
+            KIND_PUT => {
+                let value: Option<Vec<u8>> = row.get(3)?;
+                let create_revision: Option<Revision> = row.get(4)?;
+                match (value, create_revision) {
+                    (Some(value), Some(create_revision)) => WatchEvent::Put(Entry {
+                        key,
+                        value,
+                        create_revision,
+                        mod_revision: rev,
+                    }),
+                    _ => {
+                        return Ok(Err(StoreError::Corrupt {
+                            key,
+                            reason: format!("history row {rev} is a put without value"),
+                        }))
+                    }
+                }
+            }
+            KIND_DELETE => WatchEvent::Deleted { key, revision: rev },
+            other => {
+                return Ok(Err(StoreError::Corrupt {
+                    key,
+                    reason: format!("history row {rev} has unknown kind {other}"),
+                }))
+            }
+        };
+        events.push(event);
+        if events.len() == REPLAY_PAGE {
+            exhausted = false;
+            break;
+        }
+    }
+    // Subscribing here, inside the batch, is what closes the gap between
+    // history and live: this batch's own events are broadcast after commit
+    // and are filtered against `consistent_at` by the pump.
+    let live = exhausted.then(|| (bus.subscribe(), revision.max(start - 1)));
+    Ok(Ok(Outcome::Replay(Replay { events, next, live })))
+}
+
+fn grant(tx: &Transaction<'_>, now: Millis, ttl_ms: u64) -> Applied<Outcome> {
+    let ttl_ms = ttl_ms.min(MAX_TTL_MS);
+    tx.prepare_cached("INSERT INTO leases (ttl_ms, expires_at) VALUES (?1, ?2)")?
+        .execute(params![ttl_ms, now.saturating_add(ttl_ms)])?;
+    Ok(Ok(Outcome::Lease(tx.last_insert_rowid())))
+}
+
+fn keep_alive(tx: &Transaction<'_>, now: Millis, lease: LeaseId) -> Applied<Outcome> {
+    let changed = tx
+        .prepare_cached("UPDATE leases SET expires_at = ?2 + ttl_ms WHERE id = ?1")?
+        .execute(params![lease, now])?;
+    if changed == 0 {
+        return Ok(Err(StoreError::LeaseNotFound { lease }));
+    }
+    Ok(Ok(Outcome::Done))
+}
+
+fn revoke(tx: &Transaction<'_>, lease: LeaseId, events: &mut Vec<WatchEvent>) -> Applied<Outcome> {
+    if drop_lease(tx, lease, events)? {
+        Ok(Ok(Outcome::Done))
+    } else {
+        Ok(Err(StoreError::LeaseNotFound { lease }))
+    }
+}
+
+/// Deletes a lease and its keys in key order, one revision per key, so a
+/// watcher resuming from "last seen + 1" never skips half a lease.
+fn drop_lease(tx: &Transaction<'_>, lease: LeaseId, events: &mut Vec<WatchEvent>) -> Sql<bool> {
+    let keys = tx
+        .prepare_cached("SELECT key FROM kv WHERE lease = ?1 ORDER BY key")?
+        .query_map([lease], |row| row.get::<_, String>(0))?
+        .collect::<Sql<Vec<_>>>()?;
+    for key in &keys {
+        remove(tx, key, events)?;
+    }
+    let removed = tx
+        .prepare_cached("DELETE FROM leases WHERE id = ?1")?
+        .execute([lease])?;
+    Ok(removed > 0)
+}
+
+fn expire_due(tx: &Transaction<'_>, now: Millis, events: &mut Vec<WatchEvent>) -> Sql<usize> {
+    let due = tx
+        .prepare_cached("SELECT id FROM leases WHERE expires_at <= ?1 ORDER BY id")?
+        .query_map([now], |row| row.get::<_, LeaseId>(0))?
+        .collect::<Sql<Vec<_>>>()?;
+    for lease in &due {
+        drop_lease(tx, *lease, events)?;
+    }
+    Ok(due.len())
+}
+
+fn compact(tx: &Transaction<'_>, history_limit: u64) -> Sql<()> {
+    let (revision, compacted) = meta(tx)?;
+    if revision.saturating_sub(compacted) > history_limit {
+        let upto = revision - history_limit;
+        tx.prepare_cached("DELETE FROM history WHERE rev <= ?1")?
+            .execute([upto])?;
+        tx.prepare_cached("UPDATE meta SET compacted = ?1 WHERE id = 0")?
+            .execute([upto])?;
+    }
+    Ok(())
+}
+
+/// Connection settings and schema check/creation, before the connection is
+/// handed to the store thread. Errors are reasons; the caller adds the path.
+fn prepare(conn: &Connection, options: &SqliteOptions, file: bool) -> Result<(), String> {
+    conn.busy_timeout(options.busy_timeout)
+        .map_err(|e| format!("setting busy_timeout: {}", describe(&e)))?;
+    // The first statement that reads the file: a file that is not SQLite
+    // fails here with "file is not a database".
+    let mode: String = conn
+        .query_row("PRAGMA journal_mode = WAL", [], |row| row.get(0))
+        .map_err(|e| describe(&e))?;
+    if file && !mode.eq_ignore_ascii_case("wal") {
+        // Still durable with synchronous=FULL, only slower; worth a warning,
+        // not a refusal to start.
+        tracing::warn!(journal_mode = %mode, "SQLite refused WAL mode; continuing");
+    }
+    // FULL: every acknowledged write is fsynced before we reply. Keel acts
+    // on what it has stored (starts VMs, hands out addresses, deletes
+    // disks); forgetting an acknowledged write after a crash or power loss
+    // could mean a VM started twice or a disk freed while in use. In WAL
+    // mode NORMAL would only risk the last commits, but those are exactly
+    // the ones a controller has already acted on.
+    conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(|e| format!("setting synchronous=FULL: {}", describe(&e)))?;
+    let check: String = conn
+        .query_row("PRAGMA quick_check", [], |row| row.get(0))
+        .map_err(|e| format!("integrity check: {}", describe(&e)))?;
+    if check != "ok" {
+        return Err(format!("database is corrupt (quick_check: {check})"));
+    }
+    conn.execute_batch("BEGIN IMMEDIATE")
+        .map_err(|e| format!("locking for schema check: {}", describe(&e)))?;
+    let checked = check_schema(conn);
+    let end = if checked.is_ok() {
+        "COMMIT"
+    } else {
+        "ROLLBACK"
+    };
+    let ended = conn
+        .execute_batch(end)
+        .map_err(|e| format!("finishing schema check: {}", describe(&e)));
+    checked.and(ended)
+}
+
+fn check_schema(conn: &Connection) -> Result<(), String> {
+    let pragma = |name: &str| -> Result<i64, String> {
+        conn.query_row(&format!("PRAGMA {name}"), [], |row| row.get(0))
+            .map_err(|e| format!("reading {name}: {}", describe(&e)))
+    };
+    let application_id = pragma("application_id")?;
+    let version = pragma("user_version")?;
+    let objects: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master", [], |row| row.get(0))
+        .map_err(|e| format!("reading the schema: {}", describe(&e)))?;
+    if application_id == 0 && objects == 0 {
+        conn.execute_batch(SCHEMA)
+            .and_then(|()| conn.pragma_update(None, "application_id", APPLICATION_ID))
+            .and_then(|()| conn.pragma_update(None, "user_version", SCHEMA_VERSION))
+            .map_err(|e| format!("creating the schema: {}", describe(&e)))?;
+        return Ok(());
+    }
+    if application_id != APPLICATION_ID {
+        return Err(format!(
+            "not a Keel store: it has {objects} schema objects and application_id {application_id:#x} \
+             (a Keel store has {APPLICATION_ID:#x}); refusing to modify it"
+        ));
+    }
+    if version > SCHEMA_VERSION {
+        return Err(format!(
+            "schema version {version} was written by a newer Keel (this one supports up to {SCHEMA_VERSION})"
+        ));
+    }
+    if version < 1 {
+        return Err(format!("schema version {version} is invalid"));
+    }
+    let tables: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' \
+             AND name IN ('meta', 'kv', 'history', 'leases')",
+            [],
+            |row| row.get(0),
+        )
+        .map_err(|e| format!("reading the schema: {}", describe(&e)))?;
+    if tables != 4 {
+        return Err(format!(
+            "Keel store is missing tables ({tables} of meta, kv, history, leases present)"
+        ));
+    }
+    Ok(())
+}
+
+/// SQLite's message, with a hint for the failure people actually hit.
+fn describe(e: &rusqlite::Error) -> String {
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase) => {
+            format!("not a SQLite database, or the file is corrupt ({e})")
+        }
+        Some(rusqlite::ErrorCode::DatabaseCorrupt) => format!("database is corrupt ({e})"),
+        _ => e.to_string(),
+    }
+}

@@ -1,0 +1,891 @@
+//! The behaviour every [`Store`] must have, as a reusable suite.
+//!
+//! Compiled into the library (not `cfg(test)`) so every implementation,
+//! including ones in other crates, runs exactly the same checks. Each check
+//! takes a fresh [`Fixture`] and panics with a message naming what broke.
+//!
+//! ```ignore
+//! async fn fixture() -> keel_store::conformance::Fixture { ... }
+//! keel_store::conformance_tests!(fixture);          // one #[tokio::test] per check
+//! // or: keel_store::conformance::run_all(fixture).await;
+//! ```
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_api::ManualClock;
+
+use crate::{Entry, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+
+/// How long a check waits for an expected watch event before failing.
+const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How the suite moves time for lease checks.
+#[derive(Clone)]
+pub enum TimeControl {
+    /// The store's leases run on this clock; the suite advances it.
+    Manual(ManualClock),
+    /// The store uses real time (e.g. an etcd server); the suite sleeps and
+    /// polls for expiry, so keep `lease_ttl_ms` small but above the
+    /// backend's minimum.
+    Real,
+}
+
+/// A fresh, empty store plus what the suite needs to know about it.
+pub struct Fixture {
+    pub store: Arc<dyn Store>,
+    pub time: TimeControl,
+    /// TTL the lease checks grant; other delays are fractions of it.
+    pub lease_ttl_ms: u64,
+    /// If the store keeps only this many revisions of history on its own,
+    /// the compaction check runs; `None` skips it.
+    pub history_limit: Option<u64>,
+    /// Kept alive as long as the fixture (e.g. the temp dir of a file store).
+    guard: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Fixture {
+    /// A store whose leases run on `clock`.
+    pub fn manual(store: Arc<dyn Store>, clock: ManualClock) -> Self {
+        Self {
+            store,
+            time: TimeControl::Manual(clock),
+            lease_ttl_ms: 1_000,
+            history_limit: None,
+            guard: None,
+        }
+    }
+
+    /// A store on real time; leases use `lease_ttl_ms`.
+    pub fn real_time(store: Arc<dyn Store>, lease_ttl_ms: u64) -> Self {
+        Self {
+            store,
+            time: TimeControl::Real,
+            lease_ttl_ms,
+            history_limit: None,
+            guard: None,
+        }
+    }
+
+    pub fn with_history_limit(mut self, limit: u64) -> Self {
+        self.history_limit = Some(limit);
+        self
+    }
+
+    /// Keeps `guard` (say, a temp dir) alive until the check finishes.
+    pub fn with_guard(mut self, guard: impl std::any::Any + Send + Sync) -> Self {
+        self.guard = Some(Box::new(guard));
+        self
+    }
+
+    async fn advance(&self, ms: u64) {
+        match &self.time {
+            TimeControl::Manual(clock) => clock.advance(ms),
+            TimeControl::Real => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
+    }
+}
+
+/// Runs every check, each against a fresh fixture from `make`.
+pub async fn run_all<F, Fut>(make: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Fixture>,
+{
+    get_put_roundtrip(make().await).await;
+    create_conflicts_if_exists(make().await).await;
+    put_stale_revision_conflicts(make().await).await;
+    delete_stale_revision_conflicts(make().await).await;
+    revision_increases_across_keys(make().await).await;
+    values_are_binary_safe(make().await).await;
+    list_by_prefix(make().await).await;
+    watch_replays_history_then_live(make().await).await;
+    watch_from_list_revision(make().await).await;
+    watch_filters_prefix(make().await).await;
+    watch_from_future_revision(make().await).await;
+    watch_no_gap_under_concurrent_writes(make().await).await;
+    watch_compacted(make().await).await;
+    lease_expiry_deletes_keys(make().await).await;
+    lease_revoke_deletes_keys(make().await).await;
+    lease_keep_alive_extends(make().await).await;
+    lease_unknown_rejected(make().await).await;
+    put_without_lease_detaches(make().await).await;
+    concurrent_cas_increments(make().await).await;
+}
+
+/// One `#[tokio::test]` per conformance check, so a failure names the
+/// check. `$make` is an async fn (or closure) returning a [`Fixture`]; the
+/// calling crate needs tokio with `macros` and `rt-multi-thread`.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            get_put_roundtrip,
+            create_conflicts_if_exists,
+            put_stale_revision_conflicts,
+            delete_stale_revision_conflicts,
+            revision_increases_across_keys,
+            values_are_binary_safe,
+            list_by_prefix,
+            watch_replays_history_then_live,
+            watch_from_list_revision,
+            watch_filters_prefix,
+            watch_from_future_revision,
+            watch_no_gap_under_concurrent_writes,
+            watch_compacted,
+            lease_expiry_deletes_keys,
+            lease_revoke_deletes_keys,
+            lease_keep_alive_extends,
+            lease_unknown_rejected,
+            put_without_lease_detaches,
+            concurrent_cas_increments,
+        );
+    };
+    (@each $make:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $check() {
+                $crate::conformance::$check(($make)().await).await;
+            }
+        )*
+    };
+}
+
+// ---- helpers ----------------------------------------------------------------
+
+async fn must_get(store: &dyn Store, key: &str) -> Entry {
+    match store.get(key).await {
+        Ok(Some(e)) => e,
+        Ok(None) => panic!("get {key}: expected the key to exist, it is absent"),
+        Err(e) => panic!("get {key}: unexpected error: {e}"),
+    }
+}
+
+async fn must_be_absent(store: &dyn Store, key: &str) {
+    match store.get(key).await {
+        Ok(None) => {}
+        Ok(Some(e)) => panic!("get {key}: expected absent, found {e:?}"),
+        Err(e) => panic!("get {key}: unexpected error: {e}"),
+    }
+}
+
+async fn create(store: &dyn Store, key: &str, value: &str) -> Revision {
+    store
+        .put(key, value.as_bytes().to_vec(), Precondition::Absent)
+        .await
+        .unwrap_or_else(|e| panic!("create {key}: unexpected error: {e}"))
+}
+
+async fn update(store: &dyn Store, key: &str, value: &str, rev: Revision) -> Revision {
+    store
+        .put(key, value.as_bytes().to_vec(), Precondition::Revision(rev))
+        .await
+        .unwrap_or_else(|e| panic!("update {key} at revision {rev}: unexpected error: {e}"))
+}
+
+async fn remove(store: &dyn Store, key: &str, rev: Revision) -> Revision {
+    store
+        .delete(key, rev)
+        .await
+        .unwrap_or_else(|e| panic!("delete {key} at revision {rev}: unexpected error: {e}"))
+}
+
+async fn open_watch(store: &dyn Store, prefix: &str, from: Revision) -> Watch {
+    store
+        .watch(prefix, from)
+        .await
+        .unwrap_or_else(|e| panic!("watch {prefix} from {from}: unexpected error: {e}"))
+}
+
+async fn next_event(w: &mut Watch, what: &str) -> WatchEvent {
+    match tokio::time::timeout(EVENT_TIMEOUT, w.next()).await {
+        Ok(Some(Ok(ev))) => ev,
+        Ok(Some(Err(e))) => panic!("{what}: watch failed: {e}"),
+        Ok(None) => panic!("{what}: watch ended"),
+        Err(_) => panic!("{what}: no event within {EVENT_TIMEOUT:?}"),
+    }
+}
+
+/// A comparable summary of an event: (revision, key, Some(value) for puts).
+fn summary(ev: &WatchEvent) -> (Revision, String, Option<String>) {
+    match ev {
+        WatchEvent::Put(e) => (
+            e.mod_revision,
+            e.key.clone(),
+            Some(String::from_utf8_lossy(&e.value).into_owned()),
+        ),
+        WatchEvent::Deleted { key, revision } => (*revision, key.clone(), None),
+    }
+}
+
+/// Reads exactly `expected.len()` events, then writes a sentinel under
+/// `sentinel_key` and requires it to be the very next event: that proves
+/// there was nothing extra (no duplicate, nothing outside the prefix)
+/// without waiting on a timeout.
+async fn expect_exactly(
+    store: &dyn Store,
+    w: &mut Watch,
+    what: &str,
+    expected: &[(Revision, String, Option<String>)],
+    sentinel_key: &str,
+) {
+    let mut got = Vec::new();
+    for i in 0..expected.len() {
+        got.push(summary(
+            &next_event(w, &format!("{what}: event {i} of {expected:?}")).await,
+        ));
+    }
+    assert_eq!(got, expected, "{what}: wrong events");
+    let rev = create(store, sentinel_key, "sentinel").await;
+    let ev = next_event(w, &format!("{what}: sentinel")).await;
+    assert_eq!(
+        summary(&ev),
+        (rev, sentinel_key.to_string(), Some("sentinel".to_string())),
+        "{what}: expected the sentinel next, i.e. no extra or duplicate events"
+    );
+}
+
+fn put_ev(rev: Revision, key: &str, value: &str) -> (Revision, String, Option<String>) {
+    (rev, key.to_string(), Some(value.to_string()))
+}
+
+fn del_ev(rev: Revision, key: &str) -> (Revision, String, Option<String>) {
+    (rev, key.to_string(), None)
+}
+
+fn assert_conflict(
+    result: Result<Revision, StoreError>,
+    what: &str,
+    key: &str,
+    expected: Option<Revision>,
+    actual: Option<Revision>,
+) {
+    match result {
+        Err(StoreError::Conflict {
+            key: k,
+            expected: e,
+            actual: a,
+        }) => {
+            assert_eq!(k, key, "{what}: conflict must name the key");
+            assert_eq!(e, expected, "{what}: conflict.expected");
+            assert_eq!(a, actual, "{what}: conflict.actual");
+        }
+        other => panic!("{what}: expected Conflict on {key}, got {other:?}"),
+    }
+}
+
+// ---- basic reads and writes --------------------------------------------------
+
+pub async fn get_put_roundtrip(f: Fixture) {
+    let s = &*f.store;
+    must_be_absent(s, "/a").await;
+    let r1 = create(s, "/a", "one").await;
+    assert!(r1 > 0, "first write must have a revision > 0, got {r1}");
+    assert_eq!(
+        must_get(s, "/a").await,
+        Entry {
+            key: "/a".into(),
+            value: b"one".to_vec(),
+            create_revision: r1,
+            mod_revision: r1,
+        },
+        "entry after create"
+    );
+    let r2 = update(s, "/a", "two", r1).await;
+    assert!(
+        r2 > r1,
+        "update revision {r2} must exceed create revision {r1}"
+    );
+    let e = must_get(s, "/a").await;
+    assert_eq!(e.value, b"two", "value after update");
+    assert_eq!(e.create_revision, r1, "create_revision survives updates");
+    assert_eq!(e.mod_revision, r2, "mod_revision is the update's revision");
+}
+
+pub async fn create_conflicts_if_exists(f: Fixture) {
+    let s = &*f.store;
+    let r1 = create(s, "/vms/a", "first").await;
+    let again = s
+        .put("/vms/a", b"second".to_vec(), Precondition::Absent)
+        .await;
+    assert_conflict(again, "create over existing key", "/vms/a", None, Some(r1));
+    let e = must_get(s, "/vms/a").await;
+    assert_eq!(
+        e.value, b"first",
+        "a failed create must not change the value"
+    );
+    assert_eq!(
+        e.mod_revision, r1,
+        "a failed create must not bump mod_revision"
+    );
+}
+
+pub async fn put_stale_revision_conflicts(f: Fixture) {
+    let s = &*f.store;
+    let r1 = create(s, "/vms/a", "v1").await;
+    let r2 = update(s, "/vms/a", "v2", r1).await;
+    let stale = s
+        .put("/vms/a", b"v3".to_vec(), Precondition::Revision(r1))
+        .await;
+    assert_conflict(
+        stale,
+        "put with stale revision",
+        "/vms/a",
+        Some(r1),
+        Some(r2),
+    );
+    let e = must_get(s, "/vms/a").await;
+    assert_eq!(e.value, b"v2", "a stale put must not change the value");
+    assert_eq!(e.mod_revision, r2, "a stale put must not bump mod_revision");
+
+    let missing = s
+        .put("/vms/missing", b"x".to_vec(), Precondition::Revision(r2))
+        .await;
+    assert_conflict(
+        missing,
+        "put with revision on missing key",
+        "/vms/missing",
+        Some(r2),
+        None,
+    );
+    must_be_absent(s, "/vms/missing").await;
+
+    let err = s
+        .put("/vms/a", b"v3".to_vec(), Precondition::Revision(r1))
+        .await
+        .expect_err("stale put must fail");
+    assert!(
+        err.to_string().contains("/vms/a"),
+        "error message must name the key: {err}"
+    );
+}
+
+pub async fn delete_stale_revision_conflicts(f: Fixture) {
+    let s = &*f.store;
+    let r1 = create(s, "/vms/a", "v1").await;
+    let r2 = update(s, "/vms/a", "v2", r1).await;
+    assert_conflict(
+        s.delete("/vms/a", r1).await,
+        "delete with stale revision",
+        "/vms/a",
+        Some(r1),
+        Some(r2),
+    );
+    let kept = must_get(s, "/vms/a").await;
+    assert_eq!(
+        (kept.value.as_slice(), kept.mod_revision),
+        (&b"v2"[..], r2),
+        "a stale delete must keep the key unchanged"
+    );
+    let r3 = remove(s, "/vms/a", r2).await;
+    assert!(r3 > r2, "delete revision {r3} must exceed {r2}");
+    must_be_absent(s, "/vms/a").await;
+    assert_conflict(
+        s.delete("/vms/a", r2).await,
+        "delete of a missing key",
+        "/vms/a",
+        Some(r2),
+        None,
+    );
+    let r4 = create(s, "/vms/a", "again").await;
+    let e = must_get(s, "/vms/a").await;
+    assert!(r4 > r3, "re-create revision {r4} must exceed delete {r3}");
+    assert_eq!(
+        e.create_revision, r4,
+        "a re-created key gets a new create_revision"
+    );
+}
+
+pub async fn revision_increases_across_keys(f: Fixture) {
+    let s = &*f.store;
+    let mut last = 0;
+    let mut check = |what: &str, rev: Revision| {
+        assert!(
+            rev > last,
+            "{what}: revision {rev} must exceed previous {last}"
+        );
+        last = rev;
+    };
+    let a = create(s, "/a", "1").await;
+    check("create /a", a);
+    check("create /b", create(s, "/b", "1").await);
+    check("create /c/d", create(s, "/c/d", "1").await);
+    let a2 = update(s, "/a", "2", a).await;
+    check("update /a", a2);
+    check("delete /a", remove(s, "/a", a2).await);
+    let (_, list_rev) = s.list("").await.expect("list everything");
+    assert_eq!(
+        list_rev, last,
+        "list revision must be the latest write's revision"
+    );
+}
+
+pub async fn values_are_binary_safe(f: Fixture) {
+    let s = &*f.store;
+    let bytes = vec![0u8, 255, 0, 1, 0xC3, 0x28];
+    s.put("/bin", bytes.clone(), Precondition::Absent)
+        .await
+        .expect("put binary value");
+    assert_eq!(must_get(s, "/bin").await.value, bytes, "binary value");
+    s.put("/empty", Vec::new(), Precondition::Absent)
+        .await
+        .expect("put empty value");
+    assert_eq!(
+        must_get(s, "/empty").await.value,
+        Vec::<u8>::new(),
+        "empty value"
+    );
+    let (entries, _) = s.list("/empty").await.expect("list /empty");
+    assert_eq!(entries.len(), 1, "an empty value is still a key");
+}
+
+pub async fn list_by_prefix(f: Fixture) {
+    let s = &*f.store;
+    for key in ["/vms/b", "/vmsx", "/vms", "/nodes/n1", "/vms/a/b", "/vms/a"] {
+        create(s, key, key).await;
+    }
+    let (entries, rev) = s.list("/vms/").await.expect("list /vms/");
+    let keys: Vec<&str> = entries.iter().map(|e| e.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["/vms/a", "/vms/a/b", "/vms/b"],
+        "list /vms/ must return exactly its keys in key order (not /vmsx or /vms)"
+    );
+    for e in &entries {
+        assert_eq!(e.value, e.key.as_bytes(), "value of {}", e.key);
+    }
+    let last = create(s, "/nodes/n2", "x").await;
+    let (_, rev2) = s.list("/vms/").await.expect("list /vms/ again");
+    assert!(
+        rev2 > rev,
+        "list revision is store-wide: {rev2} after {rev}"
+    );
+    assert_eq!(rev2, last, "list revision is the latest revision");
+    let (none, rev3) = s.list("/nothing/").await.expect("list /nothing/");
+    assert!(none.is_empty(), "list of an unused prefix: {none:?}");
+    assert_eq!(rev3, last, "list revision of an empty result");
+    let (all, _) = s.list("").await.expect("list everything");
+    assert_eq!(all.len(), 7, "empty prefix lists every key");
+}
+
+// ---- watch ------------------------------------------------------------------
+
+pub async fn watch_replays_history_then_live(f: Fixture) {
+    let s = &*f.store;
+    let a1 = create(s, "/w/a", "a1").await;
+    let b1 = create(s, "/w/b", "b1").await;
+    let a2 = update(s, "/w/a", "a2", a1).await;
+    let bd = remove(s, "/w/b", b1).await;
+    let history = vec![
+        put_ev(a1, "/w/a", "a1"),
+        put_ev(b1, "/w/b", "b1"),
+        put_ev(a2, "/w/a", "a2"),
+        del_ev(bd, "/w/b"),
+    ];
+
+    let mut from0 = open_watch(s, "/w/", 0).await;
+    let mut from1 = open_watch(s, "/w/", 1).await;
+    let mut from_mid = open_watch(s, "/w/", a2).await;
+
+    // Live, after every watch is registered.
+    let c1 = create(s, "/w/c", "c1").await;
+    let a3 = update(s, "/w/a", "a3", a2).await;
+    let live = [put_ev(c1, "/w/c", "c1"), put_ev(a3, "/w/a", "a3")];
+
+    let mut all = history.clone();
+    all.extend(live.iter().cloned());
+    let mut from_first = Vec::new();
+    for i in 0..all.len() {
+        from_first.push(summary(
+            &next_event(&mut from0, &format!("watch from 0, event {i}")).await,
+        ));
+    }
+    assert_eq!(
+        from_first, all,
+        "watch from 0 must replay everything, then live, in order"
+    );
+    expect_exactly(s, &mut from1, "watch from 1", &all, "/w/sentinel1").await;
+    let mut tail: Vec<_> = all.iter().filter(|e| e.0 >= a2).cloned().collect();
+    tail.push(put_ev(
+        must_get(s, "/w/sentinel1").await.mod_revision,
+        "/w/sentinel1",
+        "sentinel",
+    ));
+    expect_exactly(
+        s,
+        &mut from_mid,
+        "watch from a middle revision",
+        &tail,
+        "/w/sentinel2",
+    )
+    .await;
+}
+
+pub async fn watch_from_list_revision(f: Fixture) {
+    let s = &*f.store;
+    create(s, "/vms/a", "a").await;
+    let (_, rev) = s.list("/vms/").await.expect("list /vms/");
+    let mut w = open_watch(s, "/vms/", rev + 1).await;
+    let b = create(s, "/vms/b", "b").await;
+    expect_exactly(
+        s,
+        &mut w,
+        "watch from list revision + 1",
+        &[put_ev(b, "/vms/b", "b")],
+        "/vms/sentinel",
+    )
+    .await;
+}
+
+pub async fn watch_filters_prefix(f: Fixture) {
+    let s = &*f.store;
+    let mut w = open_watch(s, "/vms/", 0).await;
+    let a = create(s, "/vms/a", "a").await;
+    create(s, "/vmsx", "x").await;
+    create(s, "/vms", "bare").await;
+    create(s, "/nodes/n1", "n").await;
+    let b = create(s, "/vms/b", "b").await;
+    expect_exactly(
+        s,
+        &mut w,
+        "watch /vms/",
+        &[put_ev(a, "/vms/a", "a"), put_ev(b, "/vms/b", "b")],
+        "/vms/sentinel",
+    )
+    .await;
+}
+
+pub async fn watch_from_future_revision(f: Fixture) {
+    let s = &*f.store;
+    let base = create(s, "/f/0", "0").await;
+    let mut w = open_watch(s, "/f/", base + 3).await;
+    let mut revs = Vec::new();
+    for i in 1..=4 {
+        revs.push(create(s, &format!("/f/{i}"), &i.to_string()).await);
+    }
+    let expected: Vec<_> = (1..=4)
+        .zip(&revs)
+        .filter(|(_, r)| **r >= base + 3)
+        .map(|(i, r)| put_ev(*r, &format!("/f/{i}"), &i.to_string()))
+        .collect();
+    expect_exactly(
+        s,
+        &mut w,
+        "watch from a future revision",
+        &expected,
+        "/f/sentinel",
+    )
+    .await;
+}
+
+/// Watches opened while a writer is busy must each see every revision from
+/// their start, exactly once, in order: the replay/live hand-over is where
+/// implementations lose or duplicate events.
+pub async fn watch_no_gap_under_concurrent_writes(f: Fixture) {
+    // Stay well inside the retained history: this checks hand-over, not
+    // compaction, and watches here are read only after the writer is done.
+    let writes = f.history_limit.map_or(300, |l| (l / 2).clamp(1, 300));
+    let store = f.store.clone();
+    let first = create(&*store, "/c/start", "0").await;
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut revs = Vec::with_capacity(writes as usize);
+            for i in 0..writes {
+                let key = format!("/c/k{i:04}");
+                let r = store
+                    .put(&key, i.to_string().into_bytes(), Precondition::Absent)
+                    .await
+                    .unwrap_or_else(|e| panic!("writer: put {key}: {e}"));
+                revs.push(r);
+                if i % 16 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            revs
+        })
+    };
+    let mut watches = vec![(first, open_watch(&*store, "/c/", first).await)];
+    for _ in 0..6 {
+        tokio::task::yield_now().await;
+        let (_, rev) = store.list("/c/").await.expect("list /c/");
+        watches.push((rev + 1, open_watch(&*store, "/c/", rev + 1).await));
+        watches.push((1, open_watch(&*store, "/c/", 1).await));
+    }
+    let revs = writer.await.expect("writer task panicked");
+    let last = *revs.last().expect("writer wrote");
+    let mut all = vec![first];
+    all.extend(&revs);
+    for window in all.windows(2) {
+        assert!(window[1] > window[0], "writer revisions must increase");
+    }
+    for (from, mut w) in watches {
+        let expected: Vec<Revision> = all.iter().copied().filter(|r| *r >= from).collect();
+        let mut got = Vec::with_capacity(expected.len());
+        while got.len() < expected.len() {
+            let ev = next_event(&mut w, &format!("watch from {from}")).await;
+            got.push(ev.revision());
+            if ev.revision() == last {
+                break;
+            }
+        }
+        assert_eq!(
+            got, expected,
+            "watch from {from}: every write exactly once, in order"
+        );
+    }
+}
+
+pub async fn watch_compacted(f: Fixture) {
+    let Some(limit) = f.history_limit else {
+        return;
+    };
+    let s = &*f.store;
+    let mut rev = create(s, "/h/k", "0").await;
+    for i in 0..limit + 10 {
+        rev = update(s, "/h/k", &(i + 1).to_string(), rev).await;
+    }
+    let other = create(s, "/h/other", "x").await;
+    match s.watch("/h/", 1).await {
+        Err(StoreError::Compacted {
+            prefix,
+            from,
+            compacted,
+        }) => {
+            assert_eq!(prefix, "/h/", "Compacted names the prefix");
+            assert_eq!(from, 1, "Compacted names the requested revision");
+            assert!(compacted >= 1, "compacted revision {compacted}");
+        }
+        Err(e) => panic!("watch from a compacted revision: expected Compacted, got {e}"),
+        Ok(mut w) => match tokio::time::timeout(EVENT_TIMEOUT, w.next()).await {
+            Ok(Some(Err(StoreError::Compacted { prefix, .. }))) => {
+                assert_eq!(prefix, "/h/", "Compacted names the prefix")
+            }
+            other => panic!("watch from a compacted revision: expected Compacted, got {other:?}"),
+        },
+    }
+    let mut w = open_watch(s, "/h/", other).await;
+    expect_exactly(
+        s,
+        &mut w,
+        "watch from a retained revision",
+        &[put_ev(other, "/h/other", "x")],
+        "/h/sentinel",
+    )
+    .await;
+}
+
+// ---- leases -------------------------------------------------------------------
+
+/// With a manual clock the first operation after the deadline must see the
+/// key gone; with real time, poll until it is (servers expire on a timer).
+async fn wait_until_absent(f: &Fixture, key: &str) {
+    match f.time {
+        TimeControl::Manual(_) => must_be_absent(&*f.store, key).await,
+        TimeControl::Real => {
+            let deadline = tokio::time::Instant::now() + EVENT_TIMEOUT;
+            loop {
+                match f.store.get(key).await {
+                    Ok(None) => return,
+                    Ok(Some(_)) if tokio::time::Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(50)).await
+                    }
+                    Ok(Some(e)) => panic!("{key} still present after its lease expired: {e:?}"),
+                    Err(e) => panic!("get {key}: unexpected error: {e}"),
+                }
+            }
+        }
+    }
+}
+
+async fn put_leased(store: &dyn Store, key: &str, lease: crate::LeaseId) -> Revision {
+    store
+        .put_with_lease(key, b"leased".to_vec(), Precondition::Absent, lease)
+        .await
+        .unwrap_or_else(|e| panic!("put_with_lease {key} lease {lease}: {e}"))
+}
+
+pub async fn lease_expiry_deletes_keys(f: Fixture) {
+    let s = &*f.store;
+    let ttl = f.lease_ttl_ms;
+    let lease = s.grant_lease(ttl).await.expect("grant lease");
+    let a = put_leased(s, "/l/a", lease).await;
+    put_leased(s, "/l/b", lease).await;
+    create(s, "/l/plain", "stays").await;
+    let mut w = open_watch(s, "/l/", a).await;
+    for key in ["/l/a", "/l/b", "/l/plain"] {
+        let ev = next_event(&mut w, &format!("replay of {key}")).await;
+        assert_eq!(ev.key(), key, "replay order");
+    }
+    must_get(s, "/l/a").await;
+
+    f.advance(ttl + ttl / 2).await;
+    wait_until_absent(&f, "/l/a").await;
+    wait_until_absent(&f, "/l/b").await;
+    must_get(s, "/l/plain").await;
+
+    let mut deleted = BTreeSet::new();
+    let mut last = 0;
+    for _ in 0..2 {
+        match next_event(&mut w, "deletion by lease expiry").await {
+            WatchEvent::Deleted { key, revision } => {
+                assert!(revision >= last, "deletions in revision order");
+                last = revision;
+                deleted.insert(key);
+            }
+            other => panic!("expected a Deleted event for lease expiry, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        deleted,
+        BTreeSet::from(["/l/a".to_string(), "/l/b".to_string()]),
+        "expiry deletes exactly the leased keys"
+    );
+
+    match s.keep_alive(lease).await {
+        Err(StoreError::LeaseNotFound { lease: l }) => assert_eq!(l, lease),
+        other => panic!("keep_alive of an expired lease: expected LeaseNotFound, got {other:?}"),
+    }
+    match s
+        .put_with_lease("/l/c", b"x".to_vec(), Precondition::Absent, lease)
+        .await
+    {
+        Err(StoreError::LeaseNotFound { lease: l }) => assert_eq!(l, lease),
+        other => panic!("put on an expired lease: expected LeaseNotFound, got {other:?}"),
+    }
+    must_be_absent(s, "/l/c").await;
+}
+
+pub async fn lease_revoke_deletes_keys(f: Fixture) {
+    let s = &*f.store;
+    let lease = s.grant_lease(f.lease_ttl_ms * 100).await.expect("grant");
+    put_leased(s, "/r/a", lease).await;
+    put_leased(s, "/r/b", lease).await;
+    let before = s.list("").await.expect("list").1;
+    let mut w = open_watch(s, "/r/", before + 1).await;
+    s.revoke_lease(lease).await.expect("revoke");
+    must_be_absent(s, "/r/a").await;
+    must_be_absent(s, "/r/b").await;
+    let mut deleted = BTreeSet::new();
+    for _ in 0..2 {
+        match next_event(&mut w, "deletion by revoke").await {
+            WatchEvent::Deleted { key, .. } => {
+                deleted.insert(key);
+            }
+            other => panic!("expected Deleted after revoke, got {other:?}"),
+        }
+    }
+    assert_eq!(deleted.len(), 2, "revoke deletes both keys: {deleted:?}");
+    match s.revoke_lease(lease).await {
+        Err(StoreError::LeaseNotFound { lease: l }) => assert_eq!(l, lease),
+        other => panic!("second revoke: expected LeaseNotFound, got {other:?}"),
+    }
+}
+
+pub async fn lease_keep_alive_extends(f: Fixture) {
+    let s = &*f.store;
+    let ttl = f.lease_ttl_ms;
+    let lease = s.grant_lease(ttl).await.expect("grant");
+    put_leased(s, "/k/a", lease).await;
+    f.advance(ttl * 6 / 10).await;
+    s.keep_alive(lease).await.expect("keep_alive before expiry");
+    f.advance(ttl * 6 / 10).await;
+    // 1.2 TTL after the grant, 0.6 after the keep-alive.
+    must_get(s, "/k/a").await;
+    f.advance(ttl * 6 / 10).await;
+    wait_until_absent(&f, "/k/a").await;
+}
+
+pub async fn lease_unknown_rejected(f: Fixture) {
+    let s = &*f.store;
+    let bogus = 987_654_321;
+    match s
+        .put_with_lease("/u/a", b"x".to_vec(), Precondition::Absent, bogus)
+        .await
+    {
+        Err(StoreError::LeaseNotFound { lease }) => assert_eq!(lease, bogus),
+        other => panic!("put with unknown lease: expected LeaseNotFound, got {other:?}"),
+    }
+    must_be_absent(s, "/u/a").await;
+    assert!(
+        matches!(s.keep_alive(bogus).await, Err(StoreError::LeaseNotFound { lease }) if lease == bogus),
+        "keep_alive of unknown lease must be LeaseNotFound"
+    );
+    assert!(
+        matches!(s.revoke_lease(bogus).await, Err(StoreError::LeaseNotFound { lease }) if lease == bogus),
+        "revoke of unknown lease must be LeaseNotFound"
+    );
+    let l1 = s.grant_lease(f.lease_ttl_ms).await.expect("grant");
+    let l2 = s.grant_lease(f.lease_ttl_ms).await.expect("grant");
+    assert_ne!(l1, l2, "lease ids are unique");
+}
+
+pub async fn put_without_lease_detaches(f: Fixture) {
+    let s = &*f.store;
+    let lease = s.grant_lease(f.lease_ttl_ms * 100).await.expect("grant");
+    let r = put_leased(s, "/d/a", lease).await;
+    update(s, "/d/a", "unleased", r).await;
+    s.revoke_lease(lease).await.expect("revoke");
+    assert_eq!(
+        must_get(s, "/d/a").await.value,
+        b"unleased",
+        "a plain put detaches the key from its lease"
+    );
+}
+
+// ---- concurrency --------------------------------------------------------------
+
+/// Read-modify-CAS increments from many tasks: the final count is exact
+/// only if no stale write ever succeeds.
+pub async fn concurrent_cas_increments(f: Fixture) {
+    const TASKS: u64 = 8;
+    const PER_TASK: u64 = 25;
+    let key = "/counter";
+    create(&*f.store, key, "0").await;
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let store = f.store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut conflicts = 0u64;
+            for _ in 0..PER_TASK {
+                loop {
+                    let e = must_get(&*store, key).await;
+                    let n: u64 = std::str::from_utf8(&e.value)
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or_else(|| panic!("counter value {:?} is not a number", e.value));
+                    // Let other tasks run between read and write, so the
+                    // stale-read window is exercised even on one thread.
+                    tokio::task::yield_now().await;
+                    match store
+                        .put(
+                            key,
+                            (n + 1).to_string().into_bytes(),
+                            Precondition::Revision(e.mod_revision),
+                        )
+                        .await
+                    {
+                        Ok(_) => break,
+                        Err(StoreError::Conflict { .. }) => {
+                            conflicts += 1;
+                            tokio::task::yield_now().await;
+                        }
+                        Err(other) => panic!("task {t}: increment failed: {other}"),
+                    }
+                }
+            }
+            conflicts
+        }));
+    }
+    for t in tasks {
+        t.await.expect("increment task panicked");
+    }
+    let e = must_get(&*f.store, key).await;
+    assert_eq!(
+        String::from_utf8_lossy(&e.value),
+        (TASKS * PER_TASK).to_string(),
+        "lost update: {TASKS} tasks x {PER_TASK} increments"
+    );
+}
