@@ -2,12 +2,14 @@
 //! validation that keeps bad input out of the store. Nothing here does I/O.
 
 pub mod clock;
+pub mod event;
 pub mod name;
 pub mod node;
 pub mod validation;
 pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use event::Event;
 pub use name::validate_name;
 pub use node::{Accelerator, Node, NodeStatus};
 pub use validation::ValidationError;

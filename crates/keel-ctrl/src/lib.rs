@@ -1,1 +1,15 @@
-//! Reconcilers.
+//! Keel's reconcilers. Each is a level-triggered state machine: it reads the
+//! stored record and what the node reports, decides the next step with a
+//! pure function (`*_decide` modules), and applies it. Time comes from an
+//! injected [`keel_api::Clock`], so tests move time instead of sleeping.
+
+pub mod keys;
+pub mod queue;
+pub mod runtime;
+pub mod vm_controller;
+pub mod vm_decide;
+
+pub use queue::WorkQueue;
+pub use runtime::run_vm_controller;
+pub use vm_controller::{ReconcileError, VmController};
+pub use vm_decide::{decide, HvAction, LifecycleConfig, Observed, Step};

@@ -1,1 +1,473 @@
+//! A deterministic, in-memory hypervisor for simulation tests of the
+//! controllers. Guests boot, power off and crash on the injected clock; a
+//! seeded RNG decides which faults hit which call, so a failing seed replays
+//! exactly. It also keeps score: starting a second live instance of a VM is
+//! recorded as a violation at the moment it happens.
+//!
+//! This driver never replaces the end-to-end tests against real QEMU.
 
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use async_trait::async_trait;
+use keel_api::{Accelerator, Clock, Millis};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::{DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor, NodeFacts};
+
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// From `start` until the guest runs.
+    pub boot_ms: Millis,
+    /// From an ACPI power-down request until the guest has powered off.
+    pub graceful_shutdown_ms: Millis,
+    pub faults: SimFaults,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            boot_ms: 2_000,
+            graceful_shutdown_ms: 3_000,
+            faults: SimFaults::default(),
+        }
+    }
+}
+
+/// Probabilities are per call (0.0 = never).
+#[derive(Debug, Clone, Default)]
+pub struct SimFaults {
+    /// `info` and `list` fail with `Unavailable`.
+    pub lookup_unavailable: f64,
+    /// `start`, `shutdown`, `kill`, `cleanup` fail with `Unavailable` without acting.
+    pub op_unavailable: f64,
+    /// Just before a `shutdown` or `kill`, the domain crashes and its record is
+    /// dropped, so the call sees `NotFound` although the lookup before it saw
+    /// the domain running.
+    pub vanish_between_calls: f64,
+    /// A newly started guest ignores ACPI power-down (hung guest).
+    pub ignore_powerdown: f64,
+    /// The first instance of every VM crashes right after boot.
+    pub crash_on_first_boot: bool,
+    /// A running guest crashes or powers itself off, checked per call.
+    pub spontaneous_exit: f64,
+}
+
+#[derive(Debug, Clone)]
+struct SimDomain {
+    spec: DomainSpec,
+    started_at: Millis,
+    state: DomainState,
+    powerdown_requested_at: Option<Millis>,
+    ignores_powerdown: bool,
+    crash_at: Option<Millis>,
+}
+
+#[derive(Debug)]
+struct SimState {
+    domains: BTreeMap<String, SimDomain>,
+    rng: ChaCha8Rng,
+    config: SimConfig,
+    starts_per_vm: BTreeMap<String, u32>,
+    violations: Vec<String>,
+    /// Disks that exist, by VM; they outlive instances.
+    disks: BTreeMap<String, Vec<String>>,
+    log: Vec<String>,
+}
+
+#[derive(Clone)]
+pub struct SimHypervisor {
+    clock: Arc<dyn Clock>,
+    state: Arc<Mutex<SimState>>,
+}
+
+impl SimHypervisor {
+    pub fn new(clock: Arc<dyn Clock>, seed: u64, config: SimConfig) -> Self {
+        Self {
+            clock,
+            state: Arc::new(Mutex::new(SimState {
+                domains: BTreeMap::new(),
+                rng: ChaCha8Rng::seed_from_u64(seed),
+                config,
+                starts_per_vm: BTreeMap::new(),
+                violations: Vec::new(),
+                disks: BTreeMap::new(),
+                log: Vec::new(),
+            })),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, SimState> {
+        let mut state = self.state.lock().expect("sim state poisoned");
+        state.advance(self.clock.now_ms());
+        state
+    }
+
+    pub fn set_faults(&self, faults: SimFaults) {
+        self.lock().config.faults = faults;
+    }
+
+    /// Every moment a second live instance of a VM was started, a live
+    /// instance was asked to be cleaned up, or disks of a running VM deleted.
+    pub fn violations(&self) -> Vec<String> {
+        self.lock().violations.clone()
+    }
+
+    /// Instances of `vm` whose process exists (not exited), at the current time.
+    pub fn live_instances(&self, vm: &str) -> Vec<String> {
+        self.lock()
+            .domains
+            .values()
+            .filter(|d| d.spec.vm == vm && !d.state.is_exited())
+            .map(|d| d.spec.instance.clone())
+            .collect()
+    }
+
+    /// Every VM that has a live instance.
+    pub fn live_vms(&self) -> Vec<String> {
+        let state = self.lock();
+        let mut vms: Vec<String> = state
+            .domains
+            .values()
+            .filter(|d| !d.state.is_exited())
+            .map(|d| d.spec.vm.clone())
+            .collect();
+        vms.dedup();
+        vms
+    }
+
+    pub fn has_disks(&self, vm: &str) -> bool {
+        self.lock().disks.contains_key(vm)
+    }
+
+    /// Makes one instance ignore ACPI power-down from now on.
+    pub fn hang_guest(&self, instance: &str) {
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            d.ignores_powerdown = true;
+        }
+    }
+
+    /// Crashes a running instance now (its record stays until cleanup).
+    pub fn crash(&self, instance: &str) {
+        let now = self.clock.now_ms();
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            if !d.state.is_exited() {
+                d.state = DomainState::Exited(ExitCause::Crashed);
+                d.crash_at = Some(now);
+            }
+        }
+    }
+
+    /// The guest powers itself off now.
+    pub fn guest_poweroff(&self, instance: &str) {
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            if !d.state.is_exited() {
+                d.state = DomainState::Exited(ExitCause::Poweroff);
+            }
+        }
+    }
+
+    /// What the driver did, for replaying a failing seed.
+    pub fn log(&self) -> Vec<String> {
+        self.lock().log.clone()
+    }
+}
+
+impl SimState {
+    /// Moves every domain forward to `now`: boots finish, powered-down
+    /// guests exit, scheduled crashes happen.
+    fn advance(&mut self, now: Millis) {
+        let boot_ms = self.config.boot_ms;
+        let shutdown_ms = self.config.graceful_shutdown_ms;
+        for d in self.domains.values_mut() {
+            if d.state.is_exited() {
+                continue;
+            }
+            if let Some(at) = d.crash_at {
+                if now >= at {
+                    d.state = DomainState::Exited(ExitCause::Crashed);
+                    continue;
+                }
+            }
+            if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
+                // A guest still booting acts on the button once it is up.
+                if now >= at.max(d.started_at + boot_ms) + shutdown_ms {
+                    d.state = DomainState::Exited(ExitCause::Poweroff);
+                    continue;
+                }
+            }
+            if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
+                d.state = DomainState::Running;
+            }
+        }
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        p > 0.0 && self.rng.gen_bool(p.min(1.0))
+    }
+
+    /// Faults that strike a domain before the call acts on it.
+    fn strike(&mut self, instance: &str, op: &'static str) -> Result<(), HvError> {
+        let vanish = self.config.faults.vanish_between_calls;
+        let exit = self.config.faults.spontaneous_exit;
+        let live = self
+            .domains
+            .get(instance)
+            .is_some_and(|d| !d.state.is_exited());
+        let acts = matches!(op, "shutdown" | "kill");
+        if live && acts && self.chance(vanish) {
+            self.domains.remove(instance);
+            self.log.push(format!("{instance}: vanished before {op}"));
+        } else if live && self.chance(exit) {
+            let cause = if self.rng.gen_bool(0.5) {
+                ExitCause::Crashed
+            } else {
+                ExitCause::Poweroff
+            };
+            if let Some(d) = self.domains.get_mut(instance) {
+                d.state = DomainState::Exited(cause);
+            }
+            self.log
+                .push(format!("{instance}: exited ({cause:?}) before {op}"));
+        }
+        Ok(())
+    }
+
+    fn maybe_unavailable(
+        &mut self,
+        instance: &str,
+        op: &'static str,
+        p: f64,
+    ) -> Result<(), HvError> {
+        if self.chance(p) {
+            self.log.push(format!("{instance}: {op} unavailable"));
+            return Err(HvError::Unavailable {
+                instance: instance.to_string(),
+                op,
+                reason: "injected fault".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn info_of(&self, instance: &str) -> Result<DomainInfo, HvError> {
+        let d = self
+            .domains
+            .get(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        Ok(DomainInfo {
+            instance: d.spec.instance.clone(),
+            vm: d.spec.vm.clone(),
+            state: d.state,
+            pid: None,
+            started_at: d.started_at,
+        })
+    }
+}
+
+#[async_trait]
+impl Hypervisor for SimHypervisor {
+    async fn facts(&self) -> NodeFacts {
+        NodeFacts {
+            hypervisor: "sim".into(),
+            accelerator: Accelerator::Sim,
+            accelerator_note: "in-memory simulation driver".into(),
+        }
+    }
+
+    async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(&spec.instance, "start", p)?;
+        if s.domains.contains_key(&spec.instance) {
+            return Err(HvError::AlreadyExists {
+                instance: spec.instance.clone(),
+            });
+        }
+        let live: Vec<String> = s
+            .domains
+            .values()
+            .filter(|d| d.spec.vm == spec.vm && !d.state.is_exited())
+            .map(|d| d.spec.instance.clone())
+            .collect();
+        if !live.is_empty() {
+            let v = format!(
+                "t={now}: started {} while {:?} of VM {} still live",
+                spec.instance, live, spec.vm
+            );
+            s.violations.push(v);
+        }
+        let starts = s.starts_per_vm.entry(spec.vm.clone()).or_insert(0);
+        *starts += 1;
+        let first = *starts == 1;
+        let crash_at =
+            (first && s.config.faults.crash_on_first_boot).then_some(now + s.config.boot_ms + 500);
+        let ignore = s.config.faults.ignore_powerdown;
+        let ignores_powerdown = s.chance(ignore);
+        s.disks.insert(
+            spec.vm.clone(),
+            spec.disks.iter().map(|d| d.name.clone()).collect(),
+        );
+        s.domains.insert(
+            spec.instance.clone(),
+            SimDomain {
+                spec: spec.clone(),
+                started_at: now,
+                state: DomainState::Starting,
+                powerdown_requested_at: None,
+                ignores_powerdown,
+                crash_at,
+            },
+        );
+        s.log.push(format!("t={now}: start {}", spec.instance));
+        Ok(())
+    }
+
+    async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        s.strike(instance, "shutdown")?;
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(instance, "shutdown", p)?;
+        let d = s
+            .domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        if !d.state.is_exited() && d.powerdown_requested_at.is_none() {
+            d.powerdown_requested_at = Some(now);
+        }
+        s.log.push(format!("t={now}: shutdown {instance}"));
+        Ok(())
+    }
+
+    async fn kill(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        s.strike(instance, "kill")?;
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(instance, "kill", p)?;
+        let d = s
+            .domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        if !d.state.is_exited() {
+            d.state = DomainState::Exited(ExitCause::Killed);
+        }
+        s.log.push(format!("t={now}: kill {instance}"));
+        Ok(())
+    }
+
+    async fn info(&self, instance: &str) -> Result<DomainInfo, HvError> {
+        let mut s = self.lock();
+        s.strike(instance, "info")?;
+        let p = s.config.faults.lookup_unavailable;
+        s.maybe_unavailable(instance, "info", p)?;
+        s.info_of(instance)
+    }
+
+    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
+        let mut s = self.lock();
+        let p = s.config.faults.lookup_unavailable;
+        s.maybe_unavailable("*", "list", p)?;
+        let names: Vec<String> = s.domains.keys().cloned().collect();
+        names.iter().map(|n| s.info_of(n)).collect()
+    }
+
+    async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(instance, "cleanup", p)?;
+        let state = s
+            .domains
+            .get(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?
+            .state;
+        if !state.is_exited() {
+            // The real drivers refuse this too, but a controller that asks
+            // has concluded "gone" about a live domain: that is the bug.
+            let v = format!("cleanup requested for live instance {instance}");
+            s.violations.push(v);
+            return Err(HvError::StillRunning {
+                instance: instance.to_string(),
+                state,
+            });
+        }
+        s.domains.remove(instance);
+        s.log.push(format!("cleanup {instance}"));
+        Ok(())
+    }
+
+    async fn delete_disks(&self, vm: &str) -> Result<(), HvError> {
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(vm, "delete_disks", p)?;
+        if s.domains
+            .values()
+            .any(|d| d.spec.vm == vm && !d.state.is_exited())
+        {
+            let v = format!("deleted disks of VM {vm} while an instance is live");
+            s.violations.push(v);
+        }
+        s.disks.remove(vm);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::ManualClock;
+
+    fn spec(vm: &str, instance: &str) -> DomainSpec {
+        DomainSpec {
+            vm: vm.into(),
+            instance: instance.into(),
+            cpus: 1,
+            memory_mib: 64,
+            disks: vec![],
+            boot: Default::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn exited_domains_are_remembered_until_cleanup() {
+        let clock = ManualClock::new(0);
+        let hv = SimHypervisor::new(Arc::new(clock.clone()), 1, SimConfig::default());
+        hv.start(&spec("a", "a-1")).await.unwrap();
+        clock.advance(2_000);
+        assert_eq!(hv.info("a-1").await.unwrap().state, DomainState::Running);
+        hv.shutdown("a-1").await.unwrap();
+        // Still running while the guest powers off: bookkeeping must not vanish.
+        assert_eq!(hv.info("a-1").await.unwrap().state, DomainState::Running);
+        clock.advance(3_000);
+        assert_eq!(
+            hv.info("a-1").await.unwrap().state,
+            DomainState::Exited(ExitCause::Poweroff)
+        );
+        hv.cleanup("a-1").await.unwrap();
+        assert!(hv.info("a-1").await.unwrap_err().is_not_found());
+    }
+
+    #[tokio::test]
+    async fn cleanup_refuses_a_live_domain_and_second_start_is_flagged() {
+        let clock = ManualClock::new(0);
+        let hv = SimHypervisor::new(Arc::new(clock.clone()), 1, SimConfig::default());
+        hv.start(&spec("a", "a-1")).await.unwrap();
+        assert!(matches!(
+            hv.cleanup("a-1").await,
+            Err(HvError::StillRunning { .. })
+        ));
+        hv.start(&spec("a", "a-2")).await.unwrap();
+        assert_eq!(hv.violations().len(), 2);
+    }
+}

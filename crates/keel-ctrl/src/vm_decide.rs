@@ -1,0 +1,533 @@
+//! The VM lifecycle as a pure function: stored record + what the node
+//! reports + the time → the next step. No I/O, no clock reads, so every
+//! branch can be tested by constructing its inputs.
+//!
+//! The rules that keep two instances of one VM from ever existing:
+//! - `status.instance` is written *before* the hypervisor is asked to start,
+//!   and cleared only *after* the instance was observed gone (exited or
+//!   NotFound) and cleaned up.
+//! - A failed lookup (`Observed::Unknown`) never counts as gone; it only
+//!   keeps the stop schedule (and its escalation to force) running.
+//! - Before a new instance starts, the node is asked for every domain of the
+//!   VM; any live one (an orphan) is adopted and stopped first, and a failed
+//!   listing blocks the start (and the deletion of the record).
+//! - Once a stop has begun it runs to completion; a new start waits for it.
+
+use keel_api::{
+    ExitKind, ExitRecord, Instance, Millis, Phase, PowerState, RunPolicy, StopProgress, StopReason,
+    VirtualMachine,
+};
+use keel_hv::{DomainInfo, DomainState, ExitCause};
+
+/// Tunables of the lifecycle. Times in milliseconds.
+#[derive(Debug, Clone)]
+pub struct LifecycleConfig {
+    /// This node's name, recorded on instances it starts.
+    pub node: String,
+    /// First re-check after a graceful power-down request; doubles each time.
+    pub stop_backoff_initial_ms: Millis,
+    pub stop_backoff_max_ms: Millis,
+    /// How often a force-killed instance is re-checked (and re-killed).
+    pub kill_recheck_ms: Millis,
+    /// Re-check interval after a failed lookup or hypervisor call.
+    pub retry_ms: Millis,
+    /// Backoff between failed starts: initial, doubling, capped.
+    pub start_backoff_initial_ms: Millis,
+    pub start_backoff_max_ms: Millis,
+    /// An instance running this long counts as a successful boot.
+    pub boot_settle_ms: Millis,
+    /// How often a running instance is looked at, to notice crashes.
+    pub poll_ms: Millis,
+}
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        Self {
+            node: "local".into(),
+            stop_backoff_initial_ms: 1_000,
+            stop_backoff_max_ms: 32_000,
+            kill_recheck_ms: 1_000,
+            retry_ms: 1_000,
+            start_backoff_initial_ms: 1_000,
+            start_backoff_max_ms: 32_000,
+            boot_settle_ms: 10_000,
+            poll_ms: 2_000,
+        }
+    }
+}
+
+/// What the node said about the VM.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observed {
+    /// `status.instance` is set and the hypervisor reported it.
+    Instance(DomainState),
+    /// `status.instance` is set and the hypervisor said NotFound: absent.
+    InstanceAbsent,
+    /// No instance recorded; these are all domains of this VM on the node.
+    NoInstance { domains: Vec<DomainInfo> },
+    /// The lookup failed. Says nothing about whether anything runs.
+    Unknown(String),
+}
+
+/// A hypervisor call the executor makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HvAction {
+    Start,
+    Shutdown(String),
+    Kill(String),
+    Cleanup(String),
+    DeleteDisks,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Nothing to change; look again at `requeue_at`.
+    Wait { requeue_at: Millis },
+    /// Store `vm` (compare-and-swap on the revision read), then call `then`.
+    Persist {
+        vm: Box<VirtualMachine>,
+        then: Option<HvAction>,
+        requeue_at: Millis,
+    },
+    /// Call `action` first; store `vm` only if it succeeded (or said NotFound).
+    ActThenPersist {
+        action: HvAction,
+        vm: Box<VirtualMachine>,
+        requeue_at: Millis,
+    },
+    /// Delete the VM's disks, then the record: the VM is gone for good.
+    DeleteRecord,
+}
+
+pub fn decide(
+    vm: &VirtualMachine,
+    observed: &Observed,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    match (&vm.status.instance, observed) {
+        (Some(_), Observed::Unknown(err)) => lookup_failed(vm, err, now, cfg),
+        (Some(inst), Observed::InstanceAbsent) => instance_gone(vm, inst, None, now, cfg),
+        (Some(inst), Observed::Instance(DomainState::Exited(cause))) => {
+            instance_gone(vm, inst, Some(*cause), now, cfg)
+        }
+        (Some(inst), Observed::Instance(state)) => instance_alive(vm, inst, *state, now, cfg),
+        // The observation is for a different shape of record (it changed
+        // under us): look again at once.
+        (Some(_), Observed::NoInstance { .. })
+        | (None, Observed::Instance(_))
+        | (None, Observed::InstanceAbsent) => Step::Wait { requeue_at: now },
+        (None, Observed::Unknown(err)) => {
+            let mut next = vm.clone();
+            next.status.message = Some(format!(
+                "cannot list domains of VM {} on node {}: {err}; retrying",
+                vm.name, cfg.node
+            ));
+            persist_if_changed(vm, next, None, now + cfg.retry_ms)
+        }
+        (None, Observed::NoInstance { domains }) => no_instance(vm, domains, now, cfg),
+    }
+}
+
+fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleConfig) -> Step {
+    let mut next = vm.clone();
+    next.status.message = Some(format!("lookup failed, instance state unknown: {err}"));
+    // The stop schedule keeps running: if the grace period is over, force
+    // even though we cannot see the instance; a kill of an absent domain is
+    // harmless. Gone is only ever concluded from a successful lookup.
+    if let Some(stop) = &vm.status.stop {
+        if now >= stop.next_check_at {
+            let inst = vm
+                .status
+                .instance
+                .as_ref()
+                .expect("caller checked")
+                .id
+                .clone();
+            let grace_end = stop.requested_at + vm.spec.stop_grace_period_s * 1000;
+            if now >= grace_end {
+                let stop = next.status.stop.as_mut().expect("cloned");
+                stop.forced_at.get_or_insert(now);
+                stop.next_check_at = now + cfg.kill_recheck_ms;
+                return Step::Persist {
+                    vm: Box::new(next),
+                    then: Some(HvAction::Kill(inst)),
+                    requeue_at: now + cfg.kill_recheck_ms,
+                };
+            }
+        }
+        let requeue_at = (now + cfg.retry_ms).min(stop.next_check_at.max(now + 1));
+        return persist_if_changed(vm, next, None, requeue_at);
+    }
+    persist_if_changed(vm, next, None, now + cfg.retry_ms)
+}
+
+fn should_stop(vm: &VirtualMachine) -> Option<StopReason> {
+    if let Some(stop) = &vm.status.stop {
+        return Some(stop.reason);
+    }
+    if vm.deletion_requested_at.is_some() {
+        return Some(StopReason::Delete);
+    }
+    if !vm.wants_running() {
+        return Some(match vm.spec.run_policy {
+            RunPolicy::AlwaysOff => StopReason::Policy,
+            _ => StopReason::User,
+        });
+    }
+    if vm.restart_pending() {
+        return Some(StopReason::Restart);
+    }
+    None
+}
+
+fn instance_alive(
+    vm: &VirtualMachine,
+    inst: &Instance,
+    state: DomainState,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    let grace_ms = vm.spec.stop_grace_period_s * 1000;
+    let mut next = vm.clone();
+    next.status.message = None;
+    let Some(reason) = should_stop(vm) else {
+        return keep_running(vm, next, inst, state, now, cfg);
+    };
+    let Some(stop) = &vm.status.stop else {
+        // Begin: press the power button, look again after the first backoff.
+        next.status.phase = if reason == StopReason::Delete {
+            Phase::Deleting
+        } else {
+            Phase::Stopping
+        };
+        next.status.stop = Some(StopProgress {
+            reason,
+            requested_at: now,
+            attempts: 1,
+            next_check_at: now + cfg.stop_backoff_initial_ms.min(grace_ms),
+            forced_at: None,
+        });
+        let requeue_at = next
+            .status
+            .stop
+            .as_ref()
+            .map(|s| s.next_check_at)
+            .unwrap_or(now);
+        return Step::Persist {
+            vm: Box::new(next),
+            then: Some(HvAction::Shutdown(inst.id.clone())),
+            requeue_at,
+        };
+    };
+    if now < stop.next_check_at {
+        return Step::Wait {
+            requeue_at: stop.next_check_at,
+        };
+    }
+    let grace_end = stop.requested_at + grace_ms;
+    let progress = next.status.stop.as_mut().expect("cloned");
+    if stop.forced_at.is_some() || now >= grace_end {
+        progress.forced_at.get_or_insert(now);
+        progress.next_check_at = now + cfg.kill_recheck_ms;
+        return Step::Persist {
+            vm: Box::new(next),
+            then: Some(HvAction::Kill(inst.id.clone())),
+            requeue_at: now + cfg.kill_recheck_ms,
+        };
+    }
+    // Still within the grace period: press again (a guest that was still
+    // booting may have missed the first press) and back off.
+    let backoff = backoff(
+        cfg.stop_backoff_initial_ms,
+        cfg.stop_backoff_max_ms,
+        stop.attempts,
+    );
+    progress.attempts += 1;
+    progress.next_check_at = (now + backoff).min(grace_end);
+    let requeue_at = progress.next_check_at;
+    Step::Persist {
+        vm: Box::new(next),
+        then: Some(HvAction::Shutdown(inst.id.clone())),
+        requeue_at,
+    }
+}
+
+fn keep_running(
+    vm: &VirtualMachine,
+    mut next: VirtualMachine,
+    inst: &Instance,
+    state: DomainState,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    let running = state == DomainState::Running;
+    let since = inst.running_since.or(running.then_some(now));
+    let settled = since.is_some_and(|s| now >= s + cfg.boot_settle_ms);
+    let status = &mut next.status;
+    status.phase = if running {
+        Phase::Running
+    } else {
+        Phase::Starting
+    };
+    status.observed_generation = vm.generation;
+    if let Some(instance) = status.instance.as_mut() {
+        instance.running_since = since;
+    }
+    if settled {
+        status.failed_starts = 0;
+        status.next_start_at = None;
+        // The re-created instance booted: the recorded intent is fulfilled.
+        if next
+            .power_intent
+            .as_ref()
+            .is_some_and(|i| i.power == PowerState::Running)
+        {
+            next.power_intent = None;
+        }
+    }
+    let requeue_at = match since {
+        Some(s) if !settled => (s + cfg.boot_settle_ms).min(now + cfg.poll_ms),
+        _ => now + cfg.poll_ms,
+    };
+    persist_if_changed(vm, next, None, requeue_at)
+}
+
+fn instance_gone(
+    vm: &VirtualMachine,
+    inst: &Instance,
+    cause: Option<ExitCause>,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    let mut next = vm.clone();
+    let requested = vm.status.stop.is_some();
+    let kind = match cause {
+        Some(ExitCause::Poweroff) => ExitKind::GuestPoweroff,
+        Some(ExitCause::Crashed) => ExitKind::Crashed,
+        Some(ExitCause::Killed) => ExitKind::Killed,
+        None => ExitKind::Vanished,
+    };
+    let status = &mut next.status;
+    status.last_exit = Some(ExitRecord {
+        instance: inst.id.clone(),
+        at: now,
+        kind,
+        requested,
+    });
+    status.instance = None;
+    status.stop = None;
+    status.message = None;
+    // Whatever restart was asked for is satisfied by the next fresh start.
+    status.observed_restart_generation = vm.spec.restart_generation;
+    if !requested {
+        let booted = inst
+            .running_since
+            .is_some_and(|since| now >= since + cfg.boot_settle_ms);
+        status.failed_starts = if booted { 0 } else { status.failed_starts + 1 };
+        status.next_start_at = Some(
+            now + if booted {
+                0
+            } else {
+                backoff(
+                    cfg.start_backoff_initial_ms,
+                    cfg.start_backoff_max_ms,
+                    status.failed_starts - 1,
+                )
+            },
+        );
+        // A Manual VM whose guest stopped stays stopped, unless a recorded
+        // power intent says it must come back (a failed first boot after restore).
+        let intent_running = vm
+            .power_intent
+            .as_ref()
+            .is_some_and(|i| i.power == PowerState::Running);
+        if vm.spec.run_policy == RunPolicy::Manual && !intent_running {
+            next.spec.power = PowerState::Stopped;
+            next.generation += 1;
+        }
+    }
+    next.status.phase = phase_without_instance(&next, now);
+    // Clean up first: the record must keep naming the instance until the
+    // node has forgotten it. NotFound from cleanup is success.
+    Step::ActThenPersist {
+        action: HvAction::Cleanup(inst.id.clone()),
+        vm: Box::new(next),
+        requeue_at: now,
+    }
+}
+
+fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {
+    if vm.deletion_requested_at.is_some() {
+        Phase::Deleting
+    } else if !vm.wants_running() {
+        Phase::Stopped
+    } else if vm.status.next_start_at.is_some_and(|at| at > now) {
+        Phase::BackOff
+    } else {
+        Phase::Pending
+    }
+}
+
+fn no_instance(
+    vm: &VirtualMachine,
+    domains: &[DomainInfo],
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    let mut next = vm.clone();
+    next.status.message = None;
+    // Anything of this VM still on the node is dealt with before a start
+    // or a deletion: a live one is adopted (and then stopped or kept by the
+    // normal rules), an exited one is cleaned up.
+    if let Some(live) = domains.iter().find(|d| !d.state.is_exited()) {
+        next.status.instance = Some(Instance {
+            id: live.instance.clone(),
+            node: cfg.node.clone(),
+            created_at: live.started_at,
+            running_since: None,
+        });
+        next.status.message = Some(format!("adopted untracked instance {}", live.instance));
+        return Step::Persist {
+            vm: Box::new(next),
+            then: None,
+            requeue_at: now,
+        };
+    }
+    if let Some(exited) = domains.first() {
+        return Step::ActThenPersist {
+            action: HvAction::Cleanup(exited.instance.clone()),
+            vm: Box::new(next),
+            requeue_at: now,
+        };
+    }
+    if vm.deletion_requested_at.is_some() {
+        return Step::DeleteRecord;
+    }
+    next.status.observed_restart_generation = vm.spec.restart_generation;
+    next.status.observed_generation = vm.generation;
+    if vm
+        .power_intent
+        .as_ref()
+        .is_some_and(|i| i.power == PowerState::Stopped)
+    {
+        // Nothing runs and nothing should: the intent is fulfilled.
+        next.power_intent = None;
+    }
+    if !vm.wants_running() {
+        next.status.phase = Phase::Stopped;
+        next.status.failed_starts = 0;
+        next.status.next_start_at = None;
+        return persist_if_changed(vm, next, None, now + cfg.poll_ms);
+    }
+    if let Some(at) = vm.status.next_start_at.filter(|at| *at > now) {
+        next.status.phase = Phase::BackOff;
+        return persist_if_changed(vm, next, None, at);
+    }
+    let seq = vm.status.instance_seq + 1;
+    next.status.instance_seq = seq;
+    next.status.instance = Some(Instance {
+        id: format!("{}-{seq}", vm.name),
+        node: cfg.node.clone(),
+        created_at: now,
+        running_since: None,
+    });
+    next.status.next_start_at = None;
+    next.status.phase = Phase::Starting;
+    Step::Persist {
+        vm: Box::new(next),
+        then: Some(HvAction::Start),
+        requeue_at: now + cfg.retry_ms,
+    }
+}
+
+fn persist_if_changed(
+    old: &VirtualMachine,
+    new: VirtualMachine,
+    then: Option<HvAction>,
+    requeue_at: Millis,
+) -> Step {
+    if *old == new && then.is_none() {
+        Step::Wait { requeue_at }
+    } else {
+        Step::Persist {
+            vm: Box::new(new),
+            then,
+            requeue_at,
+        }
+    }
+}
+
+/// `initial * 2^attempt`, capped.
+pub fn backoff(initial: Millis, max: Millis, attempt: u32) -> Millis {
+    initial.saturating_mul(1u64 << attempt.min(30)).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{BootSpec, VmSpec};
+
+    fn vm() -> VirtualMachine {
+        VirtualMachine::new(
+            "web",
+            VmSpec {
+                cpus: 1,
+                memory_mib: 128,
+                disks: vec![],
+                boot: BootSpec::default(),
+                run_policy: RunPolicy::Manual,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 60,
+                node: None,
+            },
+        )
+    }
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let seq: Vec<_> = (0..8).map(|a| backoff(1000, 32_000, a)).collect();
+        assert_eq!(seq, [1000, 2000, 4000, 8000, 16000, 32000, 32000, 32000]);
+    }
+
+    #[test]
+    fn stop_schedule_is_1_2_4_then_force_at_grace_end() {
+        let cfg = LifecycleConfig::default();
+        let mut v = vm();
+        v.status.instance = Some(Instance {
+            id: "web-1".into(),
+            node: "local".into(),
+            created_at: 0,
+            running_since: Some(0),
+        });
+        v.spec.power = PowerState::Stopped;
+        let running = Observed::Instance(DomainState::Running);
+        let mut now = 100_000;
+        let mut checks = vec![];
+        for _ in 0..20 {
+            match decide(&v, &running, now, &cfg) {
+                Step::Persist {
+                    vm,
+                    then,
+                    requeue_at,
+                } => {
+                    checks.push((now - 100_000, then.clone()));
+                    v = *vm;
+                    now = requeue_at;
+                }
+                Step::Wait { requeue_at } => now = requeue_at,
+                other => panic!("{other:?}"),
+            }
+            if matches!(checks.last(), Some((_, Some(HvAction::Kill(_))))) {
+                break;
+            }
+        }
+        let times: Vec<_> = checks.iter().map(|(t, _)| *t).collect();
+        assert_eq!(times, [0, 1000, 3000, 7000, 15000, 31000, 60000]);
+        assert!(checks[..6]
+            .iter()
+            .all(|(_, a)| matches!(a, Some(HvAction::Shutdown(_)))));
+        assert!(matches!(checks[6].1, Some(HvAction::Kill(_))));
+    }
+}

@@ -1,0 +1,308 @@
+//! A small world for driving the VM controller on a manual clock: the
+//! in-memory store, the sim hypervisor and a work queue, stepped by hand.
+#![allow(dead_code)]
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use keel_api::{
+    BootSpec, Clock, DiskSpec, ManualClock, Millis, PowerState, RunPolicy, ValidationError,
+    VirtualMachine, VmSpec,
+};
+use keel_ctrl::keys::{vm_key, VMS_PREFIX};
+use keel_ctrl::{LifecycleConfig, VmController, WorkQueue};
+use keel_hv::sim::{SimConfig, SimHypervisor};
+use keel_store::memory::MemoryStore;
+use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, TypedStore, Watch};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+pub const T0: Millis = 1_700_000_000_000;
+
+/// Wraps a store so that a share of calls fail with `Unavailable`, the way
+/// a remote store does during a network blip.
+pub struct FaultyStore {
+    inner: Arc<dyn Store>,
+    rng: Mutex<ChaCha8Rng>,
+    pub fail_rate: Mutex<f64>,
+}
+
+impl FaultyStore {
+    pub fn new(inner: Arc<dyn Store>, seed: u64) -> Self {
+        Self {
+            inner,
+            rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed ^ 0x5eed)),
+            fail_rate: Mutex::new(0.0),
+        }
+    }
+
+    fn fault(&self, key: &str) -> Result<(), StoreError> {
+        let p = *self.fail_rate.lock().unwrap();
+        if p > 0.0 && self.rng.lock().unwrap().gen_bool(p) {
+            return Err(StoreError::Unavailable {
+                key: key.to_string(),
+                reason: "injected fault".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for FaultyStore {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        self.fault(key)?;
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        p: Precondition,
+    ) -> Result<Revision, StoreError> {
+        self.fault(key)?;
+        self.inner.put(key, value, p).await
+    }
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        p: Precondition,
+        lease: LeaseId,
+    ) -> Result<Revision, StoreError> {
+        self.fault(key)?;
+        self.inner.put_with_lease(key, value, p, lease).await
+    }
+    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
+        self.fault(key)?;
+        self.inner.delete(key, revision).await
+    }
+    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
+        self.fault(prefix)?;
+        self.inner.list(prefix).await
+    }
+    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
+        self.inner.watch(prefix, from).await
+    }
+    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError> {
+        self.inner.grant_lease(ttl_ms).await
+    }
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.inner.revoke_lease(lease).await
+    }
+}
+
+pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
+    VmSpec {
+        cpus: 1,
+        memory_mib: 128,
+        disks: vec![DiskSpec {
+            name: "root".into(),
+            size_mib: 64,
+        }],
+        boot: BootSpec::default(),
+        run_policy: policy,
+        power,
+        restart_generation: 0,
+        stop_grace_period_s: grace_s,
+        node: None,
+    }
+}
+
+pub struct World {
+    pub clock: ManualClock,
+    pub raw: Arc<dyn Store>,
+    pub faulty: Arc<FaultyStore>,
+    /// What users write through: never faulted (the API retries for them).
+    pub user: TypedStore,
+    pub hv: SimHypervisor,
+    pub ctrl: VmController,
+    pub cfg: LifecycleConfig,
+    pub queue: WorkQueue,
+    pub errors: usize,
+}
+
+impl World {
+    pub fn new(seed: u64, sim: SimConfig) -> Self {
+        let clock = ManualClock::new(T0);
+        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+        let raw: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(shared.clone()));
+        let faulty = Arc::new(FaultyStore::new(raw.clone(), seed));
+        let hv = SimHypervisor::new(shared.clone(), seed, sim);
+        let cfg = LifecycleConfig::default();
+        let ctrl = VmController::new(
+            TypedStore::new(faulty.clone()),
+            Arc::new(hv.clone()),
+            shared,
+            cfg.clone(),
+        );
+        Self {
+            clock,
+            user: TypedStore::new(raw.clone()),
+            raw,
+            faulty,
+            hv,
+            ctrl,
+            cfg,
+            queue: WorkQueue::default(),
+            errors: 0,
+        }
+    }
+
+    pub fn now(&self) -> Millis {
+        self.clock.now_ms()
+    }
+
+    /// A fresh controller process: nothing carried over but the store and the node.
+    pub async fn restart_controller(&mut self) {
+        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
+        self.ctrl = VmController::new(
+            TypedStore::new(self.faulty.clone()),
+            Arc::new(self.hv.clone()),
+            shared,
+            self.cfg.clone(),
+        );
+        self.queue = WorkQueue::default();
+        let (vms, _) = self
+            .user
+            .list::<VirtualMachine>(VMS_PREFIX)
+            .await
+            .expect("unfaulted list");
+        let now = self.now();
+        for (_, vm) in vms {
+            self.queue.schedule(&vm.value.name, now);
+        }
+    }
+
+    pub async fn create(&mut self, name: &str, spec: VmSpec) -> bool {
+        let vm = VirtualMachine::new(name, spec);
+        let ok = self.user.create(&vm_key(name), &vm).await.is_ok();
+        self.queue.schedule(name, self.now());
+        ok
+    }
+
+    pub async fn get(&self, name: &str) -> Option<VirtualMachine> {
+        self.user
+            .get::<VirtualMachine>(&vm_key(name))
+            .await
+            .expect("unfaulted get")
+            .map(|e| e.value)
+    }
+
+    /// A user request: read, modify, compare-and-swap, retry on conflict.
+    pub async fn user_op(
+        &mut self,
+        name: &str,
+        op: impl Fn(&mut VirtualMachine) -> Result<(), ValidationError>,
+    ) -> Result<(), String> {
+        loop {
+            let Some(entry) = self
+                .user
+                .get::<VirtualMachine>(&vm_key(name))
+                .await
+                .expect("unfaulted get")
+            else {
+                return Err(format!("VM {name} not found"));
+            };
+            let mut vm = entry.value;
+            op(&mut vm).map_err(|e| e.to_string())?;
+            match self.user.update(&vm_key(name), &vm, entry.revision).await {
+                Ok(_) => {
+                    self.queue.schedule(name, self.now());
+                    return Ok(());
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    }
+
+    pub async fn request_delete(&mut self, name: &str) -> Result<(), String> {
+        let now = self.now();
+        self.user_op(name, |vm| {
+            vm.deletion_requested_at.get_or_insert(now);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Reconciles everything due now. Returns how many reconciles ran.
+    pub async fn reconcile_due(&mut self) -> usize {
+        let now = self.now();
+        let due = self.queue.pop_due(now);
+        let n = due.len();
+        for name in due {
+            match self.ctrl.reconcile(&name).await {
+                Ok(Some(at)) => self.queue.schedule(&name, at),
+                Ok(None) => {}
+                Err(_) => {
+                    self.errors += 1;
+                    self.queue.schedule(&name, self.now() + self.cfg.retry_ms);
+                }
+            }
+        }
+        n
+    }
+
+    /// Jumps the clock to the next due time (never backwards) and reconciles.
+    pub async fn step_to_next(&mut self) -> bool {
+        match self.queue.next_due() {
+            Some(at) => {
+                self.clock.advance_to(at);
+                self.reconcile_due().await;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Runs the controller until `until` (sim time) or until nothing is due.
+    pub async fn run_for(&mut self, ms: Millis) {
+        let end = self.now() + ms;
+        while let Some(at) = self.queue.next_due() {
+            if at > end {
+                break;
+            }
+            self.clock.advance_to(at);
+            self.reconcile_due().await;
+        }
+        self.clock.advance_to(end);
+    }
+
+    /// Every live instance on the node is the one its VM record names.
+    pub async fn check_no_untracked_instances(&self) -> Result<(), String> {
+        self.check_no_untracked_instances_except(&BTreeSet::new())
+            .await
+    }
+
+    /// Same, but `orphans` (planted behind the controller's back) may be live
+    /// without a record naming them.
+    pub async fn check_no_untracked_instances_except(
+        &self,
+        orphans: &BTreeSet<String>,
+    ) -> Result<(), String> {
+        if let Some(v) = self.hv.violations().first() {
+            return Err(format!("hypervisor saw a violation: {v}"));
+        }
+        for vm in self.hv.live_vms() {
+            let mut live = self.hv.live_instances(&vm);
+            live.retain(|i| !orphans.contains(i));
+            let recorded = self
+                .get(&vm)
+                .await
+                .and_then(|r| r.status.instance.map(|i| i.id));
+            for inst in &live {
+                if recorded.as_deref() != Some(inst.as_str()) {
+                    return Err(format!(
+                        "instance {inst} of VM {vm} is live but the record names {recorded:?}: bookkeeping dropped before the instance was observed gone"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,193 @@
+//! One focused regression test per lifecycle bug that mature platforms have
+//! shipped. Each fails when the corresponding rule in keel-ctrl is undone.
+
+mod common;
+
+use common::{spec, World};
+use keel_api::{ExitKind, Phase, PowerState, RunPolicy, VirtualMachine};
+use keel_hv::sim::{SimConfig, SimFaults};
+use keel_hv::{DomainSpec, Hypervisor};
+
+fn slow_guest() -> SimConfig {
+    SimConfig {
+        boot_ms: 1_000,
+        graceful_shutdown_ms: 30_000,
+        faults: SimFaults::default(),
+    }
+}
+
+async fn running_vm(w: &mut World, name: &str) -> String {
+    w.create(name, spec(RunPolicy::Manual, PowerState::Running, 60))
+        .await;
+    w.run_for(5_000).await;
+    let vm = w.get(name).await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    vm.status.instance.unwrap().id
+}
+
+/// Bug: stopping dropped the domain's bookkeeping, so a restart saw "no
+/// instance" and started a second one while the first was still powering off.
+#[tokio::test]
+async fn restart_keeps_bookkeeping_until_the_old_instance_is_gone() {
+    let mut w = World::new(1, slow_guest());
+    let old = running_vm(&mut w, "web").await;
+    w.user_op("web", VirtualMachine::request_restart)
+        .await
+        .unwrap();
+
+    // The guest needs 30 s to power off; step through it second by second.
+    let mut saw_stopping = false;
+    for _ in 0..29 {
+        w.run_for(1_000).await;
+        w.check_no_untracked_instances().await.unwrap();
+        let vm = w.get("web").await.unwrap();
+        assert_eq!(
+            vm.status.instance.as_ref().map(|i| i.id.as_str()),
+            Some(old.as_str())
+        );
+        assert_eq!(w.hv.live_instances("web"), vec![old.clone()]);
+        saw_stopping |= vm.status.phase == Phase::Stopping;
+    }
+    assert!(saw_stopping);
+    w.run_for(40_000).await;
+    let vm = w.get("web").await.unwrap();
+    let new = vm.status.instance.unwrap().id;
+    assert_ne!(new, old);
+    assert_eq!(vm.status.phase, Phase::Running);
+    assert_eq!(w.hv.live_instances("web"), vec![new]);
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+}
+
+/// Bug: a failed lookup during the stop wait was read as "the domain is
+/// gone", ending the wait early; the replacement started next to a guest
+/// that was still running.
+#[tokio::test]
+async fn lookup_error_during_stop_never_counts_as_gone() {
+    let mut w = World::new(2, slow_guest());
+    let old = running_vm(&mut w, "db").await;
+    w.hv.hang_guest(&old);
+    w.user_op("db", VirtualMachine::request_restart)
+        .await
+        .unwrap();
+    w.run_for(500).await;
+    assert_eq!(w.get("db").await.unwrap().status.phase, Phase::Stopping);
+
+    w.hv.set_faults(SimFaults {
+        lookup_unavailable: 1.0,
+        ..Default::default()
+    });
+    // Well past the 60 s grace period: the controller escalates to a kill,
+    // but while it cannot see the domain it must not record it as gone.
+    for _ in 0..90 {
+        w.run_for(1_000).await;
+        w.check_no_untracked_instances().await.unwrap();
+        let vm = w.get("db").await.unwrap();
+        assert_eq!(
+            vm.status.instance.as_ref().map(|i| i.id.as_str()),
+            Some(old.as_str())
+        );
+    }
+    assert!(w
+        .get("db")
+        .await
+        .unwrap()
+        .status
+        .stop
+        .unwrap()
+        .forced_at
+        .is_some());
+
+    w.hv.set_faults(SimFaults::default());
+    w.run_for(10_000).await;
+    let vm = w.get("db").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running);
+    assert_ne!(vm.status.instance.unwrap().id, old);
+    let exit = vm.status.last_exit.unwrap();
+    assert_eq!((exit.kind, exit.requested), (ExitKind::Killed, true));
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+}
+
+/// Bug: on delete, the lookup of where the VM runs failed, the error was
+/// swallowed, and the record (and disks) were removed while the VM still ran.
+#[tokio::test]
+async fn delete_waits_while_the_domain_lookup_fails() {
+    let mut w = World::new(3, slow_guest());
+    w.create("cache", spec(RunPolicy::Manual, PowerState::Stopped, 60))
+        .await;
+    w.run_for(2_000).await;
+    assert_eq!(w.get("cache").await.unwrap().status.phase, Phase::Stopped);
+    // An instance the record does not know about (left by a crashed agent).
+    w.hv.start(&DomainSpec {
+        vm: "cache".into(),
+        instance: "cache-orphan".into(),
+        cpus: 1,
+        memory_mib: 64,
+        disks: vec![],
+        boot: Default::default(),
+    })
+    .await
+    .unwrap();
+    w.hv.set_faults(SimFaults {
+        lookup_unavailable: 1.0,
+        ..Default::default()
+    });
+    w.request_delete("cache").await.unwrap();
+    w.run_for(120_000).await;
+    let vm = w
+        .get("cache")
+        .await
+        .expect("record must survive a failed lookup");
+    assert!(vm.status.message.unwrap().contains("cannot list domains"));
+    assert!(w.hv.has_disks("cache"));
+
+    // Once the node answers, the orphan is adopted, stopped, and only then
+    // is the record deleted.
+    w.hv.set_faults(SimFaults::default());
+    w.run_for(120_000).await;
+    assert!(w.get("cache").await.is_none());
+    assert!(w.hv.live_instances("cache").is_empty());
+    assert!(!w.hv.has_disks("cache"));
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+}
+
+/// Bug: the domain was seen running, then vanished before the next call,
+/// which answered NotFound; treated as an error, the VM was stuck forever.
+/// NotFound means absent, wherever it is seen.
+#[tokio::test]
+async fn not_found_between_two_calls_means_absent() {
+    let mut w = World::new(4, slow_guest());
+    let old = running_vm(&mut w, "api").await;
+    w.hv.set_faults(SimFaults {
+        vanish_between_calls: 1.0,
+        ..Default::default()
+    });
+    w.user_op("api", VirtualMachine::request_restart)
+        .await
+        .unwrap();
+    w.run_for(1_000).await;
+    w.hv.set_faults(SimFaults::default());
+    w.run_for(10_000).await;
+    let vm = w.get("api").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    assert_ne!(vm.status.instance.unwrap().id, old);
+    assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Vanished);
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+}
+
+/// Stop is graceful first and forced only after the grace period.
+#[tokio::test]
+async fn hung_guest_is_killed_after_the_grace_period_not_before() {
+    let mut w = World::new(5, slow_guest());
+    let inst = running_vm(&mut w, "hung").await;
+    w.hv.hang_guest(&inst);
+    w.user_op("hung", VirtualMachine::request_stop)
+        .await
+        .unwrap();
+    w.run_for(59_000).await;
+    assert_eq!(w.hv.live_instances("hung"), vec![inst.clone()]);
+    w.run_for(3_000).await;
+    assert!(w.hv.live_instances("hung").is_empty());
+    let vm = w.get("hung").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Stopped);
+    assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Killed);
+}
