@@ -5,6 +5,7 @@ pub mod clock;
 pub mod event;
 pub mod name;
 pub mod node;
+pub mod snapshot;
 pub mod validation;
 pub mod vm;
 
@@ -12,5 +13,6 @@ pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
 pub use name::validate_name;
 pub use node::{Accelerator, Node, NodeStatus};
+pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;
 pub use vm::*;

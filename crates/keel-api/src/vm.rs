@@ -35,8 +35,18 @@ pub struct VirtualMachine {
     pub power_intent: Option<PowerIntent>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub deletion_requested_at: Option<Millis>,
+    /// A restore the user asked for and the controller has not finished.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreRequest>,
     #[serde(default)]
     pub status: VmStatus,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreRequest {
+    pub snapshot: String,
+    pub requested_at: Millis,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -255,6 +265,7 @@ impl VirtualMachine {
             spec,
             power_intent: None,
             deletion_requested_at: None,
+            restore: None,
             status: VmStatus::default(),
         }
     }
@@ -262,7 +273,7 @@ impl VirtualMachine {
     /// Whether, by policy and the user's last request, an instance should
     /// be running now (ignoring backoff and pending restarts).
     pub fn wants_running(&self) -> bool {
-        if self.deletion_requested_at.is_some() {
+        if self.deletion_requested_at.is_some() || self.restore.is_some() {
             return false;
         }
         match self.spec.run_policy {
@@ -285,7 +296,7 @@ impl VirtualMachine {
 
     /// The user asks for the VM to run.
     pub fn request_start(&mut self) -> Result<(), ValidationError> {
-        self.refuse_if_deleting()?;
+        self.refuse_if_busy()?;
         if self.spec.run_policy == RunPolicy::AlwaysOff {
             return Err(ValidationError::new(
                 "spec.run_policy",
@@ -301,7 +312,7 @@ impl VirtualMachine {
 
     /// The user asks for the VM to stop (graceful, then forced after the grace period).
     pub fn request_stop(&mut self) -> Result<(), ValidationError> {
-        self.refuse_if_deleting()?;
+        self.refuse_if_busy()?;
         if self.spec.run_policy == RunPolicy::AlwaysOn {
             return Err(ValidationError::new(
                 "spec.run_policy",
@@ -318,7 +329,7 @@ impl VirtualMachine {
     /// The user asks for a restart: the old instance is stopped and observed
     /// gone before the new one starts.
     pub fn request_restart(&mut self) -> Result<(), ValidationError> {
-        self.refuse_if_deleting()?;
+        self.refuse_if_busy()?;
         if self.spec.run_policy == RunPolicy::AlwaysOff {
             return Err(ValidationError::new(
                 "spec.run_policy",
@@ -334,10 +345,44 @@ impl VirtualMachine {
         Ok(())
     }
 
+    /// The user asks to restore `snapshot`. The power state the VM has now
+    /// is recorded first (unless an earlier, unfinished re-creation already
+    /// recorded one: that is still the state from before the maintenance),
+    /// so the VM comes back to it whatever the restored spec says.
+    pub fn request_restore(&mut self, snapshot: &str, now: Millis) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        validate_name("snapshot", snapshot)?;
+        if let Some(pending) = &self.restore {
+            return Err(ValidationError::new(
+                "restore",
+                format!(
+                    "VM {} is already being restored from snapshot {}",
+                    self.name, pending.snapshot
+                ),
+            ));
+        }
+        let power = if self.wants_running() {
+            PowerState::Running
+        } else {
+            PowerState::Stopped
+        };
+        self.power_intent.get_or_insert(PowerIntent {
+            power,
+            reason: format!("restore from snapshot {snapshot}"),
+            recorded_at: now,
+        });
+        self.restore = Some(RestoreRequest {
+            snapshot: snapshot.to_string(),
+            requested_at: now,
+        });
+        self.generation += 1;
+        Ok(())
+    }
+
     /// Replaces the spec as a whole (an update), keeping what must survive
     /// such an overwrite: the power intent and the restart counter.
     pub fn replace_spec(&mut self, mut spec: VmSpec) -> Result<(), ValidationError> {
-        self.refuse_if_deleting()?;
+        self.refuse_if_busy()?;
         spec.validate()?;
         spec.restart_generation = spec.restart_generation.max(self.spec.restart_generation);
         if spec != self.spec {
@@ -359,6 +404,22 @@ impl VirtualMachine {
             Some(_) => Err(ValidationError::new(
                 "deletion_requested_at",
                 format!("VM {} is being deleted", self.name),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Power and spec changes wait for a restore to finish: the restore
+    /// decides the power state from the recorded intent.
+    fn refuse_if_busy(&self) -> Result<(), ValidationError> {
+        self.refuse_if_deleting()?;
+        match &self.restore {
+            Some(r) => Err(ValidationError::new(
+                "restore",
+                format!(
+                    "VM {} is being restored from snapshot {}; try again when it is done",
+                    self.name, r.snapshot
+                ),
             )),
             None => Ok(()),
         }

@@ -2,6 +2,7 @@
 
 pub const VMS_PREFIX: &str = "/vms/";
 pub const NODES_PREFIX: &str = "/nodes/";
+pub const SNAPSHOTS_PREFIX: &str = "/snapshots/";
 
 pub fn vm_key(name: &str) -> String {
     format!("{VMS_PREFIX}{name}")
@@ -22,4 +23,20 @@ pub const EVENTS_PREFIX: &str = "/events/";
 /// Events of one VM sort by the store revision of the change they record.
 pub fn event_key(vm: &str, revision: u64) -> String {
     format!("{EVENTS_PREFIX}{vm}/{revision:020}")
+}
+
+pub fn snapshot_key(vm: &str, name: &str) -> String {
+    format!("{SNAPSHOTS_PREFIX}{vm}/{name}")
+}
+
+/// All snapshots of one VM.
+pub fn snapshots_of_prefix(vm: &str) -> String {
+    format!("{SNAPSHOTS_PREFIX}{vm}/")
+}
+
+/// `(vm, snapshot)` of a snapshot key.
+pub fn snapshot_of(key: &str) -> Option<(&str, &str)> {
+    let rest = key.strip_prefix(SNAPSHOTS_PREFIX)?;
+    let (vm, name) = rest.split_once('/')?;
+    (!vm.is_empty() && !name.is_empty() && !name.contains('/')).then_some((vm, name))
 }

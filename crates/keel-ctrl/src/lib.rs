@@ -6,10 +6,12 @@
 pub mod keys;
 pub mod queue;
 pub mod runtime;
+pub mod snapshot_controller;
 pub mod vm_controller;
 pub mod vm_decide;
 
 pub use queue::WorkQueue;
-pub use runtime::run_vm_controller;
+pub use runtime::{run_controllers, run_vm_controller};
+pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use vm_controller::{ReconcileError, VmController};
-pub use vm_decide::{decide, HvAction, LifecycleConfig, Observed, Step};
+pub use vm_decide::{decide, HvAction, LifecycleConfig, Observed, RestoreSource, Step};

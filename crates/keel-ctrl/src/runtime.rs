@@ -1,26 +1,38 @@
-//! Drives a [`VmController`] in real time: every VM is reconciled when a
+//! Drives the controllers in real time: each resource is reconciled when a
 //! change to its record arrives or its requested re-check time comes.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_api::{Clock, VirtualMachine};
+use keel_api::Clock;
 use keel_store::StoreError;
 use tokio::sync::watch;
 
-use crate::keys::{name_of, VMS_PREFIX};
-use crate::{VmController, WorkQueue};
+use crate::keys::{name_of, snapshot_of, SNAPSHOTS_PREFIX, VMS_PREFIX};
+use crate::{SnapshotController, VmController, WorkQueue};
+
+/// Runs the VM controller and a snapshot controller sharing its store, node
+/// and clock, until `stop` turns true.
+pub async fn run_vm_controller(
+    vms: Arc<VmController>,
+    clock: Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+) {
+    let snapshots = Arc::new(vms.snapshot_controller());
+    run_controllers(vms, snapshots, clock, stop).await
+}
 
 /// Runs until `stop` turns true. Store outages are retried, never fatal.
-pub async fn run_vm_controller(
-    ctrl: Arc<VmController>,
+pub async fn run_controllers(
+    vms: Arc<VmController>,
+    snapshots: Arc<SnapshotController>,
     clock: Arc<dyn Clock>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let retry_ms = ctrl.config().retry_ms;
+    let retry_ms = vms.config().retry_ms;
     while !*stop.borrow() {
-        if let Err(err) = run_until_watch_breaks(&ctrl, &clock, &mut stop).await {
-            tracing::warn!(%err, "VM controller watch ended; re-listing");
+        if let Err(err) = run_until_watch_breaks(&vms, &snapshots, &clock, &mut stop).await {
+            tracing::warn!(%err, "controller watch ended; re-listing");
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(retry_ms)) => {}
                 _ = stop.changed() => {}
@@ -30,41 +42,81 @@ pub async fn run_vm_controller(
 }
 
 async fn run_until_watch_breaks(
-    ctrl: &VmController,
+    vms: &VmController,
+    snapshots: &SnapshotController,
     clock: &Arc<dyn Clock>,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), StoreError> {
-    let (vms, revision) = ctrl.store().list::<VirtualMachine>(VMS_PREFIX).await?;
-    let mut watch = ctrl.store().raw().watch(VMS_PREFIX, revision + 1).await?;
-    let mut queue = WorkQueue::default();
+    let store = vms.store().raw();
+    let (vm_entries, vm_rev) = store.list(VMS_PREFIX).await?;
+    let (snap_entries, snap_rev) = store.list(SNAPSHOTS_PREFIX).await?;
+    let mut vm_watch = store.watch(VMS_PREFIX, vm_rev + 1).await?;
+    let mut snap_watch = store.watch(SNAPSHOTS_PREFIX, snap_rev + 1).await?;
+    let mut vm_queue = WorkQueue::default();
+    let mut snap_queue = WorkQueue::default();
     let now = clock.now_ms();
-    for (key, _) in &vms {
-        if let Some(name) = name_of(VMS_PREFIX, key) {
-            queue.schedule(name, now);
+    for e in &vm_entries {
+        if let Some(name) = name_of(VMS_PREFIX, &e.key) {
+            vm_queue.schedule(name, now);
         }
     }
+    for e in &snap_entries {
+        if snapshot_of(&e.key).is_some() {
+            snap_queue.schedule(&e.key, now);
+        }
+    }
+    let retry_ms = vms.config().retry_ms;
     loop {
         let now = clock.now_ms();
-        for name in queue.pop_due(now) {
-            match ctrl.reconcile(&name).await {
-                Ok(Some(at)) => queue.schedule(&name, at),
+        for name in vm_queue.pop_due(now) {
+            match vms.reconcile(&name).await {
+                Ok(Some(at)) => vm_queue.schedule(&name, at),
                 Ok(None) => {}
                 Err(err) => {
                     tracing::warn!(%err, "reconcile failed");
-                    queue.schedule(&name, clock.now_ms() + ctrl.config().retry_ms);
+                    vm_queue.schedule(&name, clock.now_ms() + retry_ms);
                 }
             }
         }
-        let wait_ms = queue
-            .next_due()
+        for key in snap_queue.pop_due(now) {
+            let Some((vm, name)) = snapshot_of(&key) else {
+                continue;
+            };
+            match snapshots.reconcile(vm, name).await {
+                Ok(Some(at)) => snap_queue.schedule(&key, at),
+                Ok(None) => {}
+                Err(err) => {
+                    tracing::warn!(%err, "snapshot reconcile failed");
+                    snap_queue.schedule(&key, clock.now_ms() + retry_ms);
+                }
+            }
+        }
+        let next = [vm_queue.next_due(), snap_queue.next_due()]
+            .into_iter()
+            .flatten()
+            .min();
+        let wait_ms = next
             .map(|at| at.saturating_sub(clock.now_ms()))
             .unwrap_or(60_000);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
-            event = watch.next() => match event {
+            event = vm_watch.next() => match event {
                 Some(Ok(event)) => {
                     if let Some(name) = name_of(VMS_PREFIX, event.key()) {
-                        queue.schedule(name, clock.now_ms());
+                        vm_queue.schedule(name, clock.now_ms());
+                    }
+                }
+                Some(Err(err)) => return Err(err),
+                None => return Ok(()),
+            },
+            event = snap_watch.next() => match event {
+                Some(Ok(event)) => {
+                    if snapshot_of(event.key()).is_some() {
+                        snap_queue.schedule(event.key(), clock.now_ms());
+                    }
+                    // A snapshot may unblock a restore waiting on it.
+                    if let Some((vm, _)) = snapshot_of(event.key()) {
+                        vm_queue.schedule(vm, clock.now_ms());
                     }
                 }
                 Some(Err(err)) => return Err(err),

@@ -2,12 +2,12 @@
 
 use std::sync::Arc;
 
-use keel_api::{Clock, Event, Millis, Phase, StopReason, VirtualMachine};
+use keel_api::{Clock, Event, Millis, Phase, Snapshot, StopReason, VirtualMachine};
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
-use crate::keys::{event_key, vm_key};
-use crate::vm_decide::{decide, HvAction, LifecycleConfig, Observed, Step};
+use crate::keys::{event_key, snapshot_key, snapshots_of_prefix, vm_key};
+use crate::vm_decide::{decide, HvAction, LifecycleConfig, Observed, RestoreSource, Step};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -53,6 +53,16 @@ impl VmController {
 
     pub fn store(&self) -> &TypedStore {
         &self.store
+    }
+
+    /// A snapshot controller working on the same store, node and clock.
+    pub fn snapshot_controller(&self) -> crate::SnapshotController {
+        crate::SnapshotController::new(
+            self.store.clone(),
+            self.hv.clone(),
+            self.clock.clone(),
+            self.cfg.clone(),
+        )
     }
 
     /// One look at one VM. Returns when to look again (`None`: the record
@@ -126,6 +136,18 @@ impl VmController {
                         vm: name.to_string(),
                         source,
                     })?;
+                // The snapshots lived in the disks just removed.
+                let (snapshots, _) = self
+                    .store
+                    .list::<Snapshot>(&snapshots_of_prefix(name))
+                    .await
+                    .map_err(store_err)?;
+                for (key, snap) in snapshots {
+                    match self.store.delete(&key, snap.revision).await {
+                        Ok(_) | Err(StoreError::Conflict { .. }) => {}
+                        Err(source) => return Err(store_err(source)),
+                    }
+                }
                 match self.store.delete(&key, entry.revision).await {
                     Ok(revision) => {
                         tracing::info!(vm = name, "deleted");
@@ -184,12 +206,28 @@ impl VmController {
                 Err(HvError::NotFound { .. }) => Observed::InstanceAbsent,
                 Err(err) => Observed::Unknown(err.to_string()),
             },
-            None => match self.hv.list().await {
-                Ok(all) => Observed::NoInstance {
-                    domains: all.into_iter().filter(|d| d.vm == vm.name).collect(),
-                },
-                Err(err) => Observed::Unknown(err.to_string()),
-            },
+            None => {
+                let domains = match self.hv.list().await {
+                    Ok(all) => all.into_iter().filter(|d| d.vm == vm.name).collect(),
+                    Err(err) => return Observed::Unknown(err.to_string()),
+                };
+                let restore_source = match &vm.restore {
+                    None => RestoreSource::NotNeeded,
+                    Some(r) => match self
+                        .store
+                        .get::<Snapshot>(&snapshot_key(&vm.name, &r.snapshot))
+                        .await
+                    {
+                        Ok(Some(snap)) => RestoreSource::Found(Box::new(snap.value)),
+                        Ok(None) => RestoreSource::Missing,
+                        Err(err) => return Observed::Unknown(err.to_string()),
+                    },
+                };
+                Observed::NoInstance {
+                    domains,
+                    restore_source,
+                }
+            }
         }
     }
 
@@ -222,6 +260,11 @@ impl VmController {
             HvAction::Kill(id) => absent_is_ok(self.hv.kill(id).await),
             HvAction::Cleanup(id) => absent_is_ok(self.hv.cleanup(id).await),
             HvAction::DeleteDisks => self.hv.delete_disks(&vm.name).await,
+            HvAction::RestoreDisks(snapshot) => {
+                self.hv
+                    .restore_disks(&vm.name, &vm.spec.disks, snapshot)
+                    .await
+            }
         }
     }
 

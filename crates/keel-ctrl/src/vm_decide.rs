@@ -14,8 +14,8 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    ExitKind, ExitRecord, Instance, Millis, Phase, PowerState, RunPolicy, StopProgress, StopReason,
-    VirtualMachine,
+    ExitKind, ExitRecord, Instance, Millis, Phase, PowerState, RunPolicy, Snapshot, SnapshotPhase,
+    StopProgress, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
 
@@ -63,10 +63,23 @@ pub enum Observed {
     Instance(DomainState),
     /// `status.instance` is set and the hypervisor said NotFound: absent.
     InstanceAbsent,
-    /// No instance recorded; these are all domains of this VM on the node.
-    NoInstance { domains: Vec<DomainInfo> },
+    /// No instance recorded; these are all domains of this VM on the node,
+    /// and, when a restore is pending, the snapshot it restores.
+    NoInstance {
+        domains: Vec<DomainInfo>,
+        restore_source: RestoreSource,
+    },
     /// The lookup failed. Says nothing about whether anything runs.
     Unknown(String),
+}
+
+/// The snapshot a pending restore reads from, as found in the store.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RestoreSource {
+    /// No restore is pending.
+    NotNeeded,
+    Found(Box<Snapshot>),
+    Missing,
 }
 
 /// A hypervisor call the executor makes.
@@ -77,6 +90,8 @@ pub enum HvAction {
     Kill(String),
     Cleanup(String),
     DeleteDisks,
+    /// Put the disks (of the VM record being written) back to this snapshot.
+    RestoreDisks(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -125,7 +140,13 @@ pub fn decide(
             ));
             persist_if_changed(vm, next, None, now + cfg.retry_ms)
         }
-        (None, Observed::NoInstance { domains }) => no_instance(vm, domains, now, cfg),
+        (
+            None,
+            Observed::NoInstance {
+                domains,
+                restore_source,
+            },
+        ) => no_instance(vm, domains, restore_source, now, cfg),
     }
 }
 
@@ -168,6 +189,9 @@ fn should_stop(vm: &VirtualMachine) -> Option<StopReason> {
     }
     if vm.deletion_requested_at.is_some() {
         return Some(StopReason::Delete);
+    }
+    if vm.restore.is_some() {
+        return Some(StopReason::Restore);
     }
     if !vm.wants_running() {
         return Some(match vm.spec.run_policy {
@@ -372,6 +396,7 @@ fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {
 fn no_instance(
     vm: &VirtualMachine,
     domains: &[DomainInfo],
+    restore_source: &RestoreSource,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Step {
@@ -404,17 +429,15 @@ fn no_instance(
     if vm.deletion_requested_at.is_some() {
         return Step::DeleteRecord;
     }
+    if let Some(request) = &vm.restore {
+        return restore(vm, &request.snapshot, restore_source, now, cfg);
+    }
     next.status.observed_restart_generation = vm.spec.restart_generation;
     next.status.observed_generation = vm.generation;
-    if vm
-        .power_intent
-        .as_ref()
-        .is_some_and(|i| i.power == PowerState::Stopped)
-    {
-        // Nothing runs and nothing should: the intent is fulfilled.
-        next.power_intent = None;
-    }
     if !vm.wants_running() {
+        // Nothing runs and nothing should: a `Stopped` intent is fulfilled,
+        // and a `Running` one was overruled by a later stop request.
+        next.power_intent = None;
         next.status.phase = Phase::Stopped;
         next.status.failed_starts = 0;
         next.status.next_start_at = None;
@@ -439,6 +462,70 @@ fn no_instance(
         then: Some(HvAction::Start),
         requeue_at: now + cfg.retry_ms,
     }
+}
+
+/// The instance is gone; put the disks and spec back from the snapshot and,
+/// in the same write, turn the recorded power intent into `spec.power`.
+fn restore(
+    vm: &VirtualMachine,
+    snapshot: &str,
+    source: &RestoreSource,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    match source {
+        RestoreSource::Found(snap) if snap.status.phase == SnapshotPhase::Ready => {
+            let mut next = finish_restore(vm, Some(snap), now);
+            next.status.message = Some(format!("restored from snapshot {snapshot}"));
+            Step::ActThenPersist {
+                action: HvAction::RestoreDisks(snapshot.to_string()),
+                vm: Box::new(next),
+                requeue_at: now,
+            }
+        }
+        RestoreSource::Found(snap) if snap.status.phase == SnapshotPhase::Pending => {
+            let mut next = vm.clone();
+            next.status.message = Some(format!("waiting for snapshot {snapshot} to be taken"));
+            persist_if_changed(vm, next, None, now + cfg.poll_ms)
+        }
+        RestoreSource::Found(_) | RestoreSource::Missing | RestoreSource::NotNeeded => {
+            // Nothing to restore from: end the maintenance window with the
+            // disks as they are, and still honour the recorded power state.
+            let mut next = finish_restore(vm, None, now);
+            next.status.message = Some(format!(
+                "restore abandoned: snapshot {snapshot} is missing or failed; disks unchanged"
+            ));
+            Step::Persist {
+                vm: Box::new(next),
+                then: None,
+                requeue_at: now,
+            }
+        }
+    }
+}
+
+fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> VirtualMachine {
+    let mut next = vm.clone();
+    if let Some(snap) = snap {
+        let mut spec = snap.spec.clone();
+        spec.restart_generation = vm.spec.restart_generation;
+        spec.node = vm.spec.node.clone();
+        next.spec = spec;
+    }
+    let power = vm.power_intent.as_ref().map_or(vm.spec.power, |i| i.power);
+    next.spec.power = power;
+    if power == PowerState::Stopped {
+        // Nothing has to boot: the intent is fulfilled by this write. A
+        // `Running` intent stays until the new instance has booted.
+        next.power_intent = None;
+    }
+    next.restore = None;
+    next.generation += 1;
+    next.status.failed_starts = 0;
+    next.status.next_start_at = None;
+    next.status.observed_restart_generation = next.spec.restart_generation;
+    next.status.phase = phase_without_instance(&next, now);
+    next
 }
 
 fn persist_if_changed(

@@ -87,6 +87,12 @@ pub enum HvError {
         instance: String,
         state: DomainState,
     },
+    #[error("VM {vm}: {op} failed: {reason}")]
+    Storage {
+        vm: String,
+        op: &'static str,
+        reason: String,
+    },
     #[error("domain {instance}: {op} failed: {reason}")]
     Failed {
         instance: String,
@@ -125,4 +131,49 @@ pub trait Hypervisor: Send + Sync + 'static {
 
     /// Deletes a VM's disks. Only called once no instance of it exists.
     async fn delete_disks(&self, vm: &str) -> Result<(), HvError>;
+
+    /// Takes snapshot `name` of every disk of `vm`, consistently: a running
+    /// `instance` is paused while it is taken and resumed after. Taking a
+    /// snapshot that already exists is a success (retries are safe).
+    async fn snapshot_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        instance: Option<&str>,
+        name: &str,
+    ) -> Result<(), HvError> {
+        let _ = (disks, instance);
+        Err(unsupported(vm, "snapshot", name))
+    }
+
+    /// Puts every disk of `vm` back to snapshot `name`. Only called once no
+    /// instance of the VM exists; repeating it gives the same disks.
+    async fn restore_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        let _ = disks;
+        Err(unsupported(vm, "restore", name))
+    }
+
+    /// Removes snapshot `name` from the disks of `vm`; absent is success.
+    async fn delete_snapshot(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        let _ = disks;
+        Err(unsupported(vm, "delete snapshot", name))
+    }
+}
+
+fn unsupported(vm: &str, op: &'static str, snapshot: &str) -> HvError {
+    HvError::Storage {
+        vm: vm.to_string(),
+        op,
+        reason: format!("snapshot {snapshot}: not supported by this driver"),
+    }
 }

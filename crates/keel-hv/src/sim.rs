@@ -64,15 +64,24 @@ struct SimDomain {
     crash_at: Option<Millis>,
 }
 
+/// A VM's disks as the guest sees them: records by slot, and snapshots of them.
+#[derive(Debug, Clone, Default)]
+struct SimDisks {
+    records: BTreeMap<u32, String>,
+    snapshots: BTreeMap<String, BTreeMap<u32, String>>,
+}
+
 #[derive(Debug)]
 struct SimState {
     domains: BTreeMap<String, SimDomain>,
     rng: ChaCha8Rng,
     config: SimConfig,
     starts_per_vm: BTreeMap<String, u32>,
+    /// VMs whose next started instance crashes right after boot.
+    crash_next_boot: std::collections::BTreeSet<String>,
     violations: Vec<String>,
     /// Disks that exist, by VM; they outlive instances.
-    disks: BTreeMap<String, Vec<String>>,
+    disks: BTreeMap<String, SimDisks>,
     log: Vec<String>,
 }
 
@@ -91,6 +100,7 @@ impl SimHypervisor {
                 rng: ChaCha8Rng::seed_from_u64(seed),
                 config,
                 starts_per_vm: BTreeMap::new(),
+                crash_next_boot: Default::default(),
                 violations: Vec::new(),
                 disks: BTreeMap::new(),
                 log: Vec::new(),
@@ -139,6 +149,35 @@ impl SimHypervisor {
 
     pub fn has_disks(&self, vm: &str) -> bool {
         self.lock().disks.contains_key(vm)
+    }
+
+    /// The guest of `vm`'s live instance writes a record to its disk.
+    /// Fails when no instance of the VM is live (no guest to write).
+    pub fn guest_write(&self, vm: &str, slot: u32, text: &str) -> Result<(), String> {
+        let mut s = self.lock();
+        if !s
+            .domains
+            .values()
+            .any(|d| d.spec.vm == vm && !d.state.is_exited())
+        {
+            return Err(format!("VM {vm} has no live instance"));
+        }
+        s.disks
+            .entry(vm.to_string())
+            .or_default()
+            .records
+            .insert(slot, text.to_string());
+        Ok(())
+    }
+
+    /// What the VM's disk holds at `slot`.
+    pub fn disk_record(&self, vm: &str, slot: u32) -> Option<String> {
+        self.lock().disks.get(vm)?.records.get(&slot).cloned()
+    }
+
+    /// The next instance of `vm` to start crashes right after it boots.
+    pub fn crash_next_boot(&self, vm: &str) {
+        self.lock().crash_next_boot.insert(vm.to_string());
     }
 
     /// Makes one instance ignore ACPI power-down from now on.
@@ -304,14 +343,12 @@ impl Hypervisor for SimHypervisor {
         let starts = s.starts_per_vm.entry(spec.vm.clone()).or_insert(0);
         *starts += 1;
         let first = *starts == 1;
-        let crash_at =
-            (first && s.config.faults.crash_on_first_boot).then_some(now + s.config.boot_ms + 500);
+        let crash_next = s.crash_next_boot.remove(&spec.vm);
+        let crash_at = ((first && s.config.faults.crash_on_first_boot) || crash_next)
+            .then_some(now + s.config.boot_ms + 500);
         let ignore = s.config.faults.ignore_powerdown;
         let ignores_powerdown = s.chance(ignore);
-        s.disks.insert(
-            spec.vm.clone(),
-            spec.disks.iter().map(|d| d.name.clone()).collect(),
-        );
+        s.disks.entry(spec.vm.clone()).or_default();
         s.domains.insert(
             spec.instance.clone(),
             SimDomain {
@@ -419,6 +456,67 @@ impl Hypervisor for SimHypervisor {
             s.violations.push(v);
         }
         s.disks.remove(vm);
+        Ok(())
+    }
+
+    async fn snapshot_disks(
+        &self,
+        vm: &str,
+        _disks: &[keel_api::DiskSpec],
+        _instance: Option<&str>,
+        name: &str,
+    ) -> Result<(), HvError> {
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(vm, "snapshot", p)?;
+        let disks = s.disks.entry(vm.to_string()).or_default();
+        if !disks.snapshots.contains_key(name) {
+            let records = disks.records.clone();
+            disks.snapshots.insert(name.to_string(), records);
+        }
+        Ok(())
+    }
+
+    async fn restore_disks(
+        &self,
+        vm: &str,
+        _disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(vm, "restore", p)?;
+        if s.domains
+            .values()
+            .any(|d| d.spec.vm == vm && !d.state.is_exited())
+        {
+            let v = format!("restored disks of VM {vm} while an instance is live");
+            s.violations.push(v);
+        }
+        let disks = s.disks.entry(vm.to_string()).or_default();
+        let records = disks
+            .snapshots
+            .get(name)
+            .cloned()
+            .ok_or_else(|| HvError::Storage {
+                vm: vm.to_string(),
+                op: "restore",
+                reason: format!("snapshot {name} not found"),
+            })?;
+        disks.records = records;
+        Ok(())
+    }
+
+    async fn delete_snapshot(
+        &self,
+        vm: &str,
+        _disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        let mut s = self.lock();
+        if let Some(disks) = s.disks.get_mut(vm) {
+            disks.snapshots.remove(name);
+        }
         Ok(())
     }
 }

@@ -7,11 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use keel_api::{
-    BootSpec, Clock, DiskSpec, ManualClock, Millis, PowerState, RunPolicy, ValidationError,
-    VirtualMachine, VmSpec,
+    BootSpec, Clock, DiskSpec, ManualClock, Millis, PowerState, RunPolicy, Snapshot,
+    ValidationError, VirtualMachine, VmSpec,
 };
+use keel_ctrl::keys::snapshot_key;
 use keel_ctrl::keys::{vm_key, VMS_PREFIX};
-use keel_ctrl::{LifecycleConfig, VmController, WorkQueue};
+use keel_ctrl::{LifecycleConfig, SnapshotController, VmController, WorkQueue};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, TypedStore, Watch};
@@ -121,6 +122,7 @@ pub struct World {
     pub user: TypedStore,
     pub hv: SimHypervisor,
     pub ctrl: VmController,
+    pub snaps: SnapshotController,
     pub cfg: LifecycleConfig,
     pub queue: WorkQueue,
     pub errors: usize,
@@ -140,7 +142,9 @@ impl World {
             shared,
             cfg.clone(),
         );
+        let snaps = ctrl.snapshot_controller();
         Self {
+            snaps,
             clock,
             user: TypedStore::new(raw.clone()),
             raw,
@@ -166,6 +170,7 @@ impl World {
             shared,
             self.cfg.clone(),
         );
+        self.snaps = self.ctrl.snapshot_controller();
         self.queue = WorkQueue::default();
         let (vms, _) = self
             .user
@@ -219,6 +224,34 @@ impl World {
                 Err(e) => return Err(e.to_string()),
             }
         }
+    }
+
+    /// Asks for a snapshot and drives the snapshot controller until it is
+    /// taken (or failed); returns the final record.
+    pub async fn take_snapshot(&mut self, vm: &str, name: &str) -> Snapshot {
+        let spec = self.get(vm).await.expect("VM exists").spec;
+        let snap = Snapshot {
+            vm: vm.into(),
+            name: name.into(),
+            spec,
+            requested_at: self.now(),
+            deletion_requested_at: None,
+            status: Default::default(),
+        };
+        let key = snapshot_key(vm, name);
+        self.user.create(&key, &snap).await.expect("new snapshot");
+        for _ in 0..100 {
+            match self.snaps.reconcile(vm, name).await {
+                Ok(None) => break,
+                _ => self.run_for(self.cfg.retry_ms).await,
+            }
+        }
+        self.user
+            .get::<Snapshot>(&key)
+            .await
+            .expect("unfaulted get")
+            .expect("snapshot record")
+            .value
     }
 
     pub async fn request_delete(&mut self, name: &str) -> Result<(), String> {

@@ -1,0 +1,183 @@
+//! Takes and deletes snapshots. A snapshot is taken live (the running
+//! instance is paused for it) or offline (no instance); never while the VM
+//! is between the two, when a lookup failed, or while a restore is pending.
+
+use std::sync::Arc;
+
+use keel_api::{Clock, Millis, Snapshot, SnapshotPhase, VirtualMachine};
+use keel_hv::{HvError, Hypervisor};
+use keel_store::{StoreError, TypedStore};
+
+use crate::keys::{snapshot_key, vm_key};
+use crate::vm_decide::LifecycleConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("snapshot {vm}/{snapshot}: store: {source}")]
+    Store {
+        vm: String,
+        snapshot: String,
+        #[source]
+        source: StoreError,
+    },
+}
+
+/// How the disks can be snapshotted right now.
+enum Access {
+    Live(String),
+    Offline,
+    /// Transitional or unknown: look again later.
+    NotNow(String),
+}
+
+pub struct SnapshotController {
+    store: TypedStore,
+    hv: Arc<dyn Hypervisor>,
+    clock: Arc<dyn Clock>,
+    cfg: LifecycleConfig,
+}
+
+impl SnapshotController {
+    pub fn new(
+        store: TypedStore,
+        hv: Arc<dyn Hypervisor>,
+        clock: Arc<dyn Clock>,
+        cfg: LifecycleConfig,
+    ) -> Self {
+        Self {
+            store,
+            hv,
+            clock,
+            cfg,
+        }
+    }
+
+    /// One look at one snapshot; returns when to look again (`None`: done).
+    pub async fn reconcile(
+        &self,
+        vm_name: &str,
+        name: &str,
+    ) -> Result<Option<Millis>, SnapshotError> {
+        let key = snapshot_key(vm_name, name);
+        let err = |source| SnapshotError::Store {
+            vm: vm_name.to_string(),
+            snapshot: name.to_string(),
+            source,
+        };
+        let Some(entry) = self.store.get::<Snapshot>(&key).await.map_err(err)? else {
+            return Ok(None);
+        };
+        let mut snap = entry.value;
+        let now = self.clock.now_ms();
+        let retry = now + self.cfg.retry_ms;
+        let vm = self
+            .store
+            .get::<VirtualMachine>(&vm_key(vm_name))
+            .await
+            .map_err(err)?
+            .map(|e| e.value);
+
+        if snap.deletion_requested_at.is_some() {
+            // Without a VM record its disks, and the snapshot in them, are gone.
+            if vm.is_some() {
+                if let Err(e) = self
+                    .hv
+                    .delete_snapshot(vm_name, &snap.spec.disks, name)
+                    .await
+                {
+                    tracing::warn!(vm = vm_name, snapshot = name, %e, "delete failed");
+                    return Ok(Some(retry));
+                }
+            }
+            return match self.store.delete(&key, entry.revision).await {
+                Ok(_) | Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+                Err(source) => Err(err(source)),
+            };
+        }
+        if snap.status.phase != SnapshotPhase::Pending {
+            return Ok(None);
+        }
+        let Some(vm) = vm else {
+            snap.status.phase = SnapshotPhase::Failed;
+            snap.status.message = Some(format!("VM {vm_name} not found"));
+            return self
+                .write(&key, &snap, entry.revision, now)
+                .await
+                .map_err(err);
+        };
+        let instance = match self.access(&vm).await {
+            Access::Live(id) => Some(id),
+            Access::Offline => None,
+            Access::NotNow(why) => {
+                if snap.status.message.as_deref() != Some(why.as_str()) {
+                    snap.status.message = Some(why);
+                    let _ = self.store.update(&key, &snap, entry.revision).await;
+                }
+                return Ok(Some(retry));
+            }
+        };
+        match self
+            .hv
+            .snapshot_disks(vm_name, &snap.spec.disks, instance.as_deref(), name)
+            .await
+        {
+            Ok(()) => {
+                snap.status.phase = SnapshotPhase::Ready;
+                snap.status.taken_at = Some(self.clock.now_ms());
+                snap.status.live = instance.is_some();
+                snap.status.message = None;
+            }
+            Err(e @ HvError::Storage { .. }) => {
+                snap.status.phase = SnapshotPhase::Failed;
+                snap.status.message = Some(e.to_string());
+            }
+            Err(e) => {
+                snap.status.message = Some(e.to_string());
+                let _ = self.store.update(&key, &snap, entry.revision).await;
+                return Ok(Some(retry));
+            }
+        }
+        self.write(&key, &snap, entry.revision, now)
+            .await
+            .map_err(err)
+    }
+
+    async fn access(&self, vm: &VirtualMachine) -> Access {
+        if vm.restore.is_some() || vm.deletion_requested_at.is_some() {
+            return Access::NotNow(format!("VM {} is being restored or deleted", vm.name));
+        }
+        if vm.status.stop.is_some() {
+            return Access::NotNow(format!("VM {} is stopping", vm.name));
+        }
+        match &vm.status.instance {
+            Some(inst) => match self.hv.info(&inst.id).await {
+                Ok(info) if info.state == keel_hv::DomainState::Running => {
+                    Access::Live(inst.id.clone())
+                }
+                Ok(info) => Access::NotNow(format!("instance {} is {:?}", inst.id, info.state)),
+                Err(e) => Access::NotNow(e.to_string()),
+            },
+            None => match self.hv.list().await {
+                Ok(all) if all.iter().any(|d| d.vm == vm.name) => {
+                    Access::NotNow(format!("VM {} has an instance being cleaned up", vm.name))
+                }
+                Ok(_) => Access::Offline,
+                Err(e) => Access::NotNow(e.to_string()),
+            },
+        }
+    }
+
+    async fn write(
+        &self,
+        key: &str,
+        snap: &Snapshot,
+        revision: u64,
+        now: Millis,
+    ) -> Result<Option<Millis>, StoreError> {
+        match self.store.update(key, snap, revision).await {
+            Ok(_) => Ok(None),
+            Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+            Err(e) => Err(e),
+        }
+    }
+}
