@@ -3,6 +3,7 @@
 
 pub mod clock;
 pub mod event;
+pub mod migration;
 pub mod name;
 pub mod node;
 pub mod snapshot;
@@ -11,8 +12,9 @@ pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
+pub use migration::{Migration, MigrationPhase, MigrationStatus};
 pub use name::validate_name;
-pub use node::{Accelerator, Node, NodeStatus};
+pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;
 pub use vm::*;

@@ -1,6 +1,10 @@
+//! Nodes (hosts that run VMs), their cordon and drain state.
+
 use serde::{Deserialize, Serialize};
 
 use crate::Millis;
+
+pub const DEFAULT_EVICTION_WINDOW_MS: Millis = 10 * 60 * 1000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Accelerator {
@@ -15,11 +19,53 @@ pub enum Accelerator {
 #[serde(deny_unknown_fields)]
 pub struct Node {
     pub name: String,
-    /// Set by an operator (or by Keel during a drain) to keep new VMs away.
+    /// No new VMs are placed on a cordoned node.
     #[serde(default)]
     pub cordoned: bool,
+    /// Keel cordoned it (for a drain). Keel lifts only its own cordons; a
+    /// node an operator cordoned stays cordoned until the operator says so.
+    #[serde(default)]
+    pub cordoned_by_keel: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drain: Option<Drain>,
     #[serde(default)]
     pub status: NodeStatus,
+}
+
+/// A request to move every VM off the node: live migration first, then
+/// (per VM, when migration cannot be done in time) graceful stop and start
+/// elsewhere. Each phase has a bounded window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drain {
+    pub requested_at: Millis,
+    #[serde(default)]
+    pub windows: EvictionWindows,
+    /// Set when no VM is left on the node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<Millis>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvictionWindows {
+    /// From the start of an eviction until its migration is under way.
+    pub submit_ms: Millis,
+    /// From submission until the migration has completed.
+    pub migrate_ms: Millis,
+    /// From giving up on migration until the VM is off the node (graceful
+    /// stop; forced at the end).
+    pub fallback_ms: Millis,
+}
+
+impl Default for EvictionWindows {
+    fn default() -> Self {
+        Self {
+            submit_ms: DEFAULT_EVICTION_WINDOW_MS,
+            migrate_ms: DEFAULT_EVICTION_WINDOW_MS,
+            fallback_ms: DEFAULT_EVICTION_WINDOW_MS,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -31,4 +77,85 @@ pub struct NodeStatus {
     pub hypervisor: Option<String>,
     #[serde(default)]
     pub last_heartbeat: Millis,
+}
+
+impl Node {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            cordoned: false,
+            cordoned_by_keel: false,
+            drain: None,
+            status: NodeStatus::default(),
+        }
+    }
+
+    /// Starts a drain, cordoning the node if nobody has yet. Idempotent: an
+    /// active drain keeps its original start (and so its deadlines).
+    pub fn request_drain(&mut self, now: Millis, windows: EvictionWindows) {
+        if !self.cordoned {
+            self.cordoned = true;
+            self.cordoned_by_keel = true;
+        }
+        match &self.drain {
+            Some(d) if d.completed_at.is_none() => {}
+            _ => {
+                self.drain = Some(Drain {
+                    requested_at: now,
+                    windows,
+                    completed_at: None,
+                })
+            }
+        }
+    }
+
+    /// Ends a drain and lifts the cordon if Keel set it. Returns whether the
+    /// node is schedulable again (false: an operator's cordon remains).
+    pub fn uncordon_by_keel(&mut self) -> bool {
+        self.drain = None;
+        if self.cordoned_by_keel {
+            self.cordoned = false;
+            self.cordoned_by_keel = false;
+        }
+        !self.cordoned
+    }
+
+    /// An operator cordons the node; this cordon is theirs to lift.
+    pub fn cordon_by_operator(&mut self) {
+        self.cordoned = true;
+        self.cordoned_by_keel = false;
+    }
+
+    pub fn draining(&self) -> Option<&Drain> {
+        self.drain.as_ref().filter(|d| d.completed_at.is_none())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keel_lifts_only_its_own_cordon() {
+        let mut n = Node::new("a");
+        n.request_drain(1, EvictionWindows::default());
+        assert!(n.cordoned && n.cordoned_by_keel);
+        assert!(n.uncordon_by_keel());
+        assert!(!n.cordoned);
+
+        let mut n = Node::new("b");
+        n.cordon_by_operator();
+        n.request_drain(1, EvictionWindows::default());
+        assert!(!n.cordoned_by_keel);
+        assert!(!n.uncordon_by_keel());
+        assert!(n.cordoned, "an operator's cordon stays");
+    }
+
+    #[test]
+    fn repeated_drain_keeps_the_first_start() {
+        let mut n = Node::new("a");
+        n.request_drain(5, EvictionWindows::default());
+        n.request_drain(9, EvictionWindows::default());
+        assert_eq!(n.drain.unwrap().requested_at, 5);
+    }
 }

@@ -198,6 +198,50 @@ pub struct VmStatus {
     pub last_exit: Option<ExitRecord>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The node the next instance starts on, chosen by the scheduler. An
+    /// existing instance's node is `instance.node`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// Moving the instance off a draining node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eviction: Option<Eviction>,
+    /// Sequence number of the last migration attempt; ids are `<vm>-m<seq>`.
+    #[serde(default)]
+    pub migration_seq: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum EvictionPhase {
+    /// A migration is being set up (target chosen, incoming instance started).
+    Submitting,
+    /// The source is sending its state to the target.
+    Migrating,
+    /// Migration gave up: graceful stop here, start elsewhere per run policy.
+    Fallback,
+}
+
+/// Progress of moving one VM off a draining node. The deadlines are stored
+/// so a controller restart resumes the same windows instead of opening new
+/// ones; a missing or impossible deadline counts as expired.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Eviction {
+    /// The drain (its `requested_at`) this eviction serves: a marker left by
+    /// an earlier drain is stale and starts a new attempt.
+    pub drain_requested_at: Millis,
+    pub phase: EvictionPhase,
+    pub started_at: Millis,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submit_deadline: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_deadline: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_deadline: Option<Millis>,
+    /// The migration of the current attempt, reserved before it is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -267,6 +311,15 @@ impl VirtualMachine {
             deletion_requested_at: None,
             restore: None,
             status: VmStatus::default(),
+        }
+    }
+
+    /// The node responsible for this VM now: where its instance is, or where
+    /// the next one is to start.
+    pub fn owner_node(&self) -> Option<&str> {
+        match &self.status.instance {
+            Some(inst) => Some(&inst.node),
+            None => self.status.node.as_deref(),
         }
     }
 

@@ -40,3 +40,20 @@ pub fn snapshot_of(key: &str) -> Option<(&str, &str)> {
     let (vm, name) = rest.split_once('/')?;
     (!vm.is_empty() && !name.is_empty() && !name.contains('/')).then_some((vm, name))
 }
+
+pub const MIGRATIONS_PREFIX: &str = "/migrations/";
+
+pub fn migration_key(vm: &str, id: &str) -> String {
+    format!("{MIGRATIONS_PREFIX}{vm}/{id}")
+}
+
+pub fn migrations_of_prefix(vm: &str) -> String {
+    format!("{MIGRATIONS_PREFIX}{vm}/")
+}
+
+/// `(vm, id)` of a migration key.
+pub fn migration_of(key: &str) -> Option<(&str, &str)> {
+    let rest = key.strip_prefix(MIGRATIONS_PREFIX)?;
+    let (vm, id) = rest.split_once('/')?;
+    (!vm.is_empty() && !id.is_empty() && !id.contains('/')).then_some((vm, id))
+}

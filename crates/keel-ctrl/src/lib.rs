@@ -3,15 +3,21 @@
 //! pure function (`*_decide` modules), and applies it. Time comes from an
 //! injected [`keel_api::Clock`], so tests move time instead of sleeping.
 
+pub mod evict_decide;
 pub mod keys;
+pub mod migration_controller;
 pub mod queue;
 pub mod runtime;
+pub mod schedule;
 pub mod snapshot_controller;
 pub mod vm_controller;
 pub mod vm_decide;
 
+pub use migration_controller::MigrationController;
 pub use queue::WorkQueue;
 pub use runtime::{run_controllers, run_vm_controller};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use vm_controller::{ReconcileError, VmController};
-pub use vm_decide::{decide, HvAction, LifecycleConfig, Observed, RestoreSource, Step};
+pub use vm_decide::{
+    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
+};

@@ -8,8 +8,13 @@ use keel_api::Clock;
 use keel_store::StoreError;
 use tokio::sync::watch;
 
-use crate::keys::{name_of, snapshot_of, SNAPSHOTS_PREFIX, VMS_PREFIX};
-use crate::{SnapshotController, VmController, WorkQueue};
+use crate::keys::{
+    migration_of, name_of, snapshot_of, MIGRATIONS_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX,
+};
+use crate::{MigrationController, SnapshotController, VmController, WorkQueue};
+
+/// How often this node's heartbeat is written and stray domains are ended.
+const HOUSEKEEPING_MS: u64 = 5_000;
 
 /// Runs the VM controller and a snapshot controller sharing its store, node
 /// and clock, until `stop` turns true.
@@ -19,19 +24,23 @@ pub async fn run_vm_controller(
     stop: watch::Receiver<bool>,
 ) {
     let snapshots = Arc::new(vms.snapshot_controller());
-    run_controllers(vms, snapshots, clock, stop).await
+    let migrations = Arc::new(vms.migration_controller());
+    run_controllers(vms, snapshots, migrations, clock, stop).await
 }
 
 /// Runs until `stop` turns true. Store outages are retried, never fatal.
 pub async fn run_controllers(
     vms: Arc<VmController>,
     snapshots: Arc<SnapshotController>,
+    migrations: Arc<MigrationController>,
     clock: Arc<dyn Clock>,
     mut stop: watch::Receiver<bool>,
 ) {
     let retry_ms = vms.config().retry_ms;
     while !*stop.borrow() {
-        if let Err(err) = run_until_watch_breaks(&vms, &snapshots, &clock, &mut stop).await {
+        if let Err(err) =
+            run_until_watch_breaks(&vms, &snapshots, &migrations, &clock, &mut stop).await
+        {
             tracing::warn!(%err, "controller watch ended; re-listing");
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(retry_ms)) => {}
@@ -44,6 +53,7 @@ pub async fn run_controllers(
 async fn run_until_watch_breaks(
     vms: &VmController,
     snapshots: &SnapshotController,
+    migrations: &MigrationController,
     clock: &Arc<dyn Clock>,
     stop: &mut watch::Receiver<bool>,
 ) -> Result<(), StoreError> {
@@ -52,6 +62,15 @@ async fn run_until_watch_breaks(
     let (snap_entries, snap_rev) = store.list(SNAPSHOTS_PREFIX).await?;
     let mut vm_watch = store.watch(VMS_PREFIX, vm_rev + 1).await?;
     let mut snap_watch = store.watch(SNAPSHOTS_PREFIX, snap_rev + 1).await?;
+    let (mig_entries, mig_rev) = store.list(MIGRATIONS_PREFIX).await?;
+    let mut mig_watch = store.watch(MIGRATIONS_PREFIX, mig_rev + 1).await?;
+    let mut mig_queue = WorkQueue::default();
+    for e in &mig_entries {
+        if migration_of(&e.key).is_some() {
+            mig_queue.schedule(&e.key, clock.now_ms());
+        }
+    }
+    let mut next_housekeeping = clock.now_ms();
     let mut vm_queue = WorkQueue::default();
     let mut snap_queue = WorkQueue::default();
     let now = clock.now_ms();
@@ -91,10 +110,37 @@ async fn run_until_watch_breaks(
                 }
             }
         }
-        let next = [vm_queue.next_due(), snap_queue.next_due()]
-            .into_iter()
-            .flatten()
-            .min();
+        for key in mig_queue.pop_due(now) {
+            let Some((vm, id)) = migration_of(&key) else {
+                continue;
+            };
+            match migrations.reconcile(vm, id).await {
+                Ok(Some(at)) => mig_queue.schedule(&key, at),
+                Ok(None) => {}
+                Err(err) => {
+                    tracing::warn!(%err, vm, migration = id, "migration reconcile failed");
+                    mig_queue.schedule(&key, clock.now_ms() + retry_ms);
+                }
+            }
+        }
+        if now >= next_housekeeping {
+            if let Err(err) = vms.heartbeat(None).await {
+                tracing::warn!(%err, "heartbeat failed");
+            }
+            if let Err(err) = vms.collect_garbage().await {
+                tracing::warn!(%err, "garbage collection failed");
+            }
+            next_housekeeping = now + HOUSEKEEPING_MS;
+        }
+        let next = [
+            vm_queue.next_due(),
+            snap_queue.next_due(),
+            mig_queue.next_due(),
+            Some(next_housekeeping),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         let wait_ms = next
             .map(|at| at.saturating_sub(clock.now_ms()))
             .unwrap_or(60_000);
@@ -116,6 +162,17 @@ async fn run_until_watch_breaks(
                     }
                     // A snapshot may unblock a restore waiting on it.
                     if let Some((vm, _)) = snapshot_of(event.key()) {
+                        vm_queue.schedule(vm, clock.now_ms());
+                    }
+                }
+                Some(Err(err)) => return Err(err),
+                None => return Ok(()),
+            },
+            event = mig_watch.next() => match event {
+                Some(Ok(event)) => {
+                    if let Some((vm, _)) = migration_of(event.key()) {
+                        mig_queue.schedule(event.key(), clock.now_ms());
+                        // A migration's progress moves its VM's eviction on.
                         vm_queue.schedule(vm, clock.now_ms());
                     }
                 }

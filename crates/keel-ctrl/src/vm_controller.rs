@@ -2,12 +2,21 @@
 
 use std::sync::Arc;
 
-use keel_api::{Clock, Event, Millis, Phase, Snapshot, StopReason, VirtualMachine};
+use keel_api::{
+    Clock, Event, Migration, MigrationPhase, Millis, Node, Phase, Snapshot, StopReason,
+    VirtualMachine,
+};
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
-use crate::keys::{event_key, snapshot_key, snapshots_of_prefix, vm_key};
-use crate::vm_decide::{decide, HvAction, LifecycleConfig, Observed, RestoreSource, Step};
+use crate::keys::{
+    event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
+    vm_key, NODES_PREFIX, VMS_PREFIX,
+};
+use crate::schedule::candidate_nodes;
+use crate::vm_decide::{
+    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -55,6 +64,58 @@ impl VmController {
         &self.store
     }
 
+    /// A migration controller working on the same store, node and clock.
+    pub fn migration_controller(&self) -> crate::MigrationController {
+        crate::MigrationController::new(
+            self.store.clone(),
+            self.hv.clone(),
+            self.clock.clone(),
+            self.cfg.clone(),
+        )
+    }
+
+    /// Writes this node's heartbeat (creating its record on first call),
+    /// and marks a drain complete once no VM is owned by this node.
+    pub async fn heartbeat(&self, facts: Option<&keel_hv::NodeFacts>) -> Result<(), StoreError> {
+        let key = node_key(&self.cfg.node);
+        let mut owns_vms = None;
+        loop {
+            let now = self.clock.now_ms();
+            let current = self.store.get::<Node>(&key).await?;
+            let mut node = current
+                .as_ref()
+                .map(|e| e.value.clone())
+                .unwrap_or_else(|| Node::new(&self.cfg.node));
+            node.status.last_heartbeat = now;
+            if let Some(facts) = facts {
+                node.status.accelerator = Some(facts.accelerator);
+                node.status.hypervisor = Some(facts.hypervisor.clone());
+            }
+            if let Some(drain) = node.drain.as_mut() {
+                if owns_vms.is_none() {
+                    let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+                    owns_vms = Some(
+                        vms.iter()
+                            .any(|(_, v)| v.value.owner_node() == Some(self.cfg.node.as_str())),
+                    );
+                }
+                if drain.completed_at.is_none() && owns_vms == Some(false) {
+                    drain.completed_at = Some(now);
+                    tracing::info!(node = %self.cfg.node, "drain complete: no VM left on the node");
+                }
+            }
+            let result = match &current {
+                Some(e) => self.store.update(&key, &node, e.revision).await,
+                None => self.store.create(&key, &node).await,
+            };
+            match result {
+                Ok(_) => return Ok(()),
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     /// A snapshot controller working on the same store, node and clock.
     pub fn snapshot_controller(&self) -> crate::SnapshotController {
         crate::SnapshotController::new(
@@ -82,9 +143,21 @@ impl VmController {
             return Ok(None);
         };
         let vm = entry.value;
+        match vm.owner_node() {
+            // Another node's agent looks after it; a change wakes us again.
+            Some(node) if node != self.cfg.node => return Ok(None),
+            None => {
+                return self
+                    .place(&key, &vm, entry.revision)
+                    .await
+                    .map_err(store_err)
+            }
+            Some(_) => {}
+        }
+        let cluster = self.cluster_view(&vm).await.map_err(store_err)?;
         let observed = self.observe(&vm).await;
         let now = self.clock.now_ms();
-        match decide(&vm, &observed, now, &self.cfg) {
+        match decide(&vm, &observed, &cluster, now, &self.cfg) {
             Step::Wait { requeue_at } => Ok(Some(requeue_at)),
             Step::Persist {
                 vm: next,
@@ -166,6 +239,155 @@ impl VmController {
                 }
             }
         }
+    }
+
+    /// Chooses the node for a VM that has none. Every agent computes the
+    /// same choice; the compare-and-swap lets one write it.
+    async fn place(
+        &self,
+        key: &str,
+        vm: &VirtualMachine,
+        revision: u64,
+    ) -> Result<Option<Millis>, StoreError> {
+        let now = self.clock.now_ms();
+        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
+        let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
+        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+        let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
+        let mut next = vm.clone();
+        match candidate_nodes(vm, &nodes, &vms, None, now, &self.cfg).first() {
+            Some(node) => {
+                next.status.node = Some(node.clone());
+                next.status.message = None;
+            }
+            None => {
+                next.status.message = Some(format!(
+                    "no ready, uncordoned node can run VM {}{}",
+                    vm.name,
+                    vm.spec
+                        .node
+                        .as_ref()
+                        .map(|n| format!(" (pinned to {n})"))
+                        .unwrap_or_default()
+                ));
+            }
+        }
+        if next == *vm {
+            return Ok(Some(now + self.cfg.retry_ms));
+        }
+        match self.store.update(key, &next, revision).await {
+            Ok(_) | Err(StoreError::Conflict { .. }) => Ok(Some(if next.status.node.is_some() {
+                now
+            } else {
+                now + self.cfg.retry_ms
+            })),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// This node's drain and, while draining, the VM's migration and the
+    /// nodes it could move to.
+    async fn cluster_view(&self, vm: &VirtualMachine) -> Result<ClusterView, StoreError> {
+        let me = self.store.get::<Node>(&node_key(&self.cfg.node)).await?;
+        let Some(drain) = me.and_then(|n| n.value.draining().cloned()) else {
+            return Ok(ClusterView::default());
+        };
+        let migration = match vm
+            .status
+            .eviction
+            .as_ref()
+            .and_then(|e| e.migration.as_ref())
+        {
+            Some(id) => self
+                .store
+                .get::<Migration>(&migration_key(&vm.name, id))
+                .await?
+                .map(|e| e.value),
+            None => None,
+        };
+        let now = self.clock.now_ms();
+        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
+        let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
+        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+        let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
+        let targets = candidate_nodes(vm, &nodes, &vms, Some(&self.cfg.node), now, &self.cfg);
+        Ok(ClusterView {
+            drain: Some(drain),
+            migration,
+            targets,
+        })
+    }
+
+    /// Ends domains on this node that no VM record (and no migration in
+    /// flight) accounts for: the source of a finished migration, the target
+    /// of an abandoned one, instances of VMs now owned elsewhere. Killing an
+    /// extra instance is always safe; the recorded one is never touched.
+    pub async fn collect_garbage(&self) -> Result<(), ReconcileError> {
+        let domains = match self.hv.list().await {
+            Ok(d) => d,
+            Err(err) => {
+                tracing::debug!(%err, "garbage collection: cannot list domains");
+                return Ok(());
+            }
+        };
+        for d in domains {
+            let store_err = |source| ReconcileError::Store {
+                vm: d.vm.clone(),
+                source,
+            };
+            let record = self
+                .store
+                .get::<VirtualMachine>(&vm_key(&d.vm))
+                .await
+                .map_err(store_err)?
+                .map(|e| e.value);
+            let accounted = match &record {
+                Some(vm) => match &vm.status.instance {
+                    Some(inst) => inst.id == d.instance,
+                    // The owner adopts or cleans up its own untracked domains.
+                    None => {
+                        vm.owner_node() == Some(self.cfg.node.as_str()) || vm.owner_node().is_none()
+                    }
+                },
+                None => false,
+            };
+            if accounted {
+                continue;
+            }
+            let (migrations, _) = self
+                .store
+                .list::<Migration>(&migrations_of_prefix(&d.vm))
+                .await
+                .map_err(store_err)?;
+            let recorded = record
+                .as_ref()
+                .and_then(|vm| vm.status.instance.as_ref())
+                .map(|i| i.id.as_str());
+            let in_flight = migrations.iter().any(|(_, m)| {
+                let m = &m.value;
+                let involved = m.target_instance == d.instance || m.source_instance == d.instance;
+                // A succeeded migration whose VM record still names the
+                // source is mid-handover: the target is about to be recorded.
+                let handing_over = m.status.phase == MigrationPhase::Succeeded
+                    && recorded == Some(m.source_instance.as_str());
+                involved && (!m.status.phase.is_final() || handing_over)
+            });
+            if in_flight {
+                continue;
+            }
+            let result = if d.state.is_exited() {
+                self.hv.cleanup(&d.instance).await
+            } else {
+                tracing::info!(vm = %d.vm, instance = %d.instance, "ending unaccounted domain");
+                self.hv.kill(&d.instance).await
+            };
+            if let Err(err) = result {
+                if !err.is_not_found() {
+                    tracing::warn!(vm = %d.vm, instance = %d.instance, %err, "garbage collection");
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Keeps an operator-readable trail of phase changes. Best effort: the
@@ -260,6 +482,18 @@ impl VmController {
             HvAction::Kill(id) => absent_is_ok(self.hv.kill(id).await),
             HvAction::Cleanup(id) => absent_is_ok(self.hv.cleanup(id).await),
             HvAction::DeleteDisks => self.hv.delete_disks(&vm.name).await,
+            HvAction::CreateMigration(m) => {
+                let key = migration_key(&m.vm, &m.id);
+                match self.store.create(&key, m.as_ref()).await {
+                    // Already there: this attempt's record, created before a retry.
+                    Ok(_) | Err(StoreError::Conflict { .. }) => Ok(()),
+                    Err(e) => Err(HvError::Unavailable {
+                        instance: m.source_instance.clone(),
+                        op: "create migration record",
+                        reason: e.to_string(),
+                    }),
+                }
+            }
             HvAction::RestoreDisks(snapshot) => {
                 self.hv
                     .restore_disks(&vm.name, &vm.spec.disks, snapshot)
@@ -296,7 +530,7 @@ fn change_reason(vm: &VirtualMachine) -> String {
             StopReason::Delete => "delete requested".into(),
             StopReason::Policy => "run policy AlwaysOff".into(),
             StopReason::Restore => "restore from snapshot".into(),
-            StopReason::Evict => "evicted from node".into(),
+            StopReason::Evict => "evicted from a draining node".into(),
         };
     }
     if let (None, Some(exit)) = (&status.instance, &status.last_exit) {

@@ -14,10 +14,12 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    ExitKind, ExitRecord, Instance, Millis, Phase, PowerState, RunPolicy, Snapshot, SnapshotPhase,
-    StopProgress, StopReason, VirtualMachine,
+    Drain, ExitKind, ExitRecord, Instance, Migration, Millis, Phase, PowerState, RunPolicy,
+    Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
+
+use crate::evict_decide::decide_eviction;
 
 /// Tunables of the lifecycle. Times in milliseconds.
 #[derive(Debug, Clone)]
@@ -38,6 +40,9 @@ pub struct LifecycleConfig {
     pub boot_settle_ms: Millis,
     /// How often a running instance is looked at, to notice crashes.
     pub poll_ms: Millis,
+    /// A node whose heartbeat is older than this is not ready: nothing new
+    /// is placed on it.
+    pub node_ready_ms: Millis,
 }
 
 impl Default for LifecycleConfig {
@@ -52,6 +57,7 @@ impl Default for LifecycleConfig {
             start_backoff_max_ms: 32_000,
             boot_settle_ms: 10_000,
             poll_ms: 2_000,
+            node_ready_ms: 15_000,
         }
     }
 }
@@ -82,8 +88,20 @@ pub enum RestoreSource {
     Missing,
 }
 
+/// What the VM's node and its neighbours look like, for evictions.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ClusterView {
+    /// This node's drain, while it is being drained.
+    pub drain: Option<Drain>,
+    /// The migration named by `status.eviction.migration`, if it exists.
+    pub migration: Option<Migration>,
+    /// Nodes the VM could move to now (ready, not cordoned, not this one),
+    /// best first.
+    pub targets: Vec<String>,
+}
+
 /// A hypervisor call the executor makes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum HvAction {
     Start,
     Shutdown(String),
@@ -92,6 +110,8 @@ pub enum HvAction {
     DeleteDisks,
     /// Put the disks (of the VM record being written) back to this snapshot.
     RestoreDisks(String),
+    /// Create this migration record if it does not exist yet (store only).
+    CreateMigration(Box<Migration>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -117,6 +137,7 @@ pub enum Step {
 pub fn decide(
     vm: &VirtualMachine,
     observed: &Observed,
+    cluster: &ClusterView,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Step {
@@ -126,7 +147,9 @@ pub fn decide(
         (Some(inst), Observed::Instance(DomainState::Exited(cause))) => {
             instance_gone(vm, inst, Some(*cause), now, cfg)
         }
-        (Some(inst), Observed::Instance(state)) => instance_alive(vm, inst, *state, now, cfg),
+        (Some(inst), Observed::Instance(state)) => {
+            instance_alive(vm, inst, *state, cluster, now, cfg)
+        }
         // The observation is for a different shape of record (it changed
         // under us): look again at once.
         (Some(_), Observed::NoInstance { .. })
@@ -146,7 +169,7 @@ pub fn decide(
                 domains,
                 restore_source,
             },
-        ) => no_instance(vm, domains, restore_source, now, cfg),
+        ) => no_instance(vm, domains, restore_source, cluster, now, cfg),
     }
 }
 
@@ -209,47 +232,29 @@ fn instance_alive(
     vm: &VirtualMachine,
     inst: &Instance,
     state: DomainState,
+    cluster: &ClusterView,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Step {
-    let grace_ms = vm.spec.stop_grace_period_s * 1000;
     let mut next = vm.clone();
     next.status.message = None;
+    if vm.status.stop.is_none() && vm.deletion_requested_at.is_none() {
+        if let Some(step) = decide_eviction(vm, inst, state, cluster, now, cfg) {
+            return step;
+        }
+    }
     let Some(reason) = should_stop(vm) else {
         return keep_running(vm, next, inst, state, now, cfg);
     };
     let Some(stop) = &vm.status.stop else {
-        // Begin: press the power button, look again after the first backoff.
-        next.status.phase = if reason == StopReason::Delete {
-            Phase::Deleting
-        } else {
-            Phase::Stopping
-        };
-        next.status.stop = Some(StopProgress {
-            reason,
-            requested_at: now,
-            attempts: 1,
-            next_check_at: now + cfg.stop_backoff_initial_ms.min(grace_ms),
-            forced_at: None,
-        });
-        let requeue_at = next
-            .status
-            .stop
-            .as_ref()
-            .map(|s| s.next_check_at)
-            .unwrap_or(now);
-        return Step::Persist {
-            vm: Box::new(next),
-            then: Some(HvAction::Shutdown(inst.id.clone())),
-            requeue_at,
-        };
+        return begin_stop(next, inst, reason, now, cfg);
     };
     if now < stop.next_check_at {
         return Step::Wait {
             requeue_at: stop.next_check_at,
         };
     }
-    let grace_end = stop.requested_at + grace_ms;
+    let grace_end = grace_end(vm, stop.requested_at);
     let progress = next.status.stop.as_mut().expect("cloned");
     if stop.forced_at.is_some() || now >= grace_end {
         progress.forced_at.get_or_insert(now);
@@ -274,6 +279,47 @@ fn instance_alive(
         vm: Box::new(next),
         then: Some(HvAction::Shutdown(inst.id.clone())),
         requeue_at,
+    }
+}
+
+/// Presses the power button and records the stop schedule.
+pub(crate) fn begin_stop(
+    mut next: VirtualMachine,
+    inst: &Instance,
+    reason: StopReason,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
+    next.status.phase = if reason == StopReason::Delete {
+        Phase::Deleting
+    } else {
+        Phase::Stopping
+    };
+    let first_check = (now + cfg.stop_backoff_initial_ms).min(grace_end(&next, now).max(now + 1));
+    next.status.stop = Some(StopProgress {
+        reason,
+        requested_at: now,
+        attempts: 1,
+        next_check_at: first_check,
+        forced_at: None,
+    });
+    Step::Persist {
+        vm: Box::new(next),
+        then: Some(HvAction::Shutdown(inst.id.clone())),
+        requeue_at: first_check,
+    }
+}
+
+/// When a stop begun at `requested_at` turns into a kill: the grace period,
+/// shortened by an eviction's fallback window (a missing window counts as
+/// expired).
+fn grace_end(vm: &VirtualMachine, requested_at: Millis) -> Millis {
+    let end = requested_at + vm.spec.stop_grace_period_s * 1000;
+    match (&vm.status.stop, &vm.status.eviction) {
+        (Some(stop), Some(ev)) if stop.reason == StopReason::Evict => {
+            end.min(ev.fallback_deadline.unwrap_or(requested_at))
+        }
+        _ => end,
     }
 }
 
@@ -342,6 +388,16 @@ fn instance_gone(
     status.instance = None;
     status.stop = None;
     status.message = None;
+    if vm
+        .status
+        .stop
+        .as_ref()
+        .is_some_and(|s| s.reason == StopReason::Evict)
+    {
+        // Evicted: the next instance starts wherever the scheduler says.
+        status.eviction = None;
+        status.node = None;
+    }
     // Whatever restart was asked for is satisfied by the next fresh start.
     status.observed_restart_generation = vm.spec.restart_generation;
     if !requested {
@@ -397,6 +453,7 @@ fn no_instance(
     vm: &VirtualMachine,
     domains: &[DomainInfo],
     restore_source: &RestoreSource,
+    cluster: &ClusterView,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Step {
@@ -446,6 +503,18 @@ fn no_instance(
     if let Some(at) = vm.status.next_start_at.filter(|at| *at > now) {
         next.status.phase = Phase::BackOff;
         return persist_if_changed(vm, next, None, at);
+    }
+    if cluster.drain.is_some() {
+        // Not here: hand the VM back to the scheduler, unless it is pinned
+        // to this node, where it waits for the drain to end.
+        next.status.eviction = None;
+        next.status.phase = Phase::Pending;
+        if vm.spec.node.as_deref() == Some(cfg.node.as_str()) {
+            next.status.message = Some(format!("pinned to draining node {}", cfg.node));
+            return persist_if_changed(vm, next, None, now + cfg.poll_ms);
+        }
+        next.status.node = None;
+        return persist_if_changed(vm, next, None, now);
     }
     let seq = vm.status.instance_seq + 1;
     next.status.instance_seq = seq;
@@ -528,7 +597,7 @@ fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> 
     next
 }
 
-fn persist_if_changed(
+pub(crate) fn persist_if_changed(
     old: &VirtualMachine,
     new: VirtualMachine,
     then: Option<HvAction>,
@@ -593,7 +662,7 @@ mod tests {
         let mut now = 100_000;
         let mut checks = vec![];
         for _ in 0..20 {
-            match decide(&v, &running, now, &cfg) {
+            match decide(&v, &running, &ClusterView::default(), now, &cfg) {
                 Step::Persist {
                     vm,
                     then,

@@ -20,6 +20,7 @@ fn sim() -> SimConfig {
         boot_ms: 1_000,
         graceful_shutdown_ms: 2_000,
         faults: SimFaults::default(),
+        ..Default::default()
     }
 }
 

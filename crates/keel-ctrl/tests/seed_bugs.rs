@@ -13,6 +13,7 @@ fn slow_guest() -> SimConfig {
         boot_ms: 1_000,
         graceful_shutdown_ms: 30_000,
         faults: SimFaults::default(),
+        ..Default::default()
     }
 }
 

@@ -45,6 +45,7 @@ fn random_faults(rng: &mut ChaCha8Rng) -> SimFaults {
         ignore_powerdown: pick(0.3),
         crash_on_first_boot,
         spontaneous_exit: pick(0.03),
+        ..Default::default()
     }
 }
 
@@ -55,6 +56,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         boot_ms: rng.gen_range(100..5_000),
         graceful_shutdown_ms: rng.gen_range(100..20_000),
         faults: faults.clone(),
+        ..Default::default()
     };
     let mut w = World::new(seed, sim);
     *w.faulty.fail_rate.lock().unwrap() = if rng.gen_bool(0.5) { 0.1 } else { 0.0 };

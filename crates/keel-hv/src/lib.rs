@@ -69,6 +69,24 @@ pub struct NodeFacts {
     pub accelerator_note: String,
 }
 
+/// What the source side of a live migration reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MigrationProgress {
+    /// No migration was started from this instance.
+    None,
+    Active {
+        transferred_bytes: u64,
+        total_bytes: u64,
+    },
+    Completed {
+        total_ms: u64,
+        downtime_ms: Option<u64>,
+    },
+    Failed {
+        reason: String,
+    },
+}
+
 /// Every variant names the domain (instance id) it is about.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HvError {
@@ -158,6 +176,32 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported(vm, "restore", name))
     }
 
+    /// Starts an instance that waits for an incoming live migration (it
+    /// reports `Starting` until the migration completes) and returns the
+    /// URI the source is to send to.
+    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+        Err(unsupported_migration(
+            &spec.instance,
+            "prepare incoming migration",
+        ))
+    }
+
+    /// Starts sending running `instance` to `uri`; returns once under way.
+    async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
+        let _ = uri;
+        Err(unsupported_migration(instance, "migrate"))
+    }
+
+    async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
+        Err(unsupported_migration(instance, "query migration"))
+    }
+
+    /// Asks an active migration to stop; the source keeps running. A
+    /// migration that completes anyway is reported as completed.
+    async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
+        Err(unsupported_migration(instance, "cancel migration"))
+    }
+
     /// Removes snapshot `name` from the disks of `vm`; absent is success.
     async fn delete_snapshot(
         &self,
@@ -167,6 +211,14 @@ pub trait Hypervisor: Send + Sync + 'static {
     ) -> Result<(), HvError> {
         let _ = disks;
         Err(unsupported(vm, "delete snapshot", name))
+    }
+}
+
+fn unsupported_migration(instance: &str, op: &'static str) -> HvError {
+    HvError::Failed {
+        instance: instance.to_string(),
+        op,
+        reason: "live migration not supported by this driver".into(),
     }
 }
 

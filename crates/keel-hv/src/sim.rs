@@ -14,7 +14,10 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::{DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor, NodeFacts};
+use crate::{
+    DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor, MigrationProgress,
+    NodeFacts,
+};
 
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -22,6 +25,8 @@ pub struct SimConfig {
     pub boot_ms: Millis,
     /// From an ACPI power-down request until the guest has powered off.
     pub graceful_shutdown_ms: Millis,
+    /// From `migrate` until the target runs.
+    pub migration_ms: Millis,
     pub faults: SimFaults,
 }
 
@@ -30,6 +35,7 @@ impl Default for SimConfig {
         Self {
             boot_ms: 2_000,
             graceful_shutdown_ms: 3_000,
+            migration_ms: 5_000,
             faults: SimFaults::default(),
         }
     }
@@ -52,6 +58,10 @@ pub struct SimFaults {
     pub crash_on_first_boot: bool,
     /// A running guest crashes or powers itself off, checked per call.
     pub spontaneous_exit: f64,
+    /// A started migration fails when it would have completed.
+    pub migration_fails: f64,
+    /// A cancel comes too late: the migration completes anyway.
+    pub cancel_too_late: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -62,6 +72,48 @@ struct SimDomain {
     powerdown_requested_at: Option<Millis>,
     ignores_powerdown: bool,
     crash_at: Option<Millis>,
+    /// Set on a target waiting for an incoming migration.
+    incoming: Option<Incoming>,
+    /// Set on a source that started a migration.
+    outgoing: Option<Outgoing>,
+}
+
+#[derive(Debug, Clone)]
+struct Incoming {
+    /// When the state will have arrived; `None` until the source sends.
+    completes_at: Option<Millis>,
+    fails: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Outgoing {
+    started_at: Millis,
+    completes_at: Millis,
+    fails: bool,
+    cancelled: bool,
+    target_uri: String,
+}
+
+impl SimDomain {
+    /// Whether this domain's guest is the one executing: not exited, not a
+    /// target still waiting for state, not a source that handed over.
+    fn executing(&self) -> bool {
+        !self.state.is_exited()
+            && self.incoming.is_none()
+            && !self
+                .outgoing
+                .as_ref()
+                .is_some_and(|o| !o.fails && !o.cancelled && self.state == DomainState::Paused)
+    }
+}
+
+/// Connects simulated nodes: where incoming migrations listen, and the
+/// storage they share (disks are reachable from every node, as with a
+/// shared storage directory).
+#[derive(Clone, Default)]
+pub struct SimFabric {
+    targets: Arc<Mutex<BTreeMap<String, Arc<Mutex<SimState>>>>>,
+    disks: Arc<Mutex<BTreeMap<String, SimDisks>>>,
 }
 
 /// A VM's disks as the guest sees them: records by slot, and snapshots of them.
@@ -80,21 +132,35 @@ struct SimState {
     /// VMs whose next started instance crashes right after boot.
     crash_next_boot: std::collections::BTreeSet<String>,
     violations: Vec<String>,
-    /// Disks that exist, by VM; they outlive instances.
-    disks: BTreeMap<String, SimDisks>,
     log: Vec<String>,
 }
 
 #[derive(Clone)]
 pub struct SimHypervisor {
     clock: Arc<dyn Clock>,
+    node: String,
     state: Arc<Mutex<SimState>>,
+    fabric: SimFabric,
 }
 
 impl SimHypervisor {
+    /// A single node with storage of its own.
     pub fn new(clock: Arc<dyn Clock>, seed: u64, config: SimConfig) -> Self {
+        Self::join(clock, seed, config, &SimFabric::default(), "local")
+    }
+
+    /// A node `node` attached to `fabric`, shared with the other nodes.
+    pub fn join(
+        clock: Arc<dyn Clock>,
+        seed: u64,
+        config: SimConfig,
+        fabric: &SimFabric,
+        node: &str,
+    ) -> Self {
         Self {
             clock,
+            node: node.to_string(),
+            fabric: fabric.clone(),
             state: Arc::new(Mutex::new(SimState {
                 domains: BTreeMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
@@ -102,7 +168,6 @@ impl SimHypervisor {
                 starts_per_vm: BTreeMap::new(),
                 crash_next_boot: Default::default(),
                 violations: Vec::new(),
-                disks: BTreeMap::new(),
                 log: Vec::new(),
             })),
         }
@@ -134,6 +199,21 @@ impl SimHypervisor {
             .collect()
     }
 
+    /// Instances of `vm` whose guest executes here: not exited, not waiting
+    /// for an incoming migration, not a source that handed over.
+    pub fn executing_instances(&self, vm: &str) -> Vec<String> {
+        self.lock()
+            .domains
+            .values()
+            .filter(|d| d.spec.vm == vm && d.executing())
+            .map(|d| d.spec.instance.clone())
+            .collect()
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
     /// Every VM that has a live instance.
     pub fn live_vms(&self) -> Vec<String> {
         let state = self.lock();
@@ -147,22 +227,29 @@ impl SimHypervisor {
         vms
     }
 
+    fn disks(&self) -> MutexGuard<'_, BTreeMap<String, SimDisks>> {
+        self.fabric.disks.lock().expect("sim disks poisoned")
+    }
+
     pub fn has_disks(&self, vm: &str) -> bool {
-        self.lock().disks.contains_key(vm)
+        self.disks().contains_key(vm)
     }
 
     /// The guest of `vm`'s live instance writes a record to its disk.
     /// Fails when no instance of the VM is live (no guest to write).
     pub fn guest_write(&self, vm: &str, slot: u32, text: &str) -> Result<(), String> {
-        let mut s = self.lock();
-        if !s
+        let executing = self
+            .lock()
             .domains
             .values()
-            .any(|d| d.spec.vm == vm && !d.state.is_exited())
-        {
-            return Err(format!("VM {vm} has no live instance"));
+            .any(|d| d.spec.vm == vm && d.executing());
+        if !executing {
+            return Err(format!(
+                "VM {vm} has no executing instance on node {}",
+                self.node
+            ));
         }
-        s.disks
+        self.disks()
             .entry(vm.to_string())
             .or_default()
             .records
@@ -172,7 +259,7 @@ impl SimHypervisor {
 
     /// What the VM's disk holds at `slot`.
     pub fn disk_record(&self, vm: &str, slot: u32) -> Option<String> {
-        self.lock().disks.get(vm)?.records.get(&slot).cloned()
+        self.disks().get(vm)?.records.get(&slot).cloned()
     }
 
     /// The next instance of `vm` to start crashes right after it boots.
@@ -223,6 +310,27 @@ impl SimState {
             if d.state.is_exited() {
                 continue;
             }
+            if let Some(inc) = &d.incoming {
+                match inc.completes_at {
+                    Some(at) if now >= at => {
+                        d.state = if inc.fails {
+                            DomainState::Exited(ExitCause::Crashed)
+                        } else {
+                            DomainState::Running
+                        };
+                        d.incoming = None;
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            if let Some(out) = &d.outgoing {
+                if now >= out.completes_at && !out.fails && !out.cancelled {
+                    // Handed over: the source stays paused until told to quit.
+                    d.state = DomainState::Paused;
+                    continue;
+                }
+            }
             if let Some(at) = d.crash_at {
                 if now >= at {
                     d.state = DomainState::Exited(ExitCause::Crashed);
@@ -253,7 +361,7 @@ impl SimState {
         let live = self
             .domains
             .get(instance)
-            .is_some_and(|d| !d.state.is_exited());
+            .is_some_and(|d| d.executing() && d.outgoing.is_none());
         let acts = matches!(op, "shutdown" | "kill");
         if live && acts && self.chance(vanish) {
             self.domains.remove(instance);
@@ -330,7 +438,7 @@ impl Hypervisor for SimHypervisor {
         let live: Vec<String> = s
             .domains
             .values()
-            .filter(|d| d.spec.vm == spec.vm && !d.state.is_exited())
+            .filter(|d| d.spec.vm == spec.vm && d.executing())
             .map(|d| d.spec.instance.clone())
             .collect();
         if !live.is_empty() {
@@ -348,7 +456,7 @@ impl Hypervisor for SimHypervisor {
             .then_some(now + s.config.boot_ms + 500);
         let ignore = s.config.faults.ignore_powerdown;
         let ignores_powerdown = s.chance(ignore);
-        s.disks.entry(spec.vm.clone()).or_default();
+        self.disks().entry(spec.vm.clone()).or_default();
         s.domains.insert(
             spec.instance.clone(),
             SimDomain {
@@ -358,6 +466,8 @@ impl Hypervisor for SimHypervisor {
                 powerdown_requested_at: None,
                 ignores_powerdown,
                 crash_at,
+                incoming: None,
+                outgoing: None,
             },
         );
         s.log.push(format!("t={now}: start {}", spec.instance));
@@ -455,7 +565,192 @@ impl Hypervisor for SimHypervisor {
             let v = format!("deleted disks of VM {vm} while an instance is live");
             s.violations.push(v);
         }
-        s.disks.remove(vm);
+        drop(s);
+        self.disks().remove(vm);
+        Ok(())
+    }
+
+    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+        let now = self.clock.now_ms();
+        let uri = format!("sim://{}/{}", self.node, spec.instance);
+        {
+            let mut s = self.lock();
+            let p = s.config.faults.op_unavailable;
+            s.maybe_unavailable(&spec.instance, "prepare incoming", p)?;
+            if s.domains.contains_key(&spec.instance) {
+                return Err(HvError::AlreadyExists {
+                    instance: spec.instance.clone(),
+                });
+            }
+            s.domains.insert(
+                spec.instance.clone(),
+                SimDomain {
+                    spec: spec.clone(),
+                    started_at: now,
+                    state: DomainState::Starting,
+                    powerdown_requested_at: None,
+                    ignores_powerdown: false,
+                    crash_at: None,
+                    incoming: Some(Incoming {
+                        completes_at: None,
+                        fails: false,
+                    }),
+                    outgoing: None,
+                },
+            );
+            s.log
+                .push(format!("t={now}: incoming {} at {uri}", spec.instance));
+        }
+        self.fabric
+            .targets
+            .lock()
+            .expect("fabric poisoned")
+            .insert(uri.clone(), self.state.clone());
+        Ok(uri)
+    }
+
+    async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let target_state = self
+            .fabric
+            .targets
+            .lock()
+            .expect("fabric poisoned")
+            .get(uri)
+            .cloned()
+            .ok_or_else(|| HvError::Failed {
+                instance: instance.to_string(),
+                op: "migrate",
+                reason: format!("nothing listens at {uri}"),
+            })?;
+        if Arc::ptr_eq(&target_state, &self.state) {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "migrate",
+                reason: "source and target are the same node".into(),
+            });
+        }
+        let target_instance = uri.rsplit('/').next().unwrap_or_default().to_string();
+        let (completes_at, fails) = {
+            let mut s = self.lock();
+            let p = s.config.faults.op_unavailable;
+            s.maybe_unavailable(instance, "migrate", p)?;
+            let fail_p = s.config.faults.migration_fails;
+            let fails = s.chance(fail_p);
+            let completes_at = now + s.config.migration_ms;
+            let d = s
+                .domains
+                .get_mut(instance)
+                .ok_or_else(|| HvError::NotFound {
+                    instance: instance.to_string(),
+                })?;
+            if !d.executing() || d.state != DomainState::Running {
+                return Err(HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "migrate",
+                    reason: format!("source is {:?}", d.state),
+                });
+            }
+            if d.outgoing
+                .as_ref()
+                .is_some_and(|o| !o.cancelled && !o.fails)
+            {
+                // Already under way (a retried call): nothing new to start.
+                return Ok(());
+            }
+            d.outgoing = Some(Outgoing {
+                started_at: now,
+                completes_at,
+                fails,
+                cancelled: false,
+                target_uri: uri.to_string(),
+            });
+            s.log.push(format!("t={now}: migrate {instance} -> {uri}"));
+            (completes_at, fails)
+        };
+        let mut t = target_state.lock().expect("sim state poisoned");
+        t.advance(now);
+        match t.domains.get_mut(&target_instance) {
+            Some(d) if d.incoming.is_some() => {
+                d.incoming = Some(Incoming {
+                    completes_at: Some(completes_at),
+                    fails,
+                });
+                Ok(())
+            }
+            _ => Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "migrate",
+                reason: format!("target {target_instance} is not waiting for a migration"),
+            }),
+        }
+    }
+
+    async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let p = s.config.faults.lookup_unavailable;
+        s.maybe_unavailable(instance, "query migration", p)?;
+        let d = s.domains.get(instance).ok_or_else(|| HvError::NotFound {
+            instance: instance.to_string(),
+        })?;
+        Ok(match &d.outgoing {
+            None => MigrationProgress::None,
+            Some(o) if o.cancelled => MigrationProgress::Failed {
+                reason: "cancelled".into(),
+            },
+            Some(o) if now < o.completes_at => MigrationProgress::Active {
+                transferred_bytes: (now - o.started_at) * 1000,
+                total_bytes: (o.completes_at - o.started_at) * 1000,
+            },
+            Some(o) if o.fails => MigrationProgress::Failed {
+                reason: "injected migration failure".into(),
+            },
+            Some(o) => MigrationProgress::Completed {
+                total_ms: o.completes_at - o.started_at,
+                downtime_ms: Some(50),
+            },
+        })
+    }
+
+    async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let target_uri = {
+            let mut s = self.lock();
+            let too_late_p = s.config.faults.cancel_too_late;
+            let too_late = s.chance(too_late_p);
+            let d = s
+                .domains
+                .get_mut(instance)
+                .ok_or_else(|| HvError::NotFound {
+                    instance: instance.to_string(),
+                })?;
+            match d.outgoing.as_mut() {
+                Some(o) if now < o.completes_at && !o.cancelled && !too_late => {
+                    o.cancelled = true;
+                    o.target_uri.clone()
+                }
+                _ => return Ok(()),
+            }
+        };
+        let target_state = self
+            .fabric
+            .targets
+            .lock()
+            .expect("fabric poisoned")
+            .get(&target_uri)
+            .cloned();
+        if let Some(t) = target_state {
+            let target_instance = target_uri.rsplit('/').next().unwrap_or_default();
+            let mut t = t.lock().expect("sim state poisoned");
+            t.advance(now);
+            if let Some(d) = t.domains.get_mut(target_instance) {
+                if d.incoming.is_some() {
+                    d.incoming = None;
+                    d.state = DomainState::Exited(ExitCause::Crashed);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -469,7 +764,9 @@ impl Hypervisor for SimHypervisor {
         let mut s = self.lock();
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(vm, "snapshot", p)?;
-        let disks = s.disks.entry(vm.to_string()).or_default();
+        drop(s);
+        let mut all = self.disks();
+        let disks = all.entry(vm.to_string()).or_default();
         if !disks.snapshots.contains_key(name) {
             let records = disks.records.clone();
             disks.snapshots.insert(name.to_string(), records);
@@ -493,7 +790,9 @@ impl Hypervisor for SimHypervisor {
             let v = format!("restored disks of VM {vm} while an instance is live");
             s.violations.push(v);
         }
-        let disks = s.disks.entry(vm.to_string()).or_default();
+        drop(s);
+        let mut all = self.disks();
+        let disks = all.entry(vm.to_string()).or_default();
         let records = disks
             .snapshots
             .get(name)
@@ -513,8 +812,7 @@ impl Hypervisor for SimHypervisor {
         _disks: &[keel_api::DiskSpec],
         name: &str,
     ) -> Result<(), HvError> {
-        let mut s = self.lock();
-        if let Some(disks) = s.disks.get_mut(vm) {
+        if let Some(disks) = self.disks().get_mut(vm) {
             disks.snapshots.remove(name);
         }
         Ok(())

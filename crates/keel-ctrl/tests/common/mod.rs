@@ -126,6 +126,7 @@ pub struct World {
     pub cfg: LifecycleConfig,
     pub queue: WorkQueue,
     pub errors: usize,
+    next_housekeeping: Millis,
 }
 
 impl World {
@@ -154,7 +155,17 @@ impl World {
             cfg,
             queue: WorkQueue::default(),
             errors: 0,
+            next_housekeeping: 0,
         }
+    }
+
+    /// Registers this node (as its agent does on start).
+    pub async fn register_node(&mut self) {
+        self.ctrl
+            .heartbeat(None)
+            .await
+            .expect("heartbeat on an unfaulted store");
+        self.next_housekeeping = self.now() + 5_000;
     }
 
     pub fn now(&self) -> Millis {
@@ -172,6 +183,7 @@ impl World {
         );
         self.snaps = self.ctrl.snapshot_controller();
         self.queue = WorkQueue::default();
+        self.next_housekeeping = 0;
         let (vms, _) = self
             .user
             .list::<VirtualMachine>(VMS_PREFIX)
@@ -184,6 +196,11 @@ impl World {
     }
 
     pub async fn create(&mut self, name: &str, spec: VmSpec) -> bool {
+        if self.next_housekeeping == 0 {
+            let fail_rate = std::mem::replace(&mut *self.faulty.fail_rate.lock().unwrap(), 0.0);
+            self.register_node().await;
+            *self.faulty.fail_rate.lock().unwrap() = fail_rate;
+        }
         let vm = VirtualMachine::new(name, spec);
         let ok = self.user.create(&vm_key(name), &vm).await.is_ok();
         self.queue.schedule(name, self.now());
@@ -263,8 +280,22 @@ impl World {
         .await
     }
 
+    /// The node agent's periodic chores, as the runtime does them: the
+    /// heartbeat (which keeps the node schedulable) and garbage collection.
+    pub async fn housekeeping(&mut self) {
+        let now = self.now();
+        if now < self.next_housekeeping {
+            return;
+        }
+        if self.ctrl.heartbeat(None).await.is_ok() {
+            self.next_housekeeping = now + 5_000;
+        }
+        let _ = self.ctrl.collect_garbage().await;
+    }
+
     /// Reconciles everything due now. Returns how many reconciles ran.
     pub async fn reconcile_due(&mut self) -> usize {
+        self.housekeeping().await;
         let now = self.now();
         let due = self.queue.pop_due(now);
         let n = due.len();

@@ -1,0 +1,57 @@
+//! A live migration attempt. Created exactly once per attempt (the id is
+//! reserved on the VM record first, the record is then created only if
+//! absent), and never reused: a new attempt gets a new id.
+
+use serde::{Deserialize, Serialize};
+
+use crate::Millis;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Migration {
+    pub id: String,
+    pub vm: String,
+    pub source_node: String,
+    pub source_instance: String,
+    pub target_node: String,
+    pub target_instance: String,
+    pub created_at: Millis,
+    #[serde(default)]
+    pub status: MigrationStatus,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum MigrationPhase {
+    /// Waiting for the target node to start an incoming instance.
+    #[default]
+    Pending,
+    /// The target listens at `target_uri`.
+    TargetReady,
+    /// The source is sending its state.
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl MigrationPhase {
+    pub fn is_final(self) -> bool {
+        matches!(self, MigrationPhase::Succeeded | MigrationPhase::Failed)
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationStatus {
+    #[serde(default)]
+    pub phase: MigrationPhase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_uri: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_at: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished_at: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub downtime_ms: Option<Millis>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}

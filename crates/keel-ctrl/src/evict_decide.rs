@@ -1,0 +1,229 @@
+//! Moving a running VM off a draining node, as a pure function.
+//!
+//! Migration first, in two bounded windows (submission, then the migration
+//! itself), then the fallback: graceful stop here (forced at the end of the
+//! fallback window) and a start elsewhere per run policy. The deadlines are
+//! on the VM record, so a restarted controller resumes the same windows; a
+//! missing or impossible deadline counts as expired. A migration that
+//! succeeds is honoured whenever it is seen, even after its window. A
+//! migration is reserved on the record (id and target instance) before it
+//! is created, and created only if absent: once per attempt.
+
+use keel_api::{
+    Eviction, EvictionPhase, Instance, Migration, MigrationPhase, MigrationStatus, Millis, Phase,
+    StopReason, VirtualMachine,
+};
+use keel_hv::DomainState;
+
+use crate::vm_decide::{
+    begin_stop, persist_if_changed, ClusterView, HvAction, LifecycleConfig, Step,
+};
+
+/// `None`: the node is not draining, carry on as usual.
+pub(crate) fn decide_eviction(
+    vm: &VirtualMachine,
+    inst: &Instance,
+    state: DomainState,
+    cluster: &ClusterView,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Option<Step> {
+    let drain = cluster.drain.as_ref()?;
+    let windows = drain.windows;
+    let ev = match &vm.status.eviction {
+        Some(ev) if ev.drain_requested_at == drain.requested_at => ev,
+        // Absent, or left by an earlier drain (a stale failure included):
+        // a new attempt with fresh windows.
+        _ => {
+            let mut next = vm.clone();
+            next.status.eviction = Some(Eviction {
+                drain_requested_at: drain.requested_at,
+                phase: EvictionPhase::Submitting,
+                started_at: now,
+                submit_deadline: Some(now + windows.submit_ms),
+                migrate_deadline: None,
+                fallback_deadline: None,
+                migration: None,
+                message: None,
+            });
+            return Some(Step::Persist {
+                vm: Box::new(next),
+                then: None,
+                requeue_at: now,
+            });
+        }
+    };
+    let migration = cluster
+        .migration
+        .as_ref()
+        .filter(|m| ev.migration.as_deref() == Some(m.id.as_str()));
+    if let Some(m) = migration {
+        if m.status.phase == MigrationPhase::Succeeded {
+            return Some(adopt_target(vm, m, now));
+        }
+    }
+    let expired = |deadline: Option<Millis>| deadline.is_none_or(|d| now >= d || d < ev.started_at);
+    let poll = |deadline: Option<Millis>| Step::Wait {
+        requeue_at: deadline.map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1)),
+    };
+    let step = match ev.phase {
+        EvictionPhase::Submitting => match migration.map(|m| m.status.phase) {
+            Some(MigrationPhase::Running) => {
+                let mut next = vm.clone();
+                let e = next.status.eviction.as_mut().expect("cloned");
+                e.phase = EvictionPhase::Migrating;
+                e.migrate_deadline = Some(now + windows.migrate_ms);
+                Step::Persist {
+                    vm: Box::new(next),
+                    then: None,
+                    requeue_at: now,
+                }
+            }
+            _ if expired(ev.submit_deadline) => {
+                fallback(vm, "submission window expired", now, windows.fallback_ms)
+            }
+            Some(MigrationPhase::Failed) => retry(vm, migration, now),
+            Some(_) => poll(ev.submit_deadline),
+            None => match &ev.migration {
+                // Reserved, but the record was not created (a crash in
+                // between): create it now, from the reservation.
+                Some(_) => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
+                    fallback(vm, "no node to migrate to", now, windows.fallback_ms)
+                }),
+                None if state != DomainState::Running => poll(ev.submit_deadline),
+                None => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
+                    fallback(vm, "no node to migrate to", now, windows.fallback_ms)
+                }),
+            },
+        },
+        EvictionPhase::Migrating => match migration.map(|m| m.status.phase) {
+            Some(MigrationPhase::Failed) if !expired(ev.submit_deadline) => {
+                retry(vm, migration, now)
+            }
+            Some(MigrationPhase::Failed) => {
+                fallback(vm, "migration failed", now, windows.fallback_ms)
+            }
+            None => fallback(vm, "migration record missing", now, windows.fallback_ms),
+            _ if expired(ev.migrate_deadline) => {
+                fallback(vm, "migration window expired", now, windows.fallback_ms)
+            }
+            _ => poll(ev.migrate_deadline),
+        },
+        EvictionPhase::Fallback => match migration {
+            // Still being cancelled by the migration controller; stopping
+            // the source under a running migration could hand over a guest
+            // that is powering off.
+            Some(m) if !m.status.phase.is_final() => Step::Wait {
+                requeue_at: now + cfg.retry_ms,
+            },
+            _ => begin_stop(vm.clone(), inst, StopReason::Evict, now, cfg),
+        },
+    };
+    Some(step)
+}
+
+/// The target runs the guest now: it becomes the VM's instance.
+fn adopt_target(vm: &VirtualMachine, m: &Migration, now: Millis) -> Step {
+    let mut next = vm.clone();
+    next.status.instance = Some(Instance {
+        id: m.target_instance.clone(),
+        node: m.target_node.clone(),
+        created_at: m.created_at,
+        running_since: Some(now),
+    });
+    next.status.node = Some(m.target_node.clone());
+    next.status.eviction = None;
+    next.status.phase = Phase::Running;
+    next.status.message = Some(format!(
+        "migrated from node {} to node {} by migration {}",
+        m.source_node, m.target_node, m.id
+    ));
+    Step::Persist {
+        vm: Box::new(next),
+        then: None,
+        requeue_at: now,
+    }
+}
+
+fn fallback(vm: &VirtualMachine, why: &str, now: Millis, fallback_ms: Millis) -> Step {
+    let mut next = vm.clone();
+    let e = next.status.eviction.as_mut().expect("eviction present");
+    e.phase = EvictionPhase::Fallback;
+    e.fallback_deadline = Some(now + fallback_ms);
+    e.message = Some(format!("falling back to stop and start elsewhere: {why}"));
+    tracing::info!(vm = %vm.name, why, "eviction falls back to stop");
+    Step::Persist {
+        vm: Box::new(next),
+        then: None,
+        requeue_at: now,
+    }
+}
+
+/// The attempt failed within the submission window: a new attempt, with a
+/// new migration (the failed one is never reused).
+fn retry(vm: &VirtualMachine, failed: Option<&Migration>, now: Millis) -> Step {
+    let mut next = vm.clone();
+    let e = next.status.eviction.as_mut().expect("eviction present");
+    e.phase = EvictionPhase::Submitting;
+    e.migration = None;
+    e.migrate_deadline = None;
+    e.message = failed.map(|m| {
+        format!(
+            "migration {} failed: {}; trying again",
+            m.id,
+            m.status.message.as_deref().unwrap_or("no reason given")
+        )
+    });
+    Step::Persist {
+        vm: Box::new(next),
+        then: None,
+        requeue_at: now,
+    }
+}
+
+/// Reserves the migration on the record (or reuses the reservation) and
+/// creates it. `None` if there is nowhere to go.
+fn reserve_and_create(
+    vm: &VirtualMachine,
+    inst: &Instance,
+    cluster: &ClusterView,
+    now: Millis,
+) -> Option<Step> {
+    let target = cluster.targets.first()?;
+    let mut next = vm.clone();
+    let ev_migration = vm
+        .status
+        .eviction
+        .as_ref()
+        .and_then(|e| e.migration.clone());
+    let (id, target_instance) = match ev_migration {
+        Some(id) => {
+            // The reservation fixed the id; the target instance follows from it.
+            let seq = vm.status.instance_seq;
+            (id, format!("{}-{seq}", vm.name))
+        }
+        None => {
+            next.status.migration_seq += 1;
+            next.status.instance_seq += 1;
+            let id = format!("{}-m{}", vm.name, next.status.migration_seq);
+            next.status
+                .eviction
+                .as_mut()
+                .expect("eviction present")
+                .migration = Some(id.clone());
+            (id, format!("{}-{}", vm.name, next.status.instance_seq))
+        }
+    };
+    let migration = Migration {
+        id,
+        vm: vm.name.clone(),
+        source_node: inst.node.clone(),
+        source_instance: inst.id.clone(),
+        target_node: target.clone(),
+        target_instance,
+        created_at: now,
+        status: MigrationStatus::default(),
+    };
+    let create = HvAction::CreateMigration(Box::new(migration));
+    Some(persist_if_changed(vm, next, Some(create), now + 500))
+}

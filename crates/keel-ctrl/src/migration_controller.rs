@@ -1,0 +1,190 @@
+//! Carries a migration record through its phases. The target node's agent
+//! starts the incoming instance; the source node's agent sends the state,
+//! watches progress, and cancels when the VM's eviction no longer wants
+//! this migration. The phase only moves forward (compare-and-swap), and a
+//! migration that completes despite a cancel is recorded as Succeeded: the
+//! eviction honours it.
+
+use std::sync::Arc;
+
+use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, VirtualMachine};
+use keel_hv::{DomainSpec, Hypervisor, MigrationProgress};
+use keel_store::{StoreError, TypedStore};
+
+use crate::keys::{migration_key, vm_key};
+use crate::vm_decide::LifecycleConfig;
+
+pub struct MigrationController {
+    store: TypedStore,
+    hv: Arc<dyn Hypervisor>,
+    clock: Arc<dyn Clock>,
+    cfg: LifecycleConfig,
+}
+
+impl MigrationController {
+    pub fn new(
+        store: TypedStore,
+        hv: Arc<dyn Hypervisor>,
+        clock: Arc<dyn Clock>,
+        cfg: LifecycleConfig,
+    ) -> Self {
+        Self {
+            store,
+            hv,
+            clock,
+            cfg,
+        }
+    }
+
+    /// One look at one migration; when to look again (`None`: nothing left
+    /// for this node to do).
+    pub async fn reconcile(&self, vm_name: &str, id: &str) -> Result<Option<Millis>, StoreError> {
+        let key = migration_key(vm_name, id);
+        let Some(entry) = self.store.get::<Migration>(&key).await? else {
+            return Ok(None);
+        };
+        let mut m = entry.value;
+        let now = self.clock.now_ms();
+        let me = self.cfg.node.as_str();
+        if m.status.phase.is_final() || (m.source_node != me && m.target_node != me) {
+            return Ok(None);
+        }
+        let vm = self
+            .store
+            .get::<VirtualMachine>(&vm_key(vm_name))
+            .await?
+            .map(|e| e.value);
+        // Still wanted: the VM's eviction names it and has not given up.
+        let wanted = vm.as_ref().is_some_and(|vm| {
+            vm.status.eviction.as_ref().is_some_and(|e| {
+                e.migration.as_deref() == Some(id) && e.phase != EvictionPhase::Fallback
+            }) && vm.status.instance.as_ref().map(|i| i.id.as_str())
+                == Some(m.source_instance.as_str())
+        });
+        let poll = Some(now + 500);
+        match m.status.phase {
+            MigrationPhase::Pending if m.target_node == me => {
+                let Some(vm) = vm.filter(|_| wanted) else {
+                    return self
+                        .fail(
+                            &key,
+                            m,
+                            entry.revision,
+                            "no longer wanted before the target started",
+                            now,
+                        )
+                        .await;
+                };
+                let spec = DomainSpec {
+                    vm: vm.name.clone(),
+                    instance: m.target_instance.clone(),
+                    cpus: vm.spec.cpus,
+                    memory_mib: vm.spec.memory_mib,
+                    disks: vm.spec.disks.clone(),
+                    boot: vm.spec.boot.clone(),
+                };
+                match self.hv.prepare_incoming(&spec).await {
+                    Ok(uri) => {
+                        m.status.phase = MigrationPhase::TargetReady;
+                        m.status.target_uri = Some(uri);
+                        self.write(&key, &m, entry.revision, now).await
+                    }
+                    Err(err) => {
+                        let why = format!("target could not start: {err}");
+                        self.fail(&key, m, entry.revision, &why, now).await
+                    }
+                }
+            }
+            MigrationPhase::Pending | MigrationPhase::TargetReady
+                if m.source_node == me && !wanted =>
+            {
+                self.fail(&key, m, entry.revision, "cancelled before it was sent", now)
+                    .await
+            }
+            MigrationPhase::TargetReady if m.source_node == me => {
+                let uri = m.status.target_uri.clone().unwrap_or_default();
+                let progress = self.hv.migration_status(&m.source_instance).await;
+                let started = matches!(
+                    progress,
+                    Ok(MigrationProgress::Active { .. } | MigrationProgress::Completed { .. })
+                );
+                if !started {
+                    if let Err(err) = self.hv.migrate(&m.source_instance, &uri).await {
+                        let why = format!("could not start sending to {uri}: {err}");
+                        return self.fail(&key, m, entry.revision, &why, now).await;
+                    }
+                }
+                m.status.phase = MigrationPhase::Running;
+                m.status.started_at = Some(now);
+                self.write(&key, &m, entry.revision, now)
+                    .await
+                    .map(|_| poll)
+            }
+            MigrationPhase::Running if m.source_node == me => {
+                match self.hv.migration_status(&m.source_instance).await {
+                    Ok(MigrationProgress::Completed { downtime_ms, .. }) => {
+                        m.status.phase = MigrationPhase::Succeeded;
+                        m.status.finished_at = Some(now);
+                        m.status.downtime_ms = downtime_ms;
+                        tracing::info!(vm = vm_name, migration = id, "migration succeeded");
+                        self.write(&key, &m, entry.revision, now).await
+                    }
+                    Ok(MigrationProgress::Failed { reason }) => {
+                        self.fail(&key, m, entry.revision, &reason, now).await
+                    }
+                    Ok(MigrationProgress::None) => {
+                        self.fail(&key, m, entry.revision, "source reports no migration", now)
+                            .await
+                    }
+                    Ok(MigrationProgress::Active { .. }) => {
+                        if !wanted {
+                            if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
+                                tracing::warn!(vm = vm_name, migration = id, %err, "cancel failed");
+                            }
+                        }
+                        Ok(poll)
+                    }
+                    Err(err) if err.is_not_found() => {
+                        self.fail(&key, m, entry.revision, "source instance is gone", now)
+                            .await
+                    }
+                    Err(err) => {
+                        tracing::warn!(vm = vm_name, migration = id, %err, "migration status unknown");
+                        Ok(Some(now + self.cfg.retry_ms))
+                    }
+                }
+            }
+            // Waiting for the other side.
+            _ => Ok(Some(now + self.cfg.poll_ms)),
+        }
+    }
+
+    async fn fail(
+        &self,
+        key: &str,
+        mut m: Migration,
+        revision: u64,
+        why: &str,
+        now: Millis,
+    ) -> Result<Option<Millis>, StoreError> {
+        tracing::info!(vm = %m.vm, migration = %m.id, why, "migration failed");
+        m.status.phase = MigrationPhase::Failed;
+        m.status.finished_at = Some(now);
+        m.status.message = Some(why.to_string());
+        self.write(key, &m, revision, now).await
+    }
+
+    async fn write(
+        &self,
+        key: &str,
+        m: &Migration,
+        revision: u64,
+        now: Millis,
+    ) -> Result<Option<Millis>, StoreError> {
+        match self.store.update(key, m, revision).await {
+            Ok(_) => Ok(Some(now)),
+            Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+            Err(e) => Err(e),
+        }
+    }
+}
