@@ -34,12 +34,42 @@ pub async fn run_controllers(
     snapshots: Arc<SnapshotController>,
     migrations: Arc<MigrationController>,
     clock: Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+) {
+    // Housekeeping runs on its own: during a store outage the reconcile
+    // loop is stuck re-listing, and that is exactly when self-fencing must
+    // still happen.
+    tokio::join!(
+        run_reconcilers(&vms, &snapshots, &migrations, &clock, stop.clone()),
+        run_housekeeping(&vms, &clock, stop),
+    );
+}
+
+async fn run_housekeeping(
+    vms: &VmController,
+    clock: &Arc<dyn Clock>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut last_heartbeat_ok = clock.now_ms();
+    while !*stop.borrow() {
+        vms.housekeeping(&mut last_heartbeat_ok).await;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+            _ = stop.changed() => {}
+        }
+    }
+}
+
+async fn run_reconcilers(
+    vms: &VmController,
+    snapshots: &SnapshotController,
+    migrations: &MigrationController,
+    clock: &Arc<dyn Clock>,
     mut stop: watch::Receiver<bool>,
 ) {
     let retry_ms = vms.config().retry_ms;
     while !*stop.borrow() {
-        if let Err(err) =
-            run_until_watch_breaks(&vms, &snapshots, &migrations, &clock, &mut stop).await
+        if let Err(err) = run_until_watch_breaks(vms, snapshots, migrations, clock, &mut stop).await
         {
             tracing::warn!(%err, "controller watch ended; re-listing");
             tokio::select! {
@@ -70,7 +100,7 @@ async fn run_until_watch_breaks(
             mig_queue.schedule(&e.key, clock.now_ms());
         }
     }
-    let mut next_housekeeping = clock.now_ms();
+
     let mut vm_queue = WorkQueue::default();
     let mut snap_queue = WorkQueue::default();
     let now = clock.now_ms();
@@ -123,20 +153,10 @@ async fn run_until_watch_breaks(
                 }
             }
         }
-        if now >= next_housekeeping {
-            if let Err(err) = vms.heartbeat(None).await {
-                tracing::warn!(%err, "heartbeat failed");
-            }
-            if let Err(err) = vms.collect_garbage().await {
-                tracing::warn!(%err, "garbage collection failed");
-            }
-            next_housekeeping = now + HOUSEKEEPING_MS;
-        }
         let next = [
             vm_queue.next_due(),
             snap_queue.next_due(),
             mig_queue.next_due(),
-            Some(next_housekeeping),
         ]
         .into_iter()
         .flatten()

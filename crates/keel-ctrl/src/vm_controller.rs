@@ -15,7 +15,8 @@ use crate::keys::{
 };
 use crate::schedule::candidate_nodes;
 use crate::vm_decide::{
-    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
+    decide, take_over_from_lost_node, ClusterView, HvAction, LifecycleConfig, Observed,
+    RestoreSource, Step,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -114,6 +115,81 @@ impl VmController {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// The node agent's periodic chores: heartbeat (self-fencing when it
+    /// could not be renewed for `self_fence_ms`), taking over the VMs of
+    /// nodes whose lease ran out, ending stray domains.
+    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
+        let now = self.clock.now_ms();
+        match self.heartbeat(None).await {
+            Ok(()) => *last_heartbeat_ok = now,
+            Err(err) => {
+                tracing::warn!(node = %self.cfg.node, %err, "heartbeat failed");
+                if now.saturating_sub(*last_heartbeat_ok) >= self.cfg.self_fence_ms {
+                    self.self_fence().await;
+                }
+                return;
+            }
+        }
+        if let Err(err) = self.take_over_lost_nodes().await {
+            tracing::warn!(%err, "taking over from lost nodes failed");
+        }
+        if let Err(err) = self.collect_garbage().await {
+            tracing::warn!(%err, "garbage collection failed");
+        }
+    }
+
+    /// This agent cannot renew its lease: before it runs out and another
+    /// node starts these VMs, end every domain here.
+    pub async fn self_fence(&self) {
+        let Ok(domains) = self.hv.list().await else {
+            tracing::error!(node = %self.cfg.node, "self-fence: cannot list domains");
+            return;
+        };
+        for d in domains.iter().filter(|d| !d.state.is_exited()) {
+            tracing::error!(node = %self.cfg.node, vm = %d.vm, instance = %d.instance,
+                "self-fence: lease not renewed, ending instance");
+            if let Err(err) = self.hv.kill(&d.instance).await {
+                tracing::error!(instance = %d.instance, %err, "self-fence: kill failed");
+            }
+        }
+    }
+
+    /// VMs owned by a node whose lease has run out move back to the
+    /// scheduler. Never earlier: until then the node may still run them.
+    pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
+        let now = self.clock.now_ms();
+        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
+        let lost: Vec<String> = nodes
+            .into_iter()
+            .map(|(_, e)| e.value)
+            .filter(|n| n.name != self.cfg.node)
+            .filter(|n| now.saturating_sub(n.status.last_heartbeat) > self.cfg.node_lease_ms)
+            .map(|n| n.name)
+            .collect();
+        if lost.is_empty() {
+            return Ok(());
+        }
+        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+        for (key, entry) in vms {
+            let Some(owner) = entry.value.owner_node().map(str::to_string) else {
+                continue;
+            };
+            if !lost.contains(&owner) {
+                continue;
+            }
+            let next = take_over_from_lost_node(&entry.value, &owner, now);
+            match self.store.update(&key, &next, entry.revision).await {
+                Ok(revision) => {
+                    tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
+                    self.record_event(&entry.value, &next, revision, now).await;
+                }
+                Err(StoreError::Conflict { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// A snapshot controller working on the same store, node and clock.

@@ -43,6 +43,13 @@ pub struct LifecycleConfig {
     /// A node whose heartbeat is older than this is not ready: nothing new
     /// is placed on it.
     pub node_ready_ms: Millis,
+    /// A node's lease: once its heartbeat is older than this, its VMs are
+    /// taken over by other nodes (their instances count as fenced).
+    pub node_lease_ms: Millis,
+    /// An agent that could not renew its heartbeat for this long ends every
+    /// domain on its node, so they are gone before its lease runs out.
+    /// Must be well below `node_lease_ms`.
+    pub self_fence_ms: Millis,
 }
 
 impl Default for LifecycleConfig {
@@ -58,6 +65,8 @@ impl Default for LifecycleConfig {
             boot_settle_ms: 10_000,
             poll_ms: 2_000,
             node_ready_ms: 15_000,
+            node_lease_ms: 40_000,
+            self_fence_ms: 20_000,
         }
     }
 }
@@ -435,6 +444,36 @@ fn instance_gone(
         vm: Box::new(next),
         requeue_at: now,
     }
+}
+
+/// The VM's node lost its lease: its instance counts as gone (the node
+/// fenced itself, or is down), the way a crash does, and the VM goes back
+/// to the scheduler.
+pub fn take_over_from_lost_node(vm: &VirtualMachine, node: &str, now: Millis) -> VirtualMachine {
+    let mut next = vm.clone();
+    let requested = vm.status.stop.is_some();
+    if let Some(inst) = &vm.status.instance {
+        next.status.last_exit = Some(ExitRecord {
+            instance: inst.id.clone(),
+            at: now,
+            kind: ExitKind::Vanished,
+            requested,
+        });
+    }
+    next.status.instance = None;
+    next.status.stop = None;
+    next.status.eviction = None;
+    next.status.node = None;
+    next.status.observed_restart_generation = vm.spec.restart_generation;
+    next.status.message = Some(format!(
+        "node {node} lost its lease; its instance counts as fenced"
+    ));
+    if !requested && vm.spec.run_policy == RunPolicy::Manual {
+        next.spec.power = PowerState::Stopped;
+        next.generation += 1;
+    }
+    next.status.phase = phase_without_instance(&next, now);
+    next
 }
 
 fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {

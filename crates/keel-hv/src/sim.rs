@@ -262,6 +262,14 @@ impl SimHypervisor {
         self.disks().get(vm)?.records.get(&slot).cloned()
     }
 
+    /// The host loses power: every process on it is gone at once, and after
+    /// it comes back the hypervisor knows of no domain.
+    pub fn power_failure(&self) {
+        let mut s = self.lock();
+        s.domains.clear();
+        s.log.push("power failure".into());
+    }
+
     /// The next instance of `vm` to start crashes right after it boots.
     pub fn crash_next_boot(&self, vm: &str) {
         self.lock().crash_next_boot.insert(vm.to_string());

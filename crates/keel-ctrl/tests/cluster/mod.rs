@@ -1,0 +1,382 @@
+//! Several simulated nodes sharing one store, one clock and shared storage.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use keel_api::{
+    Clock, EvictionWindows, ManualClock, Migration, Millis, Node, PowerState, RunPolicy,
+    VirtualMachine, VmSpec,
+};
+use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, MIGRATIONS_PREFIX, VMS_PREFIX};
+use keel_ctrl::{LifecycleConfig, MigrationController, VmController};
+use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
+use keel_store::memory::MemoryStore;
+use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, TypedStore, Watch};
+
+pub const T0: Millis = 1_700_000_000_000;
+pub const TICK_MS: Millis = 500;
+
+/// The store as one agent reaches it: cut off while `partitioned`.
+pub struct AgentStore {
+    inner: Arc<dyn Store>,
+    partitioned: Arc<AtomicBool>,
+}
+
+impl AgentStore {
+    fn check(&self, key: &str) -> Result<(), StoreError> {
+        if self.partitioned.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable {
+                key: key.to_string(),
+                reason: "network partition".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Store for AgentStore {
+    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        self.check(key)?;
+        self.inner.get(key).await
+    }
+    async fn put(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        p: Precondition,
+    ) -> Result<Revision, StoreError> {
+        self.check(key)?;
+        self.inner.put(key, value, p).await
+    }
+    async fn put_with_lease(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        p: Precondition,
+        lease: LeaseId,
+    ) -> Result<Revision, StoreError> {
+        self.check(key)?;
+        self.inner.put_with_lease(key, value, p, lease).await
+    }
+    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
+        self.check(key)?;
+        self.inner.delete(key, revision).await
+    }
+    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
+        self.check(prefix)?;
+        self.inner.list(prefix).await
+    }
+    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
+        self.check(prefix)?;
+        self.inner.watch(prefix, from).await
+    }
+    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError> {
+        self.check("lease")?;
+        self.inner.grant_lease(ttl_ms).await
+    }
+    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.check("lease")?;
+        self.inner.keep_alive(lease).await
+    }
+    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
+        self.check("lease")?;
+        self.inner.revoke_lease(lease).await
+    }
+}
+
+pub struct Agent {
+    pub name: String,
+    pub hv: SimHypervisor,
+    pub vms: VmController,
+    pub migrations: MigrationController,
+    /// A stopped agent does nothing: no heartbeat, no reconciles.
+    pub running: bool,
+    /// The agent heartbeats but its migration controller is stuck.
+    pub migrations_stuck: bool,
+    /// The agent runs but cannot reach the store.
+    pub partitioned: Arc<AtomicBool>,
+    pub last_heartbeat_ok: Millis,
+}
+
+pub struct Cluster {
+    pub clock: ManualClock,
+    pub memory: MemoryStore,
+    pub store: TypedStore,
+    pub fabric: SimFabric,
+    pub agents: Vec<Agent>,
+    pub sim: SimConfig,
+}
+
+pub fn spec(policy: RunPolicy) -> VmSpec {
+    VmSpec {
+        cpus: 1,
+        memory_mib: 128,
+        disks: vec![keel_api::DiskSpec {
+            name: "root".into(),
+            size_mib: 64,
+        }],
+        boot: Default::default(),
+        run_policy: policy,
+        power: PowerState::Running,
+        restart_generation: 0,
+        stop_grace_period_s: 30,
+        node: None,
+    }
+}
+
+pub fn windows() -> EvictionWindows {
+    EvictionWindows {
+        submit_ms: 10_000,
+        migrate_ms: 20_000,
+        fallback_ms: 40_000,
+    }
+}
+
+impl Cluster {
+    pub fn new(sim: SimConfig) -> Self {
+        let clock = ManualClock::new(T0);
+        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+        let memory = MemoryStore::with_clock(shared);
+        let raw: Arc<dyn Store> = Arc::new(memory.clone());
+        Self {
+            clock,
+            memory,
+            store: TypedStore::new(raw),
+            fabric: SimFabric::default(),
+            agents: Vec::new(),
+            sim,
+        }
+    }
+
+    pub fn now(&self) -> Millis {
+        self.clock.now_ms()
+    }
+
+    pub fn make_agent(&self, name: &str, seed: u64) -> Agent {
+        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
+        let hv = SimHypervisor::join(shared.clone(), seed, self.sim.clone(), &self.fabric, name);
+        let partitioned = Arc::new(AtomicBool::new(false));
+        let (vms, migrations) = self.controllers(name, &hv, &partitioned);
+        Agent {
+            name: name.to_string(),
+            hv,
+            vms,
+            migrations,
+            running: true,
+            migrations_stuck: false,
+            partitioned,
+            last_heartbeat_ok: self.now(),
+        }
+    }
+
+    fn controllers(
+        &self,
+        name: &str,
+        hv: &SimHypervisor,
+        partitioned: &Arc<AtomicBool>,
+    ) -> (VmController, MigrationController) {
+        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
+        let store = TypedStore::new(Arc::new(AgentStore {
+            inner: self.store.raw().clone(),
+            partitioned: partitioned.clone(),
+        }));
+        let cfg = LifecycleConfig {
+            node: name.to_string(),
+            ..Default::default()
+        };
+        let vms = VmController::new(store, Arc::new(hv.clone()), shared, cfg);
+        let migrations = vms.migration_controller();
+        (vms, migrations)
+    }
+
+    pub async fn add_node(&mut self, name: &str) {
+        let agent = self.make_agent(name, self.agents.len() as u64 + 1);
+        agent.vms.heartbeat(None).await.unwrap();
+        self.agents.push(agent);
+    }
+
+    /// Every agent process restarts: new controllers, same store and nodes.
+    pub fn restart_controllers(&mut self) {
+        for i in 0..self.agents.len() {
+            let a = &self.agents[i];
+            let (vms, migrations) =
+                self.controllers(&a.name.clone(), &a.hv.clone(), &a.partitioned.clone());
+            let a = &mut self.agents[i];
+            a.vms = vms;
+            a.migrations = migrations;
+        }
+    }
+
+    pub fn agent(&self, name: &str) -> &Agent {
+        self.agents.iter().find(|a| a.name == name).unwrap()
+    }
+
+    pub async fn create(&mut self, name: &str, policy: RunPolicy) {
+        let vm = VirtualMachine::new(name, spec(policy));
+        self.store.create(&vm_key(name), &vm).await.unwrap();
+    }
+
+    pub async fn vm(&self, name: &str) -> VirtualMachine {
+        self.store
+            .get::<VirtualMachine>(&vm_key(name))
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+    }
+
+    pub async fn node(&self, name: &str) -> Node {
+        self.store
+            .get::<Node>(&node_key(name))
+            .await
+            .unwrap()
+            .unwrap()
+            .value
+    }
+
+    pub async fn update_node(&self, name: &str, f: impl Fn(&mut Node)) {
+        loop {
+            let e = self
+                .store
+                .get::<Node>(&node_key(name))
+                .await
+                .unwrap()
+                .unwrap();
+            let mut n = e.value;
+            f(&mut n);
+            match self.store.update(&node_key(name), &n, e.revision).await {
+                Ok(_) => return,
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    pub async fn update_vm(&self, name: &str, f: impl Fn(&mut VirtualMachine)) {
+        loop {
+            let e = self
+                .store
+                .get::<VirtualMachine>(&vm_key(name))
+                .await
+                .unwrap()
+                .unwrap();
+            let mut v = e.value;
+            f(&mut v);
+            match self.store.update(&vm_key(name), &v, e.revision).await {
+                Ok(_) => return,
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    pub async fn drain(&self, name: &str) {
+        let now = self.now();
+        self.update_node(name, |n| n.request_drain(now, windows()))
+            .await;
+    }
+
+    pub async fn migrations_of(&self, vm: &str) -> Vec<Migration> {
+        let (all, _) = self
+            .store
+            .list::<Migration>(&migrations_of_prefix(vm))
+            .await
+            .unwrap();
+        all.into_iter().map(|(_, e)| e.value).collect()
+    }
+
+    /// One tick: time moves, then every running agent does its rounds.
+    pub async fn tick(&mut self) {
+        self.clock.advance(TICK_MS);
+        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await.unwrap();
+        let (migrations, _) = self
+            .store
+            .list::<Migration>(MIGRATIONS_PREFIX)
+            .await
+            .unwrap();
+        for a in self.agents.iter_mut().filter(|a| a.running) {
+            a.vms.housekeeping(&mut a.last_heartbeat_ok).await;
+            for (_, vm) in &vms {
+                // A few rounds, so chains of steps finish within the tick.
+                for _ in 0..3 {
+                    let _ = a.vms.reconcile(&vm.value.name).await;
+                }
+            }
+            if !a.migrations_stuck {
+                for (_, m) in &migrations {
+                    let _ = a.migrations.reconcile(&m.value.vm, &m.value.id).await;
+                }
+            }
+        }
+        self.check_invariants().await;
+    }
+
+    pub async fn run(&mut self, ms: Millis) {
+        for _ in 0..ms / TICK_MS {
+            self.tick().await;
+        }
+    }
+
+    pub async fn check_invariants(&self) {
+        let mut executing: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await.unwrap();
+        for a in &self.agents {
+            assert!(
+                a.hv.violations().is_empty(),
+                "node {}: {:?}",
+                a.name,
+                a.hv.violations()
+            );
+            for (_, vm) in &vms {
+                for inst in a.hv.executing_instances(&vm.value.name) {
+                    executing
+                        .entry(vm.value.name.clone())
+                        .or_default()
+                        .push((a.name.clone(), inst));
+                }
+            }
+        }
+        for (vm, list) in executing {
+            assert!(list.len() <= 1, "VM {vm} executes twice: {list:?}");
+            let record = self.vm(&vm).await;
+            let recorded = record
+                .status
+                .instance
+                .as_ref()
+                .map(|i| (i.node.clone(), i.id.clone()));
+            if recorded.as_ref() == list.first() {
+                continue;
+            }
+            // The hypervisor has handed over before the record caught up:
+            // allowed only for the target of a migration from the recorded instance.
+            let (node, inst) = &list[0];
+            let handover = self.migrations_of(&vm).await.into_iter().any(|m| {
+                &m.target_instance == inst
+                    && &m.target_node == node
+                    && recorded.as_ref().map(|r| &r.1) == Some(&m.source_instance)
+            });
+            assert!(
+                handover,
+                "VM {vm}: executing {list:?}, record names {recorded:?}"
+            );
+        }
+    }
+
+    pub fn executing_on(&self, node: &str, vm: &str) -> bool {
+        !self.agent(node).hv.executing_instances(vm).is_empty()
+    }
+}
+
+pub fn sim() -> SimConfig {
+    SimConfig {
+        boot_ms: 1_000,
+        graceful_shutdown_ms: 2_000,
+        migration_ms: 3_000,
+        faults: SimFaults::default(),
+    }
+}
