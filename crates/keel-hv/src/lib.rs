@@ -9,6 +9,7 @@
 //!   says nothing about whether it runs.
 //! - `shutdown` asks the guest to power off (ACPI) and returns at once.
 
+pub mod guest;
 pub mod qemu;
 pub mod sim;
 

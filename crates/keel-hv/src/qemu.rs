@@ -1,1 +1,0 @@
-//! QEMU driver: filled in by the QEMU work.

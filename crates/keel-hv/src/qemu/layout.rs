@@ -1,0 +1,404 @@
+//! Where an instance's files live, what is written in them, and the QEMU
+//! command line built from them.
+//!
+//! ```text
+//! data_dir/
+//!   instances/<instance>/   one per start, removed by cleanup
+//!     spec.json             LaunchRecord: the spec, start time, argv
+//!     qmp.sock              QMP monitor (QEMU listens)
+//!     cmd.sock              guest command channel, serial ttyS1 (QEMU listens)
+//!     console.log           serial ttyS0
+//!     qemu.log              QEMU's own stdout/stderr
+//!     qemu.pid              written by QEMU (-pidfile), removed by QEMU at exit
+//!     shutdown.json         last QMP SHUTDOWN event (why QEMU is exiting)
+//!     kill-requested        Keel decided to kill; written before the signal
+//!     exit.json             ExitRecord, written once the process is gone
+//!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
+//! ```
+//!
+//! Every file is under a directory named by a validated name (DNS label), so
+//! nothing built here can point outside the data dir.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use keel_api::{Accelerator, Millis};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::{DomainSpec, ExitCause};
+
+/// Linux `sun_path` is 108 bytes including the NUL.
+pub const MAX_SOCKET_PATH: usize = 107;
+
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub root: PathBuf,
+}
+
+impl Layout {
+    pub fn instances_dir(&self) -> PathBuf {
+        self.root.join("instances")
+    }
+    pub fn disks_dir(&self) -> PathBuf {
+        self.root.join("disks")
+    }
+    /// Callers validate `instance` first.
+    pub fn instance(&self, instance: &str) -> InstancePaths {
+        InstancePaths::new(self.instances_dir().join(instance))
+    }
+    /// Callers validate `vm` first.
+    pub fn vm_disks(&self, vm: &str) -> PathBuf {
+        self.disks_dir().join(vm)
+    }
+    pub fn disk(&self, vm: &str, disk: &str) -> PathBuf {
+        self.vm_disks(vm).join(format!("{disk}.qcow2"))
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct InstancePaths {
+    pub dir: PathBuf,
+    pub spec: PathBuf,
+    pub qmp: PathBuf,
+    pub cmd: PathBuf,
+    pub console: PathBuf,
+    pub qemu_log: PathBuf,
+    pub pidfile: PathBuf,
+    pub shutdown: PathBuf,
+    pub kill_marker: PathBuf,
+    pub exit: PathBuf,
+}
+
+impl InstancePaths {
+    pub fn new(dir: PathBuf) -> Self {
+        Self {
+            spec: dir.join("spec.json"),
+            qmp: dir.join("qmp.sock"),
+            cmd: dir.join("cmd.sock"),
+            console: dir.join("console.log"),
+            qemu_log: dir.join("qemu.log"),
+            pidfile: dir.join("qemu.pid"),
+            shutdown: dir.join("shutdown.json"),
+            kill_marker: dir.join("kill-requested"),
+            exit: dir.join("exit.json"),
+            dir,
+        }
+    }
+
+    /// The QMP `-chardev` argument. It doubles as the identity check for a
+    /// pid: only this instance's QEMU carries this exact string.
+    pub fn qmp_chardev_arg(&self) -> String {
+        format!(
+            "socket,id=qmp,path={},server=on,wait=off",
+            opt_escape(&self.qmp)
+        )
+    }
+
+    pub fn read_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(&self.pidfile)
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    }
+}
+
+/// `spec.json`: what was launched, written before QEMU is spawned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchRecord {
+    pub spec: DomainSpec,
+    pub started_at: Millis,
+    pub accelerator: Accelerator,
+    pub argv: Vec<String>,
+}
+
+/// `exit.json`: written exactly once, after the process is observed gone.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExitRecord {
+    pub cause: ExitCause,
+    pub at: Millis,
+    /// `reason` of the last QMP SHUTDOWN event, if QEMU sent one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown_reason: Option<String>,
+    pub kill_requested: bool,
+    /// Wait status, known only when Keel was QEMU's parent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_status: Option<String>,
+    /// How the exit was observed (parent wait, pidfd, startup scan).
+    pub observed_by: String,
+}
+
+/// `shutdown.json`: persisted on receipt so that a Keel restart between the
+/// event and QEMU's exit still knows the guest powered off.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShutdownRecord {
+    pub reason: String,
+    pub guest: bool,
+    pub at: Millis,
+}
+
+/// The exit cause from what was observed. The SHUTDOWN event wins, since
+/// QEMU saw why it was stopping; without one (SIGKILL, OOM, a QEMU crash)
+/// the kill marker tells our kill from anything else.
+pub fn exit_cause(shutdown_reason: Option<&str>, kill_requested: bool) -> ExitCause {
+    match shutdown_reason {
+        Some("guest-shutdown") => ExitCause::Poweroff,
+        Some("host-qmp-quit" | "host-signal" | "host-ui") => ExitCause::Killed,
+        // guest-reset (with -no-reboot a reboot ends the process),
+        // guest-panic, host-error and anything newer we do not know.
+        Some(_) => ExitCause::Crashed,
+        None if kill_requested => ExitCause::Killed,
+        None => ExitCause::Crashed,
+    }
+}
+
+/// Maps QMP `query-status`'s RunState. Unknown (newer) states count as
+/// paused: the process is alive, so never as exited, and not as running
+/// either, which would let a controller consider a boot settled.
+pub fn run_state(status: &str) -> crate::DomainState {
+    use crate::DomainState::*;
+    match status {
+        "running" => Running,
+        // Before the vCPUs first run.
+        "prelaunch" | "inmigrate" => Starting,
+        // Everything else has the vCPUs stopped: paused, suspended, debug,
+        // io-error, watchdog, guest-panicked, internal-error, save-vm,
+        // restore-vm, finish-migrate, postmigrate, colo, and "shutdown",
+        // which is transient here because QEMU exits on guest power-off.
+        _ => Paused,
+    }
+}
+
+/// QEMU option values are comma separated; a literal comma is doubled.
+pub fn opt_escape(path: &Path) -> String {
+    path.to_string_lossy().replace(',', ",,")
+}
+
+/// Writes `value` as JSON to a temporary file and renames it into place, so
+/// readers see either nothing or a whole record.
+pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// `Ok(None)` if the file does not exist.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> io::Result<Option<T>> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{}: {e}", path.display()),
+            )
+        }),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Moves a fully prepared directory to `to` unless `to` exists. A plain
+/// rename would replace an existing empty directory.
+pub fn rename_noreplace(from: &Path, to: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let from = CString::new(from.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    let to = CString::new(to.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: both are valid NUL-terminated paths; AT_FDCWD resolves them
+    // like rename(2) would.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_NOREPLACE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Everything the command line depends on.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    pub instance: String,
+    pub paths: InstancePaths,
+    pub accelerator: Accelerator,
+    pub machine: String,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    /// In guest order: the first is /dev/vda.
+    pub disks: Vec<PathBuf>,
+}
+
+impl LaunchPlan {
+    /// The argument vector after the binary. Never passed through a shell.
+    pub fn args(&self) -> Vec<String> {
+        let p = &self.paths;
+        let mut a: Vec<String> = Vec::new();
+        let mut push = |items: &[&str]| a.extend(items.iter().map(|s| s.to_string()));
+        push(&["-name", &format!("guest={}", self.instance)]);
+        // No config files from /etc, no default devices: the VM has exactly
+        // what is listed here.
+        push(&["-no-user-config", "-nodefaults", "-display", "none"]);
+        // Seccomp filter; QEMU needs none of these after start-up.
+        push(&[
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+        ]);
+        let accel = match self.accelerator {
+            Accelerator::Kvm => "kvm",
+            _ => "tcg",
+        };
+        push(&["-machine", &self.machine, "-accel", accel]);
+        if self.accelerator == Accelerator::Kvm {
+            push(&["-cpu", "host"]);
+        }
+        push(&[
+            "-m",
+            &self.memory_mib.to_string(),
+            "-smp",
+            &self.cpus.to_string(),
+        ]);
+        // A guest reboot ends the process: Keel, not QEMU, decides whether
+        // the VM comes back, and reports the exit as a crash.
+        push(&["-no-reboot"]);
+        push(&["-pidfile", &p.pidfile.to_string_lossy()]);
+        push(&[
+            "-chardev",
+            &p.qmp_chardev_arg(),
+            "-mon",
+            "chardev=qmp,mode=control",
+        ]);
+        // ttyS0: console to a file. ttyS1: the guest command channel; with
+        // wait=off QEMU drops its output while no client is connected, so
+        // the guest never blocks on it.
+        push(&[
+            "-chardev",
+            &format!("file,id=console,path={}", opt_escape(&p.console)),
+            "-serial",
+            "chardev:console",
+            "-chardev",
+            &format!(
+                "socket,id=cmd,path={},server=on,wait=off",
+                opt_escape(&p.cmd)
+            ),
+            "-serial",
+            "chardev:cmd",
+        ]);
+        push(&["-kernel", &self.kernel.to_string_lossy()]);
+        if let Some(initrd) = &self.initrd {
+            push(&["-initrd", &initrd.to_string_lossy()]);
+        }
+        push(&["-append", &self.cmdline]);
+        for (i, disk) in self.disks.iter().enumerate() {
+            // cache=writeback: the guest sees a volatile write cache, so its
+            // flushes reach QEMU and become fsync on the image file.
+            push(&[
+                "-drive",
+                &format!(
+                    "file={},if=virtio,format=qcow2,cache=writeback,id=disk{i}",
+                    opt_escape(disk)
+                ),
+            ]);
+        }
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DomainState;
+
+    #[test]
+    fn causes_follow_the_shutdown_event_then_the_kill_marker() {
+        assert_eq!(
+            exit_cause(Some("guest-shutdown"), true),
+            ExitCause::Poweroff
+        );
+        assert_eq!(exit_cause(Some("guest-reset"), false), ExitCause::Crashed);
+        assert_eq!(exit_cause(Some("guest-panic"), false), ExitCause::Crashed);
+        assert_eq!(exit_cause(Some("host-qmp-quit"), false), ExitCause::Killed);
+        assert_eq!(exit_cause(Some("host-signal"), false), ExitCause::Killed);
+        assert_eq!(exit_cause(None, true), ExitCause::Killed);
+        assert_eq!(exit_cause(None, false), ExitCause::Crashed);
+    }
+
+    #[test]
+    fn run_states() {
+        assert_eq!(run_state("running"), DomainState::Running);
+        assert_eq!(run_state("prelaunch"), DomainState::Starting);
+        assert_eq!(run_state("inmigrate"), DomainState::Starting);
+        assert_eq!(run_state("paused"), DomainState::Paused);
+        assert_eq!(run_state("guest-panicked"), DomainState::Paused);
+    }
+
+    #[test]
+    fn command_line_escapes_commas_and_lists_disks_in_order() {
+        let paths = InstancePaths::new(PathBuf::from("/data,x/instances/web-1"));
+        let plan = LaunchPlan {
+            instance: "web-1".into(),
+            paths,
+            accelerator: Accelerator::Tcg,
+            machine: "q35".into(),
+            cpus: 2,
+            memory_mib: 256,
+            kernel: "/k".into(),
+            initrd: Some("/i".into()),
+            cmdline: "console=ttyS0 quiet".into(),
+            disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
+        };
+        let args = plan.args();
+        let joined = args.join(" ");
+        assert!(joined.contains(
+            "-chardev socket,id=qmp,path=/data,,x/instances/web-1/qmp.sock,server=on,wait=off"
+        ));
+        let drives: Vec<_> = args
+            .windows(2)
+            .filter(|w| w[0] == "-drive")
+            .map(|w| w[1].clone())
+            .collect();
+        assert_eq!(
+            drives,
+            [
+                "file=/d/a.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk0",
+                "file=/d/b,,c.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk1"
+            ]
+        );
+        // The cmdline stays one argument, spaces and all.
+        assert!(args.iter().any(|a| a == "console=ttyS0 quiet"));
+        // Console serial comes before the command channel: ttyS0, then ttyS1.
+        let serials: Vec<_> = args
+            .windows(2)
+            .filter(|w| w[0] == "-serial")
+            .map(|w| w[1].as_str())
+            .collect();
+        assert_eq!(serials, ["chardev:console", "chardev:cmd"]);
+        assert!(
+            !args.iter().any(|a| a == "-cpu"),
+            "TCG keeps the default CPU"
+        );
+    }
+
+    #[test]
+    fn noreplace_rename_refuses_an_existing_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a");
+        let b = dir.path().join("b");
+        std::fs::create_dir(&a).unwrap();
+        std::fs::create_dir(&b).unwrap();
+        let err = rename_noreplace(&a, &b).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::AlreadyExists);
+        std::fs::remove_dir(&b).unwrap();
+        rename_noreplace(&a, &b).unwrap();
+        assert!(b.exists() && !a.exists());
+    }
+}

@@ -1,0 +1,901 @@
+//! The qemu driver: one `qemu-system-x86_64` process per instance, driven
+//! over QMP, with everything Keel knows about an instance kept in files under
+//! `data_dir/instances/<instance>/` (see [`layout`]), so a restarted Keel
+//! re-adopts running guests and still tells how finished ones ended.
+//!
+//! QEMU runs in its own session: it outlives `keel serve` restarts, and a
+//! Ctrl-C aimed at Keel's terminal does not reach the guests.
+//!
+//! QMP is spoken by a small client of our own ([`qmp`]), not the `qapi`
+//! crate; the reasons are at the top of that module.
+
+mod accel;
+mod layout;
+mod monitor;
+mod proc;
+mod qmp;
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use keel_api::{validate_name, Accelerator, Clock, SystemClock};
+
+pub use accel::{AccelChoice, AccelParseError, ACCEL_ENV};
+pub use layout::ExitRecord;
+pub use qmp::{QmpClient, QmpError, QmpEvent, ShutdownEvent, StatusInfo};
+
+use layout::{
+    read_json, rename_noreplace, write_json_atomic, InstancePaths, LaunchPlan, LaunchRecord, Layout,
+};
+use monitor::{Domain, Phase, ProcessWatch};
+use proc::PidFd;
+
+use crate::{DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, NodeFacts};
+
+#[derive(Debug, Clone)]
+pub struct QemuConfig {
+    /// Holds `instances/` and `disks/`. Created if missing.
+    pub data_dir: PathBuf,
+    pub qemu_binary: PathBuf,
+    pub qemu_img: PathBuf,
+    /// Used when a spec's boot section leaves the kernel unset, and by the
+    /// KVM probe.
+    pub default_kernel: Option<PathBuf>,
+    pub default_initrd: Option<PathBuf>,
+    pub default_cmdline: String,
+    pub accel: AccelChoice,
+    /// How long the KVM probe guest may take to print its ready marker.
+    pub probe_timeout: Duration,
+    /// `q35` or `pc`.
+    pub machine: String,
+    /// Bounds every QMP command and handshake.
+    pub qmp_timeout: Duration,
+    /// How long `start` waits for a new QEMU's QMP to answer.
+    pub launch_timeout: Duration,
+}
+
+impl QemuConfig {
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            data_dir: data_dir.into(),
+            qemu_binary: "qemu-system-x86_64".into(),
+            qemu_img: "qemu-img".into(),
+            default_kernel: None,
+            default_initrd: None,
+            default_cmdline: "console=ttyS0 panic=-1 quiet".into(),
+            accel: AccelChoice::Auto,
+            probe_timeout: Duration::from_secs(20),
+            machine: "q35".into(),
+            qmp_timeout: Duration::from_secs(5),
+            launch_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets the default kernel and initrd to the test guest built by
+    /// `scripts/build-test-guest` in `dir` (`vmlinuz`, `initramfs.cpio.gz`).
+    pub fn with_test_guest(mut self, dir: &Path) -> Self {
+        self.default_kernel = Some(dir.join("vmlinuz"));
+        self.default_initrd = Some(dir.join("initramfs.cpio.gz"));
+        self
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum QemuInitError {
+    #[error("qemu driver data dir {path}: {reason}")]
+    DataDir { path: PathBuf, reason: String },
+    #[error("{binary} does not run ({reason}); install qemu-system-x86 (scripts/setup)")]
+    QemuMissing { binary: PathBuf, reason: String },
+}
+
+/// Cheap to clone; clones share the instances. Dropping the last clone stops
+/// the monitors but leaves every QEMU running, for the next driver to adopt.
+#[derive(Clone)]
+pub struct QemuDriver {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: QemuConfig,
+    layout: Layout,
+    accelerator: Accelerator,
+    accelerator_note: String,
+    qemu_version: String,
+    /// Instances this driver has looked at. The directory is the truth; this
+    /// holds the monitors and the in-memory phase.
+    domains: Mutex<BTreeMap<String, Arc<Domain>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for domain in self.domains.get_mut().expect("domains lock").values() {
+            domain.detach();
+        }
+    }
+}
+
+/// `sun_path` budget: `<root>/instances/<63-char name>/qmp.sock`.
+const SOCKET_SUFFIX_LEN: usize =
+    "/instances/".len() + keel_api::name::MAX_NAME_LEN + "/qmp.sock".len();
+
+impl QemuDriver {
+    /// Checks QEMU runs, settles the accelerator (probing KVM under `Auto`)
+    /// and re-adopts the instances found in the data dir.
+    pub async fn new(config: QemuConfig) -> Result<QemuDriver, QemuInitError> {
+        let data_dir_err = |reason: String| QemuInitError::DataDir {
+            path: config.data_dir.clone(),
+            reason,
+        };
+        std::fs::create_dir_all(&config.data_dir).map_err(|e| data_dir_err(e.to_string()))?;
+        // Absolute, so the paths in QEMU's command line (and the identity
+        // marker derived from them) do not depend on anyone's cwd.
+        let root = config
+            .data_dir
+            .canonicalize()
+            .map_err(|e| data_dir_err(e.to_string()))?;
+        if root.to_str().is_none() {
+            return Err(data_dir_err("path is not UTF-8".into()));
+        }
+        if root.as_os_str().len() + SOCKET_SUFFIX_LEN > layout::MAX_SOCKET_PATH {
+            return Err(data_dir_err(format!(
+                "path too long: instance sockets would exceed {} bytes",
+                layout::MAX_SOCKET_PATH
+            )));
+        }
+        let layout = Layout { root: root.clone() };
+        for dir in [layout.instances_dir(), layout.disks_dir()] {
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| data_dir_err(format!("{}: {e}", dir.display())))?;
+        }
+        let qemu_version = qemu_version(&config.qemu_binary).await?;
+        let (accelerator, accelerator_note) =
+            accel::choose(&config, &root.join(".kvm-probe")).await;
+        tracing::info!(
+            accelerator = ?accelerator,
+            note = %accelerator_note,
+            qemu = %qemu_version,
+            data_dir = %root.display(),
+            "qemu driver ready"
+        );
+        let mut config = config;
+        config.data_dir = root;
+        let driver = QemuDriver {
+            inner: Arc::new(Inner {
+                config,
+                layout,
+                accelerator,
+                accelerator_note,
+                qemu_version,
+                domains: Mutex::new(BTreeMap::new()),
+            }),
+        };
+        driver.adopt_all();
+        Ok(driver)
+    }
+
+    /// The guest's serial console (ttyS0), where the ready marker appears.
+    /// An invalid name yields a path that cannot exist inside the data dir.
+    pub fn console_log(&self, instance: &str) -> PathBuf {
+        self.paths_or_nowhere(instance).console
+    }
+
+    /// The guest command channel (ttyS1); see [`crate::guest::GuestChannel`].
+    pub fn command_socket(&self, instance: &str) -> PathBuf {
+        self.paths_or_nowhere(instance).cmd
+    }
+
+    /// The instance directory.
+    pub fn instance_dir(&self, instance: &str) -> PathBuf {
+        self.paths_or_nowhere(instance).dir
+    }
+
+    /// QEMU's pid while the process is (believed) alive.
+    pub fn pid(&self, instance: &str) -> Option<u32> {
+        validate_name("instance", instance).ok()?;
+        if let Some(domain) = self.lock().get(instance) {
+            return domain.pid();
+        }
+        self.inner.layout.instance(instance).read_pid()
+    }
+
+    pub fn accelerator(&self) -> Accelerator {
+        self.inner.accelerator
+    }
+
+    fn paths_or_nowhere(&self, instance: &str) -> InstancePaths {
+        match validate_name("instance", instance) {
+            Ok(()) => self.inner.layout.instance(instance),
+            // '.'-prefixed names are never instances (validate_name forbids
+            // them), so this directory is never created.
+            Err(_) => InstancePaths::new(self.inner.layout.instances_dir().join(".invalid-name")),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Arc<Domain>>> {
+        self.inner.domains.lock().expect("domains lock")
+    }
+
+    /// Startup scan: every instance directory becomes a domain; live QEMUs
+    /// get a monitor, dead ones an exit record.
+    fn adopt_all(&self) {
+        let dir = self.inner.layout.instances_dir();
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".staging-") {
+                // A start interrupted before it claimed its directory; no
+                // QEMU was spawned from it.
+                let _ = std::fs::remove_dir_all(entry.path());
+                continue;
+            }
+            if validate_name("instance", &name).is_err() {
+                tracing::warn!(path = %entry.path().display(), "ignoring unexpected entry in instances dir");
+                continue;
+            }
+            match self.domain(&name, "adopt") {
+                Ok(d) => {
+                    tracing::info!(instance = %name, phase = ?d.phase(), "re-adopted instance")
+                }
+                Err(e) => tracing::warn!("cannot adopt instance {name}: {e}"),
+            }
+        }
+    }
+
+    /// The domain for an existing instance directory, loading it from disk
+    /// (and attaching a monitor to a live QEMU) the first time it is seen.
+    fn domain(&self, instance: &str, op: &'static str) -> Result<Arc<Domain>, HvError> {
+        // Held across the load so two callers cannot adopt the same QEMU
+        // twice; the load does no blocking beyond small file reads.
+        let mut domains = self.lock();
+        if let Some(d) = domains.get(instance) {
+            return Ok(d.clone());
+        }
+        let paths = self.inner.layout.instance(instance);
+        let record: LaunchRecord = match read_json(&paths.spec) {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                return Err(unavailable(
+                    instance,
+                    op,
+                    format!("{} is missing", paths.spec.display()),
+                ))
+            }
+            Err(e) => return Err(unavailable(instance, op, e.to_string())),
+        };
+        let exit = read_json::<ExitRecord>(&paths.exit)
+            .map_err(|e| unavailable(instance, op, e.to_string()))?;
+        let domain = Domain::new(
+            instance.to_string(),
+            record.spec.vm.clone(),
+            record.started_at,
+            paths,
+            self.inner.config.qmp_timeout,
+            Phase::Launching { pid: None },
+        );
+        match exit {
+            Some(rec) => domain.set_phase(Phase::Exited(rec)),
+            None => {
+                let marker = &domain.marker;
+                let pid = domain
+                    .paths
+                    .read_pid()
+                    .filter(|pid| proc::is_instance_process(*pid, marker))
+                    .or_else(|| proc::find_instance_process(marker));
+                match pid.map(|pid| PidFd::open_verified(pid, marker)) {
+                    Some(Ok(fd)) => {
+                        domain.set_phase(Phase::Live { pid: fd.pid() });
+                        domain.spawn_monitor(ProcessWatch::PidFd(fd), None);
+                    }
+                    // Gone while we looked, or never found: it exited while
+                    // no Keel was watching.
+                    Some(Err(_)) | None => {
+                        domain.finish(None, "adoption: process not found");
+                    }
+                }
+            }
+        }
+        domains.insert(instance.to_string(), domain.clone());
+        Ok(domain)
+    }
+
+    /// Resolves `instance` to its domain, or `NotFound` when its directory
+    /// does not exist (never started, or cleaned up).
+    fn existing(&self, instance: &str, op: &'static str) -> Result<Arc<Domain>, HvError> {
+        if validate_name("instance", instance).is_err() {
+            // No directory can have this name, so it was never started.
+            return Err(not_found(instance));
+        }
+        let dir = self.inner.layout.instance(instance).dir;
+        match std::fs::symlink_metadata(&dir) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let known = self.lock().get(instance).cloned();
+                return match known {
+                    Some(d) if d.process_alive() => Err(unavailable(
+                        instance,
+                        op,
+                        format!(
+                            "instance dir vanished while QEMU pid {:?} still runs",
+                            d.pid()
+                        ),
+                    )),
+                    Some(d) if matches!(d.phase(), Phase::Launching { .. }) => {
+                        // `start` has reserved the name but not yet claimed
+                        // the directory.
+                        Err(not_found(instance))
+                    }
+                    _ => {
+                        self.lock().remove(instance);
+                        Err(not_found(instance))
+                    }
+                };
+            }
+            Err(e) => return Err(unavailable(instance, op, format!("{}: {e}", dir.display()))),
+        }
+        self.domain(instance, op)
+    }
+
+    fn info_of(&self, domain: &Domain, state: DomainState) -> DomainInfo {
+        DomainInfo {
+            instance: domain.instance.clone(),
+            vm: domain.vm.clone(),
+            state,
+            pid: if state.is_exited() {
+                None
+            } else {
+                domain.pid()
+            },
+            started_at: domain.started_at,
+        }
+    }
+
+    /// Creates missing qcow2 images; existing ones are left as they are.
+    async fn ensure_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
+        let failed = |reason: String| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "start",
+            reason,
+        };
+        let vm_dir = self.inner.layout.vm_disks(&spec.vm);
+        tokio::fs::create_dir_all(&vm_dir)
+            .await
+            .map_err(|e| failed(format!("{}: {e}", vm_dir.display())))?;
+        let mut paths = Vec::new();
+        for disk in &spec.disks {
+            let path = self.inner.layout.disk(&spec.vm, &disk.name);
+            if !path.exists() {
+                // Built under a temporary name and moved into place, so a
+                // crash never leaves a half-written image that looks ready.
+                let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
+                let out = tokio::process::Command::new(&self.inner.config.qemu_img)
+                    .args(["create", "-q", "-f", "qcow2"])
+                    .arg(&tmp)
+                    .arg(format!("{}M", disk.size_mib))
+                    .stdin(Stdio::null())
+                    .output()
+                    .await
+                    .map_err(|e| {
+                        failed(format!("run {}: {e}", self.inner.config.qemu_img.display()))
+                    })?;
+                if !out.status.success() {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Err(failed(format!(
+                        "qemu-img create {} ({}): {}",
+                        path.display(),
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    )));
+                }
+                match rename_noreplace(&tmp, &path) {
+                    Ok(()) => {}
+                    // Another start created it meanwhile; theirs is as good.
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        let _ = std::fs::remove_file(&tmp);
+                    }
+                    Err(e) => return Err(failed(format!("{}: {e}", path.display()))),
+                }
+            }
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+
+    fn plan(&self, spec: &DomainSpec, disks: Vec<PathBuf>) -> Result<LaunchPlan, HvError> {
+        let failed = |reason: String| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "start",
+            reason,
+        };
+        let config = &self.inner.config;
+        let kernel = spec
+            .boot
+            .kernel
+            .as_ref()
+            .map(PathBuf::from)
+            .or_else(|| config.default_kernel.clone())
+            .ok_or_else(|| {
+                failed(
+                    "no kernel: spec.boot.kernel is unset and no default kernel is configured"
+                        .into(),
+                )
+            })?;
+        let initrd = match &spec.boot.kernel {
+            // A spec that names its kernel gets only its own initrd.
+            Some(_) => spec.boot.initrd.as_ref().map(PathBuf::from),
+            None => spec
+                .boot
+                .initrd
+                .as_ref()
+                .map(PathBuf::from)
+                .or_else(|| config.default_initrd.clone()),
+        };
+        for file in std::iter::once(&kernel).chain(initrd.as_ref()) {
+            if !file.is_file() {
+                return Err(failed(format!(
+                    "{} does not exist (for the test guest run scripts/build-test-guest)",
+                    file.display()
+                )));
+            }
+        }
+        Ok(LaunchPlan {
+            instance: spec.instance.clone(),
+            paths: self.inner.layout.instance(&spec.instance),
+            accelerator: self.inner.accelerator,
+            machine: config.machine.clone(),
+            cpus: spec.cpus,
+            memory_mib: spec.memory_mib,
+            kernel,
+            initrd,
+            cmdline: spec
+                .boot
+                .cmdline
+                .clone()
+                .unwrap_or_else(|| config.default_cmdline.clone()),
+            disks,
+        })
+    }
+
+    /// Everything in `start` after the name is reserved. On error the caller
+    /// removes the reservation; this removes what it created on disk.
+    async fn launch(&self, spec: &DomainSpec, domain: &Arc<Domain>) -> Result<(), HvError> {
+        let instance = &spec.instance;
+        let failed = |reason: String| HvError::Failed {
+            instance: instance.clone(),
+            op: "start",
+            reason,
+        };
+        let disks = self.ensure_disks(spec).await?;
+        let plan = self.plan(spec, disks)?;
+        let args = plan.args();
+        let record = LaunchRecord {
+            spec: spec.clone(),
+            started_at: domain.started_at,
+            accelerator: plan.accelerator,
+            argv: std::iter::once(self.inner.config.qemu_binary.to_string_lossy().into_owned())
+                .chain(args.iter().cloned())
+                .collect(),
+        };
+        // The directory appears complete with its spec.json, or not at all.
+        let staging = self
+            .inner
+            .layout
+            .instances_dir()
+            .join(format!(".staging-{instance}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&staging);
+        let prepared = std::fs::create_dir(&staging)
+            .and_then(|()| write_json_atomic(&InstancePaths::new(staging.clone()).spec, &record));
+        if let Err(e) = prepared {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(failed(format!("{}: {e}", staging.display())));
+        }
+        if let Err(e) = rename_noreplace(&staging, &plan.paths.dir) {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(match e.kind() {
+                io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty => {
+                    HvError::AlreadyExists {
+                        instance: instance.clone(),
+                    }
+                }
+                _ => failed(format!("{}: {e}", plan.paths.dir.display())),
+            });
+        }
+
+        let remove_dir = || {
+            let _ = std::fs::remove_dir_all(&plan.paths.dir);
+        };
+        let mut child = match spawn_qemu(&self.inner.config.qemu_binary, &plan) {
+            Ok(child) => child,
+            Err(e) => {
+                remove_dir();
+                return Err(failed(format!(
+                    "spawn {}: {e}",
+                    self.inner.config.qemu_binary.display()
+                )));
+            }
+        };
+        let pid = child.id().unwrap_or(0);
+        domain.set_phase(Phase::Launching { pid: Some(pid) });
+        tracing::info!(instance = %instance, pid, accel = ?plan.accelerator, "QEMU spawned");
+
+        match self.await_qmp(&plan.paths, &mut child).await {
+            Ok(connected) => {
+                domain.set_phase(Phase::Live { pid });
+                domain.spawn_monitor(ProcessWatch::Child(child), Some(connected));
+                Ok(())
+            }
+            Err(reason) => {
+                // Leave nothing running and nothing behind: a failed start
+                // is a start that never happened (`NotFound`).
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                let log = tail(&plan.paths.qemu_log);
+                remove_dir();
+                Err(failed(format!("{reason}; qemu log: {log}")))
+            }
+        }
+    }
+
+    /// Waits for the new QEMU's QMP greeting, or its early death.
+    async fn await_qmp(
+        &self,
+        paths: &InstancePaths,
+        child: &mut tokio::process::Child,
+    ) -> Result<(QmpClient, tokio::sync::mpsc::UnboundedReceiver<QmpEvent>), String> {
+        let config = &self.inner.config;
+        let deadline = Instant::now() + config.launch_timeout;
+        let mut last_error = String::from("no attempt");
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!("qemu exited during start ({status})"));
+            }
+            if paths.qmp.exists() {
+                match QmpClient::connect(&paths.qmp, config.qmp_timeout).await {
+                    Ok(connected) => return Ok(connected),
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "QMP did not answer within {:?} ({last_error})",
+                    config.launch_timeout
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits (bounded) for the monitor to record an exit that has happened
+    /// or is about to. Used after kill so `info` right after sees `Exited`.
+    async fn settle(&self, domain: &Domain, timeout: Duration) {
+        if domain.wait_exited(timeout).await.is_none() && !domain.process_alive() {
+            domain.finish(None, "driver: process gone, no monitor record");
+        }
+    }
+}
+
+#[async_trait]
+impl Hypervisor for QemuDriver {
+    async fn facts(&self) -> NodeFacts {
+        NodeFacts {
+            hypervisor: self.inner.qemu_version.clone(),
+            accelerator: self.inner.accelerator,
+            accelerator_note: self.inner.accelerator_note.clone(),
+        }
+    }
+
+    async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
+        let instance = &spec.instance;
+        let invalid = |reason: String| HvError::Failed {
+            instance: instance.clone(),
+            op: "start",
+            reason,
+        };
+        validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
+        validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        for (i, disk) in spec.disks.iter().enumerate() {
+            validate_name(&format!("disks[{i}].name"), &disk.name)
+                .map_err(|e| invalid(e.to_string()))?;
+            if spec.disks[..i].iter().any(|d| d.name == disk.name) {
+                return Err(invalid(format!("disk {:?} listed twice", disk.name)));
+            }
+        }
+        if spec.cpus == 0 || spec.memory_mib < keel_api::MIN_MEMORY_MIB {
+            return Err(invalid(format!(
+                "cpus {} / memory {} MiB out of range",
+                spec.cpus, spec.memory_mib
+            )));
+        }
+
+        // Reserve the name in memory first (the directory is claimed later,
+        // atomically): a concurrent start of the same instance fails here.
+        let domain = {
+            let mut domains = self.lock();
+            if domains.contains_key(instance) || self.inner.layout.instance(instance).dir.exists() {
+                return Err(HvError::AlreadyExists {
+                    instance: instance.clone(),
+                });
+            }
+            let domain = Domain::new(
+                instance.clone(),
+                spec.vm.clone(),
+                SystemClock.now_ms(),
+                self.inner.layout.instance(instance),
+                self.inner.config.qmp_timeout,
+                Phase::Launching { pid: None },
+            );
+            domains.insert(instance.clone(), domain.clone());
+            domain
+        };
+        // Launched from a task of its own: if the caller gives up waiting
+        // (its future is dropped), the launch still either completes, with a
+        // monitor attached, or is rolled back. Never a half-started domain.
+        let driver = self.clone();
+        let spec = spec.clone();
+        let task = tokio::spawn(async move {
+            let result = driver.launch(&spec, &domain).await;
+            if result.is_err() {
+                let mut domains = driver.lock();
+                if domains
+                    .get(&spec.instance)
+                    .is_some_and(|d| Arc::ptr_eq(d, &domain))
+                {
+                    domains.remove(&spec.instance);
+                }
+            }
+            result
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(HvError::Failed {
+                instance: instance.clone(),
+                op: "start",
+                reason: format!("launch task failed: {e}"),
+            })
+        })
+    }
+
+    async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "shutdown")?;
+        let pid = match domain.phase() {
+            Phase::Exited(_) => return Ok(()),
+            Phase::Launching { .. } => {
+                return Err(unavailable(
+                    instance,
+                    "shutdown",
+                    "QEMU is still launching".into(),
+                ))
+            }
+            Phase::Live { pid } => pid,
+        };
+        let failure = match domain.qmp().await {
+            Ok(client) => match client.system_powerdown().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e.to_string(),
+            },
+            Err(e) => e,
+        };
+        // A domain that exited meanwhile needs no power-down.
+        domain
+            .state_without_qmp(pid, "shutdown", failure)
+            .await
+            .map(drop)
+    }
+
+    async fn kill(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "kill")?;
+        let pid = match domain.phase() {
+            Phase::Exited(_) => return Ok(()),
+            Phase::Launching { pid: None } => {
+                return Err(unavailable(
+                    instance,
+                    "kill",
+                    "QEMU is being spawned".into(),
+                ))
+            }
+            Phase::Launching { pid: Some(pid) } | Phase::Live { pid } => pid,
+        };
+        // Recorded before the signal: whoever sees the exit (this monitor, or
+        // a later Keel's scan) attributes it to us.
+        let marker = format!("{}\n", SystemClock.now_ms());
+        std::fs::write(&domain.paths.kill_marker, marker)
+            .map_err(|e| unavailable(instance, "kill", format!("write kill marker: {e}")))?;
+        match PidFd::open_verified(pid, &domain.marker) {
+            Ok(fd) => {
+                fd.signal(libc::SIGKILL).map_err(|e| HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "kill",
+                    reason: format!("SIGKILL pid {pid}: {e}"),
+                })?;
+                tracing::info!(instance, pid, "sent SIGKILL");
+            }
+            // ESRCH or a cmdline mismatch: our QEMU is already gone.
+            Err(e) => tracing::debug!(instance, pid, "kill: process already gone: {e}"),
+        }
+        self.settle(&domain, Duration::from_secs(5)).await;
+        Ok(())
+    }
+
+    async fn info(&self, instance: &str) -> Result<DomainInfo, HvError> {
+        let domain = self.existing(instance, "info")?;
+        let state = domain.state().await?;
+        Ok(self.info_of(&domain, state))
+    }
+
+    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
+        let dir = self.inner.layout.instances_dir();
+        let entries = std::fs::read_dir(&dir).map_err(|e| HvError::Unavailable {
+            instance: "*".into(),
+            op: "list",
+            reason: format!("{}: {e}", dir.display()),
+        })?;
+        let mut names: Vec<String> = entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| validate_name("instance", n).is_ok())
+            .collect();
+        names.sort();
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            match self.info(&name).await {
+                Ok(info) => out.push(info),
+                // Cleaned up between the directory read and the lookup.
+                Err(HvError::NotFound { .. }) => {}
+                // A domain whose state is unknown makes the whole listing
+                // unknown: callers use it to prove a VM has no live instance.
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "cleanup")?;
+        let state = match domain.phase() {
+            Phase::Exited(_) => None,
+            Phase::Launching { .. } => Some(DomainState::Starting),
+            Phase::Live { .. } => match domain.state().await {
+                Ok(DomainState::Exited(_)) => None,
+                Ok(state) => Some(state),
+                // Alive, just not answering: certainly not exited.
+                Err(HvError::Unavailable { .. }) => Some(DomainState::Running),
+                Err(e) => return Err(e),
+            },
+        };
+        if let Some(state) = state {
+            return Err(HvError::StillRunning {
+                instance: instance.to_string(),
+                state,
+            });
+        }
+        match std::fs::remove_dir_all(&domain.paths.dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "cleanup",
+                    reason: format!("remove {}: {e}", domain.paths.dir.display()),
+                })
+            }
+        }
+        self.lock().remove(instance);
+        tracing::info!(instance, "cleaned up");
+        Ok(())
+    }
+
+    async fn delete_disks(&self, vm: &str) -> Result<(), HvError> {
+        let storage = |reason: String| HvError::Storage {
+            vm: vm.to_string(),
+            op: "delete_disks",
+            reason,
+        };
+        validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
+        // Refuse rather than pull disks from under a running guest.
+        let live: Vec<String> = self
+            .list()
+            .await
+            .map_err(|e| storage(format!("cannot prove no instance is live: {e}")))?
+            .into_iter()
+            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .map(|d| d.instance)
+            .collect();
+        if !live.is_empty() {
+            return Err(storage(format!(
+                "instances still live: {}",
+                live.join(", ")
+            )));
+        }
+        let dir = self.inner.layout.vm_disks(vm);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(storage(format!("remove {}: {e}", dir.display()))),
+        }
+    }
+}
+
+fn not_found(instance: &str) -> HvError {
+    HvError::NotFound {
+        instance: instance.to_string(),
+    }
+}
+
+fn unavailable(instance: &str, op: &'static str, reason: String) -> HvError {
+    HvError::Unavailable {
+        instance: instance.to_string(),
+        op,
+        reason,
+    }
+}
+
+/// Spawns QEMU from an argument vector (no shell) in a new session, with
+/// stdout/stderr appended to `qemu.log`. The caller owns the child.
+fn spawn_qemu(binary: &Path, plan: &LaunchPlan) -> io::Result<tokio::process::Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&plan.paths.qemu_log)?;
+    let mut cmd = tokio::process::Command::new(binary);
+    cmd.args(plan.args())
+        .current_dir(&plan.paths.dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        // The guest must outlive this Keel process.
+        .kill_on_drop(false);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Own session and process group: no controlling terminal, so
+            // neither a Ctrl-C nor a hangup aimed at Keel reaches QEMU.
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// The last lines of a log, on one line, for error messages.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = lines.len().saturating_sub(5);
+    let joined = lines[start..].join(" | ");
+    if joined.is_empty() {
+        "(empty)".into()
+    } else {
+        joined
+    }
+}
+
+async fn qemu_version(binary: &Path) -> Result<String, QemuInitError> {
+    let missing = |reason: String| QemuInitError::QemuMissing {
+        binary: binary.to_path_buf(),
+        reason,
+    };
+    let out = tokio::process::Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|e| missing(e.to_string()))?;
+    if !out.status.success() {
+        return Err(missing(format!("--version exited with {}", out.status)));
+    }
+    // "QEMU emulator version 7.2.22 (Debian ...)" -> "qemu 7.2.22"
+    let text = String::from_utf8_lossy(&out.stdout);
+    let version = text
+        .split_whitespace()
+        .skip_while(|w| *w != "version")
+        .nth(1)
+        .unwrap_or("unknown");
+    Ok(format!("qemu {version}"))
+}

@@ -1,0 +1,536 @@
+//! The qemu driver against real QEMU and the test guest from
+//! `scripts/build-test-guest`, under TCG so the result does not depend on
+//! the host's KVM.
+//!
+//! Missing QEMU or guest is a failure, not a skip: these tests are the only
+//! proof the driver works. `KEEL_SKIP_QEMU_TESTS=1` skips them explicitly.
+//! The guest is found in `$KEEL_GUEST_DIR` or `<workspace>/target/guest`.
+//!
+//! Each test has its own data dir; a guard kills every QEMU started from it
+//! when the test ends, passed or not.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use keel_api::{Accelerator, BootSpec, DiskSpec};
+use keel_hv::guest::GuestChannel;
+use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
+use keel_hv::{DomainSpec, DomainState, ExitCause, HvError, Hypervisor};
+
+/// Generous for TCG on a loaded 2-core machine; the guest boots in ~3 s.
+const BOOT: Duration = Duration::from_secs(60);
+const STOP: Duration = Duration::from_secs(30);
+
+fn guest_dir() -> Option<PathBuf> {
+    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
+        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
+        return None;
+    }
+    let dir = std::env::var_os("KEEL_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
+    for file in ["vmlinuz", "initramfs.cpio.gz"] {
+        assert!(
+            dir.join(file).is_file(),
+            "test guest missing: {} not found. Run `bash scripts/build-test-guest` \
+             (or set KEEL_GUEST_DIR; KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
+            dir.join(file).display()
+        );
+    }
+    let qemu = std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output();
+    assert!(
+        qemu.is_ok_and(|o| o.status.success()),
+        "qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/setup), \
+         then run `bash scripts/build-test-guest`"
+    );
+    Some(dir)
+}
+
+/// SIGKILLs every process whose command line mentions the data dir. Runs on
+/// drop, so a failed assertion does not leave guests behind.
+struct KillGuard {
+    data_dir: PathBuf,
+}
+
+impl KillGuard {
+    fn pids(&self) -> Vec<i32> {
+        let needle = self.data_dir.to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return vec![];
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                    .unwrap_or(false)
+            })
+            .collect()
+    }
+}
+
+impl Drop for KillGuard {
+    fn drop(&mut self) {
+        for pid in self.pids() {
+            // SAFETY: plain kill(2) on a pid whose cmdline names our temp dir.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+struct Fixture {
+    // Dropped in this order: driver, then the guard kills, then the dir goes.
+    driver: Option<QemuDriver>,
+    _guard: KillGuard,
+    dir: tempfile::TempDir,
+    guest: PathBuf,
+}
+
+impl Fixture {
+    async fn new() -> Option<Fixture> {
+        Self::with(|c| c).await
+    }
+
+    async fn with(tweak: impl FnOnce(QemuConfig) -> QemuConfig) -> Option<Fixture> {
+        let guest = guest_dir()?;
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().canonicalize().unwrap();
+        let guard = KillGuard {
+            data_dir: data_dir.clone(),
+        };
+        let config = tweak(Self::config(&data_dir, &guest));
+        let driver = QemuDriver::new(config).await.unwrap();
+        Some(Fixture {
+            driver: Some(driver),
+            _guard: guard,
+            dir,
+            guest,
+        })
+    }
+
+    fn config(data_dir: &Path, guest: &Path) -> QemuConfig {
+        let mut config = QemuConfig::new(data_dir).with_test_guest(guest);
+        config.accel = AccelChoice::Tcg;
+        config
+    }
+
+    fn hv(&self) -> &QemuDriver {
+        self.driver.as_ref().expect("driver open")
+    }
+
+    /// Drops the driver (monitors stop, QEMUs keep running) and builds a new
+    /// one on the same data dir, as after a Keel restart.
+    async fn reopen(&mut self) {
+        drop(self.driver.take());
+        let config = Self::config(self.dir.path(), &self.guest);
+        self.driver = Some(QemuDriver::new(config).await.unwrap());
+    }
+
+    async fn boot(&self, vm: &str, instance: &str) -> GuestChannel {
+        let t = Instant::now();
+        self.hv().start(&spec(vm, instance)).await.unwrap();
+        let started = t.elapsed();
+        GuestChannel::wait_ready(&self.hv().console_log(instance), BOOT)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e}\nconsole:\n{}",
+                    std::fs::read_to_string(self.hv().console_log(instance)).unwrap_or_default()
+                )
+            });
+        eprintln!(
+            "{instance}: start returned in {started:?}, guest ready after {:?}",
+            t.elapsed()
+        );
+        let mut ch = GuestChannel::connect(self.hv().command_socket(instance))
+            .await
+            .unwrap();
+        ch.sync(BOOT).await.unwrap();
+        ch
+    }
+
+    /// Polls `info` until `done` holds; no fixed sleeps.
+    async fn wait_for(
+        &self,
+        instance: &str,
+        timeout: Duration,
+        done: impl Fn(&DomainState) -> bool,
+    ) -> DomainState {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let state = self.hv().info(instance).await.unwrap().state;
+            if done(&state) || Instant::now() >= deadline {
+                return state;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn spec(vm: &str, instance: &str) -> DomainSpec {
+    DomainSpec {
+        vm: vm.into(),
+        instance: instance.into(),
+        cpus: 1,
+        memory_mib: 256,
+        disks: vec![DiskSpec {
+            name: "data".into(),
+            size_mib: 64,
+        }],
+        boot: BootSpec::default(),
+    }
+}
+
+fn pid_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s.rsplit(')').next().unwrap_or("").split_whitespace().next();
+            !matches!(state, Some("Z") | Some("X"))
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test]
+async fn boots_to_the_ready_marker_under_tcg() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let facts = hv.facts().await;
+    assert_eq!(facts.accelerator, Accelerator::Tcg);
+    assert!(
+        facts.accelerator_note.contains("tcg"),
+        "{}",
+        facts.accelerator_note
+    );
+    assert!(
+        facts.hypervisor.starts_with("qemu "),
+        "{}",
+        facts.hypervisor
+    );
+
+    let mut ch = fx.boot("web", "web-1").await;
+    let info = hv.info("web-1").await.unwrap();
+    assert_eq!(info.state, DomainState::Running);
+    assert_eq!(info.vm, "web");
+    let pid = info.pid.expect("a running domain has a pid");
+    assert_eq!(hv.pid("web-1"), Some(pid));
+    // Its own session: Ctrl-C or a hangup aimed at Keel does not reach it.
+    // SAFETY: getsid(2) has no memory effects.
+    assert_eq!(unsafe { libc::getsid(pid as i32) }, pid as i32);
+
+    let ticks = ch.ticks().await.unwrap();
+    assert!(!ticks.boot_id.is_empty());
+    let listed = hv.list().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].instance, "web-1");
+
+    let err = hv.start(&spec("web", "web-1")).await.unwrap_err();
+    assert_eq!(
+        err,
+        HvError::AlreadyExists {
+            instance: "web-1".into()
+        }
+    );
+}
+
+#[tokio::test]
+async fn graceful_stop_powers_off_and_cleanup_forgets() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    fx.boot("web", "web-1").await;
+    let pid = hv.pid("web-1").unwrap();
+
+    let t = Instant::now();
+    hv.shutdown("web-1").await.unwrap();
+    let state = fx.wait_for("web-1", STOP, DomainState::is_exited).await;
+    eprintln!("power-off took {:?}", t.elapsed());
+    assert_eq!(state, DomainState::Exited(ExitCause::Poweroff));
+    assert!(!pid_alive(pid), "QEMU pid {pid} still alive");
+    // Reaped by the monitor, not left a zombie.
+    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "pid {pid} not reaped");
+    assert_eq!(hv.info("web-1").await.unwrap().pid, None);
+
+    // Exited domains stay known, and stopping them again is a no-op.
+    hv.shutdown("web-1").await.unwrap();
+    hv.kill("web-1").await.unwrap();
+    assert_eq!(
+        hv.info("web-1").await.unwrap().state,
+        DomainState::Exited(ExitCause::Poweroff),
+        "a later kill does not rewrite how it ended"
+    );
+
+    hv.cleanup("web-1").await.unwrap();
+    let gone = HvError::NotFound {
+        instance: "web-1".into(),
+    };
+    assert_eq!(hv.info("web-1").await.unwrap_err(), gone);
+    assert_eq!(hv.cleanup("web-1").await.unwrap_err(), gone);
+    assert_eq!(hv.shutdown("web-1").await.unwrap_err(), gone);
+    assert_eq!(hv.kill("web-1").await.unwrap_err(), gone);
+    assert!(hv.list().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn a_guest_ignoring_the_power_button_is_killed() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let mut ch = fx.boot("hung", "hung-1").await;
+    ch.set_acpi(false).await.unwrap();
+
+    hv.shutdown("hung-1").await.unwrap();
+    // The one fixed wait: proving something does *not* happen takes time.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(hv.info("hung-1").await.unwrap().state, DomainState::Running);
+    assert!(matches!(
+        hv.cleanup("hung-1").await.unwrap_err(),
+        HvError::StillRunning {
+            state: DomainState::Running,
+            ..
+        }
+    ));
+
+    hv.kill("hung-1").await.unwrap();
+    let state = fx.wait_for("hung-1", STOP, DomainState::is_exited).await;
+    assert_eq!(state, DomainState::Exited(ExitCause::Killed));
+    hv.cleanup("hung-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn acknowledged_writes_survive_into_the_next_instance() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let record = format!("record-{}", std::process::id());
+    let mut ch = fx.boot("db", "db-1").await;
+    ch.put(7, &record).await.unwrap();
+    // Right after the acknowledgement: no time for anything to settle.
+    hv.shutdown("db-1").await.unwrap();
+    let state = fx.wait_for("db-1", STOP, DomainState::is_exited).await;
+    assert_eq!(state, DomainState::Exited(ExitCause::Poweroff));
+    hv.cleanup("db-1").await.unwrap();
+
+    let disk = fx.dir.path().join("disks/db/data.qcow2");
+    assert!(
+        disk.is_file(),
+        "the disk belongs to the VM and outlives instances"
+    );
+
+    let mut ch = fx.boot("db", "db-2").await;
+    assert_eq!(ch.get(7).await.unwrap(), record);
+
+    // Disks are not deleted from under a live instance.
+    assert!(matches!(
+        hv.delete_disks("db").await.unwrap_err(),
+        HvError::Storage { .. }
+    ));
+    hv.kill("db-2").await.unwrap();
+    hv.cleanup("db-2").await.unwrap();
+    hv.delete_disks("db").await.unwrap();
+    assert!(!disk.exists());
+    hv.delete_disks("db").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_new_driver_re_adopts_running_guests() {
+    let Some(mut fx) = Fixture::new().await else {
+        return;
+    };
+    let mut ch = fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+
+    fx.reopen().await;
+    let hv = fx.hv();
+    let info = hv.info("web-1").await.unwrap();
+    assert_eq!(info.state, DomainState::Running);
+    assert_eq!(info.pid, Some(pid));
+    assert_eq!(info.vm, "web");
+    // The guest did not notice.
+    ch.ping().await.unwrap();
+
+    hv.kill("web-1").await.unwrap();
+    let state = fx.wait_for("web-1", STOP, DomainState::is_exited).await;
+    assert_eq!(state, DomainState::Exited(ExitCause::Killed));
+    assert!(!pid_alive(pid));
+    hv.cleanup("web-1").await.unwrap();
+    assert!(hv.info("web-1").await.unwrap_err().is_not_found());
+}
+
+#[tokio::test]
+async fn exits_while_no_driver_watches_are_recorded_on_adoption() {
+    let Some(mut fx) = Fixture::new().await else {
+        return;
+    };
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    drop(fx.driver.take());
+    // Not Keel's kill: a crash as far as Keel can tell.
+    // SAFETY: kill(2) on the QEMU this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + STOP;
+    while pid_alive(pid) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fx.reopen().await;
+    let hv = fx.hv();
+    assert_eq!(
+        hv.info("web-1").await.unwrap().state,
+        DomainState::Exited(ExitCause::Crashed)
+    );
+    hv.cleanup("web-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn unreachable_qmp_on_a_live_process_is_unavailable() {
+    let Some(mut fx) = Fixture::new().await else {
+        return;
+    };
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    std::fs::remove_file(fx.hv().instance_dir("web-1").join("qmp.sock")).unwrap();
+    // A fresh driver cannot reach QMP any more; the old one's connection
+    // would have survived the unlink.
+    fx.reopen().await;
+    let hv = fx.hv();
+
+    for err in [
+        hv.info("web-1").await.unwrap_err(),
+        hv.list().await.unwrap_err(),
+        hv.shutdown("web-1").await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(&err, HvError::Unavailable { instance, .. } if instance == "web-1"),
+            "{err:?}"
+        );
+    }
+    assert!(pid_alive(pid));
+    assert!(matches!(
+        hv.cleanup("web-1").await.unwrap_err(),
+        HvError::StillRunning { .. }
+    ));
+
+    // Killing needs no QMP.
+    hv.kill("web-1").await.unwrap();
+    assert_eq!(
+        hv.info("web-1").await.unwrap().state,
+        DomainState::Exited(ExitCause::Killed)
+    );
+    hv.cleanup("web-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_frozen_qemu_is_unavailable_not_exited() {
+    let Some(fx) = Fixture::with(|mut c| {
+        c.qmp_timeout = Duration::from_secs(1);
+        c
+    })
+    .await
+    else {
+        return;
+    };
+    let hv = fx.hv();
+    fx.boot("web", "web-1").await;
+    let pid = hv.pid("web-1").unwrap() as i32;
+    // SAFETY: kill(2) on the QEMU this test started.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let t = Instant::now();
+    let err = hv.info("web-1").await.unwrap_err();
+    assert!(matches!(err, HvError::Unavailable { .. }), "{err:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "bounded by the QMP timeout"
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    assert_eq!(hv.info("web-1").await.unwrap().state, DomainState::Running);
+    hv.kill("web-1").await.unwrap();
+    hv.cleanup("web-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn failed_starts_leave_nothing_behind() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let mut bad = spec("web", "web-1");
+    bad.boot.kernel = Some("/nonexistent/vmlinuz".into());
+    let err = hv.start(&bad).await.unwrap_err();
+    assert!(
+        matches!(&err, HvError::Failed { instance, .. } if instance == "web-1"),
+        "{err:?}"
+    );
+    assert!(hv.info("web-1").await.unwrap_err().is_not_found());
+
+    // QEMU itself refuses (not a kernel image): the start fails with its log.
+    bad.boot.kernel = Some("/etc/hostname".into());
+    let err = hv.start(&bad).await.unwrap_err();
+    assert!(err.to_string().contains("qemu"), "{err}");
+    assert!(hv.info("web-1").await.unwrap_err().is_not_found());
+
+    for name in ["../etc", "Web", ""] {
+        let err = hv.start(&spec("web", name)).await.unwrap_err();
+        assert!(matches!(err, HvError::Failed { .. }), "{err:?}");
+        assert!(hv.info(name).await.unwrap_err().is_not_found());
+    }
+    let err = hv.start(&spec("../web", "web-2")).await.unwrap_err();
+    assert!(matches!(err, HvError::Failed { .. }), "{err:?}");
+    assert!(hv.list().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn kvm_probe_falls_back_to_tcg_with_a_note() {
+    let Some(guest) = guest_dir() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _guard = KillGuard {
+        data_dir: dir.path().canonicalize().unwrap(),
+    };
+    let mut config = QemuConfig::new(dir.path()).with_test_guest(&guest);
+    config.accel = AccelChoice::Auto;
+    config.probe_timeout = Duration::from_millis(1);
+    let hv = QemuDriver::new(config).await.unwrap();
+    let facts = hv.facts().await;
+    assert_eq!(
+        facts.accelerator,
+        Accelerator::Tcg,
+        "{}",
+        facts.accelerator_note
+    );
+    let note = &facts.accelerator_note;
+    assert!(note.ends_with("; using tcg"), "{note}");
+    // Whichever way KVM is unavailable here, the note says so.
+    assert!(note.contains("kvm"), "{note}");
+    eprintln!("probe note: {note}");
+}
+
+/// The real probe with its default timeout, to see what this host gets:
+/// `cargo test -p keel-hv --test qemu_e2e -- --ignored --nocapture real_kvm_probe`
+#[tokio::test]
+#[ignore = "depends on the host's KVM; run by hand"]
+async fn real_kvm_probe() {
+    let Some(guest) = guest_dir() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _guard = KillGuard {
+        data_dir: dir.path().canonicalize().unwrap(),
+    };
+    let mut config = QemuConfig::new(dir.path()).with_test_guest(&guest);
+    config.accel = AccelChoice::Auto;
+    let t = Instant::now();
+    let hv = QemuDriver::new(config).await.unwrap();
+    let facts = hv.facts().await;
+    eprintln!(
+        "after {:?}: {:?}: {}",
+        t.elapsed(),
+        facts.accelerator,
+        facts.accelerator_note
+    );
+}
+
