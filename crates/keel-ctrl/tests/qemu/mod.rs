@@ -1,0 +1,215 @@
+//! Real QEMU under the real controller runtime: a temp data dir, the QEMU
+//! driver (TCG), an SQLite store, and `run_vm_controller` as `keel serve`
+//! runs it. Users act through compare-and-swap writes, as the API does.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel_api::{
+    BootSpec, Clock, DiskSpec, Phase, PowerState, RunPolicy, SystemClock, ValidationError,
+    VirtualMachine, VmSpec,
+};
+use keel_ctrl::keys::vm_key;
+use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_hv::guest::GuestChannel;
+use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
+use keel_store::sqlite::SqliteStore;
+use keel_store::{StoreError, TypedStore};
+use tokio::sync::watch;
+
+pub fn guest_dir() -> Option<PathBuf> {
+    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
+        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
+        return None;
+    }
+    let dir = std::env::var_os("KEEL_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
+    for file in ["vmlinuz", "initramfs.cpio.gz"] {
+        assert!(
+            dir.join(file).is_file(),
+            "test guest missing: {} not found; run `bash scripts/build-test-guest` \
+             (KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
+            dir.join(file).display()
+        );
+    }
+    Some(dir)
+}
+
+/// Pids of QEMU processes whose command line names `needle`.
+pub fn qemu_pids(needle: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![];
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    let c = String::from_utf8_lossy(&c);
+                    c.contains("qemu-system") && c.contains(needle)
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+pub struct Env {
+    pub driver: QemuDriver,
+    pub store: TypedStore,
+    pub data_dir: PathBuf,
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        for pid in qemu_pids(&self.data_dir.to_string_lossy()) {
+            // SAFETY: kill(2) of a QEMU whose command line names our temp dir.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Env {
+    pub async fn new() -> Option<Env> {
+        let guest = guest_dir()?;
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().canonicalize().unwrap();
+        let mut config = QemuConfig::new(data_dir.join("node")).with_test_guest(&guest);
+        config.accel = AccelChoice::Tcg;
+        let driver = QemuDriver::new(config).await.unwrap();
+        let store = TypedStore::new(Arc::new(
+            SqliteStore::open(data_dir.join("keel.db")).unwrap(),
+        ));
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let cfg = LifecycleConfig {
+            node: "local".into(),
+            poll_ms: 500,
+            ..Default::default()
+        };
+        let ctrl = Arc::new(VmController::new(
+            store.clone(),
+            Arc::new(driver.clone()),
+            clock.clone(),
+            cfg,
+        ));
+        ctrl.heartbeat(None).await.unwrap();
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(run_vm_controller(ctrl, clock, stop_rx));
+        Some(Env {
+            driver,
+            store,
+            data_dir,
+            stop,
+            task: Some(task),
+            _dir: dir,
+        })
+    }
+
+    pub fn spec(policy: RunPolicy, grace_s: u64) -> VmSpec {
+        VmSpec {
+            cpus: 1,
+            memory_mib: 256,
+            disks: vec![DiskSpec {
+                name: "data".into(),
+                size_mib: 64,
+            }],
+            boot: BootSpec::default(),
+            run_policy: policy,
+            power: PowerState::Running,
+            restart_generation: 0,
+            stop_grace_period_s: grace_s,
+            node: None,
+        }
+    }
+
+    pub async fn create(&self, name: &str, spec: VmSpec) {
+        self.store
+            .create(&vm_key(name), &VirtualMachine::new(name, spec))
+            .await
+            .unwrap();
+    }
+
+    pub async fn vm(&self, name: &str) -> VirtualMachine {
+        self.store
+            .get::<VirtualMachine>(&vm_key(name))
+            .await
+            .unwrap()
+            .expect("VM record")
+            .value
+    }
+
+    /// A user request, as the API makes it: read, modify, compare-and-swap.
+    pub async fn user(
+        &self,
+        name: &str,
+        op: impl Fn(&mut VirtualMachine) -> Result<(), ValidationError>,
+    ) {
+        loop {
+            let e = self
+                .store
+                .get::<VirtualMachine>(&vm_key(name))
+                .await
+                .unwrap()
+                .unwrap();
+            let mut vm = e.value;
+            op(&mut vm).unwrap();
+            match self.store.update(&vm_key(name), &vm, e.revision).await {
+                Ok(_) => return,
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    /// Waits until `pred` holds for the VM record (polling; real QEMU runs
+    /// in real time).
+    pub async fn wait_for(
+        &self,
+        name: &str,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&VirtualMachine) -> bool,
+    ) -> VirtualMachine {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let vm = self.vm(name).await;
+            if pred(&vm) {
+                return vm;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "VM {name}: not {what} within {timeout:?}: {vm:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits for the VM's current instance to run and its guest to be
+    /// ready; returns the instance id and a synced command channel.
+    pub async fn ready(&self, name: &str, timeout: Duration) -> (String, GuestChannel) {
+        let vm = self
+            .wait_for(name, timeout, "running", |vm| {
+                vm.status.phase == Phase::Running && vm.status.instance.is_some()
+            })
+            .await;
+        let instance = vm.status.instance.unwrap().id;
+        let guest = GuestChannel::connect_ready(
+            &self.driver.console_log(&instance),
+            &self.driver.command_socket(&instance),
+            timeout,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("guest of {instance} not ready: {e}"));
+        (instance, guest)
+    }
+}

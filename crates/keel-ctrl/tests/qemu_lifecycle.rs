@@ -1,0 +1,132 @@
+//! The lifecycle against real QEMU processes, through the controller
+//! runtime exactly as `keel serve` runs it.
+
+mod qemu;
+
+use std::time::{Duration, Instant};
+
+use keel_api::{ExitKind, Phase, RunPolicy, VirtualMachine};
+use qemu::{qemu_pids, Env};
+
+const BOOT: Duration = Duration::from_secs(60);
+
+/// While a restart is in flight the process table never holds two QEMUs of
+/// the VM: sampled every few milliseconds from the request until the new
+/// guest is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_never_runs_two_qemu_processes() {
+    let Some(env) = Env::new().await else { return };
+    env.create("web", Env::spec(RunPolicy::Manual, 30)).await;
+    let (old, _guest) = env.ready("web", BOOT).await;
+    let needle = "guest=web-".to_string();
+    assert_eq!(qemu_pids(&needle).len(), 1);
+
+    let sampler = tokio::task::spawn_blocking(move || {
+        let mut max = 0;
+        let mut samples = 0;
+        let end = Instant::now() + Duration::from_secs(90);
+        while Instant::now() < end {
+            let n = qemu_pids(&needle).len();
+            max = max.max(n);
+            samples += 1;
+            if SAMPLER_STOP.load(std::sync::atomic::Ordering::SeqCst) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        (max, samples)
+    });
+    env.user("web", VirtualMachine::request_restart).await;
+    let (new, _guest) = env.ready_after("web", &old).await;
+    SAMPLER_STOP.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (max, samples) = sampler.await.unwrap();
+    assert!(samples > 100, "sampled the process table {samples} times");
+    assert_eq!(max, 1, "two QEMU processes of one VM existed at once");
+    assert_ne!(new, old);
+    let vm = env.vm("web").await;
+    let exit = vm.status.last_exit.unwrap();
+    assert_eq!((exit.kind, exit.requested), (ExitKind::GuestPoweroff, true));
+}
+
+static SAMPLER_STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+impl Env {
+    /// Ready with an instance other than `old`.
+    async fn ready_after(&self, name: &str, old: &str) -> (String, keel_hv::guest::GuestChannel) {
+        self.wait_for(name, BOOT, "restarted", |vm| {
+            vm.status.phase == Phase::Running
+                && vm.status.instance.as_ref().is_some_and(|i| i.id != old)
+        })
+        .await;
+        self.ready(name, BOOT).await
+    }
+}
+
+/// A record the guest wrote (and had acknowledged) survives a restart
+/// requested in the same millisecond — ten times in a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_restarts_ten_of_ten() {
+    let Some(env) = Env::new().await else { return };
+    env.create(
+        "db",
+        Env::spec(RunPolicy::AlwaysOnUnlessStoppedManually, 30),
+    )
+    .await;
+    let (mut instance, mut guest) = env.ready("db", BOOT).await;
+    for cycle in 0..10u32 {
+        let text = format!("record-{cycle}-{}", instance);
+        guest.put(cycle, &text).await.unwrap();
+        env.user("db", VirtualMachine::request_restart).await;
+        let (next, mut next_guest) = env.ready_after("db", &instance).await;
+        for earlier in 0..=cycle {
+            let got = next_guest.get(earlier).await.unwrap();
+            assert!(
+                got.starts_with(&format!("record-{earlier}-")),
+                "cycle {cycle}, slot {earlier}: {got:?}"
+            );
+        }
+        assert_eq!(next_guest.get(cycle).await.unwrap(), text, "cycle {cycle}");
+        instance = next;
+        guest = next_guest;
+    }
+}
+
+/// Graceful stop ends with the process gone; a guest that ignores the power
+/// button is force-killed once the grace period is over, not before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_is_graceful_then_forced_after_the_grace_period() {
+    let Some(env) = Env::new().await else { return };
+    env.create("calm", Env::spec(RunPolicy::Manual, 30)).await;
+    env.create("hung", Env::spec(RunPolicy::Manual, 6)).await;
+    let (calm, _g) = env.ready("calm", BOOT).await;
+    let (hung, mut hung_guest) = env.ready("hung", BOOT).await;
+    hung_guest.set_acpi(false).await.unwrap();
+
+    let asked = Instant::now();
+    env.user("calm", VirtualMachine::request_stop).await;
+    env.user("hung", VirtualMachine::request_stop).await;
+    let vm = env
+        .wait_for("calm", Duration::from_secs(30), "stopped", |vm| {
+            vm.status.phase == Phase::Stopped
+        })
+        .await;
+    assert!(qemu_pids(&format!("guest={calm}")).is_empty());
+    assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::GuestPoweroff);
+
+    assert!(
+        !qemu_pids(&format!("guest={hung}")).is_empty(),
+        "the guest ignoring the power button still runs while calm has stopped"
+    );
+    let vm = env
+        .wait_for("hung", Duration::from_secs(30), "stopped", |vm| {
+            vm.status.phase == Phase::Stopped
+        })
+        .await;
+    let took = asked.elapsed();
+    assert!(
+        took >= Duration::from_secs(6),
+        "killed after {took:?}, before the 6 s grace period"
+    );
+    assert!(qemu_pids(&format!("guest={hung}")).is_empty());
+    assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Killed);
+}
