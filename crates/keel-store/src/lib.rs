@@ -5,6 +5,7 @@
 
 pub mod conformance;
 mod error;
+pub mod etcd;
 pub mod memory;
 pub mod sqlite;
 mod typed;
