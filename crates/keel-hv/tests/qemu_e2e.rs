@@ -7,191 +7,17 @@
 //! The guest is found in `$KEEL_GUEST_DIR` or `<workspace>/target/guest`.
 //!
 //! Each test has its own data dir; a guard kills every QEMU started from it
-//! when the test ends, passed or not.
+//! when the test ends, passed or not. The helpers are in `common/mod.rs`.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use keel_api::{Accelerator, BootSpec, DiskSpec};
-use keel_hv::guest::GuestChannel;
+use common::{guest_dir, pid_alive, spec, Fixture, KillGuard, STOP};
+use keel_api::Accelerator;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
-use keel_hv::{DomainSpec, DomainState, ExitCause, HvError, Hypervisor};
-
-/// Generous for TCG on a loaded 2-core machine; the guest boots in ~3 s.
-const BOOT: Duration = Duration::from_secs(60);
-const STOP: Duration = Duration::from_secs(30);
-
-fn guest_dir() -> Option<PathBuf> {
-    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
-        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
-        return None;
-    }
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
-    for file in ["vmlinuz", "initramfs.cpio.gz"] {
-        assert!(
-            dir.join(file).is_file(),
-            "test guest missing: {} not found. Run `bash scripts/build-test-guest` \
-             (or set KEEL_GUEST_DIR; KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
-            dir.join(file).display()
-        );
-    }
-    let qemu = std::process::Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output();
-    assert!(
-        qemu.is_ok_and(|o| o.status.success()),
-        "qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/setup), \
-         then run `bash scripts/build-test-guest`"
-    );
-    Some(dir)
-}
-
-/// SIGKILLs every process whose command line mentions the data dir. Runs on
-/// drop, so a failed assertion does not leave guests behind.
-struct KillGuard {
-    data_dir: PathBuf,
-}
-
-impl KillGuard {
-    fn pids(&self) -> Vec<i32> {
-        let needle = self.data_dir.to_string_lossy().into_owned();
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return vec![];
-        };
-        entries
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .map(|c| String::from_utf8_lossy(&c).contains(&needle))
-                    .unwrap_or(false)
-            })
-            .collect()
-    }
-}
-
-impl Drop for KillGuard {
-    fn drop(&mut self) {
-        for pid in self.pids() {
-            // SAFETY: plain kill(2) on a pid whose cmdline names our temp dir.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-}
-
-struct Fixture {
-    // Dropped in this order: driver, then the guard kills, then the dir goes.
-    driver: Option<QemuDriver>,
-    _guard: KillGuard,
-    dir: tempfile::TempDir,
-    guest: PathBuf,
-}
-
-impl Fixture {
-    async fn new() -> Option<Fixture> {
-        Self::with(|c| c).await
-    }
-
-    async fn with(tweak: impl FnOnce(QemuConfig) -> QemuConfig) -> Option<Fixture> {
-        let guest = guest_dir()?;
-        let dir = tempfile::tempdir().unwrap();
-        let data_dir = dir.path().canonicalize().unwrap();
-        let guard = KillGuard {
-            data_dir: data_dir.clone(),
-        };
-        let config = tweak(Self::config(&data_dir, &guest));
-        let driver = QemuDriver::new(config).await.unwrap();
-        Some(Fixture {
-            driver: Some(driver),
-            _guard: guard,
-            dir,
-            guest,
-        })
-    }
-
-    fn config(data_dir: &Path, guest: &Path) -> QemuConfig {
-        let mut config = QemuConfig::new(data_dir).with_test_guest(guest);
-        config.accel = AccelChoice::Tcg;
-        config
-    }
-
-    fn hv(&self) -> &QemuDriver {
-        self.driver.as_ref().expect("driver open")
-    }
-
-    /// Drops the driver (monitors stop, QEMUs keep running) and builds a new
-    /// one on the same data dir, as after a Keel restart.
-    async fn reopen(&mut self) {
-        drop(self.driver.take());
-        let config = Self::config(self.dir.path(), &self.guest);
-        self.driver = Some(QemuDriver::new(config).await.unwrap());
-    }
-
-    async fn boot(&self, vm: &str, instance: &str) -> GuestChannel {
-        let t = Instant::now();
-        self.hv().start(&spec(vm, instance)).await.unwrap();
-        let started = t.elapsed();
-        GuestChannel::wait_ready(&self.hv().console_log(instance), BOOT)
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{e}\nconsole:\n{}",
-                    std::fs::read_to_string(self.hv().console_log(instance)).unwrap_or_default()
-                )
-            });
-        eprintln!(
-            "{instance}: start returned in {started:?}, guest ready after {:?}",
-            t.elapsed()
-        );
-        let mut ch = GuestChannel::connect(self.hv().command_socket(instance))
-            .await
-            .unwrap();
-        ch.sync(BOOT).await.unwrap();
-        ch
-    }
-
-    /// Polls `info` until `done` holds; no fixed sleeps.
-    async fn wait_for(
-        &self,
-        instance: &str,
-        timeout: Duration,
-        done: impl Fn(&DomainState) -> bool,
-    ) -> DomainState {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let state = self.hv().info(instance).await.unwrap().state;
-            if done(&state) || Instant::now() >= deadline {
-                return state;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-}
-
-fn spec(vm: &str, instance: &str) -> DomainSpec {
-    DomainSpec {
-        vm: vm.into(),
-        instance: instance.into(),
-        cpus: 1,
-        memory_mib: 256,
-        disks: vec![DiskSpec {
-            name: "data".into(),
-            size_mib: 64,
-        }],
-        boot: BootSpec::default(),
-    }
-}
-
-fn pid_alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            let state = s.rsplit(')').next().unwrap_or("").split_whitespace().next();
-            !matches!(state, Some("Z") | Some("X"))
-        })
-        .unwrap_or(false)
-}
+use keel_hv::{DomainState, ExitCause, HvError, Hypervisor};
 
 #[tokio::test]
 async fn boots_to_the_ready_marker_under_tcg() {
@@ -253,7 +79,10 @@ async fn graceful_stop_powers_off_and_cleanup_forgets() {
     assert_eq!(state, DomainState::Exited(ExitCause::Poweroff));
     assert!(!pid_alive(pid), "QEMU pid {pid} still alive");
     // Reaped by the monitor, not left a zombie.
-    assert!(!Path::new(&format!("/proc/{pid}")).exists(), "pid {pid} not reaped");
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "pid {pid} not reaped"
+    );
     assert_eq!(hv.info("web-1").await.unwrap().pid, None);
 
     // Exited domains stay known, and stopping them again is a no-op.
@@ -533,4 +362,3 @@ async fn real_kvm_probe() {
         facts.accelerator_note
     );
 }
-

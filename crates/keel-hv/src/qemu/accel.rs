@@ -128,6 +128,7 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path) -> Result<String, String
         initrd: config.default_initrd.clone(),
         cmdline: config.default_cmdline.clone(),
         disks: vec![],
+        incoming: false,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

@@ -13,11 +13,18 @@
 //!     shutdown.json         last QMP SHUTDOWN event (why QEMU is exiting)
 //!     kill-requested        Keel decided to kill; written before the signal
 //!     exit.json             ExitRecord, written once the process is gone
+//!     migrate.sock          incoming live migration (QEMU listens; unix URIs)
+//!     migration-out.json    OutgoingMigration: this instance was told to migrate
+//!     snapshot-paused       Keel paused the guest for a live snapshot; resume it
 //!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
 //! ```
 //!
+//! The disk directory can be moved out of the data dir (`QemuConfig::disk_dir`):
+//! live migration between nodes needs every node to see the same images at
+//! the same path, i.e. a shared directory.
+//!
 //! Every file is under a directory named by a validated name (DNS label), so
-//! nothing built here can point outside the data dir.
+//! nothing built here can point outside the data dir (or the disk dir).
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -33,6 +40,8 @@ pub const MAX_SOCKET_PATH: usize = 107;
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub root: PathBuf,
+    /// `root/disks` unless configured elsewhere (shared storage).
+    pub disks: PathBuf,
 }
 
 impl Layout {
@@ -40,7 +49,7 @@ impl Layout {
         self.root.join("instances")
     }
     pub fn disks_dir(&self) -> PathBuf {
-        self.root.join("disks")
+        self.disks.clone()
     }
     /// Callers validate `instance` first.
     pub fn instance(&self, instance: &str) -> InstancePaths {
@@ -67,6 +76,9 @@ pub struct InstancePaths {
     pub shutdown: PathBuf,
     pub kill_marker: PathBuf,
     pub exit: PathBuf,
+    pub migrate_sock: PathBuf,
+    pub migration_out: PathBuf,
+    pub snapshot_paused: PathBuf,
 }
 
 impl InstancePaths {
@@ -81,6 +93,9 @@ impl InstancePaths {
             shutdown: dir.join("shutdown.json"),
             kill_marker: dir.join("kill-requested"),
             exit: dir.join("exit.json"),
+            migrate_sock: dir.join("migrate.sock"),
+            migration_out: dir.join("migration-out.json"),
+            snapshot_paused: dir.join("snapshot-paused"),
             dir,
         }
     }
@@ -236,6 +251,9 @@ pub struct LaunchPlan {
     pub cmdline: String,
     /// In guest order: the first is /dev/vda.
     pub disks: Vec<PathBuf>,
+    /// Wait for an incoming live migration instead of booting
+    /// (`-incoming defer`; the listening URI is given over QMP).
+    pub incoming: bool,
 }
 
 impl LaunchPlan {
@@ -298,6 +316,12 @@ impl LaunchPlan {
             push(&["-initrd", &initrd.to_string_lossy()]);
         }
         push(&["-append", &self.cmdline]);
+        if self.incoming {
+            // `defer`: QEMU starts with its images inactive (no image locks
+            // taken, nothing read or written) and listens only once told
+            // where over QMP, so the URI is chosen after QMP is up.
+            push(&["-incoming", "defer"]);
+        }
         for (i, disk) in self.disks.iter().enumerate() {
             // cache=writeback: the guest sees a volatile write cache, so its
             // flushes reach QEMU and become fsync on the image file.
@@ -355,6 +379,7 @@ mod tests {
             initrd: Some("/i".into()),
             cmdline: "console=ttyS0 quiet".into(),
             disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
+            incoming: false,
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -386,6 +411,14 @@ mod tests {
             !args.iter().any(|a| a == "-cpu"),
             "TCG keeps the default CPU"
         );
+        assert!(!args.iter().any(|a| a == "-incoming"));
+
+        let incoming = LaunchPlan {
+            incoming: true,
+            ..plan
+        };
+        let joined = incoming.args().join(" ");
+        assert!(joined.contains("-incoming defer"), "{joined}");
     }
 
     #[test]

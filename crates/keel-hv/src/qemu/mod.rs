@@ -8,15 +8,22 @@
 //!
 //! QMP is spoken by a small client of our own ([`qmp`]), not the `qapi`
 //! crate; the reasons are at the top of that module.
+//!
+//! Snapshots are qcow2 internal snapshots ([`snapshot`]); live migration
+//! moves memory and device state only ([`migration`]), so the disks must be
+//! on storage both nodes share (`QemuConfig::disk_dir`).
 
 mod accel;
 mod layout;
+mod migration;
 mod monitor;
 mod proc;
 mod qmp;
+mod snapshot;
 
 use std::collections::BTreeMap;
 use std::io;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
@@ -35,12 +42,35 @@ use layout::{
 use monitor::{Domain, Phase, ProcessWatch};
 use proc::PidFd;
 
-use crate::{DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, NodeFacts};
+use crate::{
+    DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, MigrationProgress, NodeFacts,
+};
 
 #[derive(Debug, Clone)]
 pub struct QemuConfig {
-    /// Holds `instances/` and `disks/`. Created if missing.
+    /// Holds `instances/` and, unless `disk_dir` is set, `disks/`. Created
+    /// if missing.
     pub data_dir: PathBuf,
+    /// Where VM disks live (`<disk_dir>/<vm>/<disk>.qcow2`); `None` means
+    /// `data_dir/disks`. Live migration between nodes requires this to be
+    /// shared storage mounted at the same path on every node: only memory
+    /// and device state travel, both QEMUs open the same image files. On a
+    /// network filesystem the page cache of the two hosts is not coherent,
+    /// so there the images also need `cache=none` (not yet configurable);
+    /// on one host (tests) the shared page cache makes `writeback` safe.
+    pub disk_dir: Option<PathBuf>,
+    /// Address incoming migrations listen on (a TCP port the kernel picks)
+    /// and that is handed to the source, so it must be this node's address
+    /// as other nodes reach it. `None`: a Unix socket in the instance
+    /// directory, which only a source on the same host can reach. The
+    /// stream is neither authenticated nor encrypted: use a private
+    /// migration network.
+    pub migration_address: Option<IpAddr>,
+    /// Bandwidth cap for outgoing migrations in bytes/s (QEMU's
+    /// `max-bandwidth`); `None` keeps QEMU's default (128 MiB/s).
+    pub migration_max_bandwidth: Option<u64>,
+    /// Bounds each `qemu-img` run and each QMP snapshot command.
+    pub storage_timeout: Duration,
     pub qemu_binary: PathBuf,
     pub qemu_img: PathBuf,
     /// Used when a spec's boot section leaves the kernel unset, and by the
@@ -63,6 +93,10 @@ impl QemuConfig {
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
         Self {
             data_dir: data_dir.into(),
+            disk_dir: None,
+            migration_address: None,
+            migration_max_bandwidth: None,
+            storage_timeout: Duration::from_secs(60),
             qemu_binary: "qemu-system-x86_64".into(),
             qemu_img: "qemu-img".into(),
             default_kernel: None,
@@ -89,8 +123,12 @@ impl QemuConfig {
 pub enum QemuInitError {
     #[error("qemu driver data dir {path}: {reason}")]
     DataDir { path: PathBuf, reason: String },
+    #[error("qemu driver disk dir {path}: {reason}")]
+    DiskDir { path: PathBuf, reason: String },
     #[error("{binary} does not run ({reason}); install qemu-system-x86 (scripts/setup)")]
     QemuMissing { binary: PathBuf, reason: String },
+    #[error("qemu driver migration address {address}: {reason}")]
+    MigrationAddress { address: IpAddr, reason: String },
 }
 
 /// Cheap to clone; clones share the instances. Dropping the last clone stops
@@ -109,6 +147,11 @@ struct Inner {
     /// Instances this driver has looked at. The directory is the truth; this
     /// holds the monitors and the in-memory phase.
     domains: Mutex<BTreeMap<String, Arc<Domain>>>,
+    /// One per VM ever touched (a few bytes each): serializes what changes
+    /// a VM's disks or who writes them (snapshot, restore, delete snapshot,
+    /// starting a migration), so e.g. a snapshot never pauses a guest that
+    /// has just started handing over to another node.
+    vm_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Drop for Inner {
@@ -119,9 +162,10 @@ impl Drop for Inner {
     }
 }
 
-/// `sun_path` budget: `<root>/instances/<63-char name>/qmp.sock`.
+/// `sun_path` budget: `<root>/instances/<63-char name>/migrate.sock`, the
+/// longest socket name in an instance directory.
 const SOCKET_SUFFIX_LEN: usize =
-    "/instances/".len() + keel_api::name::MAX_NAME_LEN + "/qmp.sock".len();
+    "/instances/".len() + keel_api::name::MAX_NAME_LEN + "/migrate.sock".len();
 
 impl QemuDriver {
     /// Checks QEMU runs, settles the accelerator (probing KVM under `Auto`)
@@ -147,11 +191,40 @@ impl QemuDriver {
                 layout::MAX_SOCKET_PATH
             )));
         }
-        let layout = Layout { root: root.clone() };
-        for dir in [layout.instances_dir(), layout.disks_dir()] {
-            std::fs::create_dir_all(&dir)
-                .map_err(|e| data_dir_err(format!("{}: {e}", dir.display())))?;
+        std::fs::create_dir_all(root.join("instances"))
+            .map_err(|e| data_dir_err(format!("instances: {e}")))?;
+        let disks = match &config.disk_dir {
+            Some(dir) => {
+                let disk_dir_err = |reason: String| QemuInitError::DiskDir {
+                    path: dir.clone(),
+                    reason,
+                };
+                std::fs::create_dir_all(dir).map_err(|e| disk_dir_err(e.to_string()))?;
+                // Absolute for the same reason as the data dir; with shared
+                // storage it must also be the same path on every node.
+                dir.canonicalize()
+                    .map_err(|e| disk_dir_err(e.to_string()))?
+            }
+            None => {
+                let dir = root.join("disks");
+                std::fs::create_dir_all(&dir)
+                    .map_err(|e| data_dir_err(format!("{}: {e}", dir.display())))?;
+                dir
+            }
+        };
+        if let Some(address) = config.migration_address {
+            if address.is_unspecified() || address.is_multicast() {
+                // The address is also what sources are told to connect to.
+                return Err(QemuInitError::MigrationAddress {
+                    address,
+                    reason: "must be a unicast address other nodes can reach".into(),
+                });
+            }
         }
+        let layout = Layout {
+            root: root.clone(),
+            disks,
+        };
         let qemu_version = qemu_version(&config.qemu_binary).await?;
         let (accelerator, accelerator_note) =
             accel::choose(&config, &root.join(".kvm-probe")).await;
@@ -172,6 +245,7 @@ impl QemuDriver {
                 accelerator_note,
                 qemu_version,
                 domains: Mutex::new(BTreeMap::new()),
+                vm_locks: Mutex::new(BTreeMap::new()),
             }),
         };
         driver.adopt_all();
@@ -192,6 +266,14 @@ impl QemuDriver {
     /// The instance directory.
     pub fn instance_dir(&self, instance: &str) -> PathBuf {
         self.paths_or_nowhere(instance).dir
+    }
+
+    /// Where disk `disk` of `vm` is (or would be) stored.
+    pub fn disk_path(&self, vm: &str, disk: &str) -> PathBuf {
+        match (validate_name("vm", vm), validate_name("disk", disk)) {
+            (Ok(()), Ok(())) => self.inner.layout.disk(vm, disk),
+            _ => self.inner.layout.disks_dir().join(".invalid-name"),
+        }
     }
 
     /// QEMU's pid while the process is (believed) alive.
@@ -218,6 +300,19 @@ impl QemuDriver {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Arc<Domain>>> {
         self.inner.domains.lock().expect("domains lock")
+    }
+
+    /// Serializes disk-changing work on one VM; see `Inner::vm_locks`.
+    async fn lock_vm(&self, vm: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = self
+            .inner
+            .vm_locks
+            .lock()
+            .expect("vm locks")
+            .entry(vm.to_string())
+            .or_default()
+            .clone();
+        lock.lock_owned().await
     }
 
     /// Startup scan: every instance directory becomes a domain; live QEMUs
@@ -292,6 +387,9 @@ impl QemuDriver {
                     Some(Ok(fd)) => {
                         domain.set_phase(Phase::Live { pid: fd.pid() });
                         domain.spawn_monitor(ProcessWatch::PidFd(fd), None);
+                        if domain.paths.snapshot_paused.exists() {
+                            snapshot::resume_left_paused(domain.clone());
+                        }
                     }
                     // Gone while we looked, or never found: it exited while
                     // no Keel was watching.
@@ -357,19 +455,19 @@ impl QemuDriver {
     }
 
     /// Creates missing qcow2 images; existing ones are left as they are.
-    async fn ensure_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
-        let failed = |reason: String| HvError::Failed {
-            instance: spec.instance.clone(),
-            op: "start",
-            reason,
-        };
-        let vm_dir = self.inner.layout.vm_disks(&spec.vm);
+    /// Returns the image paths in `disks` order, or why not.
+    async fn ensure_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+    ) -> Result<Vec<PathBuf>, String> {
+        let vm_dir = self.inner.layout.vm_disks(vm);
         tokio::fs::create_dir_all(&vm_dir)
             .await
-            .map_err(|e| failed(format!("{}: {e}", vm_dir.display())))?;
+            .map_err(|e| format!("{}: {e}", vm_dir.display()))?;
         let mut paths = Vec::new();
-        for disk in &spec.disks {
-            let path = self.inner.layout.disk(&spec.vm, &disk.name);
+        for disk in disks {
+            let path = self.inner.layout.disk(vm, &disk.name);
             if !path.exists() {
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
@@ -381,17 +479,15 @@ impl QemuDriver {
                     .stdin(Stdio::null())
                     .output()
                     .await
-                    .map_err(|e| {
-                        failed(format!("run {}: {e}", self.inner.config.qemu_img.display()))
-                    })?;
+                    .map_err(|e| format!("run {}: {e}", self.inner.config.qemu_img.display()))?;
                 if !out.status.success() {
                     let _ = std::fs::remove_file(&tmp);
-                    return Err(failed(format!(
+                    return Err(format!(
                         "qemu-img create {} ({}): {}",
                         path.display(),
                         out.status,
                         String::from_utf8_lossy(&out.stderr).trim()
-                    )));
+                    ));
                 }
                 match rename_noreplace(&tmp, &path) {
                     Ok(()) => {}
@@ -399,7 +495,7 @@ impl QemuDriver {
                     Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                         let _ = std::fs::remove_file(&tmp);
                     }
-                    Err(e) => return Err(failed(format!("{}: {e}", path.display()))),
+                    Err(e) => return Err(format!("{}: {e}", path.display())),
                 }
             }
             paths.push(path);
@@ -459,20 +555,68 @@ impl QemuDriver {
                 .clone()
                 .unwrap_or_else(|| config.default_cmdline.clone()),
             disks,
+            incoming: false,
         })
+    }
+
+    /// The images of an incoming migration's target: they must exist, since
+    /// the source is running on them. A missing one means the disk dir is
+    /// not the storage the source uses; creating a blank image would hand
+    /// the guest an empty disk.
+    fn existing_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
+        spec.disks
+            .iter()
+            .map(|disk| {
+                let path = self.inner.layout.disk(&spec.vm, &disk.name);
+                if path.is_file() {
+                    Ok(path)
+                } else {
+                    Err(HvError::Failed {
+                        instance: spec.instance.clone(),
+                        op: "prepare incoming migration",
+                        reason: format!(
+                            "disk {} of VM {} not found at {}: live migration needs the \
+                             disk dir on storage shared with the source node",
+                            disk.name,
+                            spec.vm,
+                            path.display()
+                        ),
+                    })
+                }
+            })
+            .collect()
     }
 
     /// Everything in `start` after the name is reserved. On error the caller
     /// removes the reservation; this removes what it created on disk.
-    async fn launch(&self, spec: &DomainSpec, domain: &Arc<Domain>) -> Result<(), HvError> {
+    /// `incoming`: start waiting for a live migration instead of booting;
+    /// returns the URI the target listens on.
+    async fn launch(
+        &self,
+        spec: &DomainSpec,
+        domain: &Arc<Domain>,
+        incoming: bool,
+    ) -> Result<Option<String>, HvError> {
         let instance = &spec.instance;
+        let op = if incoming {
+            "prepare incoming migration"
+        } else {
+            "start"
+        };
         let failed = |reason: String| HvError::Failed {
             instance: instance.clone(),
-            op: "start",
+            op,
             reason,
         };
-        let disks = self.ensure_disks(spec).await?;
-        let plan = self.plan(spec, disks)?;
+        let disks = if incoming {
+            self.existing_disks(spec)?
+        } else {
+            self.ensure_disks(&spec.vm, &spec.disks)
+                .await
+                .map_err(failed)?
+        };
+        let mut plan = self.plan(spec, disks)?;
+        plan.incoming = incoming;
         let args = plan.args();
         let record = LaunchRecord {
             spec: spec.clone(),
@@ -524,11 +668,21 @@ impl QemuDriver {
         domain.set_phase(Phase::Launching { pid: Some(pid) });
         tracing::info!(instance = %instance, pid, accel = ?plan.accelerator, "QEMU spawned");
 
-        match self.await_qmp(&plan.paths, &mut child).await {
-            Ok(connected) => {
+        let ready = match self.await_qmp(&plan.paths, &mut child).await {
+            // Before the monitor takes the connection, so that a target that
+            // cannot listen is rolled back like a failed start.
+            Ok(connected) if incoming => self
+                .listen_incoming(&plan.paths, &connected.0)
+                .await
+                .map(|uri| (connected, Some(uri))),
+            Ok(connected) => Ok((connected, None)),
+            Err(reason) => Err(reason),
+        };
+        match ready {
+            Ok((connected, uri)) => {
                 domain.set_phase(Phase::Live { pid });
                 domain.spawn_monitor(ProcessWatch::Child(child), Some(connected));
-                Ok(())
+                Ok(uri)
             }
             Err(reason) => {
                 // Leave nothing running and nothing behind: a failed start
@@ -540,6 +694,87 @@ impl QemuDriver {
                 Err(failed(format!("{reason}; qemu log: {log}")))
             }
         }
+    }
+
+    /// `start` and `prepare_incoming`: validates, reserves the name and
+    /// launches. `Some(uri)` for an incoming target.
+    async fn start_domain(
+        &self,
+        spec: &DomainSpec,
+        incoming: bool,
+    ) -> Result<Option<String>, HvError> {
+        let instance = &spec.instance;
+        let op = if incoming {
+            "prepare incoming migration"
+        } else {
+            "start"
+        };
+        let invalid = |reason: String| HvError::Failed {
+            instance: instance.clone(),
+            op,
+            reason,
+        };
+        validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
+        validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        for (i, disk) in spec.disks.iter().enumerate() {
+            validate_name(&format!("disks[{i}].name"), &disk.name)
+                .map_err(|e| invalid(e.to_string()))?;
+            if spec.disks[..i].iter().any(|d| d.name == disk.name) {
+                return Err(invalid(format!("disk {:?} listed twice", disk.name)));
+            }
+        }
+        if spec.cpus == 0 || spec.memory_mib < keel_api::MIN_MEMORY_MIB {
+            return Err(invalid(format!(
+                "cpus {} / memory {} MiB out of range",
+                spec.cpus, spec.memory_mib
+            )));
+        }
+
+        // Reserve the name in memory first (the directory is claimed later,
+        // atomically): a concurrent start of the same instance fails here.
+        let domain = {
+            let mut domains = self.lock();
+            if domains.contains_key(instance) || self.inner.layout.instance(instance).dir.exists() {
+                return Err(HvError::AlreadyExists {
+                    instance: instance.clone(),
+                });
+            }
+            let domain = Domain::new(
+                instance.clone(),
+                spec.vm.clone(),
+                SystemClock.now_ms(),
+                self.inner.layout.instance(instance),
+                self.inner.config.qmp_timeout,
+                Phase::Launching { pid: None },
+            );
+            domains.insert(instance.clone(), domain.clone());
+            domain
+        };
+        // Launched from a task of its own: if the caller gives up waiting
+        // (its future is dropped), the launch still either completes, with a
+        // monitor attached, or is rolled back. Never a half-started domain.
+        let driver = self.clone();
+        let spec = spec.clone();
+        let task = tokio::spawn(async move {
+            let result = driver.launch(&spec, &domain, incoming).await;
+            if result.is_err() {
+                let mut domains = driver.lock();
+                if domains
+                    .get(&spec.instance)
+                    .is_some_and(|d| Arc::ptr_eq(d, &domain))
+                {
+                    domains.remove(&spec.instance);
+                }
+            }
+            result
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(HvError::Failed {
+                instance: instance.clone(),
+                op,
+                reason: format!("launch task failed: {e}"),
+            })
+        })
     }
 
     /// Waits for the new QEMU's QMP greeting, or its early death.
@@ -591,73 +826,56 @@ impl Hypervisor for QemuDriver {
     }
 
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
-        let instance = &spec.instance;
-        let invalid = |reason: String| HvError::Failed {
-            instance: instance.clone(),
-            op: "start",
-            reason,
-        };
-        validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
-        validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
-        for (i, disk) in spec.disks.iter().enumerate() {
-            validate_name(&format!("disks[{i}].name"), &disk.name)
-                .map_err(|e| invalid(e.to_string()))?;
-            if spec.disks[..i].iter().any(|d| d.name == disk.name) {
-                return Err(invalid(format!("disk {:?} listed twice", disk.name)));
-            }
-        }
-        if spec.cpus == 0 || spec.memory_mib < keel_api::MIN_MEMORY_MIB {
-            return Err(invalid(format!(
-                "cpus {} / memory {} MiB out of range",
-                spec.cpus, spec.memory_mib
-            )));
-        }
+        self.start_domain(spec, false).await.map(drop)
+    }
 
-        // Reserve the name in memory first (the directory is claimed later,
-        // atomically): a concurrent start of the same instance fails here.
-        let domain = {
-            let mut domains = self.lock();
-            if domains.contains_key(instance) || self.inner.layout.instance(instance).dir.exists() {
-                return Err(HvError::AlreadyExists {
-                    instance: instance.clone(),
-                });
-            }
-            let domain = Domain::new(
-                instance.clone(),
-                spec.vm.clone(),
-                SystemClock.now_ms(),
-                self.inner.layout.instance(instance),
-                self.inner.config.qmp_timeout,
-                Phase::Launching { pid: None },
-            );
-            domains.insert(instance.clone(), domain.clone());
-            domain
-        };
-        // Launched from a task of its own: if the caller gives up waiting
-        // (its future is dropped), the launch still either completes, with a
-        // monitor attached, or is rolled back. Never a half-started domain.
-        let driver = self.clone();
-        let spec = spec.clone();
-        let task = tokio::spawn(async move {
-            let result = driver.launch(&spec, &domain).await;
-            if result.is_err() {
-                let mut domains = driver.lock();
-                if domains
-                    .get(&spec.instance)
-                    .is_some_and(|d| Arc::ptr_eq(d, &domain))
-                {
-                    domains.remove(&spec.instance);
-                }
-            }
-            result
-        });
-        task.await.unwrap_or_else(|e| {
-            Err(HvError::Failed {
-                instance: instance.clone(),
-                op: "start",
-                reason: format!("launch task failed: {e}"),
-            })
+    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+        let uri = self.start_domain(spec, true).await?;
+        uri.ok_or_else(|| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "prepare incoming migration",
+            reason: "no listening URI was set up".into(),
         })
+    }
+
+    async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
+        self.migrate_out(instance, uri).await
+    }
+
+    async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
+        self.outgoing_status(instance).await
+    }
+
+    async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
+        self.cancel_outgoing(instance).await
+    }
+
+    async fn snapshot_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        instance: Option<&str>,
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.take_snapshot(vm, disks, instance, name).await
+    }
+
+    async fn restore_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.apply_snapshot(vm, disks, name).await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.remove_snapshot(vm, disks, name).await
     }
 
     async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
@@ -796,6 +1014,7 @@ impl Hypervisor for QemuDriver {
             reason,
         };
         validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
+        let _vm = self.lock_vm(vm).await;
         // Refuse rather than pull disks from under a running guest.
         let live: Vec<String> = self
             .list()

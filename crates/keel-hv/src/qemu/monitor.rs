@@ -234,6 +234,16 @@ impl Domain {
     }
 
     fn on_event(&self, event: QmpEvent) {
+        if event.event == "MIGRATION" {
+            // Enabled on sources by `migrate`; targets send it unasked.
+            let status = event
+                .data
+                .get("status")
+                .and_then(|s| s.as_str())
+                .unwrap_or("?");
+            tracing::info!(instance = %self.instance, status, "migration");
+            return;
+        }
         let Some(shutdown) = event.as_shutdown() else {
             tracing::debug!(instance = %self.instance, event = %event.event, "QMP event");
             return;

@@ -4,9 +4,10 @@
 //! command, but those are generated from one QEMU release's schema and
 //! deserialize strictly, so a field added or removed in the QEMU a node
 //! actually runs turns into a decode error; it also pulls in a large generated
-//! crate, `futures` and `tower-service` for the four commands Keel sends
-//! (`qmp_capabilities`, `query-status`, `system_powerdown`, `quit`). QMP itself
-//! is JSON lines, so a client that tolerates unknown fields is short.
+//! crate, `futures` and `tower-service` for the dozen commands Keel sends
+//! (`qmp_capabilities`, `query-status`, `system_powerdown`, `quit`, and the
+//! snapshot and migration commands). QMP itself is JSON lines, so a client
+//! that tolerates unknown fields is short.
 //!
 //! One connection carries both command replies and asynchronous events. A
 //! reader task owns the read half: replies are matched to callers by `id`
@@ -175,6 +176,20 @@ impl QmpClient {
     }
 
     pub async fn execute(&self, command: &str, arguments: Option<Value>) -> Reply {
+        self.execute_within(command, arguments, self.timeout).await
+    }
+
+    /// `execute` with its own bound, for commands that legitimately take
+    /// longer than a status query (internal snapshots write image metadata).
+    /// A command that times out still runs to completion inside QEMU, which
+    /// handles monitor commands one after the other: a later command is
+    /// only executed after it.
+    pub async fn execute_within(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+        timeout: Duration,
+    ) -> Reply {
         if let Some(err) = self.shared.closed.lock().expect("qmp lock").clone() {
             return Err(err);
         }
@@ -190,7 +205,7 @@ impl QmpClient {
             write_message(&mut writer, &msg).await?;
             rx.await.map_err(|_| QmpError::Disconnected)?
         };
-        let result = tokio::time::timeout(self.timeout, sent).await;
+        let result = tokio::time::timeout(timeout, sent).await;
         self.shared.pending.lock().expect("qmp lock").remove(&id);
         match result {
             Ok(reply) => reply.map_err(|e| match e {
@@ -203,7 +218,7 @@ impl QmpClient {
             }),
             Err(_) => Err(QmpError::Timeout {
                 what: command.to_string(),
-                after: self.timeout,
+                after: timeout,
             }),
         }
     }

@@ -1,0 +1,289 @@
+//! Helpers shared by the real-QEMU tests (`tests/qemu_*.rs`) and the
+//! migration benchmark (`benches/migration.rs`, which includes this file by
+//! path). Each user compiles its own copy and uses only part of it.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use keel_api::{BootSpec, DiskSpec};
+use keel_hv::guest::GuestChannel;
+use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
+use keel_hv::{DomainSpec, DomainState, Hypervisor};
+
+/// Generous for TCG on a loaded 2-core machine; the guest boots in ~3 s.
+pub const BOOT: Duration = Duration::from_secs(60);
+pub const STOP: Duration = Duration::from_secs(30);
+
+/// The test guest's directory, or `None` when `KEEL_SKIP_QEMU_TESTS=1`.
+///
+/// Missing QEMU or guest is a failure, not a skip: these tests are the only
+/// proof the driver works. The guest is found in `$KEEL_GUEST_DIR` or
+/// `<workspace>/target/guest`.
+pub fn guest_dir() -> Option<PathBuf> {
+    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
+        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
+        return None;
+    }
+    let dir = std::env::var_os("KEEL_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
+    for file in ["vmlinuz", "initramfs.cpio.gz"] {
+        assert!(
+            dir.join(file).is_file(),
+            "test guest missing: {} not found. Run `bash scripts/build-test-guest` \
+             (or set KEEL_GUEST_DIR; KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
+            dir.join(file).display()
+        );
+    }
+    let qemu = std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output();
+    assert!(
+        qemu.is_ok_and(|o| o.status.success()),
+        "qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/setup), \
+         then run `bash scripts/build-test-guest`"
+    );
+    Some(dir)
+}
+
+/// SIGKILLs every process whose command line mentions the data dir. Runs on
+/// drop, so a failed assertion does not leave guests behind.
+pub struct KillGuard {
+    pub data_dir: PathBuf,
+}
+
+impl KillGuard {
+    fn pids(&self) -> Vec<i32> {
+        let needle = self.data_dir.to_string_lossy().into_owned();
+        let Ok(entries) = std::fs::read_dir("/proc") else {
+            return vec![];
+        };
+        entries
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                    .unwrap_or(false)
+            })
+            .collect()
+    }
+}
+
+impl Drop for KillGuard {
+    fn drop(&mut self) {
+        for pid in self.pids() {
+            // SAFETY: plain kill(2) on a pid whose cmdline names our temp dir.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+/// The test configuration: the test guest, always TCG, so results do not
+/// depend on the host's KVM.
+pub fn tcg_config(data_dir: &Path, guest: &Path) -> QemuConfig {
+    let mut config = QemuConfig::new(data_dir).with_test_guest(guest);
+    config.accel = AccelChoice::Tcg;
+    config
+}
+
+/// One driver on its own temporary data dir.
+pub struct Fixture {
+    // Dropped in this order: driver, then the guard kills, then the dir goes.
+    pub driver: Option<QemuDriver>,
+    _guard: KillGuard,
+    pub dir: tempfile::TempDir,
+    pub guest: PathBuf,
+}
+
+impl Fixture {
+    pub async fn new() -> Option<Fixture> {
+        Self::with(|c| c).await
+    }
+
+    pub async fn with(tweak: impl FnOnce(QemuConfig) -> QemuConfig) -> Option<Fixture> {
+        let guest = guest_dir()?;
+        let dir = tempfile::tempdir().unwrap();
+        let data_dir = dir.path().canonicalize().unwrap();
+        let guard = KillGuard {
+            data_dir: data_dir.clone(),
+        };
+        let config = tweak(tcg_config(&data_dir, &guest));
+        let driver = QemuDriver::new(config).await.unwrap();
+        Some(Fixture {
+            driver: Some(driver),
+            _guard: guard,
+            dir,
+            guest,
+        })
+    }
+
+    pub fn hv(&self) -> &QemuDriver {
+        self.driver.as_ref().expect("driver open")
+    }
+
+    /// Drops the driver (monitors stop, QEMUs keep running) and builds a new
+    /// one on the same data dir, as after a Keel restart.
+    pub async fn reopen(&mut self) {
+        drop(self.driver.take());
+        let config = tcg_config(self.dir.path(), &self.guest);
+        self.driver = Some(QemuDriver::new(config).await.unwrap());
+    }
+
+    pub async fn boot(&self, vm: &str, instance: &str) -> GuestChannel {
+        boot(self.hv(), &spec(vm, instance)).await
+    }
+
+    pub async fn wait_for(
+        &self,
+        instance: &str,
+        timeout: Duration,
+        done: impl Fn(&DomainState) -> bool,
+    ) -> DomainState {
+        wait_for(self.hv(), instance, timeout, done).await
+    }
+}
+
+/// Several drivers ("nodes") on one host: each its own data dir under one
+/// temporary root, all sharing `root/disks` as the disk dir, as nodes
+/// sharing storage would.
+pub struct Cluster {
+    // The nodes the test builds are dropped before this: guard, then dir.
+    _guard: KillGuard,
+    pub dir: tempfile::TempDir,
+    pub guest: PathBuf,
+    pub disks: PathBuf,
+}
+
+impl Cluster {
+    pub fn new() -> Option<Cluster> {
+        let guest = guest_dir()?;
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        Some(Cluster {
+            _guard: KillGuard {
+                data_dir: root.clone(),
+            },
+            disks: root.join("disks"),
+            dir,
+            guest,
+        })
+    }
+
+    pub fn config(&self, node: &str) -> QemuConfig {
+        let mut config = tcg_config(&self.dir.path().join(node), &self.guest);
+        config.disk_dir = Some(self.disks.clone());
+        config
+    }
+
+    pub async fn node(&self, node: &str) -> QemuDriver {
+        self.node_with(node, |c| c).await
+    }
+
+    pub async fn node_with(
+        &self,
+        node: &str,
+        tweak: impl FnOnce(QemuConfig) -> QemuConfig,
+    ) -> QemuDriver {
+        QemuDriver::new(tweak(self.config(node))).await.unwrap()
+    }
+}
+
+pub fn spec(vm: &str, instance: &str) -> DomainSpec {
+    DomainSpec {
+        vm: vm.into(),
+        instance: instance.into(),
+        cpus: 1,
+        memory_mib: 256,
+        disks: vec![DiskSpec {
+            name: "data".into(),
+            size_mib: 64,
+        }],
+        boot: BootSpec::default(),
+    }
+}
+
+/// Starts `spec` and returns the guest's command channel, synced.
+pub async fn boot(hv: &QemuDriver, spec: &DomainSpec) -> GuestChannel {
+    let instance = spec.instance.as_str();
+    let t = Instant::now();
+    hv.start(spec).await.unwrap();
+    let started = t.elapsed();
+    GuestChannel::wait_ready(&hv.console_log(instance), BOOT)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}\nconsole:\n{}",
+                std::fs::read_to_string(hv.console_log(instance)).unwrap_or_default()
+            )
+        });
+    eprintln!(
+        "{instance}: start returned in {started:?}, guest ready after {:?}",
+        t.elapsed()
+    );
+    let mut ch = GuestChannel::connect(hv.command_socket(instance))
+        .await
+        .unwrap();
+    ch.sync(BOOT).await.unwrap();
+    ch
+}
+
+/// Polls `info` until `done` holds; no fixed sleeps.
+pub async fn wait_for(
+    hv: &QemuDriver,
+    instance: &str,
+    timeout: Duration,
+    done: impl Fn(&DomainState) -> bool,
+) -> DomainState {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let state = hv.info(instance).await.unwrap().state;
+        if done(&state) || Instant::now() >= deadline {
+            return state;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Powers the guest off and forgets the instance.
+pub async fn stop_and_cleanup(hv: &QemuDriver, instance: &str) {
+    hv.shutdown(instance).await.unwrap();
+    let state = wait_for(hv, instance, STOP, DomainState::is_exited).await;
+    assert!(state.is_exited(), "{instance} did not power off: {state:?}");
+    hv.cleanup(instance).await.unwrap();
+}
+
+pub fn pid_alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let state = s.rsplit(')').next().unwrap_or("").split_whitespace().next();
+            !matches!(state, Some("Z") | Some("X"))
+        })
+        .unwrap_or(false)
+}
+
+/// Snapshot names in an image, read without taking its lock (`-U`), so it
+/// also works while a QEMU has the image open.
+pub fn image_snapshots(image: &Path) -> Vec<String> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "-U", "--output=json", "-f", "qcow2"])
+        .arg(image)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "qemu-img info {}: {}",
+        image.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    info["snapshots"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,293 @@
+//! Live migration between two qemu drivers on this host, against real QEMU
+//! and the test guest. Each driver ("node") has its own data dir; the disks
+//! are in a directory both share, as nodes on shared storage would.
+//!
+//! What is proven: the guest keeps running across the move (its tick
+//! counter goes on, its boot id stays), its disk writes are there on the
+//! target, the target has its own command channel, the source ends paused,
+//! and a cancelled migration leaves the source running.
+//!
+//! Same conventions as `qemu_e2e.rs`: TCG, a guard that kills whatever a
+//! test started; helpers in `common/mod.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{boot, spec, wait_for, Cluster, BOOT, STOP};
+use keel_hv::guest::{GuestChannel, Ticks};
+use keel_hv::qemu::QemuDriver;
+use keel_hv::{DomainSpec, DomainState, ExitCause, HvError, Hypervisor, MigrationProgress};
+
+/// Bound on one migration of the 256 MiB test guest (about 1 s here).
+const MIGRATE: Duration = Duration::from_secs(60);
+
+fn target_spec(source: &DomainSpec, instance: &str) -> DomainSpec {
+    DomainSpec {
+        instance: instance.into(),
+        ..source.clone()
+    }
+}
+
+/// Polls the source until the migration is over; returns the last status
+/// and whether it was ever seen active.
+async fn wait_migration(hv: &QemuDriver, instance: &str) -> (MigrationProgress, bool) {
+    let deadline = Instant::now() + MIGRATE;
+    let mut seen_active = false;
+    loop {
+        let progress = hv.migration_status(instance).await.unwrap();
+        match &progress {
+            MigrationProgress::Active { .. } => seen_active = true,
+            MigrationProgress::None => panic!("{instance}: no migration reported"),
+            MigrationProgress::Completed { .. } | MigrationProgress::Failed { .. } => {
+                return (progress, seen_active)
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{instance}: migration not done after {MIGRATE:?}: {progress:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Connects to the target's own command channel and checks the guest is
+/// the one that ran on the source, still counting.
+async fn same_guest_on(hv: &QemuDriver, instance: &str, before: &Ticks) -> GuestChannel {
+    assert_ne!(before.boot_id, "");
+    let mut ch = GuestChannel::connect(hv.command_socket(instance))
+        .await
+        .unwrap();
+    ch.sync(BOOT).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now = ch.ticks().await.unwrap();
+        assert_eq!(now.boot_id, before.boot_id, "the guest rebooted");
+        if now.ticks > before.ticks {
+            eprintln!("{instance}: ticks {} -> {}", before.ticks, now.ticks);
+            return ch;
+        }
+        assert!(Instant::now() < deadline, "ticks stuck at {}", now.ticks);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Migrates `from`/`source` to a new instance `target` on `to` and checks
+/// both ends; returns the target's channel. The source is killed and
+/// cleaned up, as the controller does.
+async fn migrate_and_check(
+    from: &QemuDriver,
+    source: &DomainSpec,
+    to: &QemuDriver,
+    target: &str,
+    before: &Ticks,
+) -> GuestChannel {
+    let target = target_spec(source, target);
+    let uri = to.prepare_incoming(&target).await.unwrap();
+    eprintln!("{} listens at {uri}", target.instance);
+    assert_eq!(
+        to.info(&target.instance).await.unwrap().state,
+        DomainState::Starting
+    );
+    // Whatever QEMU says about the incoming side, the target sends nothing.
+    assert_eq!(
+        to.migration_status(&target.instance).await.unwrap(),
+        MigrationProgress::None
+    );
+    assert_eq!(
+        from.migration_status(&source.instance).await.unwrap(),
+        MigrationProgress::None
+    );
+
+    let t = Instant::now();
+    from.migrate(&source.instance, &uri).await.unwrap();
+    // A retried call is a success; another target is not.
+    from.migrate(&source.instance, &uri).await.unwrap();
+    let err = from
+        .migrate(&source.instance, "unix:/nonexistent/migrate.sock")
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, HvError::Failed { instance, .. } if *instance == source.instance),
+        "{err:?}"
+    );
+    let (progress, _) = wait_migration(from, &source.instance).await;
+    let MigrationProgress::Completed {
+        total_ms,
+        downtime_ms,
+    } = progress
+    else {
+        panic!("migration failed: {progress:?}");
+    };
+    eprintln!(
+        "{} -> {}: completed after {:?} (QEMU: total {total_ms} ms, downtime {downtime_ms:?} ms)",
+        source.instance,
+        target.instance,
+        t.elapsed()
+    );
+    // Reported only once QEMU has filled in its figures.
+    assert!(
+        total_ms > 0 && downtime_ms.is_some(),
+        "{total_ms} {downtime_ms:?}"
+    );
+
+    // The source handed over and stays paused until killed.
+    assert_eq!(
+        from.info(&source.instance).await.unwrap().state,
+        DomainState::Paused
+    );
+    let state = wait_for(to, &target.instance, STOP, |s| *s == DomainState::Running).await;
+    assert_eq!(state, DomainState::Running);
+    let ch = same_guest_on(to, &target.instance, before).await;
+
+    from.kill(&source.instance).await.unwrap();
+    assert_eq!(
+        from.info(&source.instance).await.unwrap().state,
+        DomainState::Exited(ExitCause::Killed)
+    );
+    // The outcome outlives the source process.
+    assert!(matches!(
+        from.migration_status(&source.instance).await.unwrap(),
+        MigrationProgress::Completed { .. }
+    ));
+    from.cleanup(&source.instance).await.unwrap();
+    ch
+}
+
+#[tokio::test]
+async fn a_running_guest_moves_to_another_node_and_back() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let a = cluster.node("a").await;
+    let b = cluster.node("b").await;
+    let web1 = spec("web", "web-1");
+    let mut ch = boot(&a, &web1).await;
+    ch.put(5, "hello").await.unwrap();
+    // A few ticks in, so a counter that restarted would show.
+    let before = loop {
+        let t = ch.ticks().await.unwrap();
+        if t.ticks >= 3 {
+            break t;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+
+    let mut ch = migrate_and_check(&a, &web1, &b, "web-2", &before).await;
+    assert_eq!(ch.get(5).await.unwrap(), "hello");
+    // The source is gone: this is the target's own channel answering, and
+    // its writes land on the shared disk.
+    ch.put(5, "moved").await.unwrap();
+    assert!(a.list().await.unwrap().is_empty());
+
+    // Back again: web-2 arrived by migration, and QEMU reports that
+    // incoming migration as "completed" until web-2 sends one of its own.
+    let before = ch.ticks().await.unwrap();
+    let web2 = target_spec(&web1, "web-2");
+    let mut ch = migrate_and_check(&b, &web2, &a, "web-3", &before).await;
+    assert_eq!(ch.get(5).await.unwrap(), "moved");
+    a.kill("web-3").await.unwrap();
+    a.cleanup("web-3").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_cancelled_migration_leaves_the_source_running() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    // 1 MiB/s: the guest's ~100 MiB of used memory would take minutes.
+    let a = cluster
+        .node_with("a", |mut c| {
+            c.migration_max_bandwidth = Some(1 << 20);
+            c
+        })
+        .await;
+    let b = cluster.node("b").await;
+    let web1 = spec("web", "web-1");
+    let mut ch = boot(&a, &web1).await;
+    let before = ch.ticks().await.unwrap();
+
+    let uri = b
+        .prepare_incoming(&target_spec(&web1, "web-2"))
+        .await
+        .unwrap();
+    a.migrate("web-1", &uri).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match a.migration_status("web-1").await.unwrap() {
+            MigrationProgress::Active {
+                transferred_bytes, ..
+            } if transferred_bytes > 0 => break,
+            MigrationProgress::Active { .. } => {}
+            other => panic!("expected an active migration, got {other:?}"),
+        }
+        assert!(Instant::now() < deadline, "migration never got going");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    a.cancel_migration("web-1").await.unwrap();
+    let (progress, _) = wait_migration(&a, "web-1").await;
+    assert_eq!(
+        progress,
+        MigrationProgress::Failed {
+            reason: "cancelled".into()
+        }
+    );
+    a.cancel_migration("web-1").await.unwrap();
+    assert_eq!(a.info("web-1").await.unwrap().state, DomainState::Running);
+    let now = ch.ticks().await.unwrap();
+    assert_eq!(now.boot_id, before.boot_id);
+    ch.ping().await.unwrap();
+
+    // The target saw the stream end and gave up by itself.
+    let state = wait_for(&b, "web-2", STOP, DomainState::is_exited).await;
+    assert_eq!(state, DomainState::Exited(ExitCause::Crashed));
+    b.cleanup("web-2").await.unwrap();
+
+    a.kill("web-1").await.unwrap();
+    a.cleanup("web-1").await.unwrap();
+}
+
+#[tokio::test]
+async fn tcp_migration_and_refusals() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let a = cluster.node("a").await;
+    let b = cluster
+        .node_with("b", |mut c| {
+            c.migration_address = Some("127.0.0.1".parse().unwrap());
+            c
+        })
+        .await;
+
+    // A target for disks the shared storage does not have is refused, and
+    // leaves nothing behind.
+    let err = b
+        .prepare_incoming(&spec("ghost", "ghost-2"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, HvError::Failed { instance, .. } if instance == "ghost-2"),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("shared"), "{err}");
+    assert!(b.info("ghost-2").await.unwrap_err().is_not_found());
+    // Only unix: and tcp: URIs are sent to.
+    let err = a.migrate("web-1", "exec:true").await.unwrap_err();
+    assert!(matches!(err, HvError::Failed { .. }), "{err:?}");
+    assert!(a
+        .migrate("web-1", "tcp:127.0.0.1:4444")
+        .await
+        .unwrap_err()
+        .is_not_found());
+
+    let web1 = spec("web", "web-1");
+    let mut ch = boot(&a, &web1).await;
+    ch.put(3, "over-tcp").await.unwrap();
+    let before = ch.ticks().await.unwrap();
+    let mut ch = migrate_and_check(&a, &web1, &b, "web-2", &before).await;
+    assert_eq!(ch.get(3).await.unwrap(), "over-tcp");
+    b.kill("web-2").await.unwrap();
+    b.cleanup("web-2").await.unwrap();
+}
