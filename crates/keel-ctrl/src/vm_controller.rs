@@ -122,7 +122,8 @@ impl VmController {
     /// nodes whose lease ran out, ending stray domains.
     pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
         let now = self.clock.now_ms();
-        match self.heartbeat(None).await {
+        let facts = self.hv.facts().await;
+        match self.heartbeat(Some(&facts)).await {
             Ok(()) => *last_heartbeat_ok = now,
             Err(err) => {
                 tracing::warn!(node = %self.cfg.node, %err, "heartbeat failed");

@@ -1,1 +1,23 @@
-fn main() {}
+//! `keel`: parses the command line and dispatches; the work lives in the library.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use keel::args::{Cli, Command};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => keel::serve::main(args),
+        Command::Vm(cmd) => keel::cli::vm(cmd),
+        Command::Events(args) => keel::cli::events(args),
+        Command::Node(cmd) => keel::cli::node(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The HTTP API, `/api/v1`, JSON in and out. Every error, including
+//! axum's own rejections and unmatched routes, is `{"error", "field"}`.
+//!
+//! Writes are read → modify → compare-and-swap, retried a bounded number
+//! of times on a conflict with another writer; a revision the client sent
+//! (`If-Match` or `revision`) is never retried: stale means 409.
+
+mod error;
+pub mod events;
+mod extract;
+pub mod nodes;
+pub mod openapi;
+pub mod vms;
+
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::{Json, Router};
+use keel_api::Clock;
+use keel_store::TypedStore;
+use tokio::sync::watch;
+
+pub use error::{ApiError, ErrorBody};
+pub use extract::{parse_json, MAX_BODY_BYTES};
+
+use crate::auth::{self, Token};
+use crate::metrics::Metrics;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    pub store: TypedStore,
+    pub clock: Arc<dyn Clock>,
+    pub metrics: Arc<Metrics>,
+    /// Turns true when the server shuts down; ends `follow` streams.
+    pub shutdown: watch::Receiver<bool>,
+}
+
+pub fn router(state: AppState, token: Token) -> Router {
+    let metrics = state.metrics.clone();
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics_text))
+        .route("/api/v1/openapi.json", get(openapi::document))
+        .route("/api/v1/vms", get(vms::list).post(vms::create))
+        .route("/api/v1/vms/{name}", get(vms::get).delete(vms::delete))
+        .route("/api/v1/vms/{name}/spec", put(vms::replace_spec))
+        .route("/api/v1/vms/{name}/start", post(vms::start))
+        .route("/api/v1/vms/{name}/stop", post(vms::stop))
+        .route("/api/v1/vms/{name}/restart", post(vms::restart))
+        .route("/api/v1/events", get(events::list))
+        .route("/api/v1/nodes", get(nodes::list))
+        .route("/api/v1/nodes/{name}", get(nodes::get))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(token, auth::require_token))
+        .layer(middleware::from_fn_with_state(metrics, observe))
+        .with_state(state)
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn metrics_text(State(state): State<AppState>) -> Result<Response, ApiError> {
+    let text = state.metrics.render(&state.store).await?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+        )],
+        text,
+    )
+        .into_response())
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::not_found(format!("no such endpoint: {}", req.uri().path()))
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+/// Outermost layer: counts every response by status and makes sure an
+/// error response from anywhere (a layer, hyper) still has the JSON shape.
+async fn observe(State(metrics): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
+    let method = req.method().as_str().to_owned();
+    let path = req.uri().path().to_owned();
+    let resp = next.run(req).await;
+    let status = resp.status();
+    metrics.observe_request(&method, status.as_u16());
+    tracing::debug!(%method, %path, status = status.as_u16(), "request");
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if (status.is_client_error() || status.is_server_error()) && !is_json {
+        let reason = status.canonical_reason().unwrap_or("error");
+        let mut fixed = ApiError::new(status, reason.to_string()).into_response();
+        for name in [header::WWW_AUTHENTICATE, header::ALLOW] {
+            if let Some(v) = resp.headers().get(&name) {
+                fixed.headers_mut().insert(name, v.clone());
+            }
+        }
+        return fixed;
+    }
+    resp
+}

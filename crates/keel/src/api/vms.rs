@@ -1,0 +1,350 @@
+//! `/api/v1/vms`: create, read, replace the spec, power requests, delete.
+
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use keel_api::{VirtualMachine, VmSpec};
+use keel_ctrl::keys::{vm_key, VMS_PREFIX};
+use keel_store::{Revision, StoreError};
+use rand::Rng;
+use serde::{Deserialize, Serialize};
+
+use super::extract::{BodyBytes, JsonBody, NameParam, QueryParams};
+use super::{parse_json, ApiError, AppState};
+
+/// Attempts of a read → modify → compare-and-swap before giving up with 503.
+const MAX_ATTEMPTS: u32 = 16;
+
+/// `POST /api/v1/vms`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateVmRequest {
+    pub name: String,
+    pub spec: VmSpec,
+}
+
+/// `PUT /api/v1/vms/{name}/spec`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplaceSpecRequest {
+    pub spec: VmSpec,
+    /// The revision the client read; alternatively `If-Match` or `?revision=`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<Revision>,
+}
+
+/// One VM and the store revision of its record (also sent as `ETag`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmResponse {
+    pub revision: Revision,
+    pub vm: VirtualMachine,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmList {
+    /// The store revision the list is consistent with.
+    pub revision: Revision,
+    pub items: Vec<VmResponse>,
+}
+
+/// Parses and validates a create request body: a VM ready to store, or a
+/// 4xx error naming the field (400 for malformed or mistyped JSON, 422 for
+/// values out of range).
+pub fn parse_create(body: &[u8]) -> Result<VirtualMachine, ApiError> {
+    let req: CreateVmRequest = parse_json(body)?;
+    let vm = VirtualMachine::new(req.name, req.spec);
+    vm.validate().map_err(ApiError::invalid)?;
+    Ok(vm)
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    query: QueryParams,
+) -> Result<Json<VmList>, ApiError> {
+    query.finish()?;
+    let (entries, revision) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+    let items = entries
+        .into_iter()
+        .map(|(_, e)| VmResponse {
+            revision: e.revision,
+            vm: e.value,
+        })
+        .collect();
+    Ok(Json(VmList { revision, items }))
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    query: QueryParams,
+    BodyBytes(body): BodyBytes,
+) -> Result<Response, ApiError> {
+    query.finish()?;
+    let vm = parse_create(&body)?;
+    let key = vm_key(&vm.name);
+    match state.store.create(&key, &vm).await {
+        Ok(revision) => {
+            tracing::info!(vm = %vm.name, revision, "VM created");
+            let location = format!("/api/v1/vms/{}", vm.name);
+            let mut resp = vm_response(StatusCode::CREATED, vm, revision);
+            if let Ok(v) = HeaderValue::from_str(&location) {
+                resp.headers_mut().insert(header::LOCATION, v);
+            }
+            Ok(resp)
+        }
+        Err(StoreError::Conflict { .. }) => Err(ApiError::conflict(
+            "name",
+            format!("VM {} already exists", vm.name),
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    query.finish()?;
+    match state.store.get::<VirtualMachine>(&vm_key(&name)).await? {
+        Some(e) => Ok(vm_response(StatusCode::OK, e.value, e.revision)),
+        None => Err(not_found(&name)),
+    }
+}
+
+pub async fn replace_spec(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+    JsonBody(req): JsonBody<ReplaceSpecRequest>,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, req.revision)?.ok_or_else(|| {
+        ApiError::new(
+            StatusCode::PRECONDITION_REQUIRED,
+            "replacing a spec needs the revision you read: send `If-Match: <revision>` or a \"revision\" field",
+        )
+        .with_field("revision")
+    })?;
+    req.spec.validate().map_err(ApiError::invalid)?;
+    let (vm, revision) = mutate(&state, &name, Some(expected), |vm| {
+        vm.replace_spec(req.spec.clone()).map_err(ApiError::refused)
+    })
+    .await?;
+    Ok(vm_response(StatusCode::OK, vm, revision))
+}
+
+pub async fn start(
+    state: State<AppState>,
+    name: NameParam,
+    headers: HeaderMap,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    power(state, name, headers, query, VirtualMachine::request_start).await
+}
+
+pub async fn stop(
+    state: State<AppState>,
+    name: NameParam,
+    headers: HeaderMap,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    power(state, name, headers, query, VirtualMachine::request_stop).await
+}
+
+pub async fn restart(
+    state: State<AppState>,
+    name: NameParam,
+    headers: HeaderMap,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    power(state, name, headers, query, VirtualMachine::request_restart).await
+}
+
+async fn power(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+    request: fn(&mut VirtualMachine) -> Result<(), keel_api::ValidationError>,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, None)?;
+    let (vm, revision) = mutate(&state, &name, expected, |vm| {
+        request(vm).map_err(ApiError::refused)
+    })
+    .await?;
+    Ok(vm_response(StatusCode::OK, vm, revision))
+}
+
+/// Marks the VM for deletion; the controller stops its instance, removes
+/// its disks and then the record. Repeating it changes nothing.
+pub async fn delete(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, None)?;
+    let now = state.clock.now_ms();
+    let (vm, revision) = mutate(&state, &name, expected, |vm| {
+        vm.deletion_requested_at.get_or_insert(now);
+        Ok(())
+    })
+    .await?;
+    tracing::info!(vm = %name, revision, "deletion requested");
+    Ok(vm_response(StatusCode::ACCEPTED, vm, revision))
+}
+
+/// Read → modify → compare-and-swap. Without `expected`, a conflict with
+/// another writer (the controller, another client) is retried from a fresh
+/// read, so no update is lost; with it, a changed record is a 409. A change
+/// that leaves the record as it was is not written.
+async fn mutate(
+    state: &AppState,
+    name: &str,
+    expected: Option<Revision>,
+    mut change: impl FnMut(&mut VirtualMachine) -> Result<(), ApiError>,
+) -> Result<(VirtualMachine, Revision), ApiError> {
+    let key = vm_key(name);
+    for attempt in 0..MAX_ATTEMPTS {
+        let entry = state
+            .store
+            .get::<VirtualMachine>(&key)
+            .await?
+            .ok_or_else(|| not_found(name))?;
+        if let Some(expected) = expected {
+            if entry.revision != expected {
+                return Err(stale(name, expected, entry.revision));
+            }
+        }
+        let mut vm = entry.value.clone();
+        change(&mut vm)?;
+        if vm == entry.value {
+            return Ok((vm, entry.revision));
+        }
+        match state.store.update(&key, &vm, entry.revision).await {
+            Ok(revision) => return Ok((vm, revision)),
+            Err(StoreError::Conflict { actual, .. }) => {
+                if let Some(expected) = expected {
+                    return Err(stale(name, expected, actual.unwrap_or(0)));
+                }
+                let jitter_ms = rand::thread_rng().gen_range(0..=(1u64 << attempt.min(6)));
+                tokio::time::sleep(Duration::from_millis(jitter_ms)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("VM {name} kept changing during {MAX_ATTEMPTS} update attempts; try again"),
+    ))
+}
+
+/// The revision a client says it read: `If-Match`, `?revision=` or a body
+/// `revision` field. Several must agree. `If-Match: *` means "any".
+fn expected_revision(
+    headers: &HeaderMap,
+    from_query: Option<Revision>,
+    from_body: Option<Revision>,
+) -> Result<Option<Revision>, ApiError> {
+    let from_header = match headers.get(header::IF_MATCH) {
+        None => None,
+        Some(v) => {
+            let text = v.to_str().unwrap_or("").trim();
+            if text == "*" {
+                None
+            } else {
+                let bare = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
+                Some(bare.parse::<Revision>().map_err(|_| {
+                    ApiError::bad_request(
+                        "If-Match",
+                        format!("If-Match {text:?} is not a revision (a number, as in the ETag)"),
+                    )
+                })?)
+            }
+        }
+    };
+    let mut found: Option<Revision> = None;
+    for r in [from_header, from_query, from_body].into_iter().flatten() {
+        match found {
+            Some(f) if f != r => {
+                return Err(ApiError::bad_request(
+                    "revision",
+                    format!("conflicting revisions given: {f} and {r}"),
+                ))
+            }
+            _ => found = Some(r),
+        }
+    }
+    Ok(found)
+}
+
+fn stale(name: &str, expected: Revision, actual: Revision) -> ApiError {
+    ApiError::conflict(
+        "revision",
+        format!(
+            "VM {name} changed since revision {expected} (now at {actual}); read it again and retry"
+        ),
+    )
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("VM {name} not found")).with_field("name")
+}
+
+fn vm_response(status: StatusCode, vm: VirtualMachine, revision: Revision) -> Response {
+    let mut resp = (status, Json(VmResponse { revision, vm })).into_response();
+    resp.headers_mut().insert(
+        header::ETAG,
+        HeaderValue::from_str(&format!("\"{revision}\"")).expect("digits are a valid header"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_create_accepts_minimal_and_names_fields() {
+        let vm = parse_create(br#"{"name":"web","spec":{"cpus":1,"memory_mib":64}}"#).unwrap();
+        assert_eq!(vm.name, "web");
+        assert_eq!(vm.generation, 1);
+        let err = parse_create(br#"{"name":"a/b","spec":{"cpus":1,"memory_mib":64}}"#).unwrap_err();
+        assert_eq!((err.status().as_u16(), err.field()), (422, Some("name")));
+        let err = parse_create(br#"{"name":"a","spec":{"cpus":1,"memory_mib":0}}"#).unwrap_err();
+        assert_eq!(err.field(), Some("spec.memory_mib"));
+        let err = parse_create(br#"{"name":"a","spec":{"cpus":1,"memory_mib":64},"status":{}}"#)
+            .unwrap_err();
+        assert_eq!((err.status().as_u16(), err.field()), (400, Some("status")));
+    }
+
+    #[test]
+    fn if_match_forms() {
+        let mut h = HeaderMap::new();
+        assert_eq!(expected_revision(&h, None, None).unwrap(), None);
+        h.insert(header::IF_MATCH, "\"7\"".parse().unwrap());
+        assert_eq!(expected_revision(&h, None, Some(7)).unwrap(), Some(7));
+        assert_eq!(
+            expected_revision(&h, Some(8), None).unwrap_err().field(),
+            Some("revision")
+        );
+        h.insert(header::IF_MATCH, "W/\"9\"".parse().unwrap());
+        assert_eq!(expected_revision(&h, None, None).unwrap(), Some(9));
+        h.insert(header::IF_MATCH, "*".parse().unwrap());
+        assert_eq!(expected_revision(&h, None, None).unwrap(), None);
+        h.insert(header::IF_MATCH, "abc".parse().unwrap());
+        assert_eq!(
+            expected_revision(&h, None, None).unwrap_err().field(),
+            Some("If-Match")
+        );
+    }
+}

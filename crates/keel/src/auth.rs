@@ -1,0 +1,192 @@
+//! The API's bearer token: generated once into `DATA_DIR/token` (mode 0600),
+//! checked in constant time on every request except `/healthz`.
+
+use std::fs::{self, OpenOptions};
+use std::io::{ErrorKind, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use rand::RngCore;
+use subtle::ConstantTimeEq;
+
+use crate::api::ApiError;
+
+pub const TOKEN_FILE: &str = "token";
+/// 32 random bytes, hex-encoded.
+const TOKEN_BYTES: usize = 32;
+
+/// The secret every API request must present.
+#[derive(Clone)]
+pub struct Token(Arc<str>);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+impl Token {
+    pub fn new(secret: impl Into<Arc<str>>) -> Self {
+        Self(secret.into())
+    }
+
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
+    /// Constant-time in the token's content (its length is not secret).
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        self.0.as_bytes().ct_eq(presented).into()
+    }
+
+    /// Whether `Authorization: Bearer <token>` carries this token.
+    pub fn authorizes(&self, headers: &HeaderMap) -> bool {
+        let Some(value) = headers.get(header::AUTHORIZATION) else {
+            return false;
+        };
+        let bytes = value.as_bytes();
+        let scheme = b"bearer ";
+        if bytes.len() <= scheme.len() || !bytes[..scheme.len()].eq_ignore_ascii_case(scheme) {
+            return false;
+        }
+        self.matches(bytes[scheme.len()..].trim_ascii())
+    }
+}
+
+pub fn token_path(data_dir: &Path) -> PathBuf {
+    data_dir.join(TOKEN_FILE)
+}
+
+/// Reads the token, generating it on first start. The file is written
+/// under a temporary name created with mode 0600 and hard-linked into
+/// place, so it is never readable by others nor seen half-written, and two
+/// servers starting at once agree on one token.
+pub fn load_or_create(data_dir: &Path) -> anyhow::Result<Token> {
+    let path = token_path(data_dir);
+    if let Some(token) = read_existing(&path)? {
+        return Ok(token);
+    }
+    let mut secret = [0u8; TOKEN_BYTES];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let tmp = data_dir.join(format!(".{TOKEN_FILE}.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    let written = file
+        .write_all(format!("{hex}\n").as_bytes())
+        .and_then(|()| file.sync_all());
+    drop(file);
+    let linked = written.and_then(|()| fs::hard_link(&tmp, &path));
+    let _ = fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => {
+            tracing::info!(path = %path.display(), "generated API token");
+            Ok(Token::new(hex))
+        }
+        // Another server won the race: use its token.
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => read_existing(&path)?
+            .with_context(|| format!("{} vanished while starting", path.display())),
+        Err(e) => Err(e).with_context(|| format!("writing {}", path.display())),
+    }
+}
+
+fn read_existing(path: &Path) -> anyhow::Result<Option<Token>> {
+    let meta = match fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        bail!(
+            "token file {} has mode {mode:04o}, readable by others; run `chmod 600 {}` (or delete it to generate a new token)",
+            path.display(),
+            path.display()
+        );
+    }
+    Ok(Some(Token::new(read_token_file(path)?)))
+}
+
+/// The token in a token file, trimmed; an error if it is empty.
+pub fn read_token_file(path: &Path) -> anyhow::Result<String> {
+    let text = fs::read_to_string(path)
+        .with_context(|| format!("reading API token from {}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() {
+        bail!("token file {} is empty", path.display());
+    }
+    Ok(token.to_string())
+}
+
+/// Middleware: everything but `/healthz` needs the bearer token. A refused
+/// request never reaches a handler, so it changes nothing.
+pub async fn require_token(State(token): State<Token>, req: Request, next: Next) -> Response {
+    if req.uri().path() == "/healthz" || token.authorizes(req.headers()) {
+        return next.run(req).await;
+    }
+    let mut resp = ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "missing or invalid bearer token: send `Authorization: Bearer <token>` (the token is in DATA_DIR/token)",
+    )
+    .into_response();
+    resp.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        HeaderValue::from_static("Bearer realm=\"keel\""),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_parsing() {
+        let t = Token::new("abc");
+        let mut h = HeaderMap::new();
+        assert!(!t.authorizes(&h));
+        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert!(t.authorizes(&h));
+        h.insert(header::AUTHORIZATION, "bearer  abc ".parse().unwrap());
+        assert!(t.authorizes(&h));
+        for bad in [
+            "Bearer abd",
+            "Bearer ab",
+            "Bearer abcd",
+            "Basic abc",
+            "Bearer ",
+            "abc",
+        ] {
+            h.insert(header::AUTHORIZATION, bad.parse().unwrap());
+            assert!(!t.authorizes(&h), "{bad}");
+        }
+    }
+
+    #[test]
+    fn created_once_with_mode_0600() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = load_or_create(dir.path()).unwrap();
+        let b = load_or_create(dir.path()).unwrap();
+        assert_eq!(a.secret(), b.secret());
+        assert_eq!(a.secret().len(), 64);
+        let mode = fs::metadata(token_path(dir.path()))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        fs::set_permissions(token_path(dir.path()), fs::Permissions::from_mode(0o644)).unwrap();
+        let err = load_or_create(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("chmod 600"), "{err}");
+    }
+}

@@ -1,0 +1,238 @@
+//! The CLI's HTTP client.
+//!
+//! `ureq` 3 with default features off: a small, well-kept, blocking client
+//! with no TLS stack and no async runtime to start. The CLI makes a handful
+//! of sequential requests to a (by default loopback, plain HTTP) server,
+//! so hyper's client would add tokio and hyper-util plumbing for nothing.
+//! Environment proxies are ignored: the bearer token goes straight to the
+//! Keel server, never through a proxy.
+
+use std::io::{BufRead, BufReader};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use ureq::http::{self, Method};
+use ureq::Agent;
+
+use crate::api::ErrorBody;
+use crate::args::ClientArgs;
+use crate::auth::{read_token_file, token_path};
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A request the server refused, with its message and the field it names.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{} (HTTP {status})", body.error, field_suffix(&body.field))]
+pub struct ApiFailure {
+    pub status: u16,
+    pub body: ErrorBody,
+}
+
+fn field_suffix(field: &Option<String>) -> String {
+    field
+        .as_ref()
+        .map(|f| format!(" [field: {f}]"))
+        .unwrap_or_default()
+}
+
+pub struct Client {
+    agent: Agent,
+    /// No overall timeout: `events --follow` streams indefinitely.
+    stream_agent: Agent,
+    base: String,
+    authorization: String,
+}
+
+impl Client {
+    pub fn new(server: &str, token: &str) -> anyhow::Result<Self> {
+        let base = server.trim_end_matches('/').to_string();
+        if base.starts_with("https://") {
+            bail!("--server {server}: https is not supported by this build of the CLI; use http:// (the server speaks plain HTTP)");
+        }
+        if !base.starts_with("http://") {
+            bail!("--server {server}: expected a URL like http://127.0.0.1:7280");
+        }
+        let agent = |timeout: Option<Duration>| -> Agent {
+            Agent::config_builder()
+                .http_status_as_error(false)
+                .proxy(None)
+                .timeout_global(timeout)
+                .timeout_connect(Some(Duration::from_secs(5)))
+                .build()
+                .into()
+        };
+        Ok(Self {
+            agent: agent(Some(REQUEST_TIMEOUT)),
+            stream_agent: agent(None),
+            base,
+            authorization: format!("Bearer {}", token.trim()),
+        })
+    }
+
+    /// From `--server` and `--token`, else the token file in `--data-dir`.
+    pub fn from_args(args: &ClientArgs) -> anyhow::Result<Self> {
+        let token = match &args.token {
+            Some(t) => t.clone(),
+            None => {
+                let path = token_path(&args.data_dir);
+                read_token_file(&path).with_context(|| {
+                    format!(
+                        "no API token: pass --token or $KEEL_TOKEN, or --data-dir / $KEEL_DATA_DIR of the server (looked in {})",
+                        path.display()
+                    )
+                })?
+            }
+        };
+        Self::new(&args.server, &token)
+    }
+
+    pub fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        self.call(Method::GET, path, None::<&()>)
+    }
+
+    /// `None` on 404.
+    pub fn get_opt<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<Option<T>> {
+        match self.call(Method::GET, path, None::<&()>) {
+            Ok(v) => Ok(Some(v)),
+            Err(e)
+                if e.downcast_ref::<ApiFailure>()
+                    .is_some_and(|f| f.status == 404) =>
+            {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    pub fn call<T: DeserializeOwned, B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> anyhow::Result<T> {
+        let body = match body {
+            Some(b) => serde_json::to_vec(b).context("encoding the request")?,
+            None => Vec::new(),
+        };
+        let mut resp = self.send(&self.agent, method, path, body)?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .read_to_vec()
+            .with_context(|| format!("reading the response to {path}"))?;
+        if !(200..300).contains(&status) {
+            return Err(failure(status, &bytes).into());
+        }
+        serde_json::from_slice(&bytes)
+            .with_context(|| format!("decoding the server's response to {path}"))
+    }
+
+    /// Calls `each` with every JSON line of a streaming response until the
+    /// server ends it; stops early if `each` returns `Ok(false)`.
+    pub fn stream_lines<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        mut each: impl FnMut(T) -> anyhow::Result<bool>,
+    ) -> anyhow::Result<()> {
+        let resp = self.send(&self.stream_agent, Method::GET, path, Vec::new())?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if !(200..300).contains(&status) {
+            let bytes = body.read_to_vec().unwrap_or_default();
+            return Err(failure(status, &bytes).into());
+        }
+        for line in BufReader::new(body.into_reader()).lines() {
+            let line = line.context("reading the event stream")?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            if let Ok(err) = serde_json::from_str::<ErrorBody>(&line) {
+                bail!("the server ended the stream: {}", err.error);
+            }
+            let item = serde_json::from_str(&line).context("decoding a streamed line")?;
+            if !each(item)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn send(
+        &self,
+        agent: &Agent,
+        method: Method,
+        path: &str,
+        body: Vec<u8>,
+    ) -> anyhow::Result<http::Response<ureq::Body>> {
+        let url = format!("{}{path}", self.base);
+        let mut req = http::Request::builder()
+            .method(method.clone())
+            .uri(&url)
+            .header("Authorization", &self.authorization)
+            .header("Accept", "application/json");
+        if !body.is_empty() {
+            req = req.header("Content-Type", "application/json");
+        }
+        let req = req
+            .body(body)
+            .with_context(|| format!("building {method} {url}"))?;
+        agent.run(req).with_context(|| {
+            format!(
+                "cannot reach the keel server at {} ({method} {path}); is `keel serve` running? (set --server or $KEEL_SERVER)",
+                self.base
+            )
+        })
+    }
+}
+
+fn failure(status: u16, bytes: &[u8]) -> ApiFailure {
+    let body = serde_json::from_slice::<ErrorBody>(bytes).unwrap_or_else(|_| ErrorBody {
+        error: String::from_utf8_lossy(bytes).trim().to_string(),
+        field: None,
+    });
+    ApiFailure { status, body }
+}
+
+/// Percent-encodes a path segment or query value, so a name typed on the
+/// command line reaches the server as one segment (and is validated there);
+/// `.` too, so no client or proxy can resolve `..` away.
+pub fn encode(segment: &str) -> String {
+    let mut out = String::with_capacity(segment.len());
+    for b in segment.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encodes_segments() {
+        assert_eq!(encode("web-1"), "web-1");
+        assert_eq!(encode("a/b"), "a%2Fb");
+        assert_eq!(encode("a\0b"), "a%00b");
+        assert_eq!(encode(".."), "%2E%2E");
+    }
+
+    #[test]
+    fn failure_message_names_the_field() {
+        let f = failure(422, br#"{"error":"bad","field":"spec.cpus"}"#);
+        assert_eq!(f.to_string(), "bad [field: spec.cpus] (HTTP 422)");
+        let f = failure(502, b"gateway down");
+        assert_eq!(f.to_string(), "gateway down (HTTP 502)");
+    }
+
+    #[test]
+    fn refuses_https() {
+        assert!(Client::new("https://x", "t").is_err());
+        assert!(Client::new("ftp://x", "t").is_err());
+    }
+}

@@ -1,0 +1,218 @@
+//! `keel vm ...`.
+
+use std::time::Duration;
+
+use keel_api::{BootSpec, PowerState, VirtualMachine, VmSpec};
+use ureq::http::Method;
+
+use super::output::{self, fields, Table};
+use super::wait::{self, Goal};
+use super::{encode, Client};
+use crate::api::vms::{CreateVmRequest, VmList, VmResponse};
+use crate::args::{CreateArgs, OutputFormat, PowerArgs, VmCommand, VmVerb};
+
+pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
+    let client = Client::from_args(&cmd.client)?;
+    let out = cmd.client.output;
+    match cmd.verb {
+        VmVerb::Create(args) => create(&client, out, args),
+        VmVerb::List => list(&client, out),
+        VmVerb::Get { name } => get(&client, out, &name),
+        VmVerb::Start(args) => power(&client, out, args, "start"),
+        VmVerb::Stop(args) => power(&client, out, args, "stop"),
+        VmVerb::Restart(args) => power(&client, out, args, "restart"),
+        VmVerb::Delete(args) => delete(&client, out, args),
+    }
+}
+
+/// The spec the flags describe. Validation is the server's: its errors
+/// name the field.
+pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
+    VmSpec {
+        cpus: args.cpus,
+        memory_mib: args.memory,
+        disks: args.disks.clone(),
+        boot: BootSpec {
+            kernel: args.kernel.clone(),
+            initrd: args.initrd.clone(),
+            cmdline: args.cmdline.clone(),
+        },
+        run_policy: args.policy.unwrap_or_default(),
+        power: if args.stopped {
+            PowerState::Stopped
+        } else {
+            PowerState::Running
+        },
+        restart_generation: 0,
+        stop_grace_period_s: args.grace,
+        node: None,
+    }
+}
+
+fn create(client: &Client, out: OutputFormat, args: CreateArgs) -> anyhow::Result<()> {
+    let req = CreateVmRequest {
+        name: args.name.clone(),
+        spec: spec_from_args(&args),
+    };
+    let resp: VmResponse = client.call(Method::POST, "/api/v1/vms", Some(&req))?;
+    output::print(out, &resp, || {
+        format!("vm {} created (revision {})\n", resp.vm.name, resp.revision)
+    })
+}
+
+fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
+    let resp: VmList = client.get("/api/v1/vms")?;
+    output::print(out, &resp, || {
+        let mut t = Table::new(&[
+            "NAME", "PHASE", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE",
+        ]);
+        for item in &resp.items {
+            let vm = &item.vm;
+            let inst = vm.status.instance.as_ref();
+            t.row(vec![
+                vm.name.clone(),
+                format!("{:?}", vm.status.phase),
+                format!("{:?}", vm.spec.power),
+                format!("{:?}", vm.spec.run_policy),
+                vm.spec.cpus.to_string(),
+                format!("{}Mi", vm.spec.memory_mib),
+                inst.map(|i| i.id.clone()).unwrap_or_else(|| "-".into()),
+                inst.map(|i| i.node.clone()).unwrap_or_else(|| "-".into()),
+            ]);
+        }
+        t.render()
+    })
+}
+
+fn get(client: &Client, out: OutputFormat, name: &str) -> anyhow::Result<()> {
+    let resp: VmResponse = client.get(&format!("/api/v1/vms/{}", encode(name)))?;
+    output::print(out, &resp, || describe(&resp))
+}
+
+fn describe(resp: &VmResponse) -> String {
+    let vm: &VirtualMachine = &resp.vm;
+    let s = &vm.status;
+    let t = crate::timefmt::rfc3339;
+    let mut pairs = vec![
+        ("name", vm.name.clone()),
+        ("phase", format!("{:?}", s.phase)),
+        ("power", format!("{:?}", vm.spec.power)),
+        ("policy", format!("{:?}", vm.spec.run_policy)),
+        ("cpus", vm.spec.cpus.to_string()),
+        ("memory", format!("{} MiB", vm.spec.memory_mib)),
+        (
+            "disks",
+            if vm.spec.disks.is_empty() {
+                "-".into()
+            } else {
+                vm.spec
+                    .disks
+                    .iter()
+                    .map(|d| format!("{} ({} MiB)", d.name, d.size_mib))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            },
+        ),
+        ("grace", format!("{}s", vm.spec.stop_grace_period_s)),
+    ];
+    for (k, v) in [
+        ("kernel", &vm.spec.boot.kernel),
+        ("initrd", &vm.spec.boot.initrd),
+        ("cmdline", &vm.spec.boot.cmdline),
+    ] {
+        if let Some(v) = v {
+            pairs.push((k, v.clone()));
+        }
+    }
+    match &s.instance {
+        Some(i) => {
+            pairs.push(("instance", format!("{} on node {}", i.id, i.node)));
+            pairs.push(("created", t(i.created_at)));
+            if let Some(since) = i.running_since {
+                pairs.push(("running since", t(since)));
+            }
+        }
+        None => pairs.push(("instance", "-".into())),
+    }
+    if let Some(exit) = &s.last_exit {
+        pairs.push((
+            "last exit",
+            format!(
+                "{} {:?} at {}{}",
+                exit.instance,
+                exit.kind,
+                t(exit.at),
+                if exit.requested { " (requested)" } else { "" }
+            ),
+        ));
+    }
+    if let Some(at) = vm.deletion_requested_at {
+        pairs.push(("deletion requested", t(at)));
+    }
+    if let Some(msg) = &s.message {
+        pairs.push(("message", msg.clone()));
+    }
+    pairs.push((
+        "generation",
+        format!("{} (observed {})", vm.generation, s.observed_generation),
+    ));
+    pairs.push(("revision", resp.revision.to_string()));
+    fields(&pairs)
+}
+
+fn power(client: &Client, out: OutputFormat, args: PowerArgs, verb: &str) -> anyhow::Result<()> {
+    let path = format!("/api/v1/vms/{}/{verb}", encode(&args.name));
+    let resp: VmResponse = client.call(Method::POST, &path, None::<&()>)?;
+    if !args.wait {
+        return output::print(out, &resp, || {
+            format!(
+                "{}: {verb} requested (revision {})\n",
+                args.name, resp.revision
+            )
+        });
+    }
+    let goal = match verb {
+        "start" => Goal::Running {
+            generation: resp.vm.generation,
+        },
+        "stop" => Goal::Stopped {
+            generation: resp.vm.generation,
+        },
+        _ => Goal::Restarted {
+            old_instance: resp.vm.status.instance.as_ref().map(|i| i.id.clone()),
+            restart_generation: resp.vm.spec.restart_generation,
+        },
+    };
+    let done = wait::until(client, &args.name, &goal, Duration::from_secs(args.timeout))?
+        .expect("only Gone yields no VM");
+    output::print(out, &done, || {
+        let phase = format!("{:?}", done.vm.status.phase);
+        match &done.vm.status.instance {
+            Some(i) => format!("{}: {phase} (instance {})\n", args.name, i.id),
+            None => format!("{}: {phase}\n", args.name),
+        }
+    })
+}
+
+fn delete(client: &Client, out: OutputFormat, args: PowerArgs) -> anyhow::Result<()> {
+    let path = format!("/api/v1/vms/{}", encode(&args.name));
+    let resp: VmResponse = client.call(Method::DELETE, &path, None::<&()>)?;
+    if args.wait {
+        wait::until(
+            client,
+            &args.name,
+            &Goal::Gone,
+            Duration::from_secs(args.timeout),
+        )?;
+    }
+    output::print(out, &resp, || {
+        if args.wait {
+            format!("{}: deleted\n", args.name)
+        } else {
+            format!(
+                "{}: deletion requested (revision {})\n",
+                args.name, resp.revision
+            )
+        }
+    })
+}

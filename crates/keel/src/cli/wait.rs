@@ -1,0 +1,149 @@
+//! `--wait`: polls a VM until the requested change is done, printing a
+//! progress line on stderr whenever its phase or instance changes.
+
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use keel_api::{Phase, VirtualMachine};
+
+use super::{encode, Client};
+use crate::api::vms::VmResponse;
+
+const POLL: Duration = Duration::from_millis(200);
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Goal {
+    /// Running, from a spec at least this generation.
+    Running { generation: u64 },
+    /// Stopped with no instance left, from a spec at least this generation.
+    Stopped { generation: u64 },
+    /// A different instance than `old_instance` is Running.
+    Restarted {
+        old_instance: Option<String>,
+        restart_generation: u64,
+    },
+    /// The record is gone.
+    Gone,
+}
+
+impl Goal {
+    fn reached(&self, vm: &VirtualMachine) -> bool {
+        let s = &vm.status;
+        match self {
+            Goal::Running { generation } => {
+                s.phase == Phase::Running && s.observed_generation >= *generation
+            }
+            Goal::Stopped { generation } => {
+                s.phase == Phase::Stopped
+                    && s.instance.is_none()
+                    && s.observed_generation >= *generation
+            }
+            Goal::Restarted {
+                old_instance,
+                restart_generation,
+            } => {
+                s.phase == Phase::Running
+                    && s.observed_restart_generation >= *restart_generation
+                    && s.instance.as_ref().map(|i| &i.id) != old_instance.as_ref()
+            }
+            Goal::Gone => false,
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self {
+            Goal::Running { .. } => "be Running",
+            Goal::Stopped { .. } => "be Stopped",
+            Goal::Restarted { .. } => "run a new instance",
+            Goal::Gone => "be deleted",
+        }
+    }
+}
+
+/// The VM once `goal` holds (`None` for [`Goal::Gone`]).
+pub fn until(
+    client: &Client,
+    name: &str,
+    goal: &Goal,
+    timeout: Duration,
+) -> anyhow::Result<Option<VmResponse>> {
+    let path = format!("/api/v1/vms/{}", encode(name));
+    let deadline = Instant::now() + timeout;
+    let mut last_seen: Option<String> = None;
+    loop {
+        let current = client.get_opt::<VmResponse>(&path)?;
+        let Some(resp) = current else {
+            if *goal == Goal::Gone {
+                eprintln!("{name}: deleted");
+                return Ok(None);
+            }
+            bail!(
+                "VM {name} was deleted while waiting for it to {}",
+                goal.describe()
+            );
+        };
+        let progress = progress_line(name, &resp.vm);
+        if last_seen.as_ref() != Some(&progress) {
+            eprintln!("{progress}");
+            last_seen = Some(progress);
+        }
+        if goal.reached(&resp.vm) {
+            return Ok(Some(resp));
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "timed out after {}s waiting for VM {name} to {} (it is {:?})",
+                timeout.as_secs(),
+                goal.describe(),
+                resp.vm.status.phase
+            );
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+fn progress_line(name: &str, vm: &VirtualMachine) -> String {
+    let s = &vm.status;
+    let mut line = format!("{name}: {:?}", s.phase);
+    if let Some(inst) = &s.instance {
+        line.push_str(&format!(" (instance {})", inst.id));
+    }
+    if let Some(msg) = &s.message {
+        line.push_str(&format!(": {msg}"));
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{Instance, VmSpec};
+
+    fn vm(phase: Phase, instance: Option<&str>) -> VirtualMachine {
+        let spec: VmSpec = serde_json::from_str(r#"{"cpus":1,"memory_mib":64}"#).unwrap();
+        let mut vm = VirtualMachine::new("web", spec);
+        vm.status.phase = phase;
+        vm.status.observed_generation = 1;
+        vm.status.instance = instance.map(|id| Instance {
+            id: id.into(),
+            node: "n".into(),
+            created_at: 1,
+            running_since: None,
+        });
+        vm
+    }
+
+    #[test]
+    fn goals() {
+        let restarted = Goal::Restarted {
+            old_instance: Some("web-1".into()),
+            restart_generation: 0,
+        };
+        assert!(!restarted.reached(&vm(Phase::Running, Some("web-1"))));
+        assert!(restarted.reached(&vm(Phase::Running, Some("web-2"))));
+        assert!(!Goal::Running { generation: 2 }.reached(&vm(Phase::Running, Some("web-1"))));
+        assert!(Goal::Running { generation: 1 }.reached(&vm(Phase::Running, Some("web-1"))));
+        assert!(!Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, Some("web-1"))));
+        assert!(Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, None)));
+    }
+}

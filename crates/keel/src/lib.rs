@@ -1,0 +1,11 @@
+//! Keel's server (`keel serve`: HTTP API, VM controller, node heartbeat)
+//! and its command-line client, in one crate so the integration tests can
+//! start the real server in-process.
+
+pub mod api;
+pub mod args;
+pub mod auth;
+pub mod cli;
+pub mod metrics;
+pub mod serve;
+pub mod timefmt;

@@ -1,0 +1,379 @@
+//! `keel serve`: the SQLite store, the VM controller, the node heartbeat
+//! and the HTTP API in one process.
+//!
+//! Shutdown (SIGINT/SIGTERM) stops the HTTP server, the follow streams,
+//! the controller and the heartbeat, and nothing else: guests keep running
+//! and the controller re-adopts them on the next start.
+
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+use keel_api::{validate_name, Clock, SystemClock};
+use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
+use keel_hv::sim::{SimConfig, SimHypervisor};
+use keel_hv::Hypervisor;
+use keel_store::sqlite::SqliteStore;
+use keel_store::TypedStore;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::{self, AppState};
+use crate::args::{HypervisorKind, ServeArgs};
+use crate::auth::{self, Token};
+use crate::metrics::Metrics;
+
+pub const DB_FILE: &str = "keel.db";
+const LOCK_FILE: &str = "keel.lock";
+/// How long in-flight HTTP requests may take to finish at shutdown.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Everything `keel serve` needs; tests build one directly.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub data_dir: PathBuf,
+    pub listen: SocketAddr,
+    pub hypervisor: HypervisorKind,
+    pub node: String,
+    /// Used only by the sim driver.
+    pub sim: SimConfig,
+    /// Controller timings; `node` is overwritten with [`ServeConfig::node`].
+    pub lifecycle: LifecycleConfig,
+    /// The qemu driver's default kernel and initrd (the test guest), used
+    /// by VMs whose spec names none, and by the KVM probe.
+    pub guest_dir: Option<PathBuf>,
+    pub accel: AccelChoice,
+    /// Create a demo VM at start if there is none.
+    pub demo: bool,
+}
+
+impl ServeConfig {
+    pub fn new(
+        data_dir: PathBuf,
+        listen: SocketAddr,
+        hypervisor: HypervisorKind,
+        node: String,
+    ) -> Self {
+        Self {
+            data_dir,
+            listen,
+            hypervisor,
+            node,
+            sim: SimConfig::default(),
+            lifecycle: LifecycleConfig::default(),
+            guest_dir: None,
+            accel: AccelChoice::Auto,
+            demo: false,
+        }
+    }
+}
+
+/// The one place a hypervisor driver is chosen. Async and given the whole
+/// config, so a driver can probe the host and use the data directory.
+pub async fn make_hypervisor(
+    cfg: &ServeConfig,
+    clock: Arc<dyn Clock>,
+) -> anyhow::Result<Arc<dyn Hypervisor>> {
+    match cfg.hypervisor {
+        HypervisorKind::Qemu => {
+            let mut config = QemuConfig::new(cfg.data_dir.join("node"));
+            if let Some(dir) = &cfg.guest_dir {
+                // QEMU runs with its own working directory in mind: absolute paths only.
+                let dir = dir
+                    .canonicalize()
+                    .with_context(|| format!("guest dir {}", dir.display()))?;
+                config = config.with_test_guest(&dir);
+            }
+            config.accel = cfg.accel;
+            let driver = QemuDriver::new(config)
+                .await
+                .context("starting the qemu driver")?;
+            let facts = driver.facts().await;
+            tracing::info!(accelerator = ?facts.accelerator, note = %facts.accelerator_note, "qemu driver ready");
+            Ok(Arc::new(driver))
+        }
+        HypervisorKind::Sim => {
+            let seed = clock.now_ms();
+            Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
+        }
+    }
+}
+
+/// A started server. Dropping it without [`RunningServer::shutdown`]
+/// leaves its tasks running on the runtime.
+pub struct RunningServer {
+    addr: SocketAddr,
+    token: Token,
+    store: TypedStore,
+    stop: watch::Sender<bool>,
+    http: JoinHandle<std::io::Result<()>>,
+    controller: JoinHandle<()>,
+    _lock: File,
+}
+
+impl RunningServer {
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn token(&self) -> &str {
+        self.token.secret()
+    }
+
+    pub fn store(&self) -> &TypedStore {
+        &self.store
+    }
+
+    /// Stops serving and reconciling. Guests are left as they are.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        let mut http = self.http;
+        let served = match tokio::time::timeout(DRAIN_TIMEOUT, &mut http).await {
+            Ok(joined) => joined.context("HTTP server task")?.context("HTTP server"),
+            Err(_) => {
+                tracing::warn!("requests still open after {DRAIN_TIMEOUT:?}; closing them");
+                http.abort();
+                Ok(())
+            }
+        };
+        self.controller.await.context("VM controller task")?;
+        served
+    }
+}
+
+/// Opens the store, starts the controller, the heartbeat and the API.
+/// Returns once the listener is bound (so `listen` may use port 0).
+pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
+    validate_name("node", &cfg.node).map_err(|e| anyhow!("--node: {e}"))?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let hv = make_hypervisor(&cfg, clock.clone()).await?;
+    create_private_dir(&cfg.data_dir)?;
+    let lock = lock_data_dir(&cfg.data_dir)?;
+    let token = auth::load_or_create(&cfg.data_dir)?;
+    let db = cfg.data_dir.join(DB_FILE);
+    let store = TypedStore::new(Arc::new(SqliteStore::open(&db)?));
+    let facts = hv.facts().await;
+    // Bind before starting anything, so a busy port fails cleanly.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "listening beyond loopback: the API is plain HTTP guarded only by the bearer token");
+    }
+
+    let (stop, stop_rx) = watch::channel(false);
+    let lifecycle = LifecycleConfig {
+        node: cfg.node.clone(),
+        ..cfg.lifecycle.clone()
+    };
+    let ctrl = Arc::new(VmController::new(
+        store.clone(),
+        hv.clone(),
+        clock.clone(),
+        lifecycle,
+    ));
+    // Register the node (with the hypervisor's facts) before serving; the
+    // controller runtime keeps the heartbeat going from here on.
+    ctrl.heartbeat(Some(&facts))
+        .await
+        .with_context(|| format!("registering node {}", cfg.node))?;
+    let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
+
+    let state = AppState {
+        store: store.clone(),
+        clock,
+        metrics: Arc::new(Metrics::new()),
+        shutdown: stop_rx.clone(),
+    };
+    let app = api::router(state, token.clone());
+    let mut http_stop = stop_rx;
+    let http = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            })
+            .await
+    });
+    if cfg.demo {
+        create_demo_vm(&store).await?;
+    }
+    tracing::info!(
+        %addr,
+        node = %cfg.node,
+        hypervisor = %facts.hypervisor,
+        accelerator = ?facts.accelerator,
+        data_dir = %cfg.data_dir.display(),
+        "keel serving"
+    );
+    Ok(RunningServer {
+        addr,
+        token,
+        store,
+        stop,
+        http,
+        controller,
+        _lock: lock,
+    })
+}
+
+/// The demo VM: a small guest with one data disk, restarted after crashes.
+pub const DEMO_VM: &str = "demo";
+
+async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
+    use keel_api::{BootSpec, DiskSpec, PowerState, RunPolicy, VirtualMachine, VmSpec};
+    let key = keel_ctrl::keys::vm_key(DEMO_VM);
+    if store.get::<VirtualMachine>(&key).await?.is_some() {
+        return Ok(());
+    }
+    let vm = VirtualMachine::new(
+        DEMO_VM,
+        VmSpec {
+            cpus: 1,
+            memory_mib: 256,
+            disks: vec![DiskSpec {
+                name: "data".into(),
+                size_mib: 64,
+            }],
+            boot: BootSpec::default(),
+            run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
+            power: PowerState::Running,
+            restart_generation: 0,
+            stop_grace_period_s: 60,
+            node: None,
+        },
+    );
+    vm.validate()?;
+    match store.create(&key, &vm).await {
+        Ok(_) | Err(keel_store::StoreError::Conflict { .. }) => {
+            tracing::info!(vm = DEMO_VM, "demo VM created");
+            Ok(())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `keel serve`: runs until SIGINT or SIGTERM.
+pub fn main(args: ServeArgs) -> anyhow::Result<()> {
+    init_logging();
+    let node = match args.node {
+        Some(node) => node,
+        None => default_node_name()?,
+    };
+    let mut cfg = ServeConfig::new(args.data_dir, args.listen, args.hypervisor, node);
+    cfg.guest_dir = args.guest_dir.or_else(|| {
+        let built = PathBuf::from("target/guest");
+        built.join("vmlinuz").is_file().then_some(built)
+    });
+    cfg.accel = args.accel;
+    cfg.demo = args.demo;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let server = start(cfg).await?;
+        let signal = wait_for_signal().await?;
+        tracing::info!(
+            signal,
+            "shutting down; guests keep running and are re-adopted on the next start"
+        );
+        server.shutdown().await
+    })
+}
+
+fn init_logging() {
+    use tracing_subscriber::filter::{EnvFilter, Targets};
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_filter(filter),
+        )
+        .with(
+            crate::metrics::ReconcileErrorLayer
+                .with_filter(Targets::new().with_target("keel_ctrl", tracing::Level::WARN)),
+        )
+        .try_init();
+}
+
+async fn wait_for_signal() -> anyhow::Result<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => { r.context("waiting for SIGINT")?; Ok("SIGINT") }
+        _ = term.recv() => Ok("SIGTERM"),
+    }
+}
+
+/// The host name, lowercased, up to the first dot, if it is a valid name.
+pub fn default_node_name() -> anyhow::Result<String> {
+    let host = hostname().context("cannot read the host name; pass --node NAME")?;
+    let name = host.split('.').next().unwrap_or("").to_ascii_lowercase();
+    validate_name("node", &name).map_err(|e| {
+        anyhow!("host name {host:?} is not usable as a node name ({e}); pass --node NAME")
+    })?;
+    Ok(name)
+}
+
+fn hostname() -> Option<String> {
+    let mut buf = [0u8; 256];
+    // SAFETY: the pointer and length describe `buf`, which outlives the call.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return None;
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8(buf[..end].to_vec()).ok()
+}
+
+/// Creates the data directory (mode 0700) if it is missing.
+fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating data directory {}", dir.display()))?;
+    if !fs::metadata(dir)?.is_dir() {
+        bail!("{} is not a directory", dir.display());
+    }
+    Ok(())
+}
+
+/// One server per data directory: the store's watches only see writes made
+/// through the owning process. Released when the returned file is closed.
+fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
+    let path = dir.join(LOCK_FILE);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a file descriptor this function owns.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        if err.kind() == std::io::ErrorKind::WouldBlock {
+            bail!(
+                "another keel server is using data directory {}",
+                dir.display()
+            );
+        }
+        return Err(err).with_context(|| format!("locking {}", path.display()));
+    }
+    Ok(file)
+}

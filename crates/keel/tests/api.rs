@@ -1,0 +1,951 @@
+//! The HTTP API against a real in-process server over a real socket.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use common::{instance, phase, small_spec, TestServer};
+use serde_json::{json, Value};
+
+#[test]
+fn token_file_is_private_and_stable_across_restarts() {
+    let server = TestServer::start();
+    let path = server.dir.path().join("token");
+    let meta = std::fs::metadata(&path).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::read_to_string(&path).unwrap().trim(), server.token);
+    assert_eq!(server.token.len(), 64);
+    assert!(server.token.bytes().all(|b| b.is_ascii_hexdigit()));
+    let token = server.token.clone();
+    server.create_vm(
+        "keep",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+
+    let dir = server.stop();
+    let again = TestServer::start_in(dir);
+    assert_eq!(again.token, token, "the token is generated once");
+    assert!(again.vm("keep").is_some(), "the store persisted the VM");
+}
+
+#[test]
+fn a_second_server_on_the_same_data_dir_is_refused() {
+    let server = TestServer::start();
+    let cfg = common::fast_config(server.dir.path());
+    let err = server
+        .rt
+        .block_on(keel::serve::start(cfg))
+        .err()
+        .expect("second server refused")
+        .to_string();
+    assert!(err.contains("another keel server"), "{err}");
+}
+
+#[test]
+fn requests_without_the_token_are_refused_and_change_nothing() {
+    let server = TestServer::start();
+    server.create_vm(
+        "keep",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.wait_settled_stopped("keep");
+    let before = server.snapshot();
+    let create = json!({"name": "intruder", "spec": small_spec()}).to_string();
+    let wrong = "0".repeat(64);
+    let attempts: Vec<(&str, &str, Option<&str>)> = vec![
+        ("POST", "/api/v1/vms", Some(create.as_str())),
+        ("POST", "/api/v1/vms/keep/start", None),
+        ("DELETE", "/api/v1/vms/keep", None),
+        ("GET", "/api/v1/vms", None),
+        ("GET", "/api/v1/vms/keep", None),
+        ("GET", "/api/v1/events", None),
+        ("GET", "/api/v1/nodes", None),
+        ("GET", "/api/v1/openapi.json", None),
+        ("GET", "/api/v1/no-such-endpoint", None),
+        ("GET", "/metrics", None),
+    ];
+    for (method, path, body) in &attempts {
+        for token in [None, Some(wrong.as_str()), Some(&server.token[..63])] {
+            let r = server.request(method, path, token, body.map(str::as_bytes), &[]);
+            assert_eq!(r.status, 401, "{method} {path} with {token:?}: {}", r.text);
+            assert!(r.json()["error"].as_str().unwrap().contains("token"));
+            assert!(r.header("www-authenticate").is_some());
+        }
+    }
+    let r = server.request(
+        "GET",
+        "/api/v1/vms",
+        None,
+        None,
+        &[("Authorization", &format!("Basic {}", server.token))],
+    );
+    assert_eq!(r.status, 401);
+    assert_eq!(
+        server.snapshot(),
+        before,
+        "refused requests changed the store"
+    );
+    assert!(server.vm("intruder").is_none());
+
+    let r = server.request("GET", "/healthz", None, None, &[]);
+    assert_eq!((r.status, r.json()["status"].clone()), (200, json!("ok")));
+}
+
+#[test]
+fn vm_round_trip_create_restart_stop_start_delete_with_events() {
+    let server = TestServer::start();
+    let created = server.create_vm(
+        "web",
+        json!({"cpus": 2, "memory_mib": 128, "disks": [{"name": "data", "size_mib": 64}]}),
+    );
+    assert_eq!(created["vm"]["name"], "web");
+    assert!(created["revision"].as_u64().unwrap() > 0);
+
+    let running = server.wait_vm("web", "run", |v| phase(v) == "Running");
+    let first = instance(&running).expect("an instance");
+
+    let list = server.get("/api/v1/vms").json();
+    let names: Vec<&str> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["vm"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["web"]);
+    assert!(list["revision"].as_u64().unwrap() >= running["revision"].as_u64().unwrap());
+
+    let got = server.get("/api/v1/vms/web");
+    assert_eq!(got.status, 200);
+    assert_eq!(
+        got.header("etag").unwrap(),
+        format!("\"{}\"", got.json()["revision"])
+    );
+    assert_eq!(got.json()["vm"]["spec"]["cpus"], 2);
+
+    // Restart: a new instance runs, the old one is gone first.
+    let r = server.send("POST", "/api/v1/vms/web/restart", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json()["vm"]["spec"]["restart_generation"], 1);
+    let restarted = server.wait_vm("web", "restart", |v| {
+        phase(v) == "Running" && instance(v).is_some_and(|i| i != first)
+    });
+    assert_eq!(
+        restarted["vm"]["status"]["last_exit"]["instance"],
+        json!(first)
+    );
+
+    let r = server.send("POST", "/api/v1/vms/web/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json()["vm"]["spec"]["power"], "Stopped");
+    server.wait_vm("web", "stop", |v| {
+        phase(v) == "Stopped" && v["vm"]["status"].get("instance").is_none()
+    });
+
+    let r = server.send("POST", "/api/v1/vms/web/start", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_vm("web", "start again", |v| phase(v) == "Running");
+
+    let r = server.send("DELETE", "/api/v1/vms/web", "");
+    assert_eq!(r.status, 202, "{}", r.text);
+    assert!(r.json()["vm"]["deletion_requested_at"].as_u64().is_some());
+    server.wait_gone("web");
+    assert_eq!(server.send("DELETE", "/api/v1/vms/web", "").status, 404);
+
+    // Every phase change was recorded, in order, for this VM.
+    let events = server.get("/api/v1/events?vm=web").json();
+    let items = events["items"].as_array().unwrap();
+    let revisions: Vec<u64> = items
+        .iter()
+        .map(|i| i["revision"].as_u64().unwrap())
+        .collect();
+    let mut sorted = revisions.clone();
+    sorted.sort();
+    assert_eq!(revisions, sorted, "events are ordered");
+    let changes: Vec<(String, String)> = items
+        .iter()
+        .map(|i| {
+            assert_eq!(i["event"]["vm"], "web");
+            (
+                i["event"]["from"].as_str().unwrap().to_string(),
+                i["event"]["to"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    for expected in [
+        ("Pending", "Starting"),
+        ("Starting", "Running"),
+        ("Running", "Stopping"),
+        ("Stopping", "Stopped"),
+        ("Stopped", "Starting"),
+    ] {
+        assert!(
+            changes
+                .iter()
+                .any(|(f, t)| (f.as_str(), t.as_str()) == expected),
+            "no {expected:?} event in {changes:?}"
+        );
+    }
+    assert_eq!(changes.last().unwrap().1, "Deleting");
+    let all = server.get("/api/v1/events").json();
+    assert_eq!(all["items"].as_array().unwrap().len(), items.len());
+}
+
+#[test]
+fn bad_input_is_refused_with_the_field_and_changes_nothing() {
+    let server = TestServer::start();
+    server.create_vm(
+        "keep",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped", "run_policy": "Manual"}),
+    );
+    let settled = server.wait_settled_stopped("keep");
+    let revision = settled["revision"].as_u64().unwrap();
+    let before = server.snapshot();
+
+    let spec = |extra: Value| {
+        let mut s = json!({"cpus": 1, "memory_mib": 64});
+        s.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        s
+    };
+    let create = |name: Value, spec: Value| json!({"name": name, "spec": spec}).to_string();
+    let huge = format!(
+        r#"{{"name":"big","spec":{{"cpus":1,"memory_mib":64,"boot":{{"cmdline":"{}"}}}}}}"#,
+        "x".repeat(70 * 1024)
+    );
+    let long_name = "a".repeat(64);
+    let if_match = revision.to_string();
+    // (method, path, body, extra headers, expected status, expected field)
+    type Case<'a> = (
+        &'a str,
+        String,
+        String,
+        Vec<(&'a str, &'a str)>,
+        u16,
+        Option<&'a str>,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            r#"{"name": "x", "spec": "#.into(),
+            vec![],
+            400,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            "[]".into(),
+            vec![],
+            400,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            r#"["x", {"cpus": 1, "memory_mib": 64}]"#.into(),
+            vec![],
+            400,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            r#"{"name":"x","spec":{"cpus":1,"memory_mib":64}} trailing"#.into(),
+            vec![],
+            400,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            json!({"name": "x", "spec": small_spec(), "bogus": 1}).to_string(),
+            vec![],
+            400,
+            Some("bogus"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            json!({"name": "x", "spec": small_spec(), "status": {"phase": "Running"}}).to_string(),
+            vec![],
+            400,
+            Some("status"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"bogus": true}))),
+            vec![],
+            400,
+            Some("spec.bogus"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(
+                json!("x"),
+                spec(json!({"boot": {"kernel": "/k", "bogus": 1}})),
+            ),
+            vec![],
+            400,
+            Some("spec.boot.bogus"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            json!({"spec": small_spec()}).to_string(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), json!({"cpus": 1})),
+            vec![],
+            400,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            huge,
+            vec![],
+            413,
+            Some("body"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("a/b"), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!(".."), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("a\u{0}b"), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!(long_name), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!(""), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!(7), small_spec()),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"memory_mib": 0}))),
+            vec![],
+            422,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"memory_mib": -256}))),
+            vec![],
+            400,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"memory_mib": "lots"}))),
+            vec![],
+            400,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"memory_mib": 1.5}))),
+            vec![],
+            400,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"cpus": 0}))),
+            vec![],
+            422,
+            Some("spec.cpus"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"cpus": true}))),
+            vec![],
+            400,
+            Some("spec.cpus"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(
+                json!("x"),
+                spec(json!({"disks": [{"name": "../etc", "size_mib": 1}]})),
+            ),
+            vec![],
+            422,
+            Some("spec.disks[0].name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(
+                json!("x"),
+                spec(json!({"disks": [{"name": "d", "size_mib": "1"}]})),
+            ),
+            vec![],
+            400,
+            Some("spec.disks[0].size_mib"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"run_policy": "Sometimes"}))),
+            vec![],
+            400,
+            Some("spec.run_policy"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(
+                json!("x"),
+                spec(json!({"boot": {"kernel": "relative/vmlinuz"}})),
+            ),
+            vec![],
+            422,
+            Some("spec.boot.kernel"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("x"), spec(json!({"stop_grace_period_s": 0}))),
+            vec![],
+            422,
+            Some("spec.stop_grace_period_s"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms?dry=1".into(),
+            create(json!("x"), small_spec()),
+            vec![],
+            400,
+            Some("dry"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!("keep"), small_spec()),
+            vec![],
+            409,
+            Some("name"),
+        ),
+        // Names in the path.
+        (
+            "GET",
+            "/api/v1/vms/a%2Fb".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms/a%2Fkeep/start".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms/%2E%2E/stop".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "DELETE",
+            "/api/v1/vms/..".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "DELETE",
+            "/api/v1/vms/a%00b".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "DELETE",
+            format!("/api/v1/vms/{long_name}"),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "DELETE",
+            "/api/v1/vms/KEEP".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms/ghost/start".into(),
+            "".into(),
+            vec![],
+            404,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms/keep/start?revision=abc".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("revision"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms/keep/start".into(),
+            "".into(),
+            vec![("If-Match", "soon")],
+            400,
+            Some("If-Match"),
+        ),
+        // Spec replacement.
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!({"spec": small_spec()}).to_string(),
+            vec![],
+            428,
+            Some("revision"),
+        ),
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!({"spec": spec(json!({"memory_mib": 0})), "revision": revision}).to_string(),
+            vec![],
+            422,
+            Some("spec.memory_mib"),
+        ),
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!({"spec": small_spec(), "revision": "1"}).to_string(),
+            vec![],
+            400,
+            Some("revision"),
+        ),
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!({"spec": small_spec()}).to_string(),
+            vec![("If-Match", "\"1\"")],
+            409,
+            Some("revision"),
+        ),
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!({"spec": small_spec(), "revision": revision}).to_string(),
+            vec![("If-Match", "\"1\"")],
+            400,
+            Some("revision"),
+        ),
+        (
+            "PUT",
+            "/api/v1/vms/keep/spec".into(),
+            json!(small_spec()).to_string(),
+            vec![("If-Match", if_match.as_str())],
+            400,
+            Some("cpus"),
+        ),
+        // Queries, routes, methods.
+        (
+            "GET",
+            "/api/v1/events?follow=maybe".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("follow"),
+        ),
+        (
+            "GET",
+            "/api/v1/events?vm=a%2Fb".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("vm"),
+        ),
+        (
+            "GET",
+            "/api/v1/events?vm=keep&vm=other".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("vm"),
+        ),
+        (
+            "GET",
+            "/api/v1/nodes/Bad_Name".into(),
+            "".into(),
+            vec![],
+            400,
+            Some("name"),
+        ),
+        (
+            "GET",
+            "/api/v1/nodes/ghost".into(),
+            "".into(),
+            vec![],
+            404,
+            Some("name"),
+        ),
+        ("GET", "/api/v1/nope".into(), "".into(), vec![], 404, None),
+        (
+            "PATCH",
+            "/api/v1/vms/keep".into(),
+            "{}".into(),
+            vec![],
+            405,
+            None,
+        ),
+        ("PUT", "/api/v1/vms".into(), "{}".into(), vec![], 405, None),
+    ];
+    for (method, path, body, headers, status, field) in &cases {
+        let body = (!body.is_empty()).then_some(body.as_bytes());
+        let r = server.request(method, path, Some(&server.token), body, headers);
+        let what = format!(
+            "{method} {path} {:?}",
+            body.map(|b| String::from_utf8_lossy(&b[..b.len().min(120)]))
+        );
+        assert_eq!(r.status, *status, "{what}: {}", r.text);
+        assert!(
+            r.header("content-type")
+                .unwrap_or("")
+                .starts_with("application/json"),
+            "{what}: not JSON"
+        );
+        let err = r.json();
+        assert!(
+            err["error"].as_str().is_some_and(|m| !m.is_empty()),
+            "{what}: no message in {err}"
+        );
+        assert_eq!(err["field"].as_str(), *field, "{what}: {err}");
+        assert_eq!(server.snapshot(), before, "{what} changed the store");
+    }
+    assert!(server.vm("x").is_none() && server.vm("big").is_none());
+}
+
+#[test]
+fn stale_revision_conflicts_and_current_revision_succeeds() {
+    let server = TestServer::start();
+    server.create_vm(
+        "db",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped", "run_policy": "Manual"}),
+    );
+    let settled = server.wait_settled_stopped("db");
+    let rev = settled["revision"].as_u64().unwrap();
+    let new_spec =
+        json!({"cpus": 2, "memory_mib": 128, "power": "Stopped", "run_policy": "Manual"});
+
+    let before = server.snapshot();
+    for (headers, body) in [
+        (
+            vec![("If-Match", format!("\"{}\"", rev - 1))],
+            json!({"spec": new_spec}),
+        ),
+        (vec![], json!({"spec": new_spec, "revision": rev + 1})),
+    ] {
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let r = server.request(
+            "PUT",
+            "/api/v1/vms/db/spec",
+            Some(&server.token),
+            Some(body.to_string().as_bytes()),
+            &headers,
+        );
+        assert_eq!(r.status, 409, "{}", r.text);
+        assert_eq!(r.json()["field"], "revision");
+        assert!(r.json()["error"].as_str().unwrap().contains("db"));
+    }
+    let r = server.send(
+        "POST",
+        &format!("/api/v1/vms/db/stop?revision={}", rev - 1),
+        "",
+    );
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(server.snapshot(), before);
+
+    let etag = format!("\"{rev}\"");
+    let r = server.request(
+        "PUT",
+        "/api/v1/vms/db/spec",
+        Some(&server.token),
+        Some(json!({"spec": new_spec}).to_string().as_bytes()),
+        &[("If-Match", &etag)],
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let body = r.json();
+    assert_eq!(body["vm"]["spec"]["cpus"], 2);
+    assert_eq!(
+        body["vm"]["generation"],
+        settled["vm"]["generation"].as_u64().unwrap() + 1
+    );
+    assert!(body["revision"].as_u64().unwrap() > rev);
+    // The same revision again is now stale.
+    let r = server.request(
+        "PUT",
+        "/api/v1/vms/db/spec",
+        Some(&server.token),
+        Some(json!({"spec": new_spec}).to_string().as_bytes()),
+        &[("If-Match", &etag)],
+    );
+    assert_eq!(r.status, 409);
+}
+
+#[test]
+fn policy_refusals_name_the_run_policy_and_change_nothing() {
+    let server = TestServer::start();
+    server.create_vm(
+        "off",
+        json!({"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOff"}),
+    );
+    server.wait_settled_stopped("off");
+    let before = server.snapshot();
+    for action in ["start", "restart"] {
+        let r = server.send("POST", &format!("/api/v1/vms/off/{action}"), "");
+        assert_eq!(r.status, 409, "{}", r.text);
+        assert_eq!(r.json()["field"], "spec.run_policy");
+        assert!(r.json()["error"].as_str().unwrap().contains("AlwaysOff"));
+    }
+    assert_eq!(server.snapshot(), before);
+
+    // A VM being deleted refuses power changes, naming why.
+    let r = server.send("DELETE", "/api/v1/vms/off", "");
+    assert_eq!(r.status, 202);
+    let r = server.send("POST", "/api/v1/vms/off/stop", "");
+    assert!(
+        r.status == 409 || r.status == 404,
+        "{} {}",
+        r.status,
+        r.text
+    );
+    if r.status == 409 {
+        assert_eq!(r.json()["field"], "deletion_requested_at");
+    }
+}
+
+#[test]
+fn concurrent_requests_lose_no_update() {
+    let server = TestServer::start();
+    server.create_vm("busy", json!({"cpus": 1, "memory_mib": 64}));
+    let threads = 4;
+    let per_thread = 3;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                for _ in 0..per_thread {
+                    let r = server.send("POST", "/api/v1/vms/busy/restart", "");
+                    assert_eq!(r.status, 200, "{}", r.text);
+                }
+            });
+        }
+    });
+    let vm = server.vm("busy").unwrap();
+    assert_eq!(
+        vm["vm"]["spec"]["restart_generation"],
+        json!(threads * per_thread),
+        "every restart request was recorded"
+    );
+}
+
+#[test]
+fn events_follow_streams_new_events() {
+    let server = TestServer::start();
+    server.create_vm(
+        "tail",
+        json!({"cpus": 1, "memory_mib": 64, "run_policy": "Manual"}),
+    );
+    server.wait_vm("tail", "run", |v| phase(v) == "Running");
+
+    let mut resp = ureq::Agent::config_builder()
+        .proxy(None)
+        .build()
+        .new_agent()
+        .get(format!("{}/api/v1/events?vm=tail&follow=true", server.base))
+        .header("Authorization", format!("Bearer {}", server.token))
+        .call()
+        .unwrap();
+    assert_eq!(
+        resp.headers().get("content-type").unwrap(),
+        "application/x-ndjson"
+    );
+    let r = server.send("POST", "/api/v1/vms/tail/stop", "");
+    assert_eq!(r.status, 200);
+    use std::io::BufRead;
+    let reader = std::io::BufReader::new(resp.body_mut().as_reader());
+    let mut seen = Vec::new();
+    for line in reader.lines() {
+        let item: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        let to = item["event"]["to"].as_str().unwrap().to_string();
+        seen.push(to.clone());
+        if to == "Stopped" {
+            break;
+        }
+    }
+    assert_eq!(
+        seen.first().map(String::as_str),
+        Some("Starting"),
+        "{seen:?}"
+    );
+    assert!(seen.contains(&"Stopping".to_string()), "{seen:?}");
+}
+
+#[test]
+fn nodes_report_heartbeat_and_accelerator() {
+    let server = TestServer::start();
+    let start = std::time::Instant::now();
+    let list = loop {
+        let list = server.get("/api/v1/nodes").json();
+        if !list["items"].as_array().unwrap().is_empty() {
+            break list;
+        }
+        assert!(start.elapsed() < common::DEADLINE, "no heartbeat");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(list["items"][0]["node"]["name"], "test-node");
+    let node = server.get("/api/v1/nodes/test-node");
+    assert_eq!(node.status, 200);
+    let node = node.json();
+    assert_eq!(node["node"]["status"]["accelerator"], "Sim");
+    assert!(node["node"]["status"]["last_heartbeat"].as_u64().unwrap() > 0);
+    assert!(node["node"]["status"]["hypervisor"].is_string());
+}
+
+#[test]
+fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
+    let server = TestServer::start();
+    let doc = server.get("/api/v1/openapi.json").json();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let paths = doc["paths"].as_object().unwrap();
+    for (path, methods) in [
+        ("/healthz", vec!["get"]),
+        ("/metrics", vec!["get"]),
+        ("/api/v1/openapi.json", vec!["get"]),
+        ("/api/v1/vms", vec!["get", "post"]),
+        ("/api/v1/vms/{name}", vec!["get", "delete"]),
+        ("/api/v1/vms/{name}/spec", vec!["put"]),
+        ("/api/v1/vms/{name}/start", vec!["post"]),
+        ("/api/v1/vms/{name}/stop", vec!["post"]),
+        ("/api/v1/vms/{name}/restart", vec!["post"]),
+        ("/api/v1/events", vec!["get"]),
+        ("/api/v1/nodes", vec!["get"]),
+        ("/api/v1/nodes/{name}", vec!["get"]),
+    ] {
+        for m in methods {
+            assert!(paths[path].get(m).is_some(), "{m} {path} undocumented");
+        }
+    }
+    // Every $ref resolves.
+    let text = doc.to_string();
+    for piece in text.split("\"$ref\":\"#/components/schemas/").skip(1) {
+        let name = piece.split('"').next().unwrap();
+        assert!(
+            doc["components"]["schemas"].get(name).is_some(),
+            "dangling $ref {name}"
+        );
+    }
+
+    server.create_vm(
+        "m",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.wait_settled_stopped("m");
+    let _ = server.request("GET", "/api/v1/vms", None, None, &[]);
+    let r = server.get("/metrics");
+    assert_eq!(r.status, 200);
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .contains("openmetrics-text"));
+    assert!(
+        r.text.contains("keel_vms{phase=\"Stopped\"} 1"),
+        "{}",
+        r.text
+    );
+    assert!(
+        r.text.contains("keel_vms{phase=\"Running\"} 0"),
+        "{}",
+        r.text
+    );
+    assert!(
+        r.text
+            .contains("keel_reconcile_errors_total{controller=\"vm\"} 0"),
+        "{}",
+        r.text
+    );
+    assert!(
+        r.text
+            .contains("keel_api_requests_total{method=\"GET\",status=\"401\"} 1"),
+        "{}",
+        r.text
+    );
+    assert!(r.text.contains("status=\"201\""), "{}", r.text);
+}
