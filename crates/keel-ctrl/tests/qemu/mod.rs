@@ -57,20 +57,31 @@ pub fn qemu_pids(needle: &str) -> Vec<i32> {
         .collect()
 }
 
-pub struct Env {
+/// One node: its QEMU driver and its agent (controller runtime).
+pub struct NodeAgent {
+    pub name: String,
     pub driver: QemuDriver,
-    pub store: TypedStore,
-    pub data_dir: PathBuf,
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+pub struct Env {
+    /// The first node's driver (single-node tests use only this one).
+    pub driver: QemuDriver,
+    pub nodes: Vec<NodeAgent>,
+    pub store: TypedStore,
+    pub data_dir: PathBuf,
+    guest: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl Drop for Env {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            task.abort();
+        for node in &mut self.nodes {
+            let _ = node.stop.send(true);
+            if let Some(task) = node.task.take() {
+                task.abort();
+            }
         }
         for pid in qemu_pids(&self.data_dir.to_string_lossy()) {
             // SAFETY: kill(2) of a QEMU whose command line names our temp dir.
@@ -84,20 +95,49 @@ impl Env {
         let guest = guest_dir()?;
         let dir = tempfile::tempdir().unwrap();
         let data_dir = dir.path().canonicalize().unwrap();
-        let mut config = QemuConfig::new(data_dir.join("node")).with_test_guest(&guest);
-        config.accel = AccelChoice::Tcg;
-        let driver = QemuDriver::new(config).await.unwrap();
         let store = TypedStore::new(Arc::new(
             SqliteStore::open(data_dir.join("keel.db")).unwrap(),
         ));
+        let mut env = Env {
+            driver: Self::driver(&data_dir, &guest, 0).await,
+            nodes: Vec::new(),
+            store,
+            data_dir,
+            guest,
+            _dir: dir,
+        };
+        let driver = env.driver.clone();
+        env.start_agent("local", driver).await;
+        Some(env)
+    }
+
+    /// Nodes on one host share the disk directory, as nodes of a cluster
+    /// share storage, so VMs can migrate between them.
+    /// Node `index` keeps its instances in `<data dir>/n<index>` (short:
+    /// socket paths are limited to 107 bytes).
+    async fn driver(data_dir: &Path, guest: &Path, index: usize) -> QemuDriver {
+        let mut config = QemuConfig::new(data_dir.join(format!("n{index}"))).with_test_guest(guest);
+        config.accel = AccelChoice::Tcg;
+        config.disk_dir = Some(data_dir.join("shared-disks"));
+        QemuDriver::new(config).await.unwrap()
+    }
+
+    /// Adds another node, with its own QEMU driver and agent.
+    pub async fn add_node(&mut self, name: &str) -> QemuDriver {
+        let driver = Self::driver(&self.data_dir, &self.guest, self.nodes.len()).await;
+        self.start_agent(name, driver.clone()).await;
+        driver
+    }
+
+    async fn start_agent(&mut self, name: &str, driver: QemuDriver) {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let cfg = LifecycleConfig {
-            node: "local".into(),
+            node: name.into(),
             poll_ms: 500,
             ..Default::default()
         };
         let ctrl = Arc::new(VmController::new(
-            store.clone(),
+            self.store.clone(),
             Arc::new(driver.clone()),
             clock.clone(),
             cfg,
@@ -105,14 +145,21 @@ impl Env {
         ctrl.heartbeat(None).await.unwrap();
         let (stop, stop_rx) = watch::channel(false);
         let task = tokio::spawn(run_vm_controller(ctrl, clock, stop_rx));
-        Some(Env {
+        self.nodes.push(NodeAgent {
+            name: name.into(),
             driver,
-            store,
-            data_dir,
             stop,
             task: Some(task),
-            _dir: dir,
-        })
+        });
+    }
+
+    pub fn node_driver(&self, name: &str) -> &QemuDriver {
+        &self
+            .nodes
+            .iter()
+            .find(|n| n.name == name)
+            .expect("node")
+            .driver
     }
 
     pub fn spec(policy: RunPolicy, grace_s: u64) -> VmSpec {
@@ -202,10 +249,12 @@ impl Env {
                 vm.status.phase == Phase::Running && vm.status.instance.is_some()
             })
             .await;
-        let instance = vm.status.instance.unwrap().id;
+        let inst = vm.status.instance.unwrap();
+        let driver = self.node_driver(&inst.node);
+        let instance = inst.id;
         let guest = GuestChannel::connect_ready(
-            &self.driver.console_log(&instance),
-            &self.driver.command_socket(&instance),
+            &driver.console_log(&instance),
+            &driver.command_socket(&instance),
             timeout,
         )
         .await
