@@ -1,11 +1,13 @@
 //! Several simulated nodes sharing one store, one clock and shared storage.
 #![allow(dead_code)]
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+#[path = "../support/faulty_store.rs"]
+mod faulty_store;
+use faulty_store::FaultyStore;
 
-use async_trait::async_trait;
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 use keel_api::{
     Clock, EvictionWindows, ManualClock, Migration, Millis, Node, PowerState, RunPolicy,
@@ -15,79 +17,10 @@ use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, MIGRATIONS_PREFIX,
 use keel_ctrl::{LifecycleConfig, MigrationController, VmController};
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
-use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, TypedStore, Watch};
+use keel_store::{Store, StoreError, TypedStore};
 
 pub const T0: Millis = 1_700_000_000_000;
 pub const TICK_MS: Millis = 500;
-
-/// The store as one agent reaches it: cut off while `partitioned`.
-pub struct AgentStore {
-    inner: Arc<dyn Store>,
-    partitioned: Arc<AtomicBool>,
-}
-
-impl AgentStore {
-    fn check(&self, key: &str) -> Result<(), StoreError> {
-        if self.partitioned.load(Ordering::SeqCst) {
-            return Err(StoreError::Unavailable {
-                key: key.to_string(),
-                reason: "network partition".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Store for AgentStore {
-    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        self.check(key)?;
-        self.inner.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        p: Precondition,
-    ) -> Result<Revision, StoreError> {
-        self.check(key)?;
-        self.inner.put(key, value, p).await
-    }
-    async fn put_with_lease(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        p: Precondition,
-        lease: LeaseId,
-    ) -> Result<Revision, StoreError> {
-        self.check(key)?;
-        self.inner.put_with_lease(key, value, p, lease).await
-    }
-    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
-        self.check(key)?;
-        self.inner.delete(key, revision).await
-    }
-    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
-        self.check(prefix)?;
-        self.inner.list(prefix).await
-    }
-    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
-        self.check(prefix)?;
-        self.inner.watch(prefix, from).await
-    }
-    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError> {
-        self.check("lease")?;
-        self.inner.grant_lease(ttl_ms).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.check("lease")?;
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.check("lease")?;
-        self.inner.revoke_lease(lease).await
-    }
-}
 
 pub struct Agent {
     pub name: String,
@@ -181,10 +114,10 @@ impl Cluster {
         partitioned: &Arc<AtomicBool>,
     ) -> (VmController, MigrationController) {
         let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
-        let store = TypedStore::new(Arc::new(AgentStore {
-            inner: self.store.raw().clone(),
-            partitioned: partitioned.clone(),
-        }));
+        let store = TypedStore::new(Arc::new(FaultyStore::partitionable(
+            self.store.raw().clone(),
+            partitioned.clone(),
+        )));
         let cfg = LifecycleConfig {
             node: name.to_string(),
             ..Default::default()

@@ -2,10 +2,13 @@
 //! in-memory store, the sim hypervisor and a work queue, stepped by hand.
 #![allow(dead_code)]
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+#[path = "../support/faulty_store.rs"]
+mod faulty_store;
+pub use faulty_store::FaultyStore;
 
-use async_trait::async_trait;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
 use keel_api::{
     BootSpec, Clock, DiskSpec, ManualClock, Millis, PowerState, RunPolicy, Snapshot,
     ValidationError, VirtualMachine, VmSpec,
@@ -15,87 +18,9 @@ use keel_ctrl::keys::{vm_key, VMS_PREFIX};
 use keel_ctrl::{LifecycleConfig, SnapshotController, VmController, WorkQueue};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
-use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, TypedStore, Watch};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use keel_store::{Store, StoreError, TypedStore};
 
 pub const T0: Millis = 1_700_000_000_000;
-
-/// Wraps a store so that a share of calls fail with `Unavailable`, the way
-/// a remote store does during a network blip.
-pub struct FaultyStore {
-    inner: Arc<dyn Store>,
-    rng: Mutex<ChaCha8Rng>,
-    pub fail_rate: Mutex<f64>,
-}
-
-impl FaultyStore {
-    pub fn new(inner: Arc<dyn Store>, seed: u64) -> Self {
-        Self {
-            inner,
-            rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed ^ 0x5eed)),
-            fail_rate: Mutex::new(0.0),
-        }
-    }
-
-    fn fault(&self, key: &str) -> Result<(), StoreError> {
-        let p = *self.fail_rate.lock().unwrap();
-        if p > 0.0 && self.rng.lock().unwrap().gen_bool(p) {
-            return Err(StoreError::Unavailable {
-                key: key.to_string(),
-                reason: "injected fault".into(),
-            });
-        }
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Store for FaultyStore {
-    async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
-        self.fault(key)?;
-        self.inner.get(key).await
-    }
-    async fn put(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        p: Precondition,
-    ) -> Result<Revision, StoreError> {
-        self.fault(key)?;
-        self.inner.put(key, value, p).await
-    }
-    async fn put_with_lease(
-        &self,
-        key: &str,
-        value: Vec<u8>,
-        p: Precondition,
-        lease: LeaseId,
-    ) -> Result<Revision, StoreError> {
-        self.fault(key)?;
-        self.inner.put_with_lease(key, value, p, lease).await
-    }
-    async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
-        self.fault(key)?;
-        self.inner.delete(key, revision).await
-    }
-    async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
-        self.fault(prefix)?;
-        self.inner.list(prefix).await
-    }
-    async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
-        self.inner.watch(prefix, from).await
-    }
-    async fn grant_lease(&self, ttl_ms: u64) -> Result<LeaseId, StoreError> {
-        self.inner.grant_lease(ttl_ms).await
-    }
-    async fn keep_alive(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.inner.keep_alive(lease).await
-    }
-    async fn revoke_lease(&self, lease: LeaseId) -> Result<(), StoreError> {
-        self.inner.revoke_lease(lease).await
-    }
-}
 
 pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
     VmSpec {
