@@ -102,6 +102,9 @@ async fn run_until_watch_breaks(
     }
 
     let mut vm_queue = WorkQueue::default();
+    // An exit seen by the driver wakes its VM at once: without it a guest
+    // that powered off in 40 ms waits for the stop schedule's next check.
+    let mut exits = vms.exit_events();
     let mut snap_queue = WorkQueue::default();
     let now = clock.now_ms();
     for e in &vm_entries {
@@ -166,6 +169,9 @@ async fn run_until_watch_breaks(
             .unwrap_or(60_000);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+            Some(exit) = next_exit(&mut exits) => {
+                vm_queue.schedule(&exit.vm, clock.now_ms());
+            }
             event = vm_watch.next() => match event {
                 Some(Ok(event)) => {
                     if let Some(name) = name_of(VMS_PREFIX, event.key()) {
@@ -203,6 +209,27 @@ async fn run_until_watch_breaks(
                 if *stop.borrow() {
                     return Ok(());
                 }
+            }
+        }
+    }
+}
+
+/// The next exit notification; never resolves without a channel.
+async fn next_exit(
+    exits: &mut Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>>,
+) -> Option<keel_hv::DomainExit> {
+    use tokio::sync::broadcast::error::RecvError;
+    let Some(rx) = exits else {
+        return std::future::pending().await;
+    };
+    loop {
+        match rx.recv().await {
+            Ok(exit) => return Some(exit),
+            // Missed some: the scheduled re-checks still find them.
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => {
+                *exits = None;
+                return std::future::pending().await;
             }
         }
     }

@@ -65,6 +65,11 @@ impl VmController {
         &self.store
     }
 
+    /// Exit notifications from this node's hypervisor, if it gives them.
+    pub fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>> {
+        self.hv.exit_events()
+    }
+
     /// A migration controller working on the same store, node and clock.
     pub fn migration_controller(&self) -> crate::MigrationController {
         crate::MigrationController::new(

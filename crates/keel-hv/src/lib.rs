@@ -70,6 +70,14 @@ pub struct NodeFacts {
     pub accelerator_note: String,
 }
 
+/// A domain's process has just exited: a hint to look at it now rather than
+/// at the next scheduled check. The truth stays what `info` reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainExit {
+    pub vm: String,
+    pub instance: String,
+}
+
 /// What the source side of a live migration reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MigrationProgress {
@@ -129,6 +137,13 @@ impl HvError {
 #[async_trait]
 pub trait Hypervisor: Send + Sync + 'static {
     async fn facts(&self) -> NodeFacts;
+
+    /// Exits as they happen, for drivers that see them (`None`: only by
+    /// looking). A missed or lagged notification costs latency, never
+    /// correctness: controllers still re-check on their schedule.
+    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainExit>> {
+        None
+    }
 
     /// Creates the VM's disks if missing and launches the domain.
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError>;

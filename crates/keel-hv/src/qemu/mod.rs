@@ -152,6 +152,8 @@ struct Inner {
     /// starting a migration), so e.g. a snapshot never pauses a guest that
     /// has just started handing over to another node.
     vm_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Where monitors announce exits (see `Hypervisor::exit_events`).
+    exits: tokio::sync::broadcast::Sender<crate::DomainExit>,
 }
 
 impl Drop for Inner {
@@ -246,6 +248,7 @@ impl QemuDriver {
                 qemu_version,
                 domains: Mutex::new(BTreeMap::new()),
                 vm_locks: Mutex::new(BTreeMap::new()),
+                exits: tokio::sync::broadcast::channel(256).0,
             }),
         };
         driver.adopt_all();
@@ -373,6 +376,7 @@ impl QemuDriver {
             paths,
             self.inner.config.qmp_timeout,
             Phase::Launching { pid: None },
+            self.inner.exits.clone(),
         );
         match exit {
             Some(rec) => domain.set_phase(Phase::Exited(rec)),
@@ -746,6 +750,7 @@ impl QemuDriver {
                 self.inner.layout.instance(instance),
                 self.inner.config.qmp_timeout,
                 Phase::Launching { pid: None },
+                self.inner.exits.clone(),
             );
             domains.insert(instance.clone(), domain.clone());
             domain
@@ -823,6 +828,10 @@ impl Hypervisor for QemuDriver {
             accelerator: self.inner.accelerator,
             accelerator_note: self.inner.accelerator_note.clone(),
         }
+    }
+
+    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<crate::DomainExit>> {
+        Some(self.inner.exits.subscribe())
     }
 
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {

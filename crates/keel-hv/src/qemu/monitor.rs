@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use keel_api::{Clock, Millis, SystemClock};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::AbortHandle;
 
 use super::layout::{
@@ -29,7 +29,7 @@ use super::layout::{
 };
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
-use crate::{DomainState, HvError};
+use crate::{DomainExit, DomainState, HvError};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
@@ -68,6 +68,7 @@ pub struct Domain {
     link: watch::Sender<QmpLink>,
     last_shutdown: Mutex<Option<ShutdownRecord>>,
     task: Mutex<Option<AbortHandle>>,
+    exits: broadcast::Sender<DomainExit>,
 }
 
 /// How the monitor learns the process ended.
@@ -107,6 +108,7 @@ impl Domain {
         paths: InstancePaths,
         qmp_timeout: Duration,
         phase: Phase,
+        exits: broadcast::Sender<DomainExit>,
     ) -> Arc<Domain> {
         let marker = paths.qmp_chardev_arg();
         Arc::new(Domain {
@@ -120,6 +122,7 @@ impl Domain {
             link: watch::Sender::new(QmpLink::Pending),
             last_shutdown: Mutex::new(None),
             task: Mutex::new(None),
+            exits,
         })
     }
 
@@ -299,6 +302,11 @@ impl Domain {
         }
         tracing::info!(instance = %self.instance, cause = ?rec.cause, status = ?rec.exit_status, "QEMU exited");
         self.set_phase(Phase::Exited(rec.clone()));
+        // Nobody listening is fine: the hint is only for latency.
+        let _ = self.exits.send(DomainExit {
+            vm: self.vm.clone(),
+            instance: self.instance.clone(),
+        });
         rec
     }
 
