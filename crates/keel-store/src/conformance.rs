@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use keel_api::ManualClock;
 
-use crate::{Entry, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
 
 /// How long a check waits for an expected watch event before failing.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -113,6 +113,10 @@ where
     lease_unknown_rejected(make().await).await;
     put_without_lease_detaches(make().await).await;
     concurrent_cas_increments(make().await).await;
+    guarded_writes_apply_while_guard_held(make().await).await;
+    guarded_writes_fail_once_guard_deleted(make().await).await;
+    guarded_writes_fail_once_guard_recreated(make().await).await;
+    guarded_writes_fail_once_guard_lease_expired(make().await).await;
 }
 
 /// One `#[tokio::test]` per conformance check, so a failure names the
@@ -141,6 +145,10 @@ macro_rules! conformance_tests {
             lease_unknown_rejected,
             put_without_lease_detaches,
             concurrent_cas_increments,
+            guarded_writes_apply_while_guard_held,
+            guarded_writes_fail_once_guard_deleted,
+            guarded_writes_fail_once_guard_recreated,
+            guarded_writes_fail_once_guard_lease_expired,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
@@ -700,7 +708,7 @@ async fn wait_until_absent(f: &Fixture, key: &str) {
     }
 }
 
-async fn put_leased(store: &dyn Store, key: &str, lease: crate::LeaseId) -> Revision {
+async fn put_leased(store: &dyn Store, key: &str, lease: LeaseId) -> Revision {
     store
         .put_with_lease(key, b"leased".to_vec(), Precondition::Absent, lease)
         .await
@@ -888,4 +896,197 @@ pub async fn concurrent_cas_increments(f: Fixture) {
         (TASKS * PER_TASK).to_string(),
         "lost update: {TASKS} tasks x {PER_TASK} increments"
     );
+}
+
+// ---- guarded writes -------------------------------------------------------------
+
+const GUARD_KEY: &str = "/leader";
+
+/// Creates the guard key under a new lease of `ttl_ms`, as a leader does.
+async fn take_guard(store: &dyn Store, ttl_ms: u64) -> (LeaseId, Guard) {
+    let lease = store
+        .grant_lease(ttl_ms)
+        .await
+        .expect("grant the guard's lease");
+    let revision = put_leased(store, GUARD_KEY, lease).await;
+    let entry = must_get(store, GUARD_KEY).await;
+    assert_eq!(
+        entry.create_revision, revision,
+        "a created key's create_revision is the create's revision"
+    );
+    let guard = Guard {
+        key: GUARD_KEY.to_string(),
+        create_revision: revision,
+    };
+    (lease, guard)
+}
+
+async fn put_guarded(
+    store: &dyn Store,
+    key: &str,
+    value: &str,
+    precondition: Precondition,
+    guard: &Guard,
+) -> Revision {
+    store
+        .put_guarded(key, value.as_bytes().to_vec(), precondition, guard)
+        .await
+        .unwrap_or_else(|e| panic!("guarded put {key} ({precondition:?}) under a held guard: {e}"))
+}
+
+fn assert_guard_lost(result: Result<Revision, StoreError>, what: &str, guard: &Guard) {
+    match result {
+        Err(StoreError::GuardLost { guard: g }) => {
+            assert_eq!(g, guard.key, "{what}: GuardLost must name the guard key");
+            let message = StoreError::GuardLost { guard: g }.to_string();
+            assert!(
+                message.contains(&guard.key),
+                "{what}: the message must name the guard key: {message}"
+            );
+        }
+        other => panic!("{what}: expected GuardLost on {}, got {other:?}", guard.key),
+    }
+}
+
+/// Every kind of guarded write under a lost guard fails with `GuardLost`,
+/// including one whose precondition fails too, and none changes anything.
+async fn expect_guard_lost(s: &dyn Store, guard: &Guard, key: &str, rev: Revision) {
+    let (before, _) = s.list("").await.expect("list before");
+    assert_guard_lost(
+        s.put_guarded(key, b"x".to_vec(), Precondition::Revision(rev), guard)
+            .await,
+        "guarded update",
+        guard,
+    );
+    assert_guard_lost(
+        s.put_guarded("/g/new", b"x".to_vec(), Precondition::Absent, guard)
+            .await,
+        "guarded create",
+        guard,
+    );
+    assert_guard_lost(
+        s.put_guarded(key, b"x".to_vec(), Precondition::Absent, guard)
+            .await,
+        "guarded create over an existing key",
+        guard,
+    );
+    assert_guard_lost(
+        s.delete_guarded(key, rev, guard).await,
+        "guarded delete",
+        guard,
+    );
+    let (after, _) = s.list("").await.expect("list after");
+    assert_eq!(
+        before, after,
+        "writes under a lost guard must change nothing"
+    );
+}
+
+pub async fn guarded_writes_apply_while_guard_held(f: Fixture) {
+    let s = &*f.store;
+    let (lease, guard) = take_guard(s, f.lease_ttl_ms * 100).await;
+    let r1 = put_guarded(s, "/g/a", "1", Precondition::Absent, &guard).await;
+    assert_eq!(must_get(s, "/g/a").await.value, b"1", "guarded create");
+    // The guard is the key's incarnation, not its value: the holder may
+    // rewrite it and keep the guard.
+    let held = must_get(s, GUARD_KEY).await;
+    s.put_with_lease(
+        GUARD_KEY,
+        b"rewritten".to_vec(),
+        Precondition::Revision(held.mod_revision),
+        lease,
+    )
+    .await
+    .expect("rewrite the guard key");
+    let r2 = put_guarded(s, "/g/a", "2", Precondition::Revision(r1), &guard).await;
+    assert!(r2 > r1, "guarded update revision {r2} must exceed {r1}");
+    assert_eq!(must_get(s, "/g/a").await.value, b"2", "guarded update");
+    // A held guard does not lift the precondition.
+    assert_conflict(
+        s.put_guarded(
+            "/g/a",
+            b"stale".to_vec(),
+            Precondition::Revision(r1),
+            &guard,
+        )
+        .await,
+        "guarded put with a stale revision",
+        "/g/a",
+        Some(r1),
+        Some(r2),
+    );
+    assert_conflict(
+        s.put_guarded("/g/a", b"again".to_vec(), Precondition::Absent, &guard)
+            .await,
+        "guarded create over an existing key",
+        "/g/a",
+        None,
+        Some(r2),
+    );
+    assert_conflict(
+        s.delete_guarded("/g/a", r1, &guard).await,
+        "guarded delete with a stale revision",
+        "/g/a",
+        Some(r1),
+        Some(r2),
+    );
+    assert_eq!(
+        must_get(s, "/g/a").await.mod_revision,
+        r2,
+        "conflicts change nothing"
+    );
+    let r3 = s
+        .delete_guarded("/g/a", r2, &guard)
+        .await
+        .expect("guarded delete under a held guard");
+    assert!(r3 > r2, "guarded delete revision {r3} must exceed {r2}");
+    must_be_absent(s, "/g/a").await;
+    // What is written under a guard is not attached to the guard's lease.
+    put_guarded(s, "/g/b", "kept", Precondition::Absent, &guard).await;
+    s.revoke_lease(lease)
+        .await
+        .expect("revoke the guard's lease");
+    must_be_absent(s, GUARD_KEY).await;
+    assert_eq!(
+        must_get(s, "/g/b").await.value,
+        b"kept",
+        "a guarded write outlives the guard's lease"
+    );
+}
+
+pub async fn guarded_writes_fail_once_guard_deleted(f: Fixture) {
+    let s = &*f.store;
+    let (_lease, guard) = take_guard(s, f.lease_ttl_ms * 100).await;
+    let r = put_guarded(s, "/g/a", "1", Precondition::Absent, &guard).await;
+    let held = must_get(s, GUARD_KEY).await;
+    remove(s, GUARD_KEY, held.mod_revision).await;
+    expect_guard_lost(s, &guard, "/g/a", r).await;
+    assert_eq!(must_get(s, "/g/a").await.value, b"1");
+}
+
+pub async fn guarded_writes_fail_once_guard_recreated(f: Fixture) {
+    let s = &*f.store;
+    let (lease, old) = take_guard(s, f.lease_ttl_ms * 100).await;
+    let r = put_guarded(s, "/g/a", "1", Precondition::Absent, &old).await;
+    s.revoke_lease(lease).await.expect("revoke the first lease");
+    // Someone else takes the key: same name, new incarnation.
+    let (_lease, new) = take_guard(s, f.lease_ttl_ms * 100).await;
+    assert_ne!(
+        old.create_revision, new.create_revision,
+        "a re-created key has a new create_revision"
+    );
+    expect_guard_lost(s, &old, "/g/a", r).await;
+    let r2 = put_guarded(s, "/g/a", "2", Precondition::Revision(r), &new).await;
+    assert!(r2 > r, "the new holder writes");
+}
+
+pub async fn guarded_writes_fail_once_guard_lease_expired(f: Fixture) {
+    let s = &*f.store;
+    let ttl = f.lease_ttl_ms;
+    let (_lease, guard) = take_guard(s, ttl).await;
+    let r = put_guarded(s, "/g/a", "1", Precondition::Absent, &guard).await;
+    f.advance(ttl + ttl / 2).await;
+    wait_until_absent(&f, GUARD_KEY).await;
+    expect_guard_lost(s, &guard, "/g/a", r).await;
+    assert_eq!(must_get(s, "/g/a").await.value, b"1");
 }

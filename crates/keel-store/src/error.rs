@@ -21,6 +21,13 @@ pub enum StoreError {
     LeaseNotFound { lease: LeaseId },
     #[error("store unavailable while accessing {key}: {reason}")]
     Unavailable { key: String, reason: String },
+    /// A guarded write found its guard key gone or re-created: the writer
+    /// no longer holds what the guard stood for (say, leadership), and the
+    /// write was not applied.
+    #[error(
+        "guard {guard} lost: the key is gone or was re-created by another writer; nothing written"
+    )]
+    GuardLost { guard: String },
     #[error("stored value at {key} is corrupt: {reason}")]
     Corrupt { key: String, reason: String },
 }

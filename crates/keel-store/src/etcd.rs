@@ -25,6 +25,9 @@
 //! * Conditional writes are one transaction each: compare, then put or
 //!   delete, or else read the key, so a `Conflict` reports the revision
 //!   that actually beat the writer, read atomically with the failed compare.
+//!   A guarded write adds one compare (the guard key's `create_revision`)
+//!   to the same transaction and reads the guard key in the else-branch
+//!   too, so `GuardLost` and `Conflict` are told apart atomically.
 //! * Keys are stored under the namespace given to [`EtcdStore::connect`],
 //!   normalised to end in `/`: namespace `/keel` stores `/vms/a` as etcd key
 //!   `/keel//vms/a`. The separator is what keeps namespaces apart: with
@@ -69,7 +72,7 @@ use etcd_client::{
 };
 use tokio::sync::mpsc;
 
-use crate::{Entry, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
 
 /// Keys per range request when listing: keeps each response well below the
 /// gRPC message limit and etcd's per-request memory, however big a prefix.
@@ -295,9 +298,11 @@ impl EtcdStore {
         value: Vec<u8>,
         precondition: Precondition,
         lease: Option<LeaseId>,
+        guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
+        check_guard_revision(guard)?;
         let k = self.etcd_key(key);
-        let (compares, expected) = match precondition {
+        let (mut compares, expected) = match precondition {
             Precondition::Absent => (
                 vec![Compare::create_revision(k.clone(), CompareOp::Equal, 0)],
                 None,
@@ -306,24 +311,59 @@ impl EtcdStore {
         };
         // No lease (0) on a plain put is what detaches a key from its lease.
         let options = PutOptions::new().with_lease(lease.unwrap_or(0));
+        let mut reads = vec![read_revision(&k)];
+        if let Some(guard) = guard {
+            let g = self.etcd_key(&guard.key);
+            compares.push(guard_holds(&g, guard));
+            reads.push(read_revision(&g));
+        }
         let txn = Txn::new()
             .when(compares)
             .and_then(vec![TxnOp::put(k.clone(), value, Some(options))])
-            .or_else(vec![read_revision(&k)]);
+            .or_else(reads);
         let mut kv = self.client.kv_client();
         let response = self.call(kv.txn(txn)).await.map_err(|f| match lease {
             Some(lease) if f.is_lease_not_found() => StoreError::LeaseNotFound { lease },
             _ => unavailable(key, &f, true),
         })?;
-        self.written(key, expected, response)
+        self.written(key, expected, guard, response)
     }
 
-    /// The revision of a successful write transaction, or the `Conflict`
-    /// its else-branch read.
+    async fn delete_inner(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        check_guard_revision(guard)?;
+        let k = self.etcd_key(key);
+        let mut compares = exists_at(&k, revision);
+        let mut reads = vec![read_revision(&k)];
+        if let Some(guard) = guard {
+            let g = self.etcd_key(&guard.key);
+            compares.push(guard_holds(&g, guard));
+            reads.push(read_revision(&g));
+        }
+        let txn = Txn::new()
+            .when(compares)
+            .and_then(vec![TxnOp::delete(k.clone(), None)])
+            .or_else(reads);
+        let mut kv = self.client.kv_client();
+        let response = self
+            .call(kv.txn(txn))
+            .await
+            .map_err(|f| unavailable(key, &f, true))?;
+        self.written(key, Some(revision), guard, response)
+    }
+
+    /// The revision of a successful write transaction, or what its
+    /// else-branch read: `GuardLost` if the guard key (read second) is not
+    /// the guard's incarnation, else the `Conflict` on the key (read first).
     fn written(
         &self,
         key: &str,
         expected: Option<Revision>,
+        guard: Option<&Guard>,
         response: TxnResponse,
     ) -> Result<Revision, StoreError> {
         if response.succeeded() {
@@ -335,12 +375,34 @@ impl EtcdStore {
                     reason: "etcd answered a write without a response header".into(),
                 });
         }
-        let actual = response.op_responses().into_iter().find_map(|op| match op {
-            TxnOpResponse::Get(get) => {
-                Some(get.kvs().first().map(|kv| from_etcd(kv.mod_revision())))
+        // (mod_revision, create_revision) of each key read, in request order.
+        let reads: Vec<Option<(Revision, Revision)>> = response
+            .op_responses()
+            .into_iter()
+            .filter_map(|op| match op {
+                TxnOpResponse::Get(get) => Some(get.kvs().first().map(|kv| {
+                    (
+                        from_etcd(kv.mod_revision()),
+                        from_etcd(kv.create_revision()),
+                    )
+                })),
+                _ => None,
+            })
+            .collect();
+        if let Some(guard) = guard {
+            match reads.get(1) {
+                Some(read) if read.map(|(_, c)| c) == Some(guard.create_revision) => {}
+                Some(_) => return Err(guard.lost()),
+                None => {
+                    return Err(StoreError::Unavailable {
+                        key: key.to_string(),
+                        reason: "etcd answered a failed compare without the read of the guard"
+                            .into(),
+                    })
+                }
             }
-            _ => None,
-        });
+        }
+        let actual = reads.first().map(|read| read.map(|(m, _)| m));
         match actual {
             Some(actual) => Err(StoreError::Conflict {
                 key: key.to_string(),
@@ -411,6 +473,26 @@ fn exists_at(key: &[u8], revision: Revision) -> Vec<Compare> {
         Compare::create_revision(key.to_vec(), CompareOp::Greater, 0),
         Compare::mod_revision(key.to_vec(), CompareOp::Equal, to_etcd(revision)),
     ]
+}
+
+/// Holds iff the guard key exists as the guard's incarnation. A missing
+/// key's `create_revision` compares as 0, so a guard naming revision 0
+/// must never get here (see [`check_guard_revision`]).
+fn guard_holds(guard_key: &[u8], guard: &Guard) -> Compare {
+    Compare::create_revision(
+        guard_key.to_vec(),
+        CompareOp::Equal,
+        to_etcd(guard.create_revision),
+    )
+}
+
+/// No key has `create_revision` 0; a guard that says so holds nothing (and
+/// its compare would match a missing key).
+fn check_guard_revision(guard: Option<&Guard>) -> Result<(), StoreError> {
+    match guard {
+        Some(g) if g.create_revision == 0 => Err(g.lost()),
+        _ => Ok(()),
+    }
 }
 
 /// The else-branch of a conditional write: the key's current revision,
@@ -485,7 +567,7 @@ impl Store for EtcdStore {
         value: Vec<u8>,
         precondition: Precondition,
     ) -> Result<Revision, StoreError> {
-        self.put_inner(key, value, precondition, None).await
+        self.put_inner(key, value, precondition, None, None).await
     }
 
     async fn put_with_lease(
@@ -495,21 +577,32 @@ impl Store for EtcdStore {
         precondition: Precondition,
         lease: LeaseId,
     ) -> Result<Revision, StoreError> {
-        self.put_inner(key, value, precondition, Some(lease)).await
+        self.put_inner(key, value, precondition, Some(lease), None)
+            .await
     }
 
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
-        let k = self.etcd_key(key);
-        let txn = Txn::new()
-            .when(exists_at(&k, revision))
-            .and_then(vec![TxnOp::delete(k.clone(), None)])
-            .or_else(vec![read_revision(&k)]);
-        let mut kv = self.client.kv_client();
-        let response = self
-            .call(kv.txn(txn))
+        self.delete_inner(key, revision, None).await
+    }
+
+    async fn put_guarded(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.put_inner(key, value, precondition, None, Some(guard))
             .await
-            .map_err(|f| unavailable(key, &f, true))?;
-        self.written(key, Some(revision), response)
+    }
+
+    async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.delete_inner(key, revision, Some(guard)).await
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {

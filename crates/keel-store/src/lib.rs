@@ -76,6 +76,31 @@ impl Watch {
 
 pub type LeaseId = i64;
 
+/// Fences a write on a key the writer created and still owns: typically a
+/// leader key held under a lease. A guarded write applies only if `key`
+/// exists with exactly this `create_revision`, checked atomically with the
+/// write itself; once the key is deleted (lease expired or revoked) or
+/// re-created by someone else, every write under the guard fails with
+/// [`StoreError::GuardLost`] and changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Guard {
+    pub key: String,
+    pub create_revision: Revision,
+}
+
+impl Guard {
+    /// Whether `entry` (the guard key as read now) is still this guard's key.
+    pub fn holds(&self, entry: Option<&Entry>) -> bool {
+        entry.is_some_and(|e| e.key == self.key && e.create_revision == self.create_revision)
+    }
+
+    pub(crate) fn lost(&self) -> StoreError {
+        StoreError::GuardLost {
+            guard: self.key.clone(),
+        }
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError>;
@@ -100,6 +125,30 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes the key if its `mod_revision` is `revision`.
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError>;
+
+    /// Like `put`, and only while `guard` holds (see [`Guard`]): the guard
+    /// and the precondition are checked atomically with the write. A lost
+    /// guard is reported as [`StoreError::GuardLost`] even if the
+    /// precondition fails too. The result names no lease: the written key
+    /// is not attached to one.
+    ///
+    /// The default refuses every guarded write (fail closed), so a wrapper
+    /// store that does not forward it can never write unfenced.
+    async fn put_guarded(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError>;
+
+    /// Like `delete`, and only while `guard` holds; see `put_guarded`.
+    async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError>;
 
     /// All keys under `prefix` in key order, and the store revision the list
     /// is consistent with (the revision to watch from, plus one).

@@ -20,7 +20,7 @@ use async_trait::async_trait;
 use keel_api::{Clock, Millis, SystemClock};
 use tokio::sync::{mpsc, watch};
 
-use crate::{Entry, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
 
 /// How many revisions of history are kept for `watch(.., from)` by default.
 pub const DEFAULT_HISTORY_LIMIT: usize = 10_000;
@@ -167,13 +167,27 @@ impl State {
         }
     }
 
+    /// Fails unless `guard` (if any) still names its key's incarnation.
+    fn check_guard(&self, guard: Option<&Guard>) -> Result<(), StoreError> {
+        match guard {
+            Some(g)
+                if self.kv.get(&g.key).map(|s| s.create_revision) != Some(g.create_revision) =>
+            {
+                Err(g.lost())
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn put(
         &mut self,
         key: &str,
         value: Vec<u8>,
         precondition: Precondition,
         lease: Option<LeaseId>,
+        guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
+        self.check_guard(guard)?;
         let existing = self.kv.get(key);
         let actual = existing.map(|s| s.mod_revision);
         let ok = match precondition {
@@ -235,7 +249,13 @@ impl State {
         Ok(revision)
     }
 
-    fn delete(&mut self, key: &str, expected: Revision) -> Result<Revision, StoreError> {
+    fn delete(
+        &mut self,
+        key: &str,
+        expected: Revision,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        self.check_guard(guard)?;
         let actual = self.kv.get(key).map(|s| s.mod_revision);
         if actual != Some(expected) {
             return Err(StoreError::Conflict {
@@ -527,7 +547,7 @@ impl Store for MemoryStore {
         precondition: Precondition,
     ) -> Result<Revision, StoreError> {
         self.op(OpKind::Put, key, None, |st, _| {
-            st.put(key, value, precondition, None)
+            st.put(key, value, precondition, None, None)
         })
     }
 
@@ -539,12 +559,37 @@ impl Store for MemoryStore {
         lease: LeaseId,
     ) -> Result<Revision, StoreError> {
         self.op(OpKind::Put, key, Some(lease), |st, _| {
-            st.put(key, value, precondition, Some(lease))
+            st.put(key, value, precondition, Some(lease), None)
         })
     }
 
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
-        self.op(OpKind::Delete, key, None, |st, _| st.delete(key, revision))
+        self.op(OpKind::Delete, key, None, |st, _| {
+            st.delete(key, revision, None)
+        })
+    }
+
+    async fn put_guarded(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.op(OpKind::Put, key, None, |st, _| {
+            st.put(key, value, precondition, None, Some(guard))
+        })
+    }
+
+    async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.op(OpKind::Delete, key, None, |st, _| {
+            st.delete(key, revision, Some(guard))
+        })
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {

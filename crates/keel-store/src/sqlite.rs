@@ -28,7 +28,7 @@ use keel_api::{Clock, Millis, SystemClock};
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
-use crate::{Entry, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
 
 /// `PRAGMA application_id` of a Keel store ("KEEL"), so a database that
 /// belongs to something else is refused instead of written into.
@@ -262,6 +262,7 @@ impl Store for SqliteStore {
             value,
             precondition,
             lease: None,
+            guard: None,
         };
         match self.call(op).await? {
             Outcome::Revision(r) => Ok(r),
@@ -281,6 +282,7 @@ impl Store for SqliteStore {
             value,
             precondition,
             lease: Some(lease),
+            guard: None,
         };
         match self.call(op).await? {
             Outcome::Revision(r) => Ok(r),
@@ -292,6 +294,44 @@ impl Store for SqliteStore {
         let op = Op::Delete {
             key: key.into(),
             revision,
+            guard: None,
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn put_guarded(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        precondition: Precondition,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        let op = Op::Put {
+            key: key.into(),
+            value,
+            precondition,
+            lease: None,
+            guard: Some(guard.clone()),
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(key, &other)),
+        }
+    }
+
+    async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        let op = Op::Delete {
+            key: key.into(),
+            revision,
+            guard: Some(guard.clone()),
         };
         match self.call(op).await? {
             Outcome::Revision(r) => Ok(r),
@@ -433,10 +473,12 @@ enum Op {
         value: Vec<u8>,
         precondition: Precondition,
         lease: Option<LeaseId>,
+        guard: Option<Guard>,
     },
     Delete {
         key: String,
         revision: Revision,
+        guard: Option<Guard>,
     },
     List {
         prefix: String,
@@ -584,15 +626,26 @@ fn apply(
                 value,
                 precondition,
                 lease,
-            } => put(
-                &tx,
+                guard,
+            } => match check_guard(&tx, guard.as_ref())? {
+                Err(lost) => Ok(Err(lost)),
+                Ok(()) => put(
+                    &tx,
+                    key,
+                    std::mem::take(value),
+                    *precondition,
+                    *lease,
+                    events,
+                ),
+            },
+            Op::Delete {
                 key,
-                std::mem::take(value),
-                *precondition,
-                *lease,
-                events,
-            ),
-            Op::Delete { key, revision } => delete(&tx, key, *revision, events),
+                revision,
+                guard,
+            } => match check_guard(&tx, guard.as_ref())? {
+                Err(lost) => Ok(Err(lost)),
+                Ok(()) => delete(&tx, key, *revision, events),
+            },
             Op::List { prefix } => list(&tx, prefix),
             Op::Replay { prefix, from } => replay_page(&tx, prefix, *from, bus),
             Op::Grant { ttl_ms } => grant(&tx, now, *ttl_ms),
@@ -621,6 +674,23 @@ fn get(tx: &Transaction<'_>, key: &str) -> Applied<Option<Entry>> {
         })
         .optional()?;
     Ok(Ok(entry))
+}
+
+/// Inside the write's own transaction (after this batch's lease expiry),
+/// so nothing can delete or re-create the guard key between check and write.
+fn check_guard(tx: &Transaction<'_>, guard: Option<&Guard>) -> Applied<()> {
+    let Some(guard) = guard else {
+        return Ok(Ok(()));
+    };
+    let create_revision: Option<Revision> = tx
+        .prepare_cached("SELECT create_rev FROM kv WHERE key = ?1")?
+        .query_row([&guard.key], |row| row.get(0))
+        .optional()?;
+    if create_revision == Some(guard.create_revision) {
+        Ok(Ok(()))
+    } else {
+        Ok(Err(guard.lost()))
+    }
 }
 
 fn bump_revision(tx: &Transaction<'_>) -> Sql<Revision> {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use crate::{Precondition, Revision, Store, StoreError};
+use crate::{Guard, Precondition, Revision, Store, StoreError};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct TypedEntry<T> {
@@ -59,6 +59,41 @@ impl TypedStore {
 
     pub async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
         self.inner.delete(key, revision).await
+    }
+
+    /// `create`, only while `guard` holds (see [`Guard`]).
+    pub async fn create_guarded<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.inner
+            .put_guarded(key, encode(value), Precondition::Absent, guard)
+            .await
+    }
+
+    /// `update`, only while `guard` holds.
+    pub async fn update_guarded<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.inner
+            .put_guarded(key, encode(value), Precondition::Revision(revision), guard)
+            .await
+    }
+
+    /// `delete`, only while `guard` holds.
+    pub async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.inner.delete_guarded(key, revision, guard).await
     }
 
     pub async fn list<T: DeserializeOwned>(

@@ -136,6 +136,10 @@ etcd_checks!(
     lease_unknown_rejected,
     put_without_lease_detaches,
     concurrent_cas_increments,
+    guarded_writes_apply_while_guard_held,
+    guarded_writes_fail_once_guard_deleted,
+    guarded_writes_fail_once_guard_recreated,
+    guarded_writes_fail_once_guard_lease_expired,
 );
 
 /// The list above is spelled out (the suite's macro cannot skip or lock);

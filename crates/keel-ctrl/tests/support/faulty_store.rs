@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use keel_store::{Entry, LeaseId, Precondition, Revision, Store, StoreError, Watch};
+use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -75,6 +75,25 @@ impl Store for FaultyStore {
     ) -> Result<Revision, StoreError> {
         self.fault(key)?;
         self.inner.put_with_lease(key, value, p, lease).await
+    }
+    async fn put_guarded(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+        p: Precondition,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.fault(key)?;
+        self.inner.put_guarded(key, value, p, guard).await
+    }
+    async fn delete_guarded(
+        &self,
+        key: &str,
+        revision: Revision,
+        guard: &Guard,
+    ) -> Result<Revision, StoreError> {
+        self.fault(key)?;
+        self.inner.delete_guarded(key, revision, guard).await
     }
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
         self.fault(key)?;

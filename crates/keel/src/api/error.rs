@@ -90,7 +90,9 @@ impl From<StoreError> for ApiError {
     fn from(err: StoreError) -> Self {
         match &err {
             StoreError::Conflict { .. } => ApiError::conflict("revision", err.to_string()),
-            StoreError::Unavailable { .. } | StoreError::Compacted { .. } => {
+            StoreError::Unavailable { .. }
+            | StoreError::Compacted { .. }
+            | StoreError::GuardLost { .. } => {
                 tracing::warn!(%err, "store unavailable");
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
             }
