@@ -4,6 +4,14 @@ pub const VMS_PREFIX: &str = "/vms/";
 pub const NODES_PREFIX: &str = "/nodes/";
 pub const SNAPSHOTS_PREFIX: &str = "/snapshots/";
 
+/// The control planes' leader key: created under the leader's lease, so it
+/// disappears when the leader stops renewing it. Its `create_revision` is
+/// the guard of every cluster-level write the leader makes.
+pub const LEADER_KEY: &str = "/leader";
+
+/// The API token every control plane of a distributed cluster accepts.
+pub const API_TOKEN_KEY: &str = "/config/api-token";
+
 pub fn vm_key(name: &str) -> String {
     format!("{VMS_PREFIX}{name}")
 }

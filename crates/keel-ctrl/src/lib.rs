@@ -3,6 +3,8 @@
 //! pure function (`*_decide` modules), and applies it. Time comes from an
 //! injected [`keel_api::Clock`], so tests move time instead of sleeping.
 
+pub mod cluster_controller;
+pub mod election;
 pub mod evict_decide;
 pub mod keys;
 pub mod migration_controller;
@@ -13,6 +15,8 @@ pub mod snapshot_controller;
 pub mod vm_controller;
 pub mod vm_decide;
 
+pub use cluster_controller::{run_control_plane, ClusterController, Fence, PassReport};
+pub use election::{ElectionConfig, LeaderElection, LeaderRecord};
 pub use migration_controller::MigrationController;
 pub use queue::WorkQueue;
 pub use runtime::{run_controllers, run_vm_controller};

@@ -1,6 +1,8 @@
-//! Where a VM's next instance goes. Every node agent computes the same
-//! answer from the same stored view; the compare-and-swap on the VM record
-//! lets exactly one of them write it.
+//! Where a VM's next instance goes, and which nodes are lost. Pure
+//! decisions over the stored view: in single-process mode every node agent
+//! computes the same answer and the compare-and-swap on the VM record lets
+//! exactly one of them write it; with a control plane only the leader
+//! writes it, fenced by its leader key (see `cluster`).
 
 use keel_api::{Millis, Node, VirtualMachine};
 
@@ -36,6 +38,62 @@ pub fn candidate_nodes(
         .collect();
     candidates.sort();
     candidates.into_iter().map(|(_, name)| name).collect()
+}
+
+/// The record an unplaced `vm` should have: on the best candidate node,
+/// or with a message saying why there is none. `None`: nothing to change.
+pub fn placement(
+    vm: &VirtualMachine,
+    nodes: &[Node],
+    vms: &[VirtualMachine],
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Option<VirtualMachine> {
+    let mut next = vm.clone();
+    match candidate_nodes(vm, nodes, vms, None, now, cfg).first() {
+        Some(node) => {
+            next.status.node = Some(node.clone());
+            next.status.message = None;
+        }
+        None => {
+            next.status.message = Some(format!(
+                "no ready, uncordoned node can run VM {}{}",
+                vm.name,
+                vm.spec
+                    .node
+                    .as_ref()
+                    .map(|n| format!(" (pinned to {n})"))
+                    .unwrap_or_default()
+            ));
+        }
+    }
+    (next != *vm).then_some(next)
+}
+
+/// Nodes whose lease has run out (heartbeat older than `node_lease_ms`),
+/// except `me`: their VMs go back to the scheduler.
+pub fn lost_nodes(
+    nodes: &[Node],
+    me: Option<&str>,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Vec<String> {
+    nodes
+        .iter()
+        .filter(|n| Some(n.name.as_str()) != me)
+        .filter(|n| now.saturating_sub(n.status.last_heartbeat) > cfg.node_lease_ms)
+        .map(|n| n.name.clone())
+        .collect()
+}
+
+/// The earliest moment a node that is not lost yet would be, if it sent
+/// no further heartbeat: when to check again for lost nodes.
+pub fn next_node_loss(nodes: &[Node], now: Millis, cfg: &LifecycleConfig) -> Option<Millis> {
+    nodes
+        .iter()
+        .map(|n| n.status.last_heartbeat.saturating_add(cfg.node_lease_ms) + 1)
+        .filter(|at| *at > now)
+        .min()
 }
 
 #[cfg(test)]

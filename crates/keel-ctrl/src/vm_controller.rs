@@ -9,14 +9,14 @@ use keel_api::{
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
+use crate::cluster_controller::{self, ClusterState, Fence};
 use crate::keys::{
     event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
     vm_key, NODES_PREFIX, VMS_PREFIX,
 };
-use crate::schedule::candidate_nodes;
+use crate::schedule::{candidate_nodes, lost_nodes};
 use crate::vm_decide::{
-    decide, take_over_from_lost_node, ClusterView, HvAction, LifecycleConfig, Observed,
-    RestoreSource, Step,
+    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -124,7 +124,8 @@ impl VmController {
 
     /// The node agent's periodic chores: heartbeat (self-fencing when it
     /// could not be renewed for `self_fence_ms`), taking over the VMs of
-    /// nodes whose lease ran out, ending stray domains.
+    /// nodes whose lease ran out (with `cluster_duties`), ending stray
+    /// domains.
     pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
         let now = self.clock.now_ms();
         let facts = self.hv.facts().await;
@@ -138,8 +139,10 @@ impl VmController {
                 return;
             }
         }
-        if let Err(err) = self.take_over_lost_nodes().await {
-            tracing::warn!(%err, "taking over from lost nodes failed");
+        if self.cfg.cluster_duties {
+            if let Err(err) = self.take_over_lost_nodes().await {
+                tracing::warn!(%err, "taking over from lost nodes failed");
+            }
         }
         if let Err(err) = self.collect_garbage().await {
             tracing::warn!(%err, "garbage collection failed");
@@ -164,37 +167,16 @@ impl VmController {
 
     /// VMs owned by a node whose lease has run out move back to the
     /// scheduler. Never earlier: until then the node may still run them.
+    /// (Single-process mode; under a control plane its leader does this.)
     pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
         let now = self.clock.now_ms();
-        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
-        let lost: Vec<String> = nodes
-            .into_iter()
-            .map(|(_, e)| e.value)
-            .filter(|n| n.name != self.cfg.node)
-            .filter(|n| now.saturating_sub(n.status.last_heartbeat) > self.cfg.node_lease_ms)
-            .map(|n| n.name)
-            .collect();
+        let nodes = ClusterState::read_nodes(&self.store).await?;
+        let lost = lost_nodes(&nodes, Some(&self.cfg.node), now, &self.cfg);
         if lost.is_empty() {
             return Ok(());
         }
-        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        for (key, entry) in vms {
-            let Some(owner) = entry.value.owner_node().map(str::to_string) else {
-                continue;
-            };
-            if !lost.contains(&owner) {
-                continue;
-            }
-            let next = take_over_from_lost_node(&entry.value, &owner, now);
-            match self.store.update(&key, &next, entry.revision).await {
-                Ok(revision) => {
-                    tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
-                    self.record_event(&entry.value, &next, revision, now).await;
-                }
-                Err(StoreError::Conflict { .. }) => {}
-                Err(e) => return Err(e),
-            }
-        }
+        let mut state = ClusterState::read(&self.store, nodes).await?;
+        cluster_controller::take_over(&self.store, &mut state, &lost, now, Fence::Cas).await?;
         Ok(())
     }
 
@@ -228,12 +210,9 @@ impl VmController {
         match vm.owner_node() {
             // Another node's agent looks after it; a change wakes us again.
             Some(node) if node != self.cfg.node => return Ok(None),
-            None => {
-                return self
-                    .place(&key, &vm, entry.revision)
-                    .await
-                    .map_err(store_err)
-            }
+            // The control plane's leader places it; a change wakes us again.
+            None if !self.cfg.cluster_duties => return Ok(None),
+            None => return self.place(&vm, entry.revision).await.map_err(store_err),
             Some(_) => {}
         }
         let cluster = self.cluster_view(&vm).await.map_err(store_err)?;
@@ -323,48 +302,28 @@ impl VmController {
         }
     }
 
-    /// Chooses the node for a VM that has none. Every agent computes the
-    /// same choice; the compare-and-swap lets one write it.
+    /// Chooses the node for a VM that has none (single-process mode).
+    /// Every agent computes the same choice; the compare-and-swap lets one
+    /// write it.
     async fn place(
         &self,
-        key: &str,
         vm: &VirtualMachine,
         revision: u64,
     ) -> Result<Option<Millis>, StoreError> {
         let now = self.clock.now_ms();
-        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
-        let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
-        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
-        let mut next = vm.clone();
-        match candidate_nodes(vm, &nodes, &vms, None, now, &self.cfg).first() {
-            Some(node) => {
-                next.status.node = Some(node.clone());
-                next.status.message = None;
-            }
-            None => {
-                next.status.message = Some(format!(
-                    "no ready, uncordoned node can run VM {}{}",
-                    vm.name,
-                    vm.spec
-                        .node
-                        .as_ref()
-                        .map(|n| format!(" (pinned to {n})"))
-                        .unwrap_or_default()
-                ));
-            }
-        }
-        if next == *vm {
-            return Ok(Some(now + self.cfg.retry_ms));
-        }
-        match self.store.update(key, &next, revision).await {
-            Ok(_) | Err(StoreError::Conflict { .. }) => Ok(Some(if next.status.node.is_some() {
-                now
-            } else {
-                now + self.cfg.retry_ms
-            })),
-            Err(e) => Err(e),
-        }
+        let nodes = ClusterState::read_nodes(&self.store).await?;
+        let mut state = ClusterState::read(&self.store, nodes).await?;
+        cluster_controller::place(
+            &self.store,
+            &mut state,
+            vm,
+            revision,
+            now,
+            &self.cfg,
+            Fence::Cas,
+        )
+        .await
+        .map(Some)
     }
 
     /// This node's drain and, while draining, the VM's migration and the
@@ -472,8 +431,6 @@ impl VmController {
         Ok(())
     }
 
-    /// Keeps an operator-readable trail of phase changes. Best effort: the
-    /// VM record is the truth, an event lost to a store hiccup is only logged.
     async fn record_event(
         &self,
         old: &VirtualMachine,
@@ -481,25 +438,11 @@ impl VmController {
         revision: u64,
         now: Millis,
     ) {
-        if old.status.phase == new.status.phase {
-            return;
-        }
-        let event = Event {
-            at: now,
-            vm: new.name.clone(),
-            from: old.status.phase,
-            to: new.status.phase,
-            reason: change_reason(new),
-        };
-        tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
-        self.put_event(&event, revision).await;
+        record_event(&self.store, old, new, revision, now, Fence::Cas).await
     }
 
     async fn put_event(&self, event: &Event, revision: u64) {
-        let key = event_key(&event.vm, revision);
-        if let Err(err) = self.store.create(&key, event).await {
-            tracing::warn!(vm = %event.vm, %err, "could not record event");
-        }
+        put_event(&self.store, event, revision, Fence::Cas).await
     }
 
     /// What the node says. A failed lookup is `Unknown`, never "absent".
@@ -600,6 +543,37 @@ impl VmController {
                 source,
             }),
         }
+    }
+}
+
+/// Keeps an operator-readable trail of phase changes. Best effort: the
+/// VM record is the truth, an event lost to a store hiccup is only logged.
+pub(crate) async fn record_event(
+    store: &TypedStore,
+    old: &VirtualMachine,
+    new: &VirtualMachine,
+    revision: u64,
+    now: Millis,
+    fence: Fence<'_>,
+) {
+    if old.status.phase == new.status.phase {
+        return;
+    }
+    let event = Event {
+        at: now,
+        vm: new.name.clone(),
+        from: old.status.phase,
+        to: new.status.phase,
+        reason: change_reason(new),
+    };
+    tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
+    put_event(store, &event, revision, fence).await;
+}
+
+async fn put_event(store: &TypedStore, event: &Event, revision: u64, fence: Fence<'_>) {
+    let key = event_key(&event.vm, revision);
+    if let Err(err) = fence.create(store, &key, event).await {
+        tracing::warn!(vm = %event.vm, %err, "could not record event");
     }
 }
 

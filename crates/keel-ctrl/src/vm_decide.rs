@@ -50,6 +50,12 @@ pub struct LifecycleConfig {
     /// domain on its node, so they are gone before its lease runs out.
     /// Must be well below `node_lease_ms`.
     pub self_fence_ms: Millis,
+    /// Whether this node agent also does the cluster-level work: placing
+    /// VMs that have no node and taking over the VMs of lost nodes. True
+    /// in single-process mode (every agent may, the compare-and-swap picks
+    /// one writer); false under a control plane, whose elected leader does
+    /// it with guarded writes (`ClusterController`).
+    pub cluster_duties: bool,
 }
 
 impl Default for LifecycleConfig {
@@ -67,6 +73,7 @@ impl Default for LifecycleConfig {
             node_ready_ms: 15_000,
             node_lease_ms: 40_000,
             self_fence_ms: 20_000,
+            cluster_duties: true,
         }
     }
 }
@@ -530,6 +537,19 @@ fn no_instance(
     }
     next.status.observed_restart_generation = vm.spec.restart_generation;
     next.status.observed_generation = vm.generation;
+    let pinned_here = vm.spec.node.as_deref() == Some(cfg.node.as_str());
+    if cluster.drain.is_some() && !pinned_here {
+        // Not this node's any more, running or not: back to the scheduler,
+        // so the drain can complete.
+        next.status.eviction = None;
+        next.status.node = None;
+        next.status.phase = if vm.wants_running() {
+            Phase::Pending
+        } else {
+            Phase::Stopped
+        };
+        return persist_if_changed(vm, next, None, now);
+    }
     if !vm.wants_running() {
         // Nothing runs and nothing should: a `Stopped` intent is fulfilled,
         // and a `Running` one was overruled by a later stop request.
@@ -544,16 +564,11 @@ fn no_instance(
         return persist_if_changed(vm, next, None, at);
     }
     if cluster.drain.is_some() {
-        // Not here: hand the VM back to the scheduler, unless it is pinned
-        // to this node, where it waits for the drain to end.
+        // Pinned to this node: it waits for the drain to end.
         next.status.eviction = None;
         next.status.phase = Phase::Pending;
-        if vm.spec.node.as_deref() == Some(cfg.node.as_str()) {
-            next.status.message = Some(format!("pinned to draining node {}", cfg.node));
-            return persist_if_changed(vm, next, None, now + cfg.poll_ms);
-        }
-        next.status.node = None;
-        return persist_if_changed(vm, next, None, now);
+        next.status.message = Some(format!("pinned to draining node {}", cfg.node));
+        return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     let seq = vm.status.instance_seq + 1;
     next.status.instance_seq = seq;

@@ -349,3 +349,27 @@ async fn a_reserved_migration_is_created_under_its_reserved_id() {
     );
     assert_eq!(c.vm("vm").await.status.migration_seq, 1);
 }
+
+/// A stopped VM assigned to the draining node moves to another node's
+/// books too (it does not start), so the drain completes.
+#[tokio::test]
+async fn a_stopped_vm_does_not_hold_up_a_drain() {
+    let mut c = Cluster::new(sim());
+    c.add_node("a").await;
+    c.create("idle", RunPolicy::Manual).await;
+    c.run(3_000).await;
+    c.update_vm("idle", |vm| {
+        vm.request_stop().unwrap();
+    })
+    .await;
+    c.run(5_000).await;
+    assert_eq!(c.vm("idle").await.status.phase, Phase::Stopped);
+    c.add_node("b").await;
+    c.drain("a").await;
+    c.run(5_000).await;
+    let vm = c.vm("idle").await;
+    assert_eq!(vm.status.node.as_deref(), Some("b"), "{vm:?}");
+    assert_eq!(vm.status.phase, Phase::Stopped);
+    assert!(vm.status.instance.is_none());
+    assert!(c.node("a").await.drain.unwrap().completed_at.is_some());
+}

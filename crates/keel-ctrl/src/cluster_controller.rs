@@ -1,0 +1,384 @@
+//! Cluster-level duties: placing VMs that have no node, and taking over the
+//! VMs of nodes whose lease ran out.
+//!
+//! The decisions are pure (`schedule::placement`, `schedule::lost_nodes`,
+//! `vm_decide::take_over_from_lost_node`); this module reads the view and
+//! writes the outcome, either by compare-and-swap alone ([`Fence::Cas`]:
+//! single-process mode, where every node agent does these duties and the
+//! CAS picks one writer) or by compare-and-swap *and* the leader's guard
+//! ([`Fence::Guard`]: the [`ClusterController`] of the elected control
+//! plane, whose writes stop applying the moment its leader key is gone).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_api::{Clock, Millis, Node, VirtualMachine};
+use keel_store::{Guard, Revision, StoreError, TypedStore, WatchEvent};
+use serde::Serialize;
+use tokio::sync::watch;
+
+use crate::election::LeaderElection;
+use crate::keys::{vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
+use crate::schedule::{lost_nodes, next_node_loss, placement};
+use crate::vm_controller::record_event;
+use crate::vm_decide::{take_over_from_lost_node, LifecycleConfig};
+
+/// Longest a leader goes without a pass. Passes are driven by changes and
+/// by the next node-lease deadline; this is only a backstop.
+const MAX_IDLE_MS: Millis = 10_000;
+
+/// How a cluster-level write is made.
+#[derive(Debug, Clone, Copy)]
+pub enum Fence<'a> {
+    /// Compare-and-swap on the revision read.
+    Cas,
+    /// Compare-and-swap, applied only while the leader's guard holds.
+    Guard(&'a Guard),
+}
+
+impl Fence<'_> {
+    pub async fn update<T: Serialize>(
+        self,
+        store: &TypedStore,
+        key: &str,
+        value: &T,
+        revision: Revision,
+    ) -> Result<Revision, StoreError> {
+        match self {
+            Fence::Cas => store.update(key, value, revision).await,
+            Fence::Guard(guard) => store.update_guarded(key, value, revision, guard).await,
+        }
+    }
+
+    pub async fn create<T: Serialize>(
+        self,
+        store: &TypedStore,
+        key: &str,
+        value: &T,
+    ) -> Result<Revision, StoreError> {
+        match self {
+            Fence::Cas => store.create(key, value).await,
+            Fence::Guard(guard) => store.create_guarded(key, value, guard).await,
+        }
+    }
+}
+
+/// Every node, and every VM with the revision it was read at.
+pub(crate) struct ClusterState {
+    pub nodes: Vec<Node>,
+    pub vms: Vec<VirtualMachine>,
+    pub revisions: Vec<Revision>,
+}
+
+impl ClusterState {
+    pub async fn read_nodes(store: &TypedStore) -> Result<Vec<Node>, StoreError> {
+        let (nodes, _) = store.list::<Node>(NODES_PREFIX).await?;
+        Ok(nodes.into_iter().map(|(_, e)| e.value).collect())
+    }
+
+    pub async fn read(store: &TypedStore, nodes: Vec<Node>) -> Result<Self, StoreError> {
+        let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
+        let (vms, revisions) = vms.into_iter().map(|(_, e)| (e.value, e.revision)).unzip();
+        Ok(Self {
+            nodes,
+            vms,
+            revisions,
+        })
+    }
+
+    /// Keeps the view current after this writer's own write.
+    fn written(&mut self, vm: VirtualMachine, revision: Revision) {
+        match self.vms.iter().position(|v| v.name == vm.name) {
+            Some(i) => {
+                self.vms[i] = vm;
+                self.revisions[i] = revision;
+            }
+            None => {
+                self.vms.push(vm);
+                self.revisions.push(revision);
+            }
+        }
+    }
+}
+
+/// Chooses the node for `vm` (read at `revision`), which has none, and
+/// writes the choice, or why there is none. Returns when to look at the VM
+/// again: at once once placed (its agent takes it from there), later if no
+/// node could take it.
+pub(crate) async fn place(
+    store: &TypedStore,
+    state: &mut ClusterState,
+    vm: &VirtualMachine,
+    revision: Revision,
+    now: Millis,
+    cfg: &LifecycleConfig,
+    fence: Fence<'_>,
+) -> Result<Millis, StoreError> {
+    let Some(next) = placement(vm, &state.nodes, &state.vms, now, cfg) else {
+        return Ok(now + cfg.retry_ms);
+    };
+    let again = if next.status.node.is_some() {
+        now
+    } else {
+        now + cfg.retry_ms
+    };
+    match fence
+        .update(store, &vm_key(&vm.name), &next, revision)
+        .await
+    {
+        Ok(revision) => {
+            if let Some(node) = &next.status.node {
+                tracing::info!(vm = %vm.name, %node, "placed");
+            }
+            state.written(next, revision);
+            Ok(again)
+        }
+        // Someone wrote first; the VM is looked at again.
+        Err(StoreError::Conflict { .. }) => Ok(again),
+        Err(e) => Err(e),
+    }
+}
+
+/// Moves every VM owned by a node in `lost` back to the scheduler: its
+/// instance counts as gone (the node fenced itself, or is down). Returns
+/// how many were taken over.
+pub(crate) async fn take_over(
+    store: &TypedStore,
+    state: &mut ClusterState,
+    lost: &[String],
+    now: Millis,
+    fence: Fence<'_>,
+) -> Result<usize, StoreError> {
+    let mut taken = 0;
+    for i in 0..state.vms.len() {
+        let vm = &state.vms[i];
+        let Some(owner) = vm.owner_node().filter(|o| lost.iter().any(|l| l == o)) else {
+            continue;
+        };
+        let owner = owner.to_string();
+        let next = take_over_from_lost_node(vm, &owner, now);
+        match fence
+            .update(store, &vm_key(&vm.name), &next, state.revisions[i])
+            .await
+        {
+            Ok(revision) => {
+                tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
+                record_event(store, vm, &next, revision, now, fence).await;
+                state.vms[i] = next;
+                state.revisions[i] = revision;
+                taken += 1;
+            }
+            Err(StoreError::Conflict { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(taken)
+}
+
+/// What one leader pass did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PassReport {
+    /// When to pass again at the latest (changes may call for one sooner).
+    pub next_at: Millis,
+    pub placed: usize,
+    /// VMs still without a node (no node can take them now).
+    pub unplaced: usize,
+    pub taken_over: usize,
+}
+
+/// The control plane's reconciler for cluster-level duties. It acts only
+/// while its [`LeaderElection`] says this control plane leads, and writes
+/// only with the leader's guard: a deposed leader cannot place or take
+/// over anything, even while it still believes it leads.
+pub struct ClusterController {
+    store: TypedStore,
+    clock: Arc<dyn Clock>,
+    cfg: LifecycleConfig,
+    election: Arc<LeaderElection>,
+}
+
+impl ClusterController {
+    /// `cfg` supplies the placement and node-lease timings; its `node` is unused.
+    pub fn new(
+        store: TypedStore,
+        clock: Arc<dyn Clock>,
+        cfg: LifecycleConfig,
+        election: Arc<LeaderElection>,
+    ) -> Self {
+        Self {
+            store,
+            clock,
+            cfg,
+            election,
+        }
+    }
+
+    pub fn election(&self) -> &Arc<LeaderElection> {
+        &self.election
+    }
+
+    /// One pass, if this control plane leads: takes over the VMs of lost
+    /// nodes, then places every VM without a node. `Ok(None)`: not the
+    /// leader, nothing was done. A `GuardLost` error means leadership was
+    /// lost under it: the election is told, and nothing more is written.
+    pub async fn reconcile(&self) -> Result<Option<PassReport>, StoreError> {
+        let Some(guard) = self.election.guard() else {
+            return Ok(None);
+        };
+        match self.pass(&guard).await {
+            Err(e @ StoreError::GuardLost { .. }) => {
+                self.election.lost(&guard);
+                Err(e)
+            }
+            other => other.map(Some),
+        }
+    }
+
+    async fn pass(&self, guard: &Guard) -> Result<PassReport, StoreError> {
+        let fence = Fence::Guard(guard);
+        let now = self.clock.now_ms();
+        let nodes = ClusterState::read_nodes(&self.store).await?;
+        let mut state = ClusterState::read(&self.store, nodes).await?;
+        let mut report = PassReport {
+            next_at: now + MAX_IDLE_MS,
+            placed: 0,
+            unplaced: 0,
+            taken_over: 0,
+        };
+        if let Some(at) = next_node_loss(&state.nodes, now, &self.cfg) {
+            report.next_at = report.next_at.min(at);
+        }
+        let lost = lost_nodes(&state.nodes, None, now, &self.cfg);
+        if !lost.is_empty() {
+            report.taken_over = take_over(&self.store, &mut state, &lost, now, fence).await?;
+        }
+        for i in 0..state.vms.len() {
+            if state.vms[i].owner_node().is_some() {
+                continue;
+            }
+            let vm = state.vms[i].clone();
+            let revision = state.revisions[i];
+            let again = place(
+                &self.store,
+                &mut state,
+                &vm,
+                revision,
+                now,
+                &self.cfg,
+                fence,
+            )
+            .await?;
+            if state.vms[i].owner_node().is_some() {
+                report.placed += 1;
+            } else {
+                report.unplaced += 1;
+                report.next_at = report.next_at.min(again.max(now + 1));
+            }
+        }
+        Ok(report)
+    }
+
+    /// Runs until `stop` turns true: idle while following, passing while
+    /// leading. Store outages are retried, never fatal.
+    pub async fn run(&self, mut stop: watch::Receiver<bool>) {
+        let mut leading = self.election.subscribe();
+        let retry = Duration::from_millis(self.cfg.retry_ms);
+        while !*stop.borrow() {
+            if !self.election.is_leader() {
+                tokio::select! {
+                    _ = leading.changed() => {}
+                    _ = tokio::time::sleep(retry) => {}
+                    _ = stop.changed() => {}
+                }
+                continue;
+            }
+            if let Err(err) = self.lead(&mut stop, &mut leading).await {
+                tracing::warn!(%err, "cluster controller pass failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(retry) => {}
+                    _ = stop.changed() => {}
+                }
+            }
+        }
+    }
+
+    /// Passes while leading: when a VM without a node appears, when a node
+    /// changes while some VM could not be placed, and when the next pass is
+    /// due (the next node-lease deadline). Returns once not leading.
+    async fn lead(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        leading: &mut watch::Receiver<bool>,
+    ) -> Result<(), StoreError> {
+        let raw = self.store.raw();
+        let (_, revision) = raw.list(LEADER_KEY).await?;
+        let mut vm_watch = raw.watch(VMS_PREFIX, revision + 1).await?;
+        let mut node_watch = raw.watch(NODES_PREFIX, revision + 1).await?;
+        tracing::info!(candidate = %self.election.id(), "leading: placing VMs, watching for lost nodes");
+        let mut due = self.clock.now_ms();
+        let mut unplaced = 0;
+        loop {
+            if self.clock.now_ms() >= due {
+                let Some(report) = self.reconcile().await? else {
+                    tracing::info!(candidate = %self.election.id(), "no longer leading");
+                    return Ok(());
+                };
+                if report.placed + report.taken_over > 0 {
+                    tracing::debug!(?report, "cluster pass");
+                }
+                due = report.next_at;
+                unplaced = report.unplaced;
+            }
+            let wait = due.saturating_sub(self.clock.now_ms());
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
+                event = vm_watch.next() => match event {
+                    Some(Ok(event)) => {
+                        if needs_placement(&event) {
+                            due = self.clock.now_ms();
+                        }
+                    }
+                    Some(Err(err)) => return Err(err),
+                    None => return Ok(()),
+                },
+                event = node_watch.next() => match event {
+                    // A node that changed (joined, became ready, uncordoned)
+                    // may take a VM that could not be placed.
+                    Some(Ok(_)) => {
+                        if unplaced > 0 {
+                            due = self.clock.now_ms();
+                        }
+                    }
+                    Some(Err(err)) => return Err(err),
+                    None => return Ok(()),
+                },
+                _ = leading.changed() => {
+                    if !self.election.is_leader() {
+                        return Ok(());
+                    }
+                }
+                _ = stop.changed() => {
+                    if *stop.borrow() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A VM record without a node (or one that cannot be read: look anyway).
+fn needs_placement(event: &WatchEvent) -> bool {
+    match event {
+        WatchEvent::Put(entry) => serde_json::from_slice::<VirtualMachine>(&entry.value)
+            .map_or(true, |vm| vm.owner_node().is_none()),
+        WatchEvent::Deleted { .. } => false,
+    }
+}
+
+/// Runs a control plane's election and cluster controller until `stop`
+/// turns true; the election resigns at the end.
+pub async fn run_control_plane(cluster: Arc<ClusterController>, stop: watch::Receiver<bool>) {
+    let election = cluster.election().clone();
+    tokio::join!(election.run(stop.clone()), cluster.run(stop));
+}
