@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use keel_api::{DiskSpec, RunPolicy};
 
+use crate::distributed::StoreSpec;
+
 pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7280";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7280";
 pub const DEFAULT_DATA_DIR: &str = "./keel-data";
@@ -28,12 +30,20 @@ pub struct Cli {
 pub enum Command {
     /// Run the server: SQLite store, VM controller, node heartbeat and HTTP API.
     Serve(ServeArgs),
+    /// Run a node agent only, for a cluster on etcd: this node's VMs, heartbeat and self-fencing.
+    Agent(AgentArgs),
     /// Create, inspect and power VMs.
     Vm(VmCommand),
     /// List (or follow) recorded VM phase changes.
     Events(EventsArgs),
-    /// Inspect nodes.
+    /// Inspect, cordon, uncordon and drain nodes.
     Node(NodeCommand),
+    /// Take, list and delete snapshots of a VM's disks.
+    Snapshot(SnapshotCommand),
+    /// Restore a VM from one of its snapshots; it comes back in the power state it had.
+    Restore(RestoreArgs),
+    /// List live migrations (made by node drains).
+    Migration(MigrationCommand),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -75,6 +85,46 @@ pub struct ServeArgs {
     /// Create a demo VM (`demo`) if there is none.
     #[arg(long)]
     pub demo: bool,
+    /// Where the state lives: `sqlite` (DATA_DIR/keel.db; this process does
+    /// everything) or `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (default
+    /// namespace /keel): a control plane (API, leader election, placement)
+    /// with no node agent unless --agent.
+    #[arg(long, env = "KEEL_STORE", default_value = "sqlite")]
+    pub store: StoreSpec,
+    /// With an etcd store: also run a node agent (--node) in this process.
+    #[arg(long)]
+    pub agent: bool,
+    /// Where VM disks live (default DATA_DIR/node/disks). Live migration
+    /// between nodes needs this on storage they share, at the same path.
+    #[arg(long, env = "KEEL_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
+}
+
+/// `keel agent`: a node agent without API, for a cluster on etcd.
+#[derive(Debug, Args)]
+pub struct AgentArgs {
+    /// The cluster's store: `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (default namespace /keel).
+    #[arg(long, env = "KEEL_STORE")]
+    pub store: StoreSpec,
+    /// This node's name (default: the host name, lowercased, first label).
+    #[arg(long)]
+    pub node: Option<String>,
+    /// Directory for this node's instances (DATA_DIR/node) and lock.
+    #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// Hypervisor driver.
+    #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
+    pub hypervisor: HypervisorKind,
+    /// Directory with the default guest kernel and initrd (see `keel serve --help`).
+    #[arg(long, env = "KEEL_GUEST_DIR")]
+    pub guest_dir: Option<PathBuf>,
+    /// Accelerator: auto probes KVM once and falls back to TCG.
+    #[arg(long, env = "KEEL_ACCEL", default_value = "auto")]
+    pub accel: keel_hv::qemu::AccelChoice,
+    /// Where VM disks live (default DATA_DIR/node/disks). Live migration
+    /// between nodes needs this on storage they share, at the same path.
+    #[arg(long, env = "KEEL_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -195,6 +245,142 @@ pub enum NodeVerb {
     List,
     /// Show one node, including its accelerator (default: the only node).
     Info { name: Option<String> },
+    /// Cordon a node as its operator: no new VM is placed on it. Only
+    /// `uncordon --operator` lifts this cordon.
+    Cordon { name: String },
+    /// End a drain and lift Keel's own cordon (with --operator, an operator's cordon too).
+    Uncordon(UncordonArgs),
+    /// Move every VM off a node: live migration first, else stop here and
+    /// start elsewhere, each phase bounded by its window. Cordons the node.
+    Drain(DrainArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct UncordonArgs {
+    pub name: String,
+    /// Lift an operator's cordon too (set by `keel node cordon`).
+    #[arg(long)]
+    pub operator: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    pub name: String,
+    /// How long a VM's migration may take to get under way (e.g. 90s, 10m, 1h; 1s..24h).
+    #[arg(long, value_parser = parse_window)]
+    pub submit_window: Option<u64>,
+    /// How long a migration under way may take to complete.
+    #[arg(long, value_parser = parse_window)]
+    pub migrate_window: Option<u64>,
+    /// How long the fallback (graceful stop, forced at the end) may take.
+    #[arg(long, value_parser = parse_window)]
+    pub fallback_window: Option<u64>,
+    /// Wait until no VM is left on the node, printing each VM's eviction progress.
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 3600, requires = "wait")]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub verb: SnapshotVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SnapshotVerb {
+    /// Snapshot a VM's disks (live if it runs: the guest is paused for it).
+    Create(SnapshotCreateArgs),
+    /// List a VM's snapshots.
+    List { vm: String },
+    /// Show one snapshot.
+    Get { vm: String, name: String },
+    /// Delete a snapshot (from the disks, then the record).
+    Delete { vm: String, name: String },
+}
+
+#[derive(Debug, Args)]
+pub struct SnapshotCreateArgs {
+    pub vm: String,
+    pub name: String,
+    /// Wait until the snapshot is taken (Ready) or failed.
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 120, requires = "wait")]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    pub vm: String,
+    pub snapshot: String,
+    /// Wait until the restore is done and the VM is back in its power state
+    /// (Running with a new instance, or Stopped).
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 300, requires = "wait")]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct MigrationCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub verb: MigrationVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum MigrationVerb {
+    /// List migrations, oldest first (only of VM, if given).
+    List { vm: Option<String> },
+}
+
+/// A window as seconds: `600`, `600s`, `10m`, `1h`, `1h30m`. The range is
+/// the server's to check (its error names the field).
+pub fn parse_window(s: &str) -> Result<u64, String> {
+    let bad = || format!("{s:?}: expected a duration like 90s, 10m, 1h or 1h30m");
+    let mut total: u64 = 0;
+    let mut digits = String::new();
+    let mut any = false;
+    for c in s.trim().chars() {
+        if c.is_ascii_digit() {
+            digits.push(c);
+            continue;
+        }
+        let unit = match c {
+            's' => 1,
+            'm' => 60,
+            'h' => 3600,
+            'd' => 86_400,
+            _ => return Err(bad()),
+        };
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        total = n
+            .checked_mul(unit)
+            .and_then(|v| total.checked_add(v))
+            .ok_or_else(bad)?;
+        digits.clear();
+        any = true;
+    }
+    if !digits.is_empty() {
+        let n: u64 = digits.parse().map_err(|_| bad())?;
+        total = total.checked_add(n).ok_or_else(bad)?;
+        any = true;
+    }
+    if any {
+        Ok(total)
+    } else {
+        Err(bad())
+    }
 }
 
 fn parse_disk(s: &str) -> Result<DiskSpec, String> {
@@ -240,5 +426,42 @@ mod tests {
         assert_eq!(c.disks[0].size_mib, 64);
         assert_eq!(c.policy, Some(RunPolicy::Manual));
         assert!(parse_disk("nosize").is_err());
+    }
+
+    #[test]
+    fn parses_windows() {
+        assert_eq!(parse_window("600"), Ok(600));
+        assert_eq!(parse_window("90s"), Ok(90));
+        assert_eq!(parse_window("10m"), Ok(600));
+        assert_eq!(parse_window("1h30m"), Ok(5400));
+        assert_eq!(
+            parse_window("0s"),
+            Ok(0),
+            "the server refuses it, naming the field"
+        );
+        for bad in ["", "m", "10x", "1.5h", "-5", "99999999999999999999"] {
+            assert!(parse_window(bad).is_err(), "{bad:?}");
+        }
+        let cli = Cli::try_parse_from([
+            "keel",
+            "node",
+            "drain",
+            "n1",
+            "--submit-window",
+            "2m",
+            "--wait",
+        ])
+        .unwrap();
+        let Command::Node(node) = cli.command else {
+            panic!("not node")
+        };
+        let NodeVerb::Drain(d) = node.verb else {
+            panic!("not drain")
+        };
+        assert_eq!(
+            (d.submit_window, d.migrate_window, d.wait),
+            (Some(120), None, true)
+        );
+        assert!(Cli::try_parse_from(["keel", "node", "drain", "n1", "--timeout", "5"]).is_err());
     }
 }

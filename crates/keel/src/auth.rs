@@ -72,9 +72,7 @@ pub fn load_or_create(data_dir: &Path) -> anyhow::Result<Token> {
     if let Some(token) = read_existing(&path)? {
         return Ok(token);
     }
-    let mut secret = [0u8; TOKEN_BYTES];
-    rand::rngs::OsRng.fill_bytes(&mut secret);
-    let hex: String = secret.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = generate_secret();
     let tmp = data_dir.join(format!(".{TOKEN_FILE}.{}.tmp", std::process::id()));
     let _ = fs::remove_file(&tmp);
     let mut file = OpenOptions::new()
@@ -99,6 +97,49 @@ pub fn load_or_create(data_dir: &Path) -> anyhow::Result<Token> {
             .with_context(|| format!("{} vanished while starting", path.display())),
         Err(e) => Err(e).with_context(|| format!("writing {}", path.display())),
     }
+}
+
+/// A new random token: 32 bytes from the OS, hex-encoded.
+pub fn generate_secret() -> String {
+    let mut secret = [0u8; TOKEN_BYTES];
+    rand::rngs::OsRng.fill_bytes(&mut secret);
+    secret.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The token in `data_dir/token`, if there is one (refused if others can
+/// read it).
+pub fn read_local(data_dir: &Path) -> anyhow::Result<Option<Token>> {
+    read_existing(&token_path(data_dir))
+}
+
+/// Writes `token` to `data_dir/token` (mode 0600 from creation), replacing
+/// whatever is there atomically: for control planes whose token comes from
+/// the cluster store, so the CLI on this host finds it.
+pub fn write_local(data_dir: &Path, token: &Token) -> anyhow::Result<()> {
+    let path = token_path(data_dir);
+    if fs::read_to_string(&path).is_ok_and(|t| t.trim() == token.secret()) {
+        let mode = fs::metadata(&path)?.permissions().mode() & 0o777;
+        if mode & 0o077 == 0 {
+            return Ok(());
+        }
+    }
+    let tmp = data_dir.join(format!(".{TOKEN_FILE}.{}.tmp", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    let written = file
+        .write_all(format!("{}\n", token.secret()).as_bytes())
+        .and_then(|()| file.sync_all());
+    drop(file);
+    let renamed = written.and_then(|()| fs::rename(&tmp, &path));
+    if renamed.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    renamed.with_context(|| format!("writing {}", path.display()))
 }
 
 fn read_existing(path: &Path) -> anyhow::Result<Option<Token>> {

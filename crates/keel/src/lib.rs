@@ -2,10 +2,12 @@
 //! and its command-line client, in one crate so the integration tests can
 //! start the real server in-process.
 
+pub mod agent;
 pub mod api;
 pub mod args;
 pub mod auth;
 pub mod cli;
+pub mod distributed;
 pub mod metrics;
 pub mod serve;
 pub mod timefmt;

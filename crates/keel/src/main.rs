@@ -9,9 +9,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => keel::serve::main(args),
+        Command::Agent(args) => keel::agent::main(args),
         Command::Vm(cmd) => keel::cli::vm(cmd),
         Command::Events(args) => keel::cli::events(args),
         Command::Node(cmd) => keel::cli::node(cmd),
+        Command::Snapshot(cmd) => keel::cli::snapshot(cmd),
+        Command::Restore(args) => keel::cli::restore(args),
+        Command::Migration(cmd) => keel::cli::migration(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,14 @@
-//! `keel serve`: the SQLite store, the VM controller, the node heartbeat
-//! and the HTTP API in one process.
+//! `keel serve`: with `--store sqlite` (the default), the SQLite store,
+//! the VM controller, the node heartbeat and the HTTP API in one process.
+//! With `--store etcd://…` it is a control plane: the HTTP API plus the
+//! leader election and the cluster controller (placement, takeover of lost
+//! nodes' VMs), and no node agent unless `--agent` (see `agent` for
+//! `keel agent`, the node agent on its own).
 //!
 //! Shutdown (SIGINT/SIGTERM) stops the HTTP server, the follow streams,
-//! the controller and the heartbeat, and nothing else: guests keep running
-//! and the controller re-adopts them on the next start.
+//! the controllers and the heartbeat, and nothing else: guests keep running
+//! and the controller re-adopts them on the next start. A leader resigns,
+//! so another control plane takes over without waiting for its lease.
 
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::net::SocketAddr;
@@ -15,7 +20,10 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, SystemClock};
-use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_ctrl::{
+    run_control_plane, run_vm_controller, ClusterController, ElectionConfig, LeaderElection,
+    LifecycleConfig, VmController,
+};
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_hv::Hypervisor;
@@ -24,9 +32,11 @@ use keel_store::TypedStore;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::agent::NodeAgent;
 use crate::api::{self, AppState};
 use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
+use crate::distributed::{self, StoreSpec};
 use crate::metrics::Metrics;
 
 pub const DB_FILE: &str = "keel.db";
@@ -51,6 +61,15 @@ pub struct ServeConfig {
     pub accel: AccelChoice,
     /// Create a demo VM at start if there is none.
     pub demo: bool,
+    /// Where VM disks live (shared by the nodes of a cluster, for live
+    /// migration); default: under the data dir.
+    pub disk_dir: Option<PathBuf>,
+    /// SQLite in the data dir, or an etcd cluster (control-plane mode).
+    pub store: StoreSpec,
+    /// With an etcd store: also run a node agent here (`node`).
+    pub agent: bool,
+    /// With an etcd store: the leader election's timings.
+    pub election: ElectionConfig,
 }
 
 impl ServeConfig {
@@ -70,19 +89,49 @@ impl ServeConfig {
             guest_dir: None,
             accel: AccelChoice::Auto,
             demo: false,
+            disk_dir: None,
+            store: StoreSpec::Sqlite,
+            agent: false,
+            election: ElectionConfig::default(),
+        }
+    }
+
+    pub fn hypervisor_options(&self) -> HypervisorOptions {
+        HypervisorOptions {
+            kind: self.hypervisor,
+            data_dir: self.data_dir.clone(),
+            disk_dir: self.disk_dir.clone(),
+            sim: self.sim.clone(),
+            guest_dir: self.guest_dir.clone(),
+            accel: self.accel,
         }
     }
 }
 
-/// The one place a hypervisor driver is chosen. Async and given the whole
-/// config, so a driver can probe the host and use the data directory.
+/// What a node's hypervisor driver is built from.
+#[derive(Debug, Clone)]
+pub struct HypervisorOptions {
+    pub kind: HypervisorKind,
+    /// The qemu driver keeps its instances in `<data_dir>/node`.
+    pub data_dir: PathBuf,
+    /// Where the qemu driver keeps disks; default `<data_dir>/node/disks`.
+    pub disk_dir: Option<PathBuf>,
+    /// Used only by the sim driver.
+    pub sim: SimConfig,
+    pub guest_dir: Option<PathBuf>,
+    pub accel: AccelChoice,
+}
+
+/// The one place a hypervisor driver is chosen (for `keel serve` and
+/// `keel agent`). Async, so a driver can probe the host.
 pub async fn make_hypervisor(
-    cfg: &ServeConfig,
+    cfg: &HypervisorOptions,
     clock: Arc<dyn Clock>,
 ) -> anyhow::Result<Arc<dyn Hypervisor>> {
-    match cfg.hypervisor {
+    match cfg.kind {
         HypervisorKind::Qemu => {
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
+            config.disk_dir = cfg.disk_dir.clone();
             if let Some(dir) = &cfg.guest_dir {
                 // QEMU runs with its own working directory in mind: absolute paths only.
                 let dir = dir
@@ -113,7 +162,13 @@ pub struct RunningServer {
     store: TypedStore,
     stop: watch::Sender<bool>,
     http: JoinHandle<std::io::Result<()>>,
+    /// The VM controller (SQLite), or the election and cluster controller (etcd).
     controller: JoinHandle<()>,
+    /// Set with an etcd store.
+    election: Option<Arc<LeaderElection>>,
+    /// The node agent of an etcd control plane started with `agent`.
+    agent: Option<NodeAgent>,
+    hypervisor: Option<Arc<dyn Hypervisor>>,
     _lock: File,
 }
 
@@ -130,7 +185,28 @@ impl RunningServer {
         &self.store
     }
 
-    /// Stops serving and reconciling. Guests are left as they are.
+    /// This control plane's candidacy (etcd store only).
+    pub fn election(&self) -> Option<&Arc<LeaderElection>> {
+        self.election.as_ref()
+    }
+
+    /// The local node's driver, if this server runs a node agent.
+    pub fn hypervisor(&self) -> Option<&Arc<dyn Hypervisor>> {
+        self.hypervisor.as_ref()
+    }
+
+    /// Ends every task at once, as if the process were killed: no
+    /// resignation, no lease revoked (a leader's lease runs out on its own).
+    pub fn abort(self) {
+        self.http.abort();
+        self.controller.abort();
+        if let Some(agent) = self.agent {
+            agent.abort();
+        }
+    }
+
+    /// Stops serving and reconciling (a leader resigns). Guests are left as
+    /// they are.
     pub async fn shutdown(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         let mut http = self.http;
@@ -142,17 +218,27 @@ impl RunningServer {
                 Ok(())
             }
         };
-        self.controller.await.context("VM controller task")?;
+        self.controller.await.context("controller task")?;
+        if let Some(agent) = self.agent {
+            agent.shutdown().await?;
+        }
         served
     }
 }
 
-/// Opens the store, starts the controller, the heartbeat and the API.
-/// Returns once the listener is bound (so `listen` may use port 0).
+/// Opens the store, starts the controllers (and, for SQLite, the node
+/// heartbeat) and the API. Returns once the listener is bound (so `listen`
+/// may use port 0).
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     validate_name("node", &cfg.node).map_err(|e| anyhow!("--node: {e}"))?;
+    if cfg.store.is_etcd() {
+        return start_control_plane(cfg).await;
+    }
+    if cfg.agent {
+        bail!("--agent is for control planes on an etcd store; with SQLite, keel serve is the node agent");
+    }
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let hv = make_hypervisor(&cfg, clock.clone()).await?;
+    let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
     let token = auth::load_or_create(&cfg.data_dir)?;
@@ -185,22 +271,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
-
-    let state = AppState {
-        store: store.clone(),
-        clock,
-        metrics: Arc::new(Metrics::new()),
-        shutdown: stop_rx.clone(),
-    };
-    let app = api::router(state, token.clone());
-    let mut http_stop = stop_rx;
-    let http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
-            .await
-    });
+    let http = serve_api(listener, &store, clock, &token, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -219,6 +290,104 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         stop,
         http,
         controller,
+        election: None,
+        agent: None,
+        hypervisor: Some(hv),
+        _lock: lock,
+    })
+}
+
+fn serve_api(
+    listener: tokio::net::TcpListener,
+    store: &TypedStore,
+    clock: Arc<dyn Clock>,
+    token: &Token,
+    stop: watch::Receiver<bool>,
+) -> JoinHandle<std::io::Result<()>> {
+    let state = AppState {
+        store: store.clone(),
+        clock,
+        metrics: Arc::new(Metrics::new()),
+        shutdown: stop.clone(),
+    };
+    let app = api::router(state, token.clone());
+    let mut http_stop = stop;
+    tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            })
+            .await
+    })
+}
+
+/// A control plane on etcd: the API, the leader election and the cluster
+/// controller, and a node agent (without cluster duties) if `cfg.agent`.
+async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    create_private_dir(&cfg.data_dir)?;
+    let lock = lock_data_dir(&cfg.data_dir)?;
+    let raw = cfg.store.connect_etcd().await?.expect("an etcd store spec");
+    let store = TypedStore::new(raw.clone());
+    let token = distributed::shared_token(&*raw, &cfg.data_dir).await?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    if !addr.ip().is_loopback() {
+        tracing::warn!(%addr, "listening beyond loopback: the API is plain HTTP guarded only by the bearer token");
+    }
+    let lifecycle = LifecycleConfig {
+        node: cfg.node.clone(),
+        cluster_duties: false,
+        ..cfg.lifecycle.clone()
+    };
+    let (stop, stop_rx) = watch::channel(false);
+    let (agent, hypervisor) = if cfg.agent {
+        let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
+        let agent =
+            NodeAgent::spawn(store.clone(), hv.clone(), clock.clone(), lifecycle.clone()).await?;
+        (Some(agent), Some(hv))
+    } else {
+        (None, None)
+    };
+    // Unique among control planes: the leader key says who leads.
+    let candidate = format!("{}@{addr}", cfg.node);
+    let election = Arc::new(LeaderElection::new(
+        raw.clone(),
+        clock.clone(),
+        candidate.clone(),
+        cfg.election.clone(),
+    ));
+    let cluster = Arc::new(ClusterController::new(
+        store.clone(),
+        clock.clone(),
+        lifecycle,
+        election.clone(),
+    ));
+    let controller = tokio::spawn(run_control_plane(cluster, stop_rx.clone()));
+    let http = serve_api(listener, &store, clock, &token, stop_rx);
+    if cfg.demo {
+        create_demo_vm(&store).await?;
+    }
+    tracing::info!(
+        %addr,
+        store = %cfg.store,
+        candidate = %candidate,
+        node_agent = cfg.agent,
+        data_dir = %cfg.data_dir.display(),
+        "keel control plane serving"
+    );
+    Ok(RunningServer {
+        addr,
+        token,
+        store,
+        stop,
+        http,
+        controller,
+        election: Some(election),
+        agent,
+        hypervisor,
         _lock: lock,
     })
 }
@@ -273,6 +442,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     });
     cfg.accel = args.accel;
     cfg.demo = args.demo;
+    cfg.store = args.store;
+    cfg.agent = args.agent;
+    cfg.disk_dir = args.disk_dir;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -288,7 +460,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-fn init_logging() {
+pub(crate) fn init_logging() {
     use tracing_subscriber::filter::{EnvFilter, Targets};
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
@@ -309,7 +481,7 @@ fn init_logging() {
         .try_init();
 }
 
-async fn wait_for_signal() -> anyhow::Result<&'static str> {
+pub(crate) async fn wait_for_signal() -> anyhow::Result<&'static str> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     tokio::select! {
@@ -340,7 +512,7 @@ fn hostname() -> Option<String> {
 }
 
 /// Creates the data directory (mode 0700) if it is missing.
-fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
     DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -354,7 +526,7 @@ fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
 
 /// One server per data directory: the store's watches only see writes made
 /// through the owning process. Released when the returned file is closed.
-fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
+pub(crate) fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
     let path = dir.join(LOCK_FILE);
     let file = OpenOptions::new()
         .create(true)

@@ -50,7 +50,7 @@ fn requests_without_the_token_are_refused_and_change_nothing() {
         json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
     );
     server.wait_settled_stopped("keep");
-    let before = server.snapshot();
+    let before = server.store_state();
     let create = json!({"name": "intruder", "spec": small_spec()}).to_string();
     let wrong = "0".repeat(64);
     let attempts: Vec<(&str, &str, Option<&str>)> = vec![
@@ -64,6 +64,26 @@ fn requests_without_the_token_are_refused_and_change_nothing() {
         ("GET", "/api/v1/openapi.json", None),
         ("GET", "/api/v1/no-such-endpoint", None),
         ("GET", "/metrics", None),
+        (
+            "POST",
+            "/api/v1/vms/keep/snapshots",
+            Some(r#"{"name":"s"}"#),
+        ),
+        ("GET", "/api/v1/vms/keep/snapshots", None),
+        ("DELETE", "/api/v1/vms/keep/snapshots/s", None),
+        (
+            "POST",
+            "/api/v1/vms/keep/restore",
+            Some(r#"{"snapshot":"s"}"#),
+        ),
+        ("POST", "/api/v1/nodes/test-node/cordon", None),
+        (
+            "POST",
+            "/api/v1/nodes/test-node/uncordon",
+            Some(r#"{"operator":true}"#),
+        ),
+        ("POST", "/api/v1/nodes/test-node/drain", None),
+        ("GET", "/api/v1/migrations", None),
     ];
     for (method, path, body) in &attempts {
         for token in [None, Some(wrong.as_str()), Some(&server.token[..63])] {
@@ -82,7 +102,7 @@ fn requests_without_the_token_are_refused_and_change_nothing() {
     );
     assert_eq!(r.status, 401);
     assert_eq!(
-        server.snapshot(),
+        server.store_state(),
         before,
         "refused requests changed the store"
     );
@@ -898,6 +918,13 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
         ("/api/v1/events", vec!["get"]),
         ("/api/v1/nodes", vec!["get"]),
         ("/api/v1/nodes/{name}", vec!["get"]),
+        ("/api/v1/nodes/{name}/cordon", vec!["post"]),
+        ("/api/v1/nodes/{name}/uncordon", vec!["post"]),
+        ("/api/v1/nodes/{name}/drain", vec!["post"]),
+        ("/api/v1/vms/{name}/restore", vec!["post"]),
+        ("/api/v1/vms/{name}/snapshots", vec!["get", "post"]),
+        ("/api/v1/vms/{name}/snapshots/{snap}", vec!["get", "delete"]),
+        ("/api/v1/migrations", vec!["get"]),
     ] {
         for m in methods {
             assert!(paths[path].get(m).is_some(), "{m} {path} undocumented");

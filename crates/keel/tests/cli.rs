@@ -122,6 +122,190 @@ fn create_list_restart_wait_and_errors() {
     assert!(server.vm("web").is_none());
 }
 
+fn fails(out: &Output) -> String {
+    assert!(
+        !out.status.success(),
+        "expected a failure; stdout: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn snapshot_create_wait_and_restore_wait_keep_the_power_state() {
+    let server = TestServer::start();
+    ok(&keel(
+        &server,
+        &[
+            "vm", "create", "db", "--disk", "data:64", "--policy", "manual",
+        ],
+    ));
+    server.wait_vm("db", "run", |v| phase(v) == "Running");
+
+    let out = keel(&server, &["snapshot", "create", "db", "nightly", "--wait"]);
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("snapshot db/nightly: Ready (live"),
+        "{stdout}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("db/nightly: "),
+        "progress on stderr: {stderr}"
+    );
+
+    let table = ok(&keel(&server, &["snapshot", "list", "db"]));
+    assert!(table.starts_with("NAME"), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("nightly") && l.contains("Ready")),
+        "{table}"
+    );
+    let list: Value = serde_json::from_str(&ok(&keel(
+        &server,
+        &["snapshot", "list", "db", "-o", "json"],
+    )))
+    .unwrap();
+    assert_eq!(list["items"][0]["snapshot"]["status"]["phase"], "Ready");
+    let yaml = ok(&keel(
+        &server,
+        &["snapshot", "get", "db", "nightly", "-o", "yaml"],
+    ));
+    assert!(yaml.contains("name: nightly"), "{yaml}");
+
+    // Stopped before the restore: stays stopped (the snapshot's spec says Running).
+    ok(&keel(&server, &["vm", "stop", "db", "--wait"]));
+    let out = keel(&server, &["restore", "db", "nightly", "--wait"]);
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("db: restored from snapshot nightly; Stopped"),
+        "{stdout}"
+    );
+    let vm = server.vm("db").unwrap();
+    assert_eq!(phase(&vm), "Stopped");
+    assert!(instance(&vm).is_none() && vm["vm"].get("restore").is_none());
+
+    // Running before: runs after, in a new instance.
+    ok(&keel(&server, &["vm", "start", "db", "--wait"]));
+    let before = instance(&server.vm("db").unwrap()).unwrap();
+    let out = keel(
+        &server,
+        &["restore", "db", "nightly", "--wait", "--timeout", "60"],
+    );
+    let stdout = ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let vm = server.vm("db").unwrap();
+    let after = instance(&vm).unwrap();
+    assert_ne!(before, after);
+    assert_eq!(phase(&vm), "Running");
+    assert!(vm["vm"].get("power_intent").is_none(), "{vm}");
+    assert!(
+        stdout.contains(&format!(
+            "db: restored from snapshot nightly; Running (instance {after})"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("[restoring from snapshot nightly]"),
+        "progress on stderr: {stderr}"
+    );
+    let json_out: Value = serde_json::from_str(&ok(&keel(
+        &server,
+        &["restore", "db", "nightly", "-o", "json"],
+    )))
+    .unwrap();
+    assert_eq!(json_out["vm"]["restore"]["snapshot"], "nightly");
+    server.wait_vm("db", "finish the restore", |v| {
+        v["vm"].get("restore").is_none() && phase(v) == "Running"
+    });
+
+    // Errors name the field.
+    let stderr = fails(&keel(&server, &["restore", "db", "missing"]));
+    assert!(
+        stderr.contains("field: snapshot") && stderr.contains("404"),
+        "{stderr}"
+    );
+    let stderr = fails(&keel(&server, &["snapshot", "create", "db", "Bad_Name"]));
+    assert!(
+        stderr.contains("field: name") && stderr.contains("422"),
+        "{stderr}"
+    );
+    let stderr = fails(&keel(&server, &["snapshot", "create", "db", "nightly"]));
+    assert!(stderr.contains("409"), "{stderr}");
+
+    let out = ok(&keel(&server, &["snapshot", "delete", "db", "nightly"]));
+    assert!(out.contains("deletion requested"), "{out}");
+    let migrations = ok(&keel(&server, &["migration", "list", "db"]));
+    assert!(migrations.starts_with("ID"), "{migrations}");
+}
+
+#[test]
+fn node_cordon_uncordon_and_drain_wait() {
+    let server = TestServer::start();
+    ok(&keel(&server, &["vm", "create", "web"]));
+    server.wait_vm("web", "run", |v| phase(v) == "Running");
+
+    let out = ok(&keel(&server, &["node", "cordon", "test-node"]));
+    assert!(out.contains("cordoned by operator"), "{out}");
+    let out = ok(&keel(&server, &["node", "uncordon", "test-node"]));
+    assert!(out.contains("an operator's cordon remains"), "{out}");
+    let list = ok(&keel(&server, &["node", "list"]));
+    assert!(list.contains("true (operator)"), "{list}");
+    let out = ok(&keel(
+        &server,
+        &["node", "uncordon", "test-node", "--operator"],
+    ));
+    assert!(out.contains("uncordoned; new VMs may be placed"), "{out}");
+
+    let stderr = fails(&keel(
+        &server,
+        &["node", "drain", "test-node", "--submit-window", "0s"],
+    ));
+    assert!(
+        stderr.contains("field: submit_window_s") && stderr.contains("422"),
+        "{stderr}"
+    );
+    let stderr = fails(&keel(
+        &server,
+        &["node", "drain", "test-node", "--fallback-window", "soon"],
+    ));
+    assert!(stderr.contains("soon"), "{stderr}");
+
+    let out = keel(
+        &server,
+        &[
+            "node",
+            "drain",
+            "test-node",
+            "--wait",
+            "--submit-window",
+            "5s",
+            "--migrate-window",
+            "5s",
+            "--fallback-window",
+            "5s",
+            "--timeout",
+            "60",
+        ],
+    );
+    let stdout = ok(&out);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stdout.contains("node test-node: drained"), "{stdout}");
+    assert!(stderr.contains("web: off node test-node"), "{stderr}");
+    let vm = server.vm("web").unwrap();
+    assert!(instance(&vm).is_none(), "{vm}");
+    let info = ok(&keel(&server, &["node", "info", "test-node"]));
+    assert!(
+        info.contains("true (keel)") && info.contains("completed"),
+        "{info}"
+    );
+
+    let out = ok(&keel(&server, &["node", "uncordon", "test-node"]));
+    assert!(out.contains("uncordoned"), "{out}");
+    server.wait_vm("web", "run again", |v| phase(v) == "Running");
+}
+
 /// The README's main command, in small: `keel serve --demo` with the real
 /// QEMU driver boots the demo VM's guest, and `node info` names the
 /// accelerator the driver settled on.

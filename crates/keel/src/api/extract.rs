@@ -50,6 +50,22 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for JsonBody<T> {
     }
 }
 
+/// An optional JSON body: an empty (or all-whitespace) body is `None`;
+/// anything else must parse like [`JsonBody`].
+pub struct OptJsonBody<T>(pub Option<T>);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptJsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let BodyBytes(bytes) = BodyBytes::from_request(req, state).await?;
+        if bytes.trim_ascii().is_empty() {
+            return Ok(OptJsonBody(None));
+        }
+        parse_json(&bytes).map(|v| OptJsonBody(Some(v)))
+    }
+}
+
 /// Parses JSON strictly (the types deny unknown fields; trailing data is
 /// refused). Errors are 400 and name the JSON path of the problem, e.g.
 /// `spec.memory_mib`, or `body` for the document as a whole.
@@ -121,6 +137,29 @@ impl<S: Send + Sync> FromRequestParts<S> for NameParam {
         validate_name("name", &name)
             .map_err(|e| ApiError::bad_request(e.field.clone(), e.to_string()))?;
         Ok(NameParam(name))
+    }
+}
+
+/// A VM and one of its snapshots from the path (`{name}/snapshots/{snap}`),
+/// validated like [`NameParam`]; a bad snapshot name names the field
+/// `snapshot`.
+pub struct SnapshotParams {
+    pub vm: String,
+    pub snapshot: String,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for SnapshotParams {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path((vm, snapshot)) = Path::<(String, String)>::from_request_parts(parts, state)
+            .await
+            .map_err(|r| ApiError::bad_request("name", r.body_text()))?;
+        for (field, value) in [("name", &vm), ("snapshot", &snapshot)] {
+            validate_name(field, value)
+                .map_err(|e| ApiError::bad_request(e.field.clone(), e.to_string()))?;
+        }
+        Ok(SnapshotParams { vm, snapshot })
     }
 }
 

@@ -8,9 +8,12 @@
 mod error;
 pub mod events;
 mod extract;
+pub mod migrations;
 pub mod nodes;
 pub mod openapi;
+pub mod snapshots;
 pub mod vms;
+mod write;
 
 use std::sync::Arc;
 
@@ -52,9 +55,22 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/vms/{name}/start", post(vms::start))
         .route("/api/v1/vms/{name}/stop", post(vms::stop))
         .route("/api/v1/vms/{name}/restart", post(vms::restart))
+        .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
+        .route(
+            "/api/v1/vms/{name}/snapshots",
+            get(snapshots::list).post(snapshots::create),
+        )
+        .route(
+            "/api/v1/vms/{name}/snapshots/{snap}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
         .route("/api/v1/events", get(events::list))
+        .route("/api/v1/migrations", get(migrations::list))
         .route("/api/v1/nodes", get(nodes::list))
         .route("/api/v1/nodes/{name}", get(nodes::get))
+        .route("/api/v1/nodes/{name}/cordon", post(nodes::cordon))
+        .route("/api/v1/nodes/{name}/uncordon", post(nodes::uncordon))
+        .route("/api/v1/nodes/{name}/drain", post(nodes::drain))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

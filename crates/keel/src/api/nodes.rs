@@ -1,17 +1,92 @@
-//! `GET /api/v1/nodes` and `GET /api/v1/nodes/{name}`: the hosts that
-//! run VMs, with what their heartbeat last reported.
+//! `/api/v1/nodes`: the hosts that run VMs, with what their heartbeat last
+//! reported, and the operator's verbs on them: cordon, uncordon, drain.
+//!
+//! Keel lifts only the cordons it set itself (for a drain); an operator's
+//! cordon is lifted only by `uncordon` with `{"operator": true}`.
 
 use axum::extract::State;
-use axum::http::{header, HeaderValue};
-use axum::response::{IntoResponse, Response};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
 use axum::Json;
-use keel_api::Node;
+use keel_api::{EvictionWindows, Millis, Node};
 use keel_ctrl::keys::{node_key, NODES_PREFIX};
 use keel_store::Revision;
 use serde::{Deserialize, Serialize};
 
-use super::extract::{NameParam, QueryParams};
+use super::extract::{NameParam, OptJsonBody, QueryParams};
+use super::write::{self, expected_revision, with_etag};
 use super::{ApiError, AppState};
+
+/// Bounds of each eviction window, in seconds.
+pub const MIN_WINDOW_S: u64 = 1;
+pub const MAX_WINDOW_S: u64 = 86_400;
+
+/// `POST /api/v1/nodes/{name}/uncordon`; the body is optional.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UncordonRequest {
+    /// Lift an operator's cordon too (without it only Keel's own cordon and
+    /// drain are lifted).
+    #[serde(default)]
+    pub operator: bool,
+}
+
+/// `POST /api/v1/nodes/{name}/drain`; the body is optional, each window
+/// defaults to [`keel_api::node::DEFAULT_EVICTION_WINDOW_MS`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DrainRequest {
+    /// Seconds from the start of a VM's eviction until its migration is under way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub submit_window_s: Option<u64>,
+    /// Seconds from submission until the migration has completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_window_s: Option<u64>,
+    /// Seconds from giving up on migration until the VM is off the node
+    /// (graceful stop, forced at the end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_window_s: Option<u64>,
+}
+
+impl DrainRequest {
+    /// The windows asked for, or a 422 naming the field out of range.
+    pub fn windows(&self) -> Result<EvictionWindows, ApiError> {
+        let default = EvictionWindows::default();
+        let window = |field: &str, value: Option<u64>, default: Millis| match value {
+            None => Ok(default),
+            Some(s) if (MIN_WINDOW_S..=MAX_WINDOW_S).contains(&s) => Ok(s * 1000),
+            Some(s) => Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("{field}: {s} is out of range {MIN_WINDOW_S}..={MAX_WINDOW_S} seconds"),
+            )
+            .with_field(field)),
+        };
+        Ok(EvictionWindows {
+            submit_ms: window("submit_window_s", self.submit_window_s, default.submit_ms)?,
+            migrate_ms: window(
+                "migrate_window_s",
+                self.migrate_window_s,
+                default.migrate_ms,
+            )?,
+            fallback_ms: window(
+                "fallback_window_s",
+                self.fallback_window_s,
+                default.fallback_ms,
+            )?,
+        })
+    }
+}
+
+/// The node after an uncordon, and what it means.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct UncordonResponse {
+    pub revision: Revision,
+    pub node: Node,
+    /// New VMs may be placed on the node again.
+    pub schedulable: bool,
+    /// An operator's cordon remains (lift it with `{"operator": true}`).
+    pub operator_cordon: bool,
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeResponse {
@@ -51,16 +126,113 @@ pub async fn get(
         .store
         .get::<Node>(&node_key(&name))
         .await?
-        .ok_or_else(|| ApiError::not_found(format!("node {name} not found")).with_field("name"))?;
-    let mut resp = Json(NodeResponse {
-        revision: entry.revision,
-        node: entry.value,
+        .ok_or_else(|| not_found(&name))?;
+    Ok(node_response(StatusCode::OK, entry.value, entry.revision))
+}
+
+/// The operator cordons the node: nothing new is placed on it. The cordon
+/// is theirs (also when Keel had cordoned it for a drain): only
+/// `uncordon` with `operator` lifts it.
+pub async fn cordon(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, None)?;
+    let (node, revision) = mutate(&state, &name, expected, |n| {
+        n.cordon_by_operator();
+        Ok(())
     })
-    .into_response();
-    resp.headers_mut().insert(
-        header::ETAG,
-        HeaderValue::from_str(&format!("\"{}\"", entry.revision))
-            .expect("digits are a valid header"),
-    );
-    Ok(resp)
+    .await?;
+    tracing::info!(node = %name, revision, "cordoned by operator");
+    Ok(node_response(StatusCode::OK, node, revision))
+}
+
+/// Ends a drain and lifts Keel's own cordon; with `operator`, an
+/// operator's cordon too.
+pub async fn uncordon(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+    OptJsonBody(req): OptJsonBody<UncordonRequest>,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, None)?;
+    let req = req.unwrap_or_default();
+    let (node, revision) = mutate(&state, &name, expected, |n| {
+        n.uncordon_by_keel();
+        if req.operator {
+            n.cordoned = false;
+            n.cordoned_by_keel = false;
+        }
+        Ok(())
+    })
+    .await?;
+    let schedulable = !node.cordoned;
+    let operator_cordon = node.cordoned && !node.cordoned_by_keel;
+    tracing::info!(node = %name, revision, operator = req.operator, schedulable, "uncordoned");
+    Ok(with_etag(
+        StatusCode::OK,
+        UncordonResponse {
+            revision,
+            node,
+            schedulable,
+            operator_cordon,
+        },
+        revision,
+    ))
+}
+
+/// Starts a drain (cordoning the node if nobody has): every VM is moved
+/// off, by live migration first, else stopped here and started elsewhere.
+/// An active drain keeps its start and windows.
+pub async fn drain(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    headers: HeaderMap,
+    mut query: QueryParams,
+    OptJsonBody(req): OptJsonBody<DrainRequest>,
+) -> Result<Response, ApiError> {
+    let from_query = query.take_u64("revision")?;
+    query.finish()?;
+    let expected = expected_revision(&headers, from_query, None)?;
+    let windows = req.unwrap_or_default().windows()?;
+    let now = state.clock.now_ms();
+    let (node, revision) = mutate(&state, &name, expected, |n| {
+        n.request_drain(now, windows);
+        Ok(())
+    })
+    .await?;
+    tracing::info!(node = %name, revision, ?windows, "drain requested");
+    Ok(node_response(StatusCode::ACCEPTED, node, revision))
+}
+
+async fn mutate(
+    state: &AppState,
+    name: &str,
+    expected: Option<Revision>,
+    change: impl FnMut(&mut Node) -> Result<(), ApiError>,
+) -> Result<(Node, Revision), ApiError> {
+    write::mutate(
+        state,
+        &node_key(name),
+        &format!("node {name}"),
+        expected,
+        || not_found(name),
+        change,
+    )
+    .await
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("node {name} not found")).with_field("name")
+}
+
+fn node_response(status: StatusCode, node: Node, revision: Revision) -> Response {
+    with_etag(status, NodeResponse { revision, node }, revision)
 }

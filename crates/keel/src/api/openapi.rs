@@ -64,6 +64,25 @@ pub fn spec() -> Value {
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/VmResponse"}}}
         }})
     };
+    let snap_param = json!({
+        "name": "snap", "in": "path", "required": true,
+        "description": "The snapshot's name (errors about it name the field `snapshot`)",
+        "schema": {"$ref": "#/components/schemas/Name"}
+    });
+    let snap_ok = |code: &str, description: &str| -> Value {
+        json!({code: {
+            "description": description,
+            "headers": {"ETag": {"description": "The record's revision, quoted", "schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SnapshotResponse"}}}
+        }})
+    };
+    let node_ok = |code: &str, description: &str, schema: &str| -> Value {
+        json!({code: {
+            "description": description,
+            "headers": {"ETag": {"description": "The record's revision, quoted", "schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}
+        }})
+    };
     let power = |verb: &str, what: &str| -> Value {
         json!({"post": {
             "summary": what,
@@ -127,6 +146,40 @@ pub fn spec() -> Value {
             "/api/v1/vms/{name}/start": power("start", "Ask the VM to run"),
             "/api/v1/vms/{name}/stop": power("stop", "Ask the VM to stop (graceful, forced after the grace period)"),
             "/api/v1/vms/{name}/restart": power("restart", "Restart: the old instance stops before a new one starts"),
+            "/api/v1/vms/{name}/restore": {"post": {
+                "summary": "Restore a Ready snapshot: the VM is stopped, disks and spec put back, and it returns to the power state it had (recorded in power_intent)",
+                "operationId": "restoreVm",
+                "parameters": [name_param, revision_query, if_match],
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RestoreVmRequest"}}}},
+                "responses": with(vm_ok("202", "Restore recorded; `restore` is cleared when done, `power_intent` once the VM is back in that state"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
+            }},
+            "/api/v1/vms/{name}/snapshots": {
+                "get": {
+                    "summary": "List the VM's snapshots, oldest first", "operationId": "listSnapshots",
+                    "parameters": [name_param],
+                    "responses": with(json!({"200": {"description": "Snapshots", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SnapshotList"}}}}}), errors(&["400", "401", "404", "503"]))
+                },
+                "post": {
+                    "summary": "Request a snapshot of the VM's disks (taken live if it runs); refused while a restore or deletion is pending",
+                    "operationId": "createSnapshot",
+                    "parameters": [name_param],
+                    "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreateSnapshotRequest"}}}},
+                    "responses": with(snap_ok("201", "Recorded as Pending; the controller takes it (Ready or Failed)"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
+                }
+            },
+            "/api/v1/vms/{name}/snapshots/{snap}": {
+                "get": {
+                    "summary": "Get a snapshot", "operationId": "getSnapshot",
+                    "parameters": [name_param, snap_param],
+                    "responses": with(snap_ok("200", "The snapshot"), errors(&["400", "401", "404", "503"]))
+                },
+                "delete": {
+                    "summary": "Request deletion: removed from the disks, then the record; refused while the VM is restored from it",
+                    "operationId": "deleteSnapshot",
+                    "parameters": [name_param, snap_param, revision_query, if_match],
+                    "responses": with(snap_ok("202", "Deletion requested"), errors(&["400", "401", "404", "409", "503"]))
+                }
+            },
             "/api/v1/events": {"get": {
                 "summary": "Recorded VM phase changes, oldest first", "operationId": "listEvents",
                 "parameters": [
@@ -145,7 +198,34 @@ pub fn spec() -> Value {
             "/api/v1/nodes/{name}": {"get": {
                 "summary": "Get a node", "operationId": "getNode",
                 "parameters": [name_param],
-                "responses": with(json!({"200": {"description": "The node", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/NodeResponse"}}}}}), errors(&["400", "401", "404", "503"]))
+                "responses": with(node_ok("200", "The node", "NodeResponse"), errors(&["400", "401", "404", "503"]))
+            }},
+            "/api/v1/nodes/{name}/cordon": {"post": {
+                "summary": "Operator cordon: no new VM is placed on the node; lifted only by uncordon with operator=true",
+                "operationId": "cordonNode",
+                "parameters": [name_param, revision_query, if_match],
+                "responses": with(node_ok("200", "Cordoned", "NodeResponse"), errors(&["400", "401", "404", "409", "503"]))
+            }},
+            "/api/v1/nodes/{name}/uncordon": {"post": {
+                "summary": "End a drain and lift Keel's own cordon; with operator=true an operator's cordon too",
+                "operationId": "uncordonNode",
+                "parameters": [name_param, revision_query, if_match],
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/UncordonRequest"}}}},
+                "responses": with(node_ok("200", "The node, whether it is schedulable, and whether an operator's cordon remains", "UncordonResponse"), errors(&["400", "401", "404", "409", "413", "503"]))
+            }},
+            "/api/v1/nodes/{name}/drain": {"post": {
+                "summary": "Drain: cordon (if nobody has) and move every VM off, by live migration first, else stop here and start elsewhere; each phase bounded by its window. An active drain keeps its start and windows.",
+                "operationId": "drainNode",
+                "parameters": [name_param, revision_query, if_match],
+                "requestBody": {"required": false, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DrainRequest"}}}},
+                "responses": with(node_ok("202", "Drain recorded; drain.completed_at is set once no VM is left on the node", "NodeResponse"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
+            }},
+            "/api/v1/migrations": {"get": {
+                "summary": "Live migration attempts, oldest first", "operationId": "listMigrations",
+                "parameters": [
+                    {"name": "vm", "in": "query", "required": false, "schema": {"$ref": "#/components/schemas/Name"}}
+                ],
+                "responses": with(json!({"200": {"description": "Migrations", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MigrationList"}}}}}), errors(&["400", "401", "503"]))
             }}
         },
         "components": {
@@ -157,7 +237,14 @@ pub fn spec() -> Value {
 
 fn schemas() -> Value {
     let millis = json!({"type": "integer", "minimum": 0, "description": "Milliseconds since the Unix epoch"});
-    json!({
+    let window = json!({
+        "type": "integer",
+        "minimum": super::nodes::MIN_WINDOW_S,
+        "maximum": super::nodes::MAX_WINDOW_S,
+        "default": keel_api::node::DEFAULT_EVICTION_WINDOW_MS / 1000,
+        "description": "Seconds"
+    });
+    let core = json!({
         "Error": {"type": "object", "required": ["error"], "properties": {
             "error": {"type": "string"},
             "field": {"type": "string", "description": "JSON path of the offending input, e.g. spec.memory_mib"}
@@ -192,14 +279,22 @@ fn schemas() -> Value {
             "cmdline": {"type": "string", "maxLength": 1024}
         }},
         "PowerState": {"type": "string", "enum": ["Running", "Stopped"]},
+        "PowerIntent": {"type": "object", "required": ["power", "reason", "recorded_at"], "properties": {
+            "power": {"$ref": "#/components/schemas/PowerState"},
+            "reason": {"type": "string"},
+            "recorded_at": millis
+        }},
         "Phase": {"type": "string", "enum": ["Pending", "Starting", "Running", "Stopping", "Stopped", "BackOff", "Deleting"]},
         "VirtualMachine": {"type": "object", "required": ["name", "spec"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
             "generation": {"type": "integer"},
             "spec": {"$ref": "#/components/schemas/VmSpec"},
-            "power_intent": {"type": "object"},
+            "power_intent": {"$ref": "#/components/schemas/PowerIntent"},
             "deletion_requested_at": millis,
-            "restore": {"type": "object"},
+            "restore": {"type": "object", "description": "A restore not finished yet", "properties": {
+                "snapshot": {"$ref": "#/components/schemas/Name"},
+                "requested_at": millis
+            }},
             "status": {"$ref": "#/components/schemas/VmStatus"}
         }},
         "VmStatus": {"type": "object", "properties": {
@@ -215,6 +310,19 @@ fn schemas() -> Value {
             "failed_starts": {"type": "integer"},
             "next_start_at": millis,
             "last_exit": {"type": "object"},
+            "message": {"type": "string"},
+            "node": {"type": "string", "description": "Where the next instance starts"},
+            "eviction": {"$ref": "#/components/schemas/Eviction"},
+            "migration_seq": {"type": "integer"}
+        }},
+        "Eviction": {"type": "object", "description": "Moving the VM off a draining node", "properties": {
+            "drain_requested_at": millis,
+            "phase": {"type": "string", "enum": ["Submitting", "Migrating", "Fallback"]},
+            "started_at": millis,
+            "submit_deadline": millis,
+            "migrate_deadline": millis,
+            "fallback_deadline": millis,
+            "migration": {"type": "string"},
             "message": {"type": "string"}
         }},
         "VmResponse": {"type": "object", "required": ["revision", "vm"], "properties": {
@@ -243,6 +351,16 @@ fn schemas() -> Value {
         "Node": {"type": "object", "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
             "cordoned": {"type": "boolean"},
+            "cordoned_by_keel": {"type": "boolean", "description": "Keel set the cordon (for a drain) and lifts it on uncordon; otherwise it is the operator's"},
+            "drain": {"type": "object", "properties": {
+                "requested_at": millis,
+                "windows": {"type": "object", "properties": {
+                    "submit_ms": {"type": "integer"},
+                    "migrate_ms": {"type": "integer"},
+                    "fallback_ms": {"type": "integer"}
+                }},
+                "completed_at": {"type": "integer", "minimum": 0, "description": "Set when no VM is left on the node"}
+            }},
             "status": {"type": "object", "properties": {
                 "accelerator": {"type": "string", "enum": ["Kvm", "Tcg", "Sim"]},
                 "hypervisor": {"type": "string"},
@@ -257,5 +375,80 @@ fn schemas() -> Value {
             "revision": {"type": "integer"},
             "items": {"type": "array", "items": {"$ref": "#/components/schemas/NodeResponse"}}
         }}
-    })
+    });
+    // In two parts: one `json!` this size exceeds the macro recursion limit.
+    let maintenance = json!({
+        "UncordonRequest": {"type": "object", "additionalProperties": false, "properties": {
+            "operator": {"type": "boolean", "default": false, "description": "Lift an operator's cordon too"}
+        }},
+        "UncordonResponse": {"type": "object", "required": ["revision", "node", "schedulable", "operator_cordon"], "properties": {
+            "revision": {"type": "integer"},
+            "node": {"$ref": "#/components/schemas/Node"},
+            "schedulable": {"type": "boolean"},
+            "operator_cordon": {"type": "boolean", "description": "An operator's cordon remains"}
+        }},
+        "DrainRequest": {"type": "object", "additionalProperties": false, "properties": {
+            "submit_window_s": window.clone(),
+            "migrate_window_s": window.clone(),
+            "fallback_window_s": window
+        }},
+        "CreateSnapshotRequest": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
+            "name": {"$ref": "#/components/schemas/Name"}
+        }},
+        "RestoreVmRequest": {"type": "object", "additionalProperties": false, "required": ["snapshot"], "properties": {
+            "snapshot": {"$ref": "#/components/schemas/Name"},
+            "revision": {"type": "integer", "minimum": 0}
+        }},
+        "Snapshot": {"type": "object", "required": ["vm", "name", "spec", "requested_at"], "properties": {
+            "vm": {"$ref": "#/components/schemas/Name"},
+            "name": {"$ref": "#/components/schemas/Name"},
+            "spec": {"$ref": "#/components/schemas/VmSpec"},
+            "requested_at": millis,
+            "deletion_requested_at": millis,
+            "status": {"type": "object", "properties": {
+                "phase": {"type": "string", "enum": ["Pending", "Ready", "Failed"]},
+                "taken_at": millis,
+                "live": {"type": "boolean", "description": "Taken from a running guest (paused for it)"},
+                "message": {"type": "string"}
+            }}
+        }},
+        "SnapshotResponse": {"type": "object", "required": ["revision", "snapshot"], "properties": {
+            "revision": {"type": "integer"},
+            "snapshot": {"$ref": "#/components/schemas/Snapshot"}
+        }},
+        "SnapshotList": {"type": "object", "required": ["revision", "items"], "properties": {
+            "revision": {"type": "integer"},
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/SnapshotResponse"}}
+        }},
+        "Migration": {"type": "object", "required": ["id", "vm", "source_node", "source_instance", "target_node", "target_instance", "created_at"], "properties": {
+            "id": {"type": "string"},
+            "vm": {"$ref": "#/components/schemas/Name"},
+            "source_node": {"type": "string"},
+            "source_instance": {"type": "string"},
+            "target_node": {"type": "string"},
+            "target_instance": {"type": "string"},
+            "created_at": millis,
+            "status": {"type": "object", "properties": {
+                "phase": {"type": "string", "enum": ["Pending", "TargetReady", "Running", "Succeeded", "Failed"]},
+                "target_uri": {"type": "string"},
+                "started_at": millis,
+                "finished_at": millis,
+                "downtime_ms": {"type": "integer"},
+                "message": {"type": "string"}
+            }}
+        }},
+        "MigrationItem": {"type": "object", "required": ["revision", "migration"], "properties": {
+            "revision": {"type": "integer"},
+            "migration": {"$ref": "#/components/schemas/Migration"}
+        }},
+        "MigrationList": {"type": "object", "required": ["revision", "items"], "properties": {
+            "revision": {"type": "integer"},
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/MigrationItem"}}
+        }}
+    });
+    let mut all = core;
+    all.as_object_mut()
+        .expect("object")
+        .extend(maintenance.as_object().expect("object").clone());
+    all
 }

@@ -1,22 +1,17 @@
 //! `/api/v1/vms`: create, read, replace the spec, power requests, delete.
 
-use std::time::Duration;
-
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::Json;
 use keel_api::{VirtualMachine, VmSpec};
 use keel_ctrl::keys::{vm_key, VMS_PREFIX};
 use keel_store::{Revision, StoreError};
-use rand::Rng;
 use serde::{Deserialize, Serialize};
 
 use super::extract::{BodyBytes, JsonBody, NameParam, QueryParams};
+use super::write::{self, expected_revision};
 use super::{parse_json, ApiError, AppState};
-
-/// Attempts of a read → modify → compare-and-swap before giving up with 503.
-const MAX_ATTEMPTS: u32 = 16;
 
 /// `POST /api/v1/vms`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -203,110 +198,30 @@ pub async fn delete(
     Ok(vm_response(StatusCode::ACCEPTED, vm, revision))
 }
 
-/// Read → modify → compare-and-swap. Without `expected`, a conflict with
-/// another writer (the controller, another client) is retried from a fresh
-/// read, so no update is lost; with it, a changed record is a 409. A change
-/// that leaves the record as it was is not written.
-async fn mutate(
+/// [`write::mutate`] of the VM record.
+pub(super) async fn mutate(
     state: &AppState,
     name: &str,
     expected: Option<Revision>,
-    mut change: impl FnMut(&mut VirtualMachine) -> Result<(), ApiError>,
+    change: impl FnMut(&mut VirtualMachine) -> Result<(), ApiError>,
 ) -> Result<(VirtualMachine, Revision), ApiError> {
-    let key = vm_key(name);
-    for attempt in 0..MAX_ATTEMPTS {
-        let entry = state
-            .store
-            .get::<VirtualMachine>(&key)
-            .await?
-            .ok_or_else(|| not_found(name))?;
-        if let Some(expected) = expected {
-            if entry.revision != expected {
-                return Err(stale(name, expected, entry.revision));
-            }
-        }
-        let mut vm = entry.value.clone();
-        change(&mut vm)?;
-        if vm == entry.value {
-            return Ok((vm, entry.revision));
-        }
-        match state.store.update(&key, &vm, entry.revision).await {
-            Ok(revision) => return Ok((vm, revision)),
-            Err(StoreError::Conflict { actual, .. }) => {
-                if let Some(expected) = expected {
-                    return Err(stale(name, expected, actual.unwrap_or(0)));
-                }
-                let jitter_ms = rand::thread_rng().gen_range(0..=(1u64 << attempt.min(6)));
-                tokio::time::sleep(Duration::from_millis(jitter_ms)).await;
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("VM {name} kept changing during {MAX_ATTEMPTS} update attempts; try again"),
-    ))
-}
-
-/// The revision a client says it read: `If-Match`, `?revision=` or a body
-/// `revision` field. Several must agree. `If-Match: *` means "any".
-fn expected_revision(
-    headers: &HeaderMap,
-    from_query: Option<Revision>,
-    from_body: Option<Revision>,
-) -> Result<Option<Revision>, ApiError> {
-    let from_header = match headers.get(header::IF_MATCH) {
-        None => None,
-        Some(v) => {
-            let text = v.to_str().unwrap_or("").trim();
-            if text == "*" {
-                None
-            } else {
-                let bare = text.strip_prefix("W/").unwrap_or(text).trim_matches('"');
-                Some(bare.parse::<Revision>().map_err(|_| {
-                    ApiError::bad_request(
-                        "If-Match",
-                        format!("If-Match {text:?} is not a revision (a number, as in the ETag)"),
-                    )
-                })?)
-            }
-        }
-    };
-    let mut found: Option<Revision> = None;
-    for r in [from_header, from_query, from_body].into_iter().flatten() {
-        match found {
-            Some(f) if f != r => {
-                return Err(ApiError::bad_request(
-                    "revision",
-                    format!("conflicting revisions given: {f} and {r}"),
-                ))
-            }
-            _ => found = Some(r),
-        }
-    }
-    Ok(found)
-}
-
-fn stale(name: &str, expected: Revision, actual: Revision) -> ApiError {
-    ApiError::conflict(
-        "revision",
-        format!(
-            "VM {name} changed since revision {expected} (now at {actual}); read it again and retry"
-        ),
+    write::mutate(
+        state,
+        &vm_key(name),
+        &format!("VM {name}"),
+        expected,
+        || not_found(name),
+        change,
     )
+    .await
 }
 
-fn not_found(name: &str) -> ApiError {
+pub(super) fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!("VM {name} not found")).with_field("name")
 }
 
-fn vm_response(status: StatusCode, vm: VirtualMachine, revision: Revision) -> Response {
-    let mut resp = (status, Json(VmResponse { revision, vm })).into_response();
-    resp.headers_mut().insert(
-        header::ETAG,
-        HeaderValue::from_str(&format!("\"{revision}\"")).expect("digits are a valid header"),
-    );
-    resp
+pub(super) fn vm_response(status: StatusCode, vm: VirtualMachine, revision: Revision) -> Response {
+    write::with_etag(status, VmResponse { revision, vm }, revision)
 }
 
 #[cfg(test)]
@@ -325,26 +240,5 @@ mod tests {
         let err = parse_create(br#"{"name":"a","spec":{"cpus":1,"memory_mib":64},"status":{}}"#)
             .unwrap_err();
         assert_eq!((err.status().as_u16(), err.field()), (400, Some("status")));
-    }
-
-    #[test]
-    fn if_match_forms() {
-        let mut h = HeaderMap::new();
-        assert_eq!(expected_revision(&h, None, None).unwrap(), None);
-        h.insert(header::IF_MATCH, "\"7\"".parse().unwrap());
-        assert_eq!(expected_revision(&h, None, Some(7)).unwrap(), Some(7));
-        assert_eq!(
-            expected_revision(&h, Some(8), None).unwrap_err().field(),
-            Some("revision")
-        );
-        h.insert(header::IF_MATCH, "W/\"9\"".parse().unwrap());
-        assert_eq!(expected_revision(&h, None, None).unwrap(), Some(9));
-        h.insert(header::IF_MATCH, "*".parse().unwrap());
-        assert_eq!(expected_revision(&h, None, None).unwrap(), None);
-        h.insert(header::IF_MATCH, "abc".parse().unwrap());
-        assert_eq!(
-            expected_revision(&h, None, None).unwrap_err().field(),
-            Some("If-Match")
-        );
     }
 }

@@ -3,14 +3,18 @@
 
 mod client;
 mod events;
+mod migration;
 mod node;
 pub mod output;
+mod snapshot;
 mod vm;
 mod wait;
 
 pub use client::{encode, ApiFailure, Client};
 
-use crate::args::{EventsArgs, NodeCommand, VmCommand};
+use crate::args::{
+    EventsArgs, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand, VmCommand,
+};
 
 pub fn vm(cmd: VmCommand) -> anyhow::Result<()> {
     vm::run(cmd)
@@ -22,4 +26,16 @@ pub fn events(args: EventsArgs) -> anyhow::Result<()> {
 
 pub fn node(cmd: NodeCommand) -> anyhow::Result<()> {
     node::run(cmd)
+}
+
+pub fn snapshot(cmd: SnapshotCommand) -> anyhow::Result<()> {
+    snapshot::run(cmd)
+}
+
+pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
+    snapshot::restore(args)
+}
+
+pub fn migration(cmd: MigrationCommand) -> anyhow::Result<()> {
+    migration::run(cmd)
 }

@@ -1,13 +1,20 @@
-//! `keel node list` and `keel node info [NAME]`.
+//! `keel node list|info|cordon|uncordon|drain`.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use keel_api::Clock;
+use keel_api::{Clock, Millis, Node, VirtualMachine};
+use ureq::http::Method;
 
 use super::output::{self, fields, Table};
 use super::{encode, Client};
-use crate::api::nodes::{NodeList, NodeResponse};
-use crate::args::{NodeCommand, NodeVerb};
+use crate::api::nodes::{DrainRequest, NodeList, NodeResponse, UncordonRequest, UncordonResponse};
+use crate::api::vms::VmList;
+use crate::args::{DrainArgs, NodeCommand, NodeVerb, OutputFormat, UncordonArgs};
 use crate::timefmt::{ago, rfc3339};
+
+const POLL: Duration = Duration::from_millis(500);
 
 pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
     let client = Client::from_args(&cmd.client)?;
@@ -17,8 +24,14 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
         NodeVerb::List => {
             let list: NodeList = client.get("/api/v1/nodes")?;
             output::print(out, &list, || {
-                let mut t =
-                    Table::new(&["NAME", "ACCELERATOR", "HYPERVISOR", "HEARTBEAT", "CORDONED"]);
+                let mut t = Table::new(&[
+                    "NAME",
+                    "ACCELERATOR",
+                    "HYPERVISOR",
+                    "HEARTBEAT",
+                    "CORDONED",
+                    "DRAIN",
+                ]);
                 for item in &list.items {
                     let n = &item.node;
                     t.row(vec![
@@ -29,7 +42,8 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                             .unwrap_or_else(|| "-".into()),
                         n.status.hypervisor.clone().unwrap_or_else(|| "-".into()),
                         ago(n.status.last_heartbeat, now),
-                        n.cordoned.to_string(),
+                        cordon_text(n),
+                        drain_text(n, now),
                     ]);
                 }
                 t.render()
@@ -80,10 +94,192 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                             ago(n.status.last_heartbeat, now)
                         ),
                     ),
-                    ("cordoned", n.cordoned.to_string()),
+                    ("cordoned", cordon_text(n)),
+                    ("drain", drain_text(n, now)),
                     ("revision", resp.revision.to_string()),
                 ])
             })
         }
+        NodeVerb::Cordon { name } => {
+            let resp: NodeResponse =
+                client.call(Method::POST, &verb_path(&name, "cordon"), None::<&()>)?;
+            output::print(out, &resp, || {
+                format!("node {name}: cordoned by operator; lift with `keel node uncordon {name} --operator`\n")
+            })
+        }
+        NodeVerb::Uncordon(args) => uncordon(&client, out, args),
+        NodeVerb::Drain(args) => drain(&client, out, args),
     }
+}
+
+fn verb_path(name: &str, verb: &str) -> String {
+    format!("/api/v1/nodes/{}/{verb}", encode(name))
+}
+
+fn cordon_text(n: &Node) -> String {
+    match (n.cordoned, n.cordoned_by_keel) {
+        (false, _) => "false".into(),
+        (true, true) => "true (keel)".into(),
+        (true, false) => "true (operator)".into(),
+    }
+}
+
+fn drain_text(n: &Node, now: Millis) -> String {
+    match &n.drain {
+        None => "-".into(),
+        Some(d) => match d.completed_at {
+            Some(at) => format!("completed {}", ago(at, now)),
+            None => format!("draining since {}", ago(d.requested_at, now)),
+        },
+    }
+}
+
+fn uncordon(client: &Client, out: OutputFormat, args: UncordonArgs) -> anyhow::Result<()> {
+    let req = UncordonRequest {
+        operator: args.operator,
+    };
+    let resp: UncordonResponse =
+        client.call(Method::POST, &verb_path(&args.name, "uncordon"), Some(&req))?;
+    output::print(out, &resp, || {
+        let name = &args.name;
+        if resp.schedulable {
+            format!("node {name}: uncordoned; new VMs may be placed on it\n")
+        } else if resp.operator_cordon {
+            format!(
+                "node {name}: Keel's drain and cordon lifted, but an operator's cordon remains; \
+                 lift it with `keel node uncordon {name} --operator`\n"
+            )
+        } else {
+            format!("node {name}: still cordoned\n")
+        }
+    })
+}
+
+fn drain(client: &Client, out: OutputFormat, args: DrainArgs) -> anyhow::Result<()> {
+    let req = DrainRequest {
+        submit_window_s: args.submit_window,
+        migrate_window_s: args.migrate_window,
+        fallback_window_s: args.fallback_window,
+    };
+    let resp: NodeResponse =
+        client.call(Method::POST, &verb_path(&args.name, "drain"), Some(&req))?;
+    if !args.wait {
+        return output::print(out, &resp, || {
+            let d = resp.node.drain.as_ref();
+            format!(
+                "node {}: drain requested{}\n",
+                args.name,
+                d.map(|d| format!(
+                    " (windows: submit {}s, migrate {}s, fallback {}s)",
+                    d.windows.submit_ms / 1000,
+                    d.windows.migrate_ms / 1000,
+                    d.windows.fallback_ms / 1000
+                ))
+                .unwrap_or_default()
+            )
+        });
+    }
+    let done = wait_drained(client, &args.name, Duration::from_secs(args.timeout))?;
+    output::print(out, &done, || {
+        format!(
+            "node {}: drained, no VM left on it (completed {}); it stays cordoned until `keel node uncordon {}`\n",
+            args.name,
+            done.node
+                .drain
+                .as_ref()
+                .and_then(|d| d.completed_at)
+                .map(rfc3339)
+                .unwrap_or_else(|| "-".into()),
+            args.name
+        )
+    })
+}
+
+/// Polls the node until its drain completed, printing on stderr each
+/// change of a VM's eviction on it, and when a VM is off it.
+fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Result<NodeResponse> {
+    let deadline = Instant::now() + timeout;
+    let node_path = format!("/api/v1/nodes/{}", encode(name));
+    // The last line printed for each VM seen on the node.
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    loop {
+        let resp: NodeResponse = client.get(&node_path)?;
+        let Some(drain) = resp.node.drain.clone() else {
+            bail!("the drain of node {name} was cancelled (uncordoned) while waiting");
+        };
+        let vms: VmList = client.get("/api/v1/vms")?;
+        let mut on_node = BTreeMap::new();
+        for item in &vms.items {
+            let vm = &item.vm;
+            if vm.owner_node() == Some(name) {
+                on_node.insert(vm.name.clone(), eviction_line(vm));
+            }
+        }
+        for (vm, line) in &on_node {
+            if seen.get(vm) != Some(line) {
+                eprintln!("{line}");
+                seen.insert(vm.clone(), line.clone());
+            }
+        }
+        let gone: Vec<String> = seen
+            .keys()
+            .filter(|vm| !on_node.contains_key(*vm))
+            .cloned()
+            .collect();
+        for vm_name in gone {
+            seen.remove(&vm_name);
+            let now = vms.items.iter().find(|i| i.vm.name == vm_name);
+            eprintln!("{}", off_node_line(&vm_name, name, now.map(|i| &i.vm)));
+        }
+        if drain.completed_at.is_some() {
+            return Ok(resp);
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "timed out after {}s waiting for node {name} to drain ({} VM(s) still on it: {})",
+                timeout.as_secs(),
+                on_node.len(),
+                on_node.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+fn eviction_line(vm: &VirtualMachine) -> String {
+    let s = &vm.status;
+    match &s.eviction {
+        Some(ev) => format!(
+            "{}: eviction {:?}{}{}",
+            vm.name,
+            ev.phase,
+            ev.migration
+                .as_deref()
+                .map(|m| format!(" (migration {m})"))
+                .unwrap_or_default(),
+            ev.message
+                .as_deref()
+                .map(|m| format!(": {m}"))
+                .unwrap_or_default()
+        ),
+        None => format!(
+            "{}: {:?} on the node, eviction not started",
+            vm.name, s.phase
+        ),
+    }
+}
+
+fn off_node_line(vm: &str, node: &str, now: Option<&VirtualMachine>) -> String {
+    let Some(v) = now else {
+        return format!("{vm}: off node {node} (deleted)");
+    };
+    let s = &v.status;
+    let mut line = format!("{vm}: off node {node}, {:?}", s.phase);
+    if let Some(inst) = &s.instance {
+        line.push_str(&format!(" on node {} (instance {})", inst.node, inst.id));
+    }
+    if let Some(msg) = &s.message {
+        line.push_str(&format!(": {msg}"));
+    }
+    line
 }

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use keel_api::{Phase, VirtualMachine};
+use keel_api::{Phase, PowerState, VirtualMachine};
 
 use super::{encode, Client};
 use crate::api::vms::VmResponse;
@@ -22,6 +22,10 @@ pub enum Goal {
         old_instance: Option<String>,
         restart_generation: u64,
     },
+    /// The restore is done and the VM is back in the power state recorded
+    /// for it: Running with an instance (booted: the intent is cleared), or
+    /// Stopped with none.
+    Restored { power: PowerState },
     /// The record is gone.
     Gone,
 }
@@ -46,6 +50,14 @@ impl Goal {
                     && s.observed_restart_generation >= *restart_generation
                     && s.instance.as_ref().map(|i| &i.id) != old_instance.as_ref()
             }
+            Goal::Restored { power } => {
+                vm.restore.is_none()
+                    && vm.power_intent.is_none()
+                    && match power {
+                        PowerState::Running => s.phase == Phase::Running && s.instance.is_some(),
+                        PowerState::Stopped => s.phase == Phase::Stopped && s.instance.is_none(),
+                    }
+            }
             Goal::Gone => false,
         }
     }
@@ -55,6 +67,12 @@ impl Goal {
             Goal::Running { .. } => "be Running",
             Goal::Stopped { .. } => "be Stopped",
             Goal::Restarted { .. } => "run a new instance",
+            Goal::Restored {
+                power: PowerState::Running,
+            } => "be restored and Running",
+            Goal::Restored {
+                power: PowerState::Stopped,
+            } => "be restored and Stopped",
             Goal::Gone => "be deleted",
         }
     }
@@ -108,6 +126,11 @@ fn progress_line(name: &str, vm: &VirtualMachine) -> String {
     if let Some(inst) = &s.instance {
         line.push_str(&format!(" (instance {})", inst.id));
     }
+    if let Some(r) = &vm.restore {
+        line.push_str(&format!(" [restoring from snapshot {}]", r.snapshot));
+    } else if let Some(intent) = &vm.power_intent {
+        line.push_str(&format!(" [returning to {:?}]", intent.power));
+    }
     if let Some(msg) = &s.message {
         line.push_str(&format!(": {msg}"));
     }
@@ -145,5 +168,33 @@ mod tests {
         assert!(Goal::Running { generation: 1 }.reached(&vm(Phase::Running, Some("web-1"))));
         assert!(!Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, Some("web-1"))));
         assert!(Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, None)));
+    }
+
+    #[test]
+    fn restored_needs_restore_and_intent_cleared() {
+        let running = Goal::Restored {
+            power: PowerState::Running,
+        };
+        let stopped = Goal::Restored {
+            power: PowerState::Stopped,
+        };
+        let mut v = vm(Phase::Running, Some("web-2"));
+        assert!(running.reached(&v));
+        assert!(!stopped.reached(&v));
+        v.power_intent = Some(keel_api::PowerIntent {
+            power: PowerState::Running,
+            reason: "restore".into(),
+            recorded_at: 1,
+        });
+        assert!(!running.reached(&v), "not booted long enough yet");
+        assert!(progress_line("web", &v).contains("returning to Running"));
+        v.power_intent = None;
+        v.restore = Some(keel_api::RestoreRequest {
+            snapshot: "s".into(),
+            requested_at: 1,
+        });
+        assert!(!running.reached(&v));
+        assert!(stopped.reached(&vm(Phase::Stopped, None)));
+        assert!(!stopped.reached(&vm(Phase::Stopped, Some("web-1"))));
     }
 }

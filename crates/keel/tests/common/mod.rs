@@ -77,15 +77,26 @@ impl TestServer {
         Self::start_in(tempfile::tempdir().unwrap())
     }
 
+    /// A server on [`fast_config`] changed by `adjust`.
+    pub fn start_with(adjust: impl FnOnce(&mut ServeConfig)) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = fast_config(dir.path());
+        adjust(&mut cfg);
+        Self::start_cfg(dir, cfg)
+    }
+
     pub fn start_in(dir: TempDir) -> Self {
+        let cfg = fast_config(dir.path());
+        Self::start_cfg(dir, cfg)
+    }
+
+    fn start_cfg(dir: TempDir, cfg: ServeConfig) -> Self {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        let server = rt
-            .block_on(serve::start(fast_config(dir.path())))
-            .expect("server starts");
+        let server = rt.block_on(serve::start(cfg)).expect("server starts");
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .proxy(None)
@@ -193,6 +204,51 @@ impl TestServer {
         }
     }
 
+    /// Polls a snapshot until `pred` holds for its response.
+    pub fn wait_snapshot(
+        &self,
+        vm: &str,
+        name: &str,
+        what: &str,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let start = Instant::now();
+        loop {
+            let r = self.get(&format!("/api/v1/vms/{vm}/snapshots/{name}"));
+            let current = (r.status == 200).then(|| r.json());
+            if let Some(v) = &current {
+                if pred(v) {
+                    return v.clone();
+                }
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "snapshot {vm}/{name} did not {what} within {DEADLINE:?}; last: {} {}",
+                r.status,
+                r.text
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Polls the node until `pred` holds for its response.
+    pub fn wait_node(&self, name: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let r = self.get(&format!("/api/v1/nodes/{name}"));
+            assert_eq!(r.status, 200, "{}", r.text);
+            let v = r.json();
+            if pred(&v) {
+                return v;
+            }
+            assert!(
+                start.elapsed() < DEADLINE,
+                "node {name} did not {what} within {DEADLINE:?}; last: {v}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn wait_gone(&self, name: &str) {
         let start = Instant::now();
         while self.vm(name).is_some() {
@@ -210,6 +266,60 @@ impl TestServer {
                 && vm["status"].get("instance").is_none()
                 && vm["status"]["observed_generation"] == vm["generation"]
         })
+    }
+
+    /// Everything a request could change: the raw entries of VMs, events,
+    /// snapshots and migrations, and each node's record without what its
+    /// heartbeat rewrites every few seconds (so without revisions).
+    pub fn store_state(&self) -> (Vec<Entry>, Vec<Value>) {
+        let store = self.server.as_ref().unwrap().store().raw().clone();
+        let mut entries = self.snapshot();
+        let nodes = self.rt.block_on(async {
+            for prefix in ["/snapshots/", "/migrations/"] {
+                let (more, _) = store.list(prefix).await.unwrap();
+                entries.extend(more);
+            }
+            let (nodes, _) = store.list("/nodes/").await.unwrap();
+            nodes
+        });
+        let nodes = nodes
+            .iter()
+            .map(|e| {
+                let mut v: Value = serde_json::from_slice(&e.value).unwrap();
+                v.as_object_mut().unwrap().remove("status");
+                v
+            })
+            .collect();
+        (entries, nodes)
+    }
+
+    /// Writes a record straight into the store (it must not exist yet), as
+    /// a controller would.
+    pub fn put_raw(&self, key: &str, value: &Value) {
+        let store = self.server.as_ref().unwrap().store().raw().clone();
+        self.rt
+            .block_on(store.put(
+                key,
+                serde_json::to_vec(value).unwrap(),
+                keel_store::Precondition::Absent,
+            ))
+            .unwrap();
+    }
+
+    /// [`TestServer::store_state`] once two reads a moment apart agree:
+    /// the controllers have nothing left to write.
+    pub fn settled_state(&self) -> (Vec<Entry>, Vec<Value>) {
+        let start = Instant::now();
+        let mut last = self.store_state();
+        loop {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.store_state();
+            if now == last {
+                return now;
+            }
+            assert!(start.elapsed() < DEADLINE, "the store never settled");
+            last = now;
+        }
     }
 
     /// The raw store entries of VMs and events: keys, value bytes, revisions.

@@ -1,0 +1,229 @@
+//! `keel agent`: a node agent on its own, for a cluster on etcd. It runs
+//! this node's hypervisor driver and the controller runtime (VMs,
+//! snapshots, migrations, housekeeping with the heartbeat and self-fencing)
+//! for the VMs placed on this node, and leaves placement and the takeover
+//! of lost nodes' VMs to the control planes' leader (`cluster_duties` off).
+//! It serves no API.
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context};
+use keel_api::{validate_name, Clock, SystemClock};
+use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_hv::qemu::AccelChoice;
+use keel_hv::sim::SimConfig;
+use keel_hv::Hypervisor;
+use keel_store::TypedStore;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::args::{AgentArgs, HypervisorKind};
+use crate::distributed::StoreSpec;
+use crate::serve::{self, make_hypervisor, HypervisorOptions};
+
+/// A node agent's controllers, running on a store.
+pub struct NodeAgent {
+    node: String,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl NodeAgent {
+    /// Registers the node (heartbeat with the driver's facts), then runs
+    /// the controller runtime for it until shut down. `lifecycle.node` is
+    /// the node's name.
+    pub async fn spawn(
+        store: TypedStore,
+        hv: Arc<dyn Hypervisor>,
+        clock: Arc<dyn Clock>,
+        lifecycle: LifecycleConfig,
+    ) -> anyhow::Result<Self> {
+        let node = lifecycle.node.clone();
+        let facts = hv.facts().await;
+        let ctrl = Arc::new(VmController::new(store, hv, clock.clone(), lifecycle));
+        ctrl.heartbeat(Some(&facts))
+            .await
+            .with_context(|| format!("registering node {node}"))?;
+        let (stop, stop_rx) = watch::channel(false);
+        let task = tokio::spawn(run_vm_controller(ctrl, clock, stop_rx));
+        tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = ?facts.accelerator, "node agent running");
+        Ok(Self { node, stop, task })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Stops the controllers; guests keep running, to be re-adopted.
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await.context("node agent task")
+    }
+
+    /// Ends the controllers at once, as if the process were killed.
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+/// Everything `keel agent` needs; tests build one directly.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// Must be an etcd store: a node agent alone on SQLite has nobody to
+    /// place its VMs.
+    pub store: StoreSpec,
+    /// This node's driver state (`node/`) and lock.
+    pub data_dir: PathBuf,
+    pub node: String,
+    pub hypervisor: HypervisorKind,
+    pub sim: SimConfig,
+    pub guest_dir: Option<PathBuf>,
+    pub accel: AccelChoice,
+    pub disk_dir: Option<PathBuf>,
+    /// Controller timings; `node` and `cluster_duties` are overwritten.
+    pub lifecycle: LifecycleConfig,
+}
+
+impl AgentConfig {
+    pub fn new(
+        store: StoreSpec,
+        data_dir: PathBuf,
+        node: String,
+        hypervisor: HypervisorKind,
+    ) -> Self {
+        Self {
+            store,
+            data_dir,
+            node,
+            hypervisor,
+            sim: SimConfig::default(),
+            guest_dir: None,
+            accel: AccelChoice::Auto,
+            disk_dir: None,
+            lifecycle: LifecycleConfig::default(),
+        }
+    }
+
+    pub fn hypervisor_options(&self) -> HypervisorOptions {
+        HypervisorOptions {
+            kind: self.hypervisor,
+            data_dir: self.data_dir.clone(),
+            disk_dir: self.disk_dir.clone(),
+            sim: self.sim.clone(),
+            guest_dir: self.guest_dir.clone(),
+            accel: self.accel,
+        }
+    }
+}
+
+/// A started `keel agent`: its controllers and its data dir lock.
+pub struct RunningAgent {
+    agent: NodeAgent,
+    hv: Arc<dyn Hypervisor>,
+    store: TypedStore,
+    _lock: File,
+}
+
+impl RunningAgent {
+    pub fn hypervisor(&self) -> &Arc<dyn Hypervisor> {
+        &self.hv
+    }
+
+    pub fn store(&self) -> &TypedStore {
+        &self.store
+    }
+
+    pub fn node(&self) -> &str {
+        self.agent.node()
+    }
+
+    pub async fn shutdown(self) -> anyhow::Result<()> {
+        self.agent.shutdown().await
+    }
+
+    /// As if the process were killed: its guests keep running, unmanaged.
+    pub fn abort(self) {
+        self.agent.abort();
+    }
+}
+
+/// Connects to the store, starts the driver and the agent.
+pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
+    check(&cfg)?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
+    start_with_hypervisor(cfg, hv).await
+}
+
+/// Like [`start`], with a driver the caller made (tests: sim nodes that
+/// share a fabric, so they can migrate to each other).
+pub async fn start_with_hypervisor(
+    cfg: AgentConfig,
+    hv: Arc<dyn Hypervisor>,
+) -> anyhow::Result<RunningAgent> {
+    check(&cfg)?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    serve::create_private_dir(&cfg.data_dir)?;
+    let lock = serve::lock_data_dir(&cfg.data_dir)?;
+    let raw = cfg
+        .store
+        .connect_etcd()
+        .await?
+        .expect("checked: an etcd store");
+    let store = TypedStore::new(raw);
+    let lifecycle = LifecycleConfig {
+        node: cfg.node.clone(),
+        cluster_duties: false,
+        ..cfg.lifecycle.clone()
+    };
+    let agent = NodeAgent::spawn(store.clone(), hv.clone(), clock, lifecycle).await?;
+    tracing::info!(node = %cfg.node, store = %cfg.store, data_dir = %cfg.data_dir.display(), "keel agent running");
+    Ok(RunningAgent {
+        agent,
+        hv,
+        store,
+        _lock: lock,
+    })
+}
+
+fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
+    validate_name("node", &cfg.node).map_err(|e| anyhow!("--node: {e}"))?;
+    if !cfg.store.is_etcd() {
+        bail!(
+            "keel agent needs the cluster's etcd store (--store etcd://HOST:PORT[/NAMESPACE]); \
+             with SQLite, `keel serve` is the node agent"
+        );
+    }
+    Ok(())
+}
+
+/// `keel agent`: runs until SIGINT or SIGTERM.
+pub fn main(args: AgentArgs) -> anyhow::Result<()> {
+    serve::init_logging();
+    let node = match args.node {
+        Some(node) => node,
+        None => serve::default_node_name()?,
+    };
+    let mut cfg = AgentConfig::new(args.store, args.data_dir, node, args.hypervisor);
+    cfg.guest_dir = args.guest_dir.or_else(|| {
+        let built = PathBuf::from("target/guest");
+        built.join("vmlinuz").is_file().then_some(built)
+    });
+    cfg.accel = args.accel;
+    cfg.disk_dir = args.disk_dir;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let agent = start(cfg).await?;
+        let signal = serve::wait_for_signal().await?;
+        tracing::info!(
+            signal,
+            "shutting down; guests keep running and are re-adopted on the next start"
+        );
+        agent.shutdown().await
+    })
+}

@@ -1,0 +1,598 @@
+//! Distributed mode against a real etcd: two control planes (`keel serve
+//! --store etcd://…`) and two sim node agents (`keel agent`) in one
+//! process, each with its own tasks. Killing one aborts its tasks: nothing
+//! is revoked, its leader lease (if any) runs out on its own.
+//!
+//! The etcd is at `KEEL_ETCD_ENDPOINT` (default `http://127.0.0.1:2379`);
+//! start one with `scripts/start-etcd`. `KEEL_SKIP_ETCD_TESTS=1` skips
+//! these tests. Every test uses its own etcd namespace.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use keel::agent::{self, AgentConfig, RunningAgent};
+use keel::args::HypervisorKind;
+use keel::distributed::StoreSpec;
+use keel::serve::{self, RunningServer, ServeConfig};
+use keel_api::{
+    Clock, EvictionWindows, Node, Phase, PowerState, RunPolicy, SystemClock, VirtualMachine, VmSpec,
+};
+use keel_ctrl::keys::{node_key, vm_key, API_TOKEN_KEY};
+use keel_ctrl::{ElectionConfig, LeaderElection, LifecycleConfig};
+use keel_hv::sim::{SimConfig, SimFabric, SimHypervisor};
+use keel_store::etcd::{EtcdOptions, EtcdStore};
+use keel_store::{StoreError, TypedStore};
+
+/// How long any one wait may take.
+const DEADLINE: Duration = Duration::from_secs(20);
+const SAMPLE: Duration = Duration::from_millis(25);
+
+fn endpoint() -> String {
+    std::env::var("KEEL_ETCD_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:2379".into())
+}
+
+fn skipped() -> bool {
+    let skip = std::env::var("KEEL_SKIP_ETCD_TESTS").is_ok_and(|v| v == "1");
+    if skip {
+        eprintln!("KEEL_SKIP_ETCD_TESTS=1: not running the distributed tests");
+    }
+    skip
+}
+
+fn unique_namespace(what: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    format!(
+        "/keel-test/distributed-{what}-{}-{nanos}-{n}",
+        std::process::id()
+    )
+}
+
+fn sim() -> SimConfig {
+    SimConfig {
+        boot_ms: 100,
+        // Long enough to kill the leader while a stop is in flight.
+        graceful_shutdown_ms: 1_500,
+        migration_ms: 500,
+        ..SimConfig::default()
+    }
+}
+
+fn lifecycle() -> LifecycleConfig {
+    LifecycleConfig {
+        stop_backoff_initial_ms: 200,
+        stop_backoff_max_ms: 400,
+        kill_recheck_ms: 100,
+        retry_ms: 100,
+        start_backoff_initial_ms: 100,
+        start_backoff_max_ms: 400,
+        boot_settle_ms: 200,
+        poll_ms: 100,
+        ..LifecycleConfig::default()
+    }
+}
+
+/// etcd's shortest lease is 2 s.
+fn election() -> ElectionConfig {
+    ElectionConfig {
+        ttl_ms: 2_000,
+        safety_margin_ms: 500,
+        retry_ms: 100,
+    }
+}
+
+struct Cluster {
+    spec: StoreSpec,
+    store: TypedStore,
+    fabric: SimFabric,
+    dir: tempfile::TempDir,
+    planes: BTreeMap<String, RunningServer>,
+    agents: BTreeMap<String, RunningAgent>,
+    /// Every node's driver, kept after its agent is gone: its guests live on.
+    nodes: BTreeMap<String, SimHypervisor>,
+}
+
+impl Cluster {
+    async fn new(test: &str) -> Option<Self> {
+        if skipped() {
+            return None;
+        }
+        let endpoint = endpoint();
+        let namespace = unique_namespace(test);
+        let options = EtcdOptions {
+            request_timeout: Duration::from_secs(3),
+            ..EtcdOptions::default()
+        };
+        let store =
+            match EtcdStore::connect_with(std::slice::from_ref(&endpoint), &namespace, options)
+                .await
+            {
+                Ok(store) => store,
+                Err(e) => panic!(
+                    "etcd at {endpoint} is not reachable ({e}).\n\
+                 Start one with `scripts/start-etcd` (or point KEEL_ETCD_ENDPOINT at one), \
+                 or set KEEL_SKIP_ETCD_TESTS=1 to skip the etcd tests."
+                ),
+            };
+        let host = endpoint.trim_start_matches("http://");
+        let spec: StoreSpec = format!("etcd://{host}{namespace}").parse().unwrap();
+        Some(Self {
+            spec,
+            store: TypedStore::new(Arc::new(store)),
+            fabric: SimFabric::default(),
+            dir: tempfile::tempdir().unwrap(),
+            planes: BTreeMap::new(),
+            agents: BTreeMap::new(),
+            nodes: BTreeMap::new(),
+        })
+    }
+
+    async fn control_plane(&mut self, name: &str) {
+        let mut cfg = ServeConfig::new(
+            self.dir.path().join(name),
+            "127.0.0.1:0".parse().unwrap(),
+            HypervisorKind::Sim,
+            name.into(),
+        );
+        cfg.store = self.spec.clone();
+        cfg.election = election();
+        cfg.lifecycle = lifecycle();
+        let server = serve::start(cfg).await.expect("control plane starts");
+        self.planes.insert(name.into(), server);
+    }
+
+    async fn agent(&mut self, node: &str) {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let seed = self.nodes.len() as u64 + 1;
+        let hv = SimHypervisor::join(clock, seed, sim(), &self.fabric, node);
+        let mut cfg = AgentConfig::new(
+            self.spec.clone(),
+            self.dir.path().join(node),
+            node.into(),
+            HypervisorKind::Sim,
+        );
+        cfg.lifecycle = lifecycle();
+        let agent = agent::start_with_hypervisor(cfg, Arc::new(hv.clone()))
+            .await
+            .expect("agent starts");
+        self.agents.insert(node.into(), agent);
+        self.nodes.insert(node.into(), hv);
+    }
+
+    fn election(&self, plane: &str) -> Arc<LeaderElection> {
+        self.planes[plane].election().expect("etcd mode").clone()
+    }
+
+    /// Waits until exactly one control plane leads; returns it.
+    async fn leader(&self) -> String {
+        wait_for("a leader", || async {
+            let leaders: Vec<&String> = self
+                .planes
+                .iter()
+                .filter(|(_, p)| p.election().unwrap().is_leader())
+                .map(|(name, _)| name)
+                .collect();
+            assert!(leaders.len() <= 1, "two leaders: {leaders:?}");
+            leaders.first().map(|n| n.to_string())
+        })
+        .await
+    }
+
+    /// Kills a control plane: its tasks end, its lease is not revoked.
+    fn kill_plane(&mut self, name: &str) {
+        self.planes.remove(name).expect("running").abort();
+    }
+
+    async fn create_vm(&self, name: &str) {
+        let vm = VirtualMachine::new(
+            name,
+            VmSpec {
+                cpus: 1,
+                memory_mib: 64,
+                disks: vec![],
+                boot: Default::default(),
+                run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 30,
+                node: None,
+            },
+        );
+        self.store.create(&vm_key(name), &vm).await.unwrap();
+    }
+
+    async fn vm(&self, name: &str) -> VirtualMachine {
+        self.store
+            .get::<VirtualMachine>(&vm_key(name))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("VM {name} has no record"))
+            .value
+    }
+
+    async fn update<T, F>(&self, key: &str, f: F)
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned,
+        F: Fn(&mut T),
+    {
+        loop {
+            let e = self.store.get::<T>(key).await.unwrap().unwrap();
+            let mut value = e.value;
+            f(&mut value);
+            match self.store.update(key, &value, e.revision).await {
+                Ok(_) => return,
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => panic!("update {key}: {e}"),
+            }
+        }
+    }
+
+    /// Waits until `vm` runs; returns its node and instance.
+    async fn running(&self, vm: &str) -> (String, String) {
+        wait_for(&format!("{vm} running"), || async {
+            let v = self.vm(vm).await;
+            let inst = v.status.instance.as_ref()?;
+            (v.status.phase == Phase::Running && self.executing(vm).len() == 1)
+                .then(|| (inst.node.clone(), inst.id.clone()))
+        })
+        .await
+    }
+
+    /// `(node, instance)` of every executing instance of `vm`.
+    fn executing(&self, vm: &str) -> Vec<(String, String)> {
+        self.nodes
+            .iter()
+            .flat_map(|(node, hv)| {
+                hv.executing_instances(vm)
+                    .into_iter()
+                    .map(move |i| (node.clone(), i))
+            })
+            .collect()
+    }
+
+    /// No VM ever has two live instances, and no driver saw a violation.
+    fn check_one_instance(&self, vms: &[&str]) {
+        for vm in vms {
+            let live: Vec<(String, String)> = self
+                .nodes
+                .iter()
+                .flat_map(|(node, hv)| {
+                    hv.live_instances(vm)
+                        .into_iter()
+                        .map(move |i| (node.clone(), i))
+                })
+                .collect();
+            let executing = self.executing(vm);
+            assert!(
+                executing.len() <= 1,
+                "VM {vm} executes twice: {executing:?}"
+            );
+            // A migration target waits (live, not executing) beside its
+            // source; anything else live twice is a second instance.
+            let waiting = live.len() - executing.len();
+            assert!(
+                waiting <= 1 && live.len() <= 2,
+                "VM {vm} has too many live instances: {live:?}"
+            );
+        }
+        for (node, hv) in &self.nodes {
+            assert!(
+                hv.violations().is_empty(),
+                "node {node}: {:?}",
+                hv.violations()
+            );
+        }
+    }
+
+    async fn shutdown(mut self) {
+        for (_, plane) in std::mem::take(&mut self.planes) {
+            plane.shutdown().await.unwrap();
+        }
+        for (_, agent) in std::mem::take(&mut self.agents) {
+            agent.shutdown().await.unwrap();
+        }
+    }
+}
+
+/// Polls `f` until it yields a value, or panics after [`DEADLINE`].
+async fn wait_for<T, F, Fut>(what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(start.elapsed() < DEADLINE, "no {what} within {DEADLINE:?}");
+        tokio::time::sleep(SAMPLE).await;
+    }
+}
+
+fn other(planes: [&str; 2], leader: &str) -> String {
+    planes
+        .into_iter()
+        .find(|p| *p != leader)
+        .unwrap()
+        .to_string()
+}
+
+/// (c) A leader is paused (its tasks stop, its lease is not renewed) until
+/// its lease has expired and the other control plane leads: the store
+/// refuses its guarded writes, and once it runs again it follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_cannot_write() {
+    let started = Instant::now();
+    let Some(mut c) = Cluster::new("deposed").await else {
+        return;
+    };
+    c.control_plane("cp1").await;
+    c.control_plane("cp2").await;
+    let leader = c.leader().await;
+    let election = c.election(&leader);
+    let guard = election.guard().expect("the leader has a guard");
+    c.store
+        .create_guarded("/probe", &"leader", &guard)
+        .await
+        .expect("the leader writes");
+    c.kill_plane(&leader);
+    let next = c.leader().await;
+    assert_ne!(next, leader);
+    assert!(
+        !election.is_leader(),
+        "the paused leader knows its term ran out"
+    );
+    let probe = c.store.get::<String>("/probe").await.unwrap().unwrap();
+    match c
+        .store
+        .update_guarded("/probe", &"deposed", probe.revision, &guard)
+        .await
+    {
+        Err(StoreError::GuardLost { guard: key }) => assert_eq!(key, guard.key),
+        other => panic!("a deposed leader's write: expected GuardLost, got {other:?}"),
+    }
+    match c.store.create_guarded("/probe2", &"deposed", &guard).await {
+        Err(StoreError::GuardLost { .. }) => {}
+        other => panic!("expected GuardLost, got {other:?}"),
+    }
+    assert_eq!(
+        c.store
+            .get::<String>("/probe")
+            .await
+            .unwrap()
+            .unwrap()
+            .value,
+        "leader",
+        "nothing changed"
+    );
+    assert!(c.store.get::<String>("/probe2").await.unwrap().is_none());
+    // The paused process resumes: its lease is gone, it follows.
+    assert!(!election.step().await.unwrap());
+    let record = election.leader().await.unwrap().unwrap();
+    assert!(record.id.starts_with(&format!("{next}@")), "{record:?}");
+    c.shutdown().await;
+    eprintln!("a_deposed_leader_cannot_write: {:?}", started.elapsed());
+}
+
+/// (d) The leader dies; the other control plane takes over and places a
+/// VM created after the change. Both control planes accept one token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placement_continues_after_a_leader_change() {
+    let started = Instant::now();
+    let Some(mut c) = Cluster::new("placement").await else {
+        return;
+    };
+    c.control_plane("cp1").await;
+    c.control_plane("cp2").await;
+    assert_eq!(
+        c.planes["cp1"].token(),
+        c.planes["cp2"].token(),
+        "every control plane accepts the cluster's token"
+    );
+    let stored = c.store.raw().get(API_TOKEN_KEY).await.unwrap().unwrap();
+    assert_eq!(
+        String::from_utf8(stored.value).unwrap(),
+        c.planes["cp1"].token()
+    );
+    c.agent("n1").await;
+    c.agent("n2").await;
+    let leader = c.leader().await;
+    c.create_vm("first").await;
+    c.running("first").await;
+
+    c.kill_plane(&leader);
+    let next = c.leader().await;
+    assert_eq!(next, other(["cp1", "cp2"], &leader));
+    // Created through the surviving control plane's API.
+    let server = &c.planes[&next];
+    let (base, token) = (
+        format!("http://{}", server.addr()),
+        server.token().to_string(),
+    );
+    let status = tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .build()
+            .into();
+        let body = serde_json::json!({
+            "name": "second",
+            "spec": {"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOnUnlessStoppedManually"},
+        });
+        agent
+            .post(format!("{base}/api/v1/vms"))
+            .header("Authorization", format!("Bearer {token}"))
+            .header("Content-Type", "application/json")
+            .send(body.to_string())
+            .map(|r| r.status().as_u16())
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(status, 201);
+    let (node, _) = c.running("second").await;
+    let (first_node, _) = c.running("first").await;
+    assert_ne!(node, first_node, "placed on the emptier node");
+    c.check_one_instance(&["first", "second"]);
+    c.shutdown().await;
+    eprintln!(
+        "placement_continues_after_a_leader_change: {:?}",
+        started.elapsed()
+    );
+}
+
+/// (a) The leader is killed while a restart is in flight (requested, the
+/// old instance stopping): the restart completes, there is never more than
+/// one live instance, and the record is intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_survives_the_leader_dying() {
+    let started = Instant::now();
+    let Some(mut c) = Cluster::new("restart").await else {
+        return;
+    };
+    c.control_plane("cp1").await;
+    c.control_plane("cp2").await;
+    c.agent("n1").await;
+    c.agent("n2").await;
+    let leader = c.leader().await;
+    c.create_vm("web").await;
+    let (node, old) = c.running("web").await;
+    let before = c.vm("web").await;
+
+    c.update(&vm_key("web"), |vm: &mut VirtualMachine| {
+        vm.request_restart().unwrap();
+    })
+    .await;
+    wait_for("the old instance stopping", || async {
+        c.check_one_instance(&["web"]);
+        let vm = c.vm("web").await;
+        (vm.status.phase == Phase::Stopping).then_some(())
+    })
+    .await;
+    assert!(
+        !c.executing("web").is_empty(),
+        "the old instance still runs"
+    );
+    c.kill_plane(&leader);
+
+    let (new_node, new) = wait_for("the restart to complete", || async {
+        c.check_one_instance(&["web"]);
+        let vm = c.vm("web").await;
+        let inst = vm.status.instance.as_ref()?;
+        (inst.id != old && vm.status.phase == Phase::Running && c.executing("web").len() == 1)
+            .then(|| (inst.node.clone(), inst.id.clone()))
+    })
+    .await;
+    assert_eq!(new_node, node, "a restart stays on its node");
+    let vm = c.vm("web").await;
+    assert_eq!(c.executing("web"), [(new_node, new)]);
+    assert_eq!(vm.name, "web");
+    assert_eq!(
+        vm.spec.restart_generation,
+        before.spec.restart_generation + 1
+    );
+    assert_eq!(
+        vm.status.observed_restart_generation,
+        vm.spec.restart_generation
+    );
+    assert_eq!(
+        (
+            vm.spec.cpus,
+            vm.spec.memory_mib,
+            vm.spec.run_policy,
+            vm.spec.power
+        ),
+        (
+            before.spec.cpus,
+            before.spec.memory_mib,
+            before.spec.run_policy,
+            before.spec.power
+        )
+    );
+    let exit = vm.status.last_exit.expect("the old instance's exit");
+    assert_eq!(exit.instance, old);
+    assert!(exit.requested, "{exit:?}");
+    c.leader().await;
+    c.check_one_instance(&["web"]);
+    c.shutdown().await;
+    eprintln!(
+        "a_restart_survives_the_leader_dying: {:?}",
+        started.elapsed()
+    );
+}
+
+/// (b) Node n1 runs two VMs and is drained; the leader is killed during
+/// the drain. The drain completes and both VMs run on n2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_survives_the_leader_dying() {
+    let started = Instant::now();
+    let Some(mut c) = Cluster::new("drain").await else {
+        return;
+    };
+    c.control_plane("cp1").await;
+    c.control_plane("cp2").await;
+    c.agent("n1").await;
+    let leader = c.leader().await;
+    for vm in ["one", "two"] {
+        c.create_vm(vm).await;
+    }
+    for vm in ["one", "two"] {
+        assert_eq!(c.running(vm).await.0, "n1");
+    }
+    c.agent("n2").await;
+    let windows = EvictionWindows {
+        submit_ms: 10_000,
+        migrate_ms: 10_000,
+        fallback_ms: 10_000,
+    };
+    let now = SystemClock.now_ms();
+    c.update(&node_key("n1"), |n: &mut Node| {
+        n.request_drain(now, windows)
+    })
+    .await;
+    wait_for("an eviction under way", || async {
+        c.check_one_instance(&["one", "two"]);
+        let mut evicting = false;
+        for vm in ["one", "two"] {
+            evicting |= c.vm(vm).await.status.eviction.is_some();
+        }
+        evicting.then_some(())
+    })
+    .await;
+    c.kill_plane(&leader);
+
+    wait_for("the drain to complete", || async {
+        c.check_one_instance(&["one", "two"]);
+        let n1 = c.store.get::<Node>(&node_key("n1")).await.unwrap()?.value;
+        let done = n1.drain.as_ref().is_some_and(|d| d.completed_at.is_some());
+        let mut on_n2 = true;
+        for vm in ["one", "two"] {
+            let v = c.vm(vm).await;
+            on_n2 &= v.status.phase == Phase::Running
+                && v.owner_node() == Some("n2")
+                && c.executing(vm).iter().all(|(node, _)| node == "n2");
+        }
+        (done && on_n2).then_some(())
+    })
+    .await;
+    for vm in ["one", "two"] {
+        assert_eq!(c.running(vm).await.0, "n2");
+    }
+    let n1 = c
+        .store
+        .get::<Node>(&node_key("n1"))
+        .await
+        .unwrap()
+        .unwrap()
+        .value;
+    assert!(n1.cordoned && n1.cordoned_by_keel, "{n1:?}");
+    c.leader().await;
+    c.shutdown().await;
+    eprintln!("a_drain_survives_the_leader_dying: {:?}", started.elapsed());
+}
