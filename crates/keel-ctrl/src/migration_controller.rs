@@ -12,6 +12,7 @@ use keel_hv::{DomainSpec, Hypervisor, MigrationProgress};
 use keel_store::{StoreError, TypedStore};
 
 use crate::keys::{migration_key, vm_key};
+use crate::observe::{LifecycleObserver, NoObserver};
 use crate::vm_decide::LifecycleConfig;
 
 pub struct MigrationController {
@@ -19,6 +20,7 @@ pub struct MigrationController {
     hv: Arc<dyn Hypervisor>,
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
+    observer: Arc<dyn LifecycleObserver>,
 }
 
 impl MigrationController {
@@ -33,7 +35,13 @@ impl MigrationController {
             hv,
             clock,
             cfg,
+            observer: Arc::new(NoObserver),
         }
+    }
+
+    pub fn with_observer(mut self, observer: Arc<dyn LifecycleObserver>) -> Self {
+        self.observer = observer;
+        self
     }
 
     /// One look at one migration; when to look again (`None`: nothing left
@@ -127,6 +135,8 @@ impl MigrationController {
                         m.status.finished_at = Some(now);
                         m.status.downtime_ms = downtime_ms;
                         tracing::info!(vm = vm_name, migration = id, "migration succeeded");
+                        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
+                        self.observer.migration_finished(true, seconds);
                         self.write(&key, &m, entry.revision, now).await
                     }
                     Ok(MigrationProgress::Failed { reason }) => {
@@ -168,6 +178,8 @@ impl MigrationController {
         now: Millis,
     ) -> Result<Option<Millis>, StoreError> {
         tracing::info!(vm = %m.vm, migration = %m.id, why, "migration failed");
+        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
+        self.observer.migration_finished(false, seconds);
         m.status.phase = MigrationPhase::Failed;
         m.status.finished_at = Some(now);
         m.status.message = Some(why.to_string());

@@ -126,6 +126,7 @@ async fn run_until_watch_breaks(
                 Ok(None) => {}
                 Err(err) => {
                     tracing::warn!(%err, "reconcile failed");
+                    vms.observer().reconcile_failed("vm");
                     vm_queue.schedule(&name, clock.now_ms() + retry_ms);
                 }
             }
@@ -139,6 +140,7 @@ async fn run_until_watch_breaks(
                 Ok(None) => {}
                 Err(err) => {
                     tracing::warn!(%err, "snapshot reconcile failed");
+                    vms.observer().reconcile_failed("snapshot");
                     snap_queue.schedule(&key, clock.now_ms() + retry_ms);
                 }
             }
@@ -152,6 +154,7 @@ async fn run_until_watch_breaks(
                 Ok(None) => {}
                 Err(err) => {
                     tracing::warn!(%err, vm, migration = id, "migration reconcile failed");
+                    vms.observer().reconcile_failed("migration");
                     mig_queue.schedule(&key, clock.now_ms() + retry_ms);
                 }
             }

@@ -14,6 +14,7 @@ use crate::keys::{
     event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
     vm_key, NODES_PREFIX, VMS_PREFIX,
 };
+use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::{candidate_nodes, lost_nodes};
 use crate::vm_decide::{
     decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
@@ -40,6 +41,7 @@ pub struct VmController {
     hv: Arc<dyn Hypervisor>,
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
+    observer: Arc<dyn LifecycleObserver>,
 }
 
 impl VmController {
@@ -54,6 +56,7 @@ impl VmController {
             hv,
             clock,
             cfg,
+            observer: Arc::new(NoObserver),
         }
     }
 
@@ -70,6 +73,17 @@ impl VmController {
         self.hv.exit_events()
     }
 
+    /// Reports lifecycle transitions (and, through the runtime, failed
+    /// reconciles) to `observer`, e.g. for metrics.
+    pub fn with_observer(mut self, observer: Arc<dyn LifecycleObserver>) -> Self {
+        self.observer = observer;
+        self
+    }
+
+    pub fn observer(&self) -> &Arc<dyn LifecycleObserver> {
+        &self.observer
+    }
+
     /// A migration controller working on the same store, node and clock.
     pub fn migration_controller(&self) -> crate::MigrationController {
         crate::MigrationController::new(
@@ -78,6 +92,7 @@ impl VmController {
             self.clock.clone(),
             self.cfg.clone(),
         )
+        .with_observer(self.observer.clone())
     }
 
     /// Writes this node's heartbeat (creating its record on first call),
@@ -438,6 +453,7 @@ impl VmController {
         revision: u64,
         now: Millis,
     ) {
+        report_transition(self.observer.as_ref(), old, new);
         record_event(&self.store, old, new, revision, now, Fence::Cas).await
     }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, SystemClock};
-use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_ctrl::{run_vm_controller, LifecycleConfig, LifecycleObserver, VmController};
 use keel_hv::qemu::AccelChoice;
 use keel_hv::sim::SimConfig;
 use keel_hv::Hypervisor;
@@ -39,10 +39,13 @@ impl NodeAgent {
         hv: Arc<dyn Hypervisor>,
         clock: Arc<dyn Clock>,
         lifecycle: LifecycleConfig,
+        observer: Arc<dyn LifecycleObserver>,
     ) -> anyhow::Result<Self> {
         let node = lifecycle.node.clone();
         let facts = hv.facts().await;
-        let ctrl = Arc::new(VmController::new(store, hv, clock.clone(), lifecycle));
+        let ctrl = Arc::new(
+            VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer),
+        );
         ctrl.heartbeat(Some(&facts))
             .await
             .with_context(|| format!("registering node {node}"))?;
@@ -178,7 +181,15 @@ pub async fn start_with_hypervisor(
         cluster_duties: false,
         ..cfg.lifecycle.clone()
     };
-    let agent = NodeAgent::spawn(store.clone(), hv.clone(), clock, lifecycle).await?;
+    // A bare agent serves no metrics endpoint: nothing to report to.
+    let agent = NodeAgent::spawn(
+        store.clone(),
+        hv.clone(),
+        clock,
+        lifecycle,
+        Arc::new(keel_ctrl::NoObserver),
+    )
+    .await?;
     tracing::info!(node = %cfg.node, store = %cfg.store, data_dir = %cfg.data_dir.display(), "keel agent running");
     Ok(RunningAgent {
         agent,

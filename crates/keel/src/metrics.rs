@@ -2,33 +2,38 @@
 //! the `prometheus-client` crate in the OpenMetrics text format, which
 //! Prometheus scrapes natively.
 
-use std::sync::LazyLock;
-
-use keel_api::{Phase, VirtualMachine};
-use keel_ctrl::keys::VMS_PREFIX;
+use keel_api::{ExitKind, Migration, MigrationPhase, Phase, StopReason, VirtualMachine};
+use keel_ctrl::keys::{MIGRATIONS_PREFIX, VMS_PREFIX};
+use keel_ctrl::LifecycleObserver;
 use keel_store::{StoreError, TypedStore};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use tracing::field::{Field, Visit};
-use tracing::{Event, Level, Subscriber};
-use tracing_subscriber::layer::{Context, Layer};
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 type Labels = Vec<(&'static str, String)>;
 
-/// Reconcile errors of this process, by controller. Process-wide because
-/// the controllers report them only through `tracing` (see
-/// [`ReconcileErrorLayer`]).
-static RECONCILE_ERRORS: LazyLock<Family<Labels, Counter>> = LazyLock::new(Family::default);
+/// Operation durations: from a fraction of a second (a stop) to minutes
+/// (a hung guest's grace period, a slow migration).
+const DURATION_BUCKETS: [f64; 12] = [
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 600.0,
+];
 
+/// The process's metrics. The controllers report into it as their
+/// [`LifecycleObserver`]; the store is read at scrape time for gauges.
 pub struct Metrics {
     registry: Registry,
     vms: Family<Labels, Gauge>,
+    migrations: Family<Labels, Gauge>,
     requests: Family<Labels, Counter>,
+    reconcile_errors: Family<Labels, Counter>,
+    operations: Family<Labels, Histogram>,
+    unrequested_exits: Family<Labels, Counter>,
+    migrations_finished: Family<Labels, Histogram>,
 }
 
 impl Default for Metrics {
@@ -42,14 +47,21 @@ impl Metrics {
         let mut registry = Registry::with_prefix("keel");
         let vms = Family::<Labels, Gauge>::default();
         registry.register("vms", "VMs by lifecycle phase", vms.clone());
+        let migrations = Family::<Labels, Gauge>::default();
+        registry.register(
+            "migrations",
+            "Migration records by phase",
+            migrations.clone(),
+        );
+        let reconcile_errors = Family::<Labels, Counter>::default();
         registry.register(
             "reconcile_errors",
             "Reconciles that failed (store or hypervisor error) and were retried, by controller (vm, snapshot, migration)",
-            RECONCILE_ERRORS.clone(),
+            reconcile_errors.clone(),
         );
         // Present at 0 from the start, so alerts on it have a series.
         for controller in ["vm", "snapshot", "migration"] {
-            let _ = RECONCILE_ERRORS.get_or_create(&vec![("controller", controller.to_string())]);
+            let _ = reconcile_errors.get_or_create(&vec![("controller", controller.to_string())]);
         }
         let requests = Family::<Labels, Counter>::default();
         registry.register(
@@ -57,10 +69,34 @@ impl Metrics {
             "HTTP requests served, by method and status code",
             requests.clone(),
         );
+        let operations = Family::<Labels, Histogram>::new_with_constructor(duration_histogram);
+        registry.register(
+            "operation_duration_seconds",
+            "How long lifecycle operations took: start (recorded to running), and stops by reason (user, restart, delete, policy, restore, evict: power button to observed gone)",
+            operations.clone(),
+        );
+        let unrequested_exits = Family::<Labels, Counter>::default();
+        registry.register(
+            "unrequested_exits",
+            "Instances that ended without being asked to (crashes, guest power-offs, vanished), by kind; restarts follow per run policy",
+            unrequested_exits.clone(),
+        );
+        let migrations_finished =
+            Family::<Labels, Histogram>::new_with_constructor(duration_histogram);
+        registry.register(
+            "migration_duration_seconds",
+            "Live migrations that ended, by result, from creation to the end",
+            migrations_finished.clone(),
+        );
         Self {
             registry,
             vms,
+            migrations,
             requests,
+            reconcile_errors,
+            operations,
+            unrequested_exits,
+            migrations_finished,
         }
     }
 
@@ -91,6 +127,16 @@ impl Metrics {
                 .get_or_create(&vec![("phase", format!("{phase:?}"))])
                 .set(count);
         }
+        let (migrations, _) = store.list::<Migration>(MIGRATIONS_PREFIX).await?;
+        for phase in MIGRATION_PHASES {
+            let count = migrations
+                .iter()
+                .filter(|(_, m)| m.value.status.phase == phase)
+                .count();
+            self.migrations
+                .get_or_create(&vec![("phase", format!("{phase:?}"))])
+                .set(count as i64);
+        }
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         Ok(out)
@@ -120,51 +166,49 @@ fn phase_index(phase: Phase) -> usize {
     }
 }
 
-/// Counts the controller runtime's `reconcile failed` warnings (`vm`) and
-/// `<controller> reconcile failed` ones. keel-ctrl exposes no hook for
-/// this, so the count is taken from its log events; installed by
-/// `keel serve` next to the log formatter.
-pub struct ReconcileErrorLayer;
+const MIGRATION_PHASES: [MigrationPhase; 5] = [
+    MigrationPhase::Pending,
+    MigrationPhase::TargetReady,
+    MigrationPhase::Running,
+    MigrationPhase::Succeeded,
+    MigrationPhase::Failed,
+];
 
-impl<S: Subscriber> Layer<S> for ReconcileErrorLayer {
-    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
-        let meta = event.metadata();
-        if *meta.level() != Level::WARN || !meta.target().starts_with("keel_ctrl") {
-            return;
-        }
-        let mut message = Message(None);
-        event.record(&mut message);
-        let Some(prefix) = message
-            .0
-            .as_deref()
-            .and_then(|m| m.strip_suffix("reconcile failed"))
-        else {
-            return;
-        };
-        let controller = match prefix.trim() {
-            "" => "vm",
-            "snapshot" => "snapshot",
-            "migration" => "migration",
-            _ => "other",
-        };
-        RECONCILE_ERRORS
-            .get_or_create(&vec![("controller", controller.to_string())])
-            .inc();
-    }
+fn duration_histogram() -> Histogram {
+    Histogram::new(DURATION_BUCKETS)
 }
 
-struct Message(Option<String>);
-
-impl Visit for Message {
-    fn record_str(&mut self, field: &Field, value: &str) {
-        if field.name() == "message" {
-            self.0 = Some(value.to_string());
-        }
+impl LifecycleObserver for Metrics {
+    fn stop_finished(&self, reason: StopReason, seconds: f64) {
+        let op = format!("stop_{reason:?}").to_lowercase();
+        self.operations
+            .get_or_create(&vec![("operation", op)])
+            .observe(seconds);
     }
-    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        if field.name() == "message" {
-            self.0 = Some(format!("{value:?}"));
-        }
+
+    fn start_finished(&self, seconds: f64) {
+        self.operations
+            .get_or_create(&vec![("operation", "start".to_string())])
+            .observe(seconds);
+    }
+
+    fn unrequested_exit(&self, kind: ExitKind) {
+        self.unrequested_exits
+            .get_or_create(&vec![("kind", format!("{kind:?}"))])
+            .inc();
+    }
+
+    fn migration_finished(&self, succeeded: bool, seconds: f64) {
+        let result = if succeeded { "succeeded" } else { "failed" };
+        self.migrations_finished
+            .get_or_create(&vec![("result", result.to_string())])
+            .observe(seconds);
+    }
+
+    fn reconcile_failed(&self, controller: &'static str) {
+        self.reconcile_errors
+            .get_or_create(&vec![("controller", controller.to_string())])
+            .inc();
     }
 }
 
@@ -172,7 +216,6 @@ impl Visit for Message {
 mod tests {
     use super::*;
     use std::sync::Arc;
-    use tracing_subscriber::layer::SubscriberExt;
 
     #[tokio::test]
     async fn renders_phases_and_requests() {
@@ -193,22 +236,25 @@ mod tests {
         );
     }
 
-    #[test]
-    fn counts_reconcile_failures_from_logs() {
-        let count = |c: &str| {
-            RECONCILE_ERRORS
-                .get_or_create(&vec![("controller", c.to_string())])
-                .get()
-        };
-        let subscriber = tracing_subscriber::registry().with(ReconcileErrorLayer);
-        let (vm, snap) = (count("vm"), count("snapshot"));
-        tracing::subscriber::with_default(subscriber, || {
-            tracing::warn!(target: "keel_ctrl::runtime", err = "boom", "reconcile failed");
-            tracing::warn!(target: "keel_ctrl::runtime", err = "boom", "snapshot reconcile failed");
-            tracing::warn!(target: "keel_ctrl::runtime", "something else");
-            tracing::warn!(target: "other", "reconcile failed");
-            tracing::info!(target: "keel_ctrl::runtime", "reconcile failed");
-        });
-        assert_eq!((count("vm"), count("snapshot")), (vm + 1, snap + 1));
+    #[tokio::test]
+    async fn renders_what_the_controllers_report() {
+        let store = TypedStore::new(Arc::new(keel_store::memory::MemoryStore::new()));
+        let m = Metrics::new();
+        m.stop_finished(StopReason::Restart, 0.04);
+        m.start_finished(2.5);
+        m.unrequested_exit(ExitKind::Crashed);
+        m.migration_finished(true, 0.7);
+        m.reconcile_failed("vm");
+        let text = m.render(&store).await.unwrap();
+        for needle in [
+            "keel_operation_duration_seconds_count{operation=\"stop_restart\"} 1",
+            "keel_operation_duration_seconds_count{operation=\"start\"} 1",
+            "keel_unrequested_exits_total{kind=\"Crashed\"} 1",
+            "keel_migration_duration_seconds_count{result=\"succeeded\"} 1",
+            "keel_reconcile_errors_total{controller=\"vm\"} 1",
+            "keel_migrations{phase=\"Running\"} 0",
+        ] {
+            assert!(text.contains(needle), "{needle} missing in:\n{text}");
+        }
     }
 }

@@ -259,19 +259,18 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         node: cfg.node.clone(),
         ..cfg.lifecycle.clone()
     };
-    let ctrl = Arc::new(VmController::new(
-        store.clone(),
-        hv.clone(),
-        clock.clone(),
-        lifecycle,
-    ));
+    let metrics = Arc::new(Metrics::new());
+    let ctrl = Arc::new(
+        VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle)
+            .with_observer(metrics.clone()),
+    );
     // Register the node (with the hypervisor's facts) before serving; the
     // controller runtime keeps the heartbeat going from here on.
     ctrl.heartbeat(Some(&facts))
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, stop_rx);
+    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -302,12 +301,13 @@ fn serve_api(
     store: &TypedStore,
     clock: Arc<dyn Clock>,
     token: &Token,
+    metrics: Arc<Metrics>,
     stop: watch::Receiver<bool>,
 ) -> JoinHandle<std::io::Result<()>> {
     let state = AppState {
         store: store.clone(),
         clock,
-        metrics: Arc::new(Metrics::new()),
+        metrics,
         shutdown: stop.clone(),
     };
     let app = api::router(state, token.clone());
@@ -343,10 +343,17 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         ..cfg.lifecycle.clone()
     };
     let (stop, stop_rx) = watch::channel(false);
+    let metrics = Arc::new(Metrics::new());
     let (agent, hypervisor) = if cfg.agent {
         let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
-        let agent =
-            NodeAgent::spawn(store.clone(), hv.clone(), clock.clone(), lifecycle.clone()).await?;
+        let agent = NodeAgent::spawn(
+            store.clone(),
+            hv.clone(),
+            clock.clone(),
+            lifecycle.clone(),
+            metrics.clone(),
+        )
+        .await?;
         (Some(agent), Some(hv))
     } else {
         (None, None)
@@ -366,7 +373,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         election.clone(),
     ));
     let controller = tokio::spawn(run_control_plane(cluster, stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, stop_rx);
+    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -461,7 +468,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 pub(crate) fn init_logging() {
-    use tracing_subscriber::filter::{EnvFilter, Targets};
+    use tracing_subscriber::filter::EnvFilter;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
@@ -473,10 +480,6 @@ pub(crate) fn init_logging() {
                 .with_writer(std::io::stderr)
                 .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_filter(filter),
-        )
-        .with(
-            crate::metrics::ReconcileErrorLayer
-                .with_filter(Targets::new().with_target("keel_ctrl", tracing::Level::WARN)),
         )
         .try_init();
 }
