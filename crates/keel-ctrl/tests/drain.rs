@@ -67,11 +67,7 @@ async fn drain_live_migrates_every_vm() {
 /// a node can take it.
 #[tokio::test]
 async fn no_target_degrades_to_stop_and_starts_elsewhere_later() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOn).await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOn).await;
     c.update_node("b", Node::cordon_by_operator).await;
     c.drain("a").await;
     c.run(10_000).await;
@@ -92,12 +88,7 @@ async fn no_target_degrades_to_stop_and_starts_elsewhere_later() {
 /// migration is marked failed, the VM is stopped and started elsewhere.
 #[tokio::test]
 async fn submission_window_expiry_falls_back() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     c.agents[1].migrations_stuck = true;
     c.drain("a").await;
     c.run(9_000).await;
@@ -190,12 +181,7 @@ async fn late_migration_success_is_honoured() {
 /// open new ones.
 #[tokio::test]
 async fn controller_restart_resumes_the_stored_deadlines() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     c.agents[1].migrations_stuck = true;
     c.drain("a").await;
     c.run(4_000).await;
@@ -246,12 +232,7 @@ async fn missing_or_invalid_markers_fall_back() {
 /// attempt in the next drain instead of being skipped.
 #[tokio::test]
 async fn stale_failed_migration_gets_a_new_attempt() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     // An earlier drain of a: its migration failed; then the drain was cancelled.
     c.agents[1].hv.set_faults(SimFaults {
         op_unavailable: 1.0,
@@ -299,12 +280,7 @@ async fn stale_failed_migration_gets_a_new_attempt() {
 /// record is created once.
 #[tokio::test]
 async fn a_migration_is_created_once_per_attempt() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     c.drain("a").await;
     for _ in 0..20 {
         c.restart_controllers();
@@ -321,12 +297,7 @@ async fn a_migration_is_created_once_per_attempt() {
 /// record: the retry creates the reserved migration, not a second one.
 #[tokio::test]
 async fn a_reserved_migration_is_created_under_its_reserved_id() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     let mut failed_once = false;
     c.memory
         .set_fault_hook(Some(Box::new(move |op: &keel_store::memory::Op<'_>| {

@@ -57,12 +57,7 @@ async fn vms_of_a_lost_node_move_only_after_its_lease_expires() {
 /// after. At no tick do both execute (checked by the harness every tick).
 #[tokio::test]
 async fn a_partitioned_agent_fences_itself_before_its_lease_expires() {
-    let mut c = Cluster::new(sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
-        .await;
-    c.run(3_000).await;
-    c.add_node("b").await;
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
     c.agents[0].partitioned.store(true, Ordering::SeqCst);
     c.run(lease_ms() + 10_000).await;
     assert!(!c.executing_on("a", "vm"), "a fenced its instance");

@@ -86,6 +86,17 @@ impl Cluster {
         }
     }
 
+    /// The common start: node `a` runs VM `vm` under `policy`, then node
+    /// `b` joins (empty).
+    pub async fn vm_on_a_then_b(policy: RunPolicy) -> Cluster {
+        let mut c = Cluster::new(sim());
+        c.add_node("a").await;
+        c.create("vm", policy).await;
+        c.run(3_000).await;
+        c.add_node("b").await;
+        c
+    }
+
     pub fn now(&self) -> Millis {
         self.clock.now_ms()
     }
