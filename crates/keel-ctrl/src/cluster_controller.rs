@@ -12,13 +12,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_api::{Clock, Millis, Node, VirtualMachine};
+use keel_api::{Clock, Migration, Millis, Node, VirtualMachine};
 use keel_store::{Guard, Revision, StoreError, TypedStore, WatchEvent};
 use serde::Serialize;
 use tokio::sync::watch;
 
 use crate::election::LeaderElection;
-use crate::keys::{vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
+use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
 use crate::schedule::{lost_nodes, next_node_loss, placement};
 use crate::vm_controller::record_event;
 use crate::vm_decide::{take_over_from_lost_node, LifecycleConfig};
@@ -156,7 +156,14 @@ pub(crate) async fn take_over(
             continue;
         };
         let owner = owner.to_string();
-        let next = take_over_from_lost_node(vm, &owner, now);
+        let (migrations, _) = store
+            .list::<Migration>(&migrations_of_prefix(&vm.name))
+            .await?;
+        let migrations: Vec<Migration> = migrations.into_iter().map(|(_, e)| e.value).collect();
+        let Some(next) = take_over_from_lost_node(vm, &owner, &migrations, now) else {
+            // A migration from the lost node is still being settled by its target.
+            continue;
+        };
         match fence
             .update(store, &vm_key(&vm.name), &next, state.revisions[i])
             .await

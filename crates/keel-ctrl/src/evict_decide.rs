@@ -124,6 +124,15 @@ pub(crate) fn decide_eviction(
 
 /// The target runs the guest now: it becomes the VM's instance.
 fn adopt_target(vm: &VirtualMachine, m: &Migration, now: Millis) -> Step {
+    Step::Persist {
+        vm: Box::new(migrated(vm, m, now)),
+        then: None,
+        requeue_at: now,
+    }
+}
+
+/// `vm` after migration `m` handed it over: the target is its instance.
+pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> VirtualMachine {
     let mut next = vm.clone();
     next.status.instance = Some(Instance {
         id: m.target_instance.clone(),
@@ -138,11 +147,7 @@ fn adopt_target(vm: &VirtualMachine, m: &Migration, now: Millis) -> Step {
         "migrated from node {} to node {} by migration {}",
         m.source_node, m.target_node, m.id
     ));
-    Step::Persist {
-        vm: Box::new(next),
-        then: None,
-        requeue_at: now,
-    }
+    next
 }
 
 fn fallback(vm: &VirtualMachine, why: &str, now: Millis, fallback_ms: Millis) -> Step {

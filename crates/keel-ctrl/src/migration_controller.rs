@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, VirtualMachine};
-use keel_hv::{DomainSpec, Hypervisor, MigrationProgress};
+use keel_hv::{DomainSpec, DomainState, Hypervisor, MigrationProgress};
 use keel_store::{StoreError, TypedStore};
 
 use crate::keys::{migration_key, vm_key};
@@ -62,12 +62,15 @@ impl MigrationController {
             .get::<VirtualMachine>(&vm_key(vm_name))
             .await?
             .map(|e| e.value);
-        // Still wanted: the VM's eviction names it and has not given up.
+        // Still wanted: the VM's eviction names it and has not given up, and
+        // nobody asked for the VM to stop, restart or go away meanwhile.
         let wanted = vm.as_ref().is_some_and(|vm| {
             vm.status.eviction.as_ref().is_some_and(|e| {
                 e.migration.as_deref() == Some(id) && e.phase != EvictionPhase::Fallback
             }) && vm.status.instance.as_ref().map(|i| i.id.as_str())
                 == Some(m.source_instance.as_str())
+                && vm.wants_running()
+                && !vm.restart_pending()
         });
         let poll = Some(now + 500);
         match m.status.phase {
@@ -162,6 +165,40 @@ impl MigrationController {
                         tracing::warn!(vm = vm_name, migration = id, %err, "migration status unknown");
                         Ok(Some(now + self.cfg.retry_ms))
                     }
+                }
+            }
+            // The target knows best whether the handover happened: its
+            // guest runs only once the whole state has arrived. This also
+            // settles a migration whose source node was lost mid-way.
+            MigrationPhase::TargetReady | MigrationPhase::Running if m.target_node == me => {
+                match self.hv.info(&m.target_instance).await {
+                    Ok(info) if info.state == DomainState::Running => {
+                        m.status.phase = MigrationPhase::Succeeded;
+                        m.status.finished_at = Some(now);
+                        tracing::info!(
+                            vm = vm_name,
+                            migration = id,
+                            "migration succeeded (target runs)"
+                        );
+                        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
+                        self.observer.migration_finished(true, seconds);
+                        self.write(&key, &m, entry.revision, now).await
+                    }
+                    Ok(info) if info.state.is_exited() => {
+                        self.fail(
+                            &key,
+                            m,
+                            entry.revision,
+                            "target ended before the handover",
+                            now,
+                        )
+                        .await
+                    }
+                    Err(err) if err.is_not_found() => {
+                        self.fail(&key, m, entry.revision, "target instance is gone", now)
+                            .await
+                    }
+                    _ => Ok(Some(now + 500)),
                 }
             }
             // Waiting for the other side.

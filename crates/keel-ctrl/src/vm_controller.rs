@@ -344,10 +344,8 @@ impl VmController {
     /// This node's drain and, while draining, the VM's migration and the
     /// nodes it could move to.
     async fn cluster_view(&self, vm: &VirtualMachine) -> Result<ClusterView, StoreError> {
-        let me = self.store.get::<Node>(&node_key(&self.cfg.node)).await?;
-        let Some(drain) = me.and_then(|n| n.value.draining().cloned()) else {
-            return Ok(ClusterView::default());
-        };
+        // The eviction's migration is looked at even when the drain has
+        // ended: one that succeeded meanwhile must still be taken.
         let migration = match vm
             .status
             .eviction
@@ -360,6 +358,13 @@ impl VmController {
                 .await?
                 .map(|e| e.value),
             None => None,
+        };
+        let me = self.store.get::<Node>(&node_key(&self.cfg.node)).await?;
+        let Some(drain) = me.and_then(|n| n.value.draining().cloned()) else {
+            return Ok(ClusterView {
+                migration,
+                ..ClusterView::default()
+            });
         };
         let now = self.clock.now_ms();
         let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;

@@ -14,8 +14,8 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    Drain, ExitKind, ExitRecord, Instance, Migration, Millis, Phase, PowerState, RunPolicy,
-    Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
+    Drain, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase, PowerState,
+    RunPolicy, Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
 
@@ -157,6 +157,19 @@ pub fn decide(
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Step {
+    // A migration from the recorded instance that succeeded has handed the
+    // guest over, whatever the source looks like now (paused, stopped,
+    // unreachable) and whether or not the drain still lasts: the target is
+    // the instance.
+    if let (Some(inst), Some(m)) = (&vm.status.instance, &cluster.migration) {
+        if m.status.phase == MigrationPhase::Succeeded && m.source_instance == inst.id {
+            return Step::Persist {
+                vm: Box::new(crate::evict_decide::migrated(vm, m, now)),
+                then: None,
+                requeue_at: now,
+            };
+        }
+    }
     match (&vm.status.instance, observed) {
         (Some(_), Observed::Unknown(err)) => lookup_failed(vm, err, now, cfg),
         (Some(inst), Observed::InstanceAbsent) => instance_gone(vm, inst, None, now, cfg),
@@ -263,6 +276,14 @@ fn instance_alive(
         return keep_running(vm, next, inst, state, now, cfg);
     };
     let Some(stop) = &vm.status.stop else {
+        if migration_in_flight(vm, cluster) {
+            // Stopping a source mid-stream could hand over a guest that is
+            // powering off, or leave a target to run beside a new instance:
+            // the migration controller cancels it (no longer wanted) first.
+            return Step::Wait {
+                requeue_at: now + cfg.retry_ms,
+            };
+        }
         return begin_stop(next, inst, reason, now, cfg);
     };
     if now < stop.next_check_at {
@@ -296,6 +317,15 @@ fn instance_alive(
         then: Some(HvAction::Shutdown(inst.id.clone())),
         requeue_at,
     }
+}
+
+/// Whether a live migration from the recorded instance is still under way.
+fn migration_in_flight(vm: &VirtualMachine, cluster: &ClusterView) -> bool {
+    let recorded = vm.status.instance.as_ref().map(|i| i.id.as_str());
+    cluster
+        .migration
+        .as_ref()
+        .is_some_and(|m| !m.status.phase.is_final() && Some(m.source_instance.as_str()) == recorded)
 }
 
 /// Presses the power button and records the stop schedule.
@@ -456,7 +486,33 @@ fn instance_gone(
 /// The VM's node lost its lease: its instance counts as gone (the node
 /// fenced itself, or is down), the way a crash does, and the VM goes back
 /// to the scheduler.
-pub fn take_over_from_lost_node(vm: &VirtualMachine, node: &str, now: Millis) -> VirtualMachine {
+///
+/// A migration from the recorded instance changes that: if it succeeded,
+/// the target runs the guest and becomes the instance; if it is still in
+/// flight, nothing is decided until the target's agent settles it (`None`),
+/// since the target may already be running the guest.
+pub fn take_over_from_lost_node(
+    vm: &VirtualMachine,
+    node: &str,
+    migrations: &[Migration],
+    now: Millis,
+) -> Option<VirtualMachine> {
+    let recorded = vm.status.instance.as_ref().map(|i| i.id.as_str());
+    let from_recorded = |m: &&Migration| Some(m.source_instance.as_str()) == recorded;
+    if let Some(m) = migrations
+        .iter()
+        .filter(from_recorded)
+        .find(|m| m.status.phase == MigrationPhase::Succeeded)
+    {
+        return Some(crate::evict_decide::migrated(vm, m, now));
+    }
+    if migrations
+        .iter()
+        .filter(from_recorded)
+        .any(|m| !m.status.phase.is_final())
+    {
+        return None;
+    }
     let mut next = vm.clone();
     let requested = vm.status.stop.is_some();
     if let Some(inst) = &vm.status.instance {
@@ -480,7 +536,7 @@ pub fn take_over_from_lost_node(vm: &VirtualMachine, node: &str, now: Millis) ->
         next.generation += 1;
     }
     next.status.phase = phase_without_instance(&next, now);
-    next
+    Some(next)
 }
 
 fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {
@@ -534,6 +590,16 @@ fn no_instance(
     }
     if let Some(request) = &vm.restore {
         return restore(vm, &request.snapshot, restore_source, now, cfg);
+    }
+    if cluster
+        .migration
+        .as_ref()
+        .is_some_and(|m| !m.status.phase.is_final())
+    {
+        // Its target may still start running the guest: settle it first.
+        return Step::Wait {
+            requeue_at: now + cfg.retry_ms,
+        };
     }
     next.status.observed_restart_generation = vm.spec.restart_generation;
     next.status.observed_generation = vm.generation;

@@ -7,6 +7,7 @@
 //! This driver never replaces the end-to-end tests against real QEMU.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -83,6 +84,9 @@ struct Incoming {
     /// When the state will have arrived; `None` until the source sends.
     completes_at: Option<Millis>,
     fails: bool,
+    /// Set when the stream broke before the end (source gone, cancelled):
+    /// the target then never runs, as a real incoming QEMU would not.
+    aborted: Arc<AtomicBool>,
 }
 
 #[derive(Debug, Clone)]
@@ -91,10 +95,20 @@ struct Outgoing {
     completes_at: Millis,
     fails: bool,
     cancelled: bool,
-    target_uri: String,
+    abort: Arc<AtomicBool>,
 }
 
 impl SimDomain {
+    /// The process ends now. A migration it was still sending breaks off.
+    fn exit(&mut self, cause: ExitCause, now: Millis) {
+        if let Some(o) = &self.outgoing {
+            if now < o.completes_at {
+                o.abort.store(true, Ordering::SeqCst);
+            }
+        }
+        self.state = DomainState::Exited(cause);
+    }
+
     /// Whether this domain's guest is the one executing: not exited, not a
     /// target still waiting for state, not a source that handed over.
     fn executing(&self) -> bool {
@@ -265,7 +279,14 @@ impl SimHypervisor {
     /// The host loses power: every process on it is gone at once, and after
     /// it comes back the hypervisor knows of no domain.
     pub fn power_failure(&self) {
+        let now = self.clock.now_ms();
         let mut s = self.lock();
+        for d in s.domains.values_mut() {
+            if !d.state.is_exited() {
+                // A migration cut off mid-stream never hands over.
+                d.exit(ExitCause::Killed, now);
+            }
+        }
         s.domains.clear();
         s.log.push("power failure".into());
     }
@@ -287,7 +308,7 @@ impl SimHypervisor {
         let now = self.clock.now_ms();
         if let Some(d) = self.lock().domains.get_mut(instance) {
             if !d.state.is_exited() {
-                d.state = DomainState::Exited(ExitCause::Crashed);
+                d.exit(ExitCause::Crashed, now);
                 d.crash_at = Some(now);
             }
         }
@@ -295,9 +316,10 @@ impl SimHypervisor {
 
     /// The guest powers itself off now.
     pub fn guest_poweroff(&self, instance: &str) {
+        let now = self.clock.now_ms();
         if let Some(d) = self.lock().domains.get_mut(instance) {
             if !d.state.is_exited() {
-                d.state = DomainState::Exited(ExitCause::Poweroff);
+                d.exit(ExitCause::Poweroff, now);
             }
         }
     }
@@ -319,6 +341,11 @@ impl SimState {
                 continue;
             }
             if let Some(inc) = &d.incoming {
+                if inc.aborted.load(Ordering::SeqCst) {
+                    d.state = DomainState::Exited(ExitCause::Crashed);
+                    d.incoming = None;
+                    continue;
+                }
                 match inc.completes_at {
                     Some(at) if now >= at => {
                         d.state = if inc.fails {
@@ -341,14 +368,15 @@ impl SimState {
             }
             if let Some(at) = d.crash_at {
                 if now >= at {
-                    d.state = DomainState::Exited(ExitCause::Crashed);
+                    d.exit(ExitCause::Crashed, at);
                     continue;
                 }
             }
             if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
                 // A guest still booting acts on the button once it is up.
-                if now >= at.max(d.started_at + boot_ms) + shutdown_ms {
-                    d.state = DomainState::Exited(ExitCause::Poweroff);
+                let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
+                if now >= off_at {
+                    d.exit(ExitCause::Poweroff, off_at);
                     continue;
                 }
             }
@@ -514,7 +542,7 @@ impl Hypervisor for SimHypervisor {
                 instance: instance.to_string(),
             })?;
         if !d.state.is_exited() {
-            d.state = DomainState::Exited(ExitCause::Killed);
+            d.exit(ExitCause::Killed, now);
         }
         s.log.push(format!("t={now}: kill {instance}"));
         Ok(())
@@ -602,6 +630,7 @@ impl Hypervisor for SimHypervisor {
                     incoming: Some(Incoming {
                         completes_at: None,
                         fails: false,
+                        aborted: Arc::new(AtomicBool::new(false)),
                     }),
                     outgoing: None,
                 },
@@ -639,7 +668,7 @@ impl Hypervisor for SimHypervisor {
             });
         }
         let target_instance = uri.rsplit('/').next().unwrap_or_default().to_string();
-        let (completes_at, fails) = {
+        let (completes_at, fails, abort) = {
             let mut s = self.lock();
             let p = s.config.faults.op_unavailable;
             s.maybe_unavailable(instance, "migrate", p)?;
@@ -666,15 +695,16 @@ impl Hypervisor for SimHypervisor {
                 // Already under way (a retried call): nothing new to start.
                 return Ok(());
             }
+            let abort = Arc::new(AtomicBool::new(false));
             d.outgoing = Some(Outgoing {
                 started_at: now,
                 completes_at,
                 fails,
                 cancelled: false,
-                target_uri: uri.to_string(),
+                abort: abort.clone(),
             });
             s.log.push(format!("t={now}: migrate {instance} -> {uri}"));
-            (completes_at, fails)
+            (completes_at, fails, abort)
         };
         let mut t = target_state.lock().expect("sim state poisoned");
         t.advance(now);
@@ -683,6 +713,7 @@ impl Hypervisor for SimHypervisor {
                 d.incoming = Some(Incoming {
                     completes_at: Some(completes_at),
                     fails,
+                    aborted: abort,
                 });
                 Ok(())
             }
@@ -723,40 +754,19 @@ impl Hypervisor for SimHypervisor {
 
     async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
         let now = self.clock.now_ms();
-        let target_uri = {
-            let mut s = self.lock();
-            let too_late_p = s.config.faults.cancel_too_late;
-            let too_late = s.chance(too_late_p);
-            let d = s
-                .domains
-                .get_mut(instance)
-                .ok_or_else(|| HvError::NotFound {
-                    instance: instance.to_string(),
-                })?;
-            match d.outgoing.as_mut() {
-                Some(o) if now < o.completes_at && !o.cancelled && !too_late => {
-                    o.cancelled = true;
-                    o.target_uri.clone()
-                }
-                _ => return Ok(()),
-            }
-        };
-        let target_state = self
-            .fabric
-            .targets
-            .lock()
-            .expect("fabric poisoned")
-            .get(&target_uri)
-            .cloned();
-        if let Some(t) = target_state {
-            let target_instance = target_uri.rsplit('/').next().unwrap_or_default();
-            let mut t = t.lock().expect("sim state poisoned");
-            t.advance(now);
-            if let Some(d) = t.domains.get_mut(target_instance) {
-                if d.incoming.is_some() {
-                    d.incoming = None;
-                    d.state = DomainState::Exited(ExitCause::Crashed);
-                }
+        let mut s = self.lock();
+        let too_late_p = s.config.faults.cancel_too_late;
+        let too_late = s.chance(too_late_p);
+        let d = s
+            .domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        if let Some(o) = d.outgoing.as_mut() {
+            if now < o.completes_at && !o.cancelled && !too_late {
+                o.cancelled = true;
+                o.abort.store(true, Ordering::SeqCst);
             }
         }
         Ok(())

@@ -286,7 +286,12 @@ impl Cluster {
             }
         }
         for (vm, list) in executing {
-            assert!(list.len() <= 1, "VM {vm} executes twice: {list:?}");
+            if list.len() > 1 {
+                panic!(
+                    "VM {vm} executes twice: {list:?}\n{}",
+                    self.explain(&vm).await
+                );
+            }
             let record = self.vm(&vm).await;
             let recorded = record
                 .status
@@ -304,11 +309,49 @@ impl Cluster {
                     && &m.target_node == node
                     && recorded.as_ref().map(|r| &r.1) == Some(&m.source_instance)
             });
-            assert!(
-                handover,
-                "VM {vm}: executing {list:?}, record names {recorded:?}"
-            );
+            if !handover {
+                panic!(
+                    "VM {vm}: executing {list:?}, record names {recorded:?}\n{}",
+                    self.explain(&vm).await
+                );
+            }
         }
+    }
+
+    /// The VM's record, its migrations and each node's last hypervisor
+    /// calls: what a failing invariant needs to be understood.
+    pub async fn explain(&self, vm: &str) -> String {
+        let logs: Vec<String> = self
+            .agents
+            .iter()
+            .map(|a| {
+                let log = a.hv.log();
+                let tail = log.len().saturating_sub(10);
+                format!("{}: {}", a.name, log[tail..].join(" | "))
+            })
+            .collect();
+        let nodes: Vec<String> = {
+            let mut out = Vec::new();
+            for a in &self.agents {
+                let n = self.node(&a.name).await;
+                out.push(format!(
+                    "{} heartbeat={} running={} partitioned={}",
+                    a.name,
+                    n.status.last_heartbeat,
+                    a.running,
+                    a.partitioned.load(std::sync::atomic::Ordering::SeqCst)
+                ));
+            }
+            out
+        };
+        format!(
+            "now: {}\nrecord: {:?}\nmigrations: {:?}\nnodes: {:?}\nhypervisors:\n{}",
+            self.now(),
+            self.vm(vm).await.status,
+            self.migrations_of(vm).await,
+            nodes,
+            logs.join("\n")
+        )
     }
 
     pub fn executing_on(&self, node: &str, vm: &str) -> bool {
