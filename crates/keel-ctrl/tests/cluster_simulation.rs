@@ -9,6 +9,8 @@
 //! --test cluster_simulation`; `KEEL_CLUSTER_SEEDS=<n>` runs more (default 60).
 
 mod cluster;
+#[path = "support/seeds.rs"]
+mod seeds;
 
 use std::sync::atomic::Ordering;
 
@@ -205,25 +207,6 @@ fn report(seed: u64, trace: &[String], err: &str) -> String {
 
 #[tokio::test(flavor = "current_thread")]
 async fn seeded_cluster_simulation() {
-    let seeds: Vec<u64> = match std::env::var("KEEL_CLUSTER_SEED") {
-        Ok(s) => vec![s.parse().expect("KEEL_CLUSTER_SEED must be a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("KEEL_CLUSTER_SEEDS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(60);
-            (0..n).collect()
-        }
-    };
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed).await {
-            failures.push(e);
-            if failures.len() >= 3 {
-                break;
-            }
-        }
-    }
-    println!("cluster simulation: {} seeds run", seeds.len());
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    let seeds = seeds::seeds("KEEL_CLUSTER_SEED", "KEEL_CLUSTER_SEEDS", 60);
+    seeds::run_seeds("cluster simulation", &seeds, run_seed).await;
 }

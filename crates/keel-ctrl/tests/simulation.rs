@@ -18,6 +18,8 @@
 //! record asks for within a bounded budget (nothing is stuck forever).
 
 mod common;
+#[path = "support/seeds.rs"]
+mod seeds;
 
 use std::collections::BTreeSet;
 
@@ -292,25 +294,6 @@ fn report(seed: u64, trace: &[String], w: &World, err: &str) -> String {
 
 #[tokio::test(flavor = "current_thread")]
 async fn seeded_lifecycle_simulation() {
-    let seeds: Vec<u64> = match std::env::var("KEEL_SIM_SEED") {
-        Ok(s) => vec![s.parse().expect("KEEL_SIM_SEED must be a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("KEEL_SIM_SEEDS")
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(1000);
-            (0..n).collect()
-        }
-    };
-    let mut failures = Vec::new();
-    for &seed in &seeds {
-        if let Err(e) = run_seed(seed).await {
-            failures.push(e);
-            if failures.len() >= 3 {
-                break;
-            }
-        }
-    }
-    println!("simulation: {} seeds run", seeds.len());
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    let seeds = seeds::seeds("KEEL_SIM_SEED", "KEEL_SIM_SEEDS", 1000);
+    seeds::run_seeds("simulation", &seeds, run_seed).await;
 }
