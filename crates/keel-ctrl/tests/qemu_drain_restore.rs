@@ -9,7 +9,6 @@ use keel_api::{
 };
 use keel_ctrl::keys::{node_key, snapshot_key};
 use keel_hv::guest::GuestChannel;
-use keel_store::StoreError;
 use qemu::{qemu_pids, Env};
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -186,19 +185,5 @@ async fn node(env: &Env, name: &str) -> Node {
 }
 
 async fn update_node(env: &Env, name: &str, f: impl Fn(&mut Node)) {
-    loop {
-        let e = env
-            .store
-            .get::<Node>(&node_key(name))
-            .await
-            .unwrap()
-            .unwrap();
-        let mut n = e.value;
-        f(&mut n);
-        match env.store.update(&node_key(name), &n, e.revision).await {
-            Ok(_) => return,
-            Err(StoreError::Conflict { .. }) => continue,
-            Err(e) => panic!("{e}"),
-        }
-    }
+    qemu::cas::update(&env.store, &node_key(name), f).await
 }

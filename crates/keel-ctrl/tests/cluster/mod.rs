@@ -1,6 +1,8 @@
 //! Several simulated nodes sharing one store, one clock and shared storage.
 #![allow(dead_code)]
 
+#[path = "../support/cas.rs"]
+mod cas;
 #[path = "../support/faulty_store.rs"]
 mod faulty_store;
 use faulty_store::FaultyStore;
@@ -17,7 +19,7 @@ use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, MIGRATIONS_PREFIX,
 use keel_ctrl::{LifecycleConfig, MigrationController, VmController};
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
-use keel_store::{Store, StoreError, TypedStore};
+use keel_store::{Store, TypedStore};
 
 pub const T0: Millis = 1_700_000_000_000;
 pub const TICK_MS: Millis = 500;
@@ -184,39 +186,11 @@ impl Cluster {
     }
 
     pub async fn update_node(&self, name: &str, f: impl Fn(&mut Node)) {
-        loop {
-            let e = self
-                .store
-                .get::<Node>(&node_key(name))
-                .await
-                .unwrap()
-                .unwrap();
-            let mut n = e.value;
-            f(&mut n);
-            match self.store.update(&node_key(name), &n, e.revision).await {
-                Ok(_) => return,
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => panic!("{e}"),
-            }
-        }
+        cas::update(&self.store, &node_key(name), f).await
     }
 
     pub async fn update_vm(&self, name: &str, f: impl Fn(&mut VirtualMachine)) {
-        loop {
-            let e = self
-                .store
-                .get::<VirtualMachine>(&vm_key(name))
-                .await
-                .unwrap()
-                .unwrap();
-            let mut v = e.value;
-            f(&mut v);
-            match self.store.update(&vm_key(name), &v, e.revision).await {
-                Ok(_) => return,
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => panic!("{e}"),
-            }
-        }
+        cas::update(&self.store, &vm_key(name), f).await
     }
 
     pub async fn drain(&self, name: &str) {

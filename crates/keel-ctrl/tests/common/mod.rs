@@ -2,6 +2,8 @@
 //! in-memory store, the sim hypervisor and a work queue, stepped by hand.
 #![allow(dead_code)]
 
+#[path = "../support/cas.rs"]
+pub mod cas;
 #[path = "../support/faulty_store.rs"]
 mod faulty_store;
 pub use faulty_store::FaultyStore;
@@ -18,7 +20,7 @@ use keel_ctrl::keys::{vm_key, VMS_PREFIX};
 use keel_ctrl::{LifecycleConfig, SnapshotController, VmController, WorkQueue};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
-use keel_store::{Store, StoreError, TypedStore};
+use keel_store::{Store, TypedStore};
 
 pub const T0: Millis = 1_700_000_000_000;
 
@@ -146,26 +148,15 @@ impl World {
         name: &str,
         op: impl Fn(&mut VirtualMachine) -> Result<(), ValidationError>,
     ) -> Result<(), String> {
-        loop {
-            let Some(entry) = self
-                .user
-                .get::<VirtualMachine>(&vm_key(name))
-                .await
-                .expect("unfaulted get")
-            else {
-                return Err(format!("VM {name} not found"));
-            };
-            let mut vm = entry.value;
-            op(&mut vm).map_err(|e| e.to_string())?;
-            match self.user.update(&vm_key(name), &vm, entry.revision).await {
-                Ok(_) => {
-                    self.queue.schedule(name, self.now());
-                    return Ok(());
-                }
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e.to_string()),
-            }
+        let found = cas::modify(&self.user, &vm_key(name), |vm| {
+            op(vm).map_err(|e| e.to_string())
+        })
+        .await?;
+        if !found {
+            return Err(format!("VM {name} not found"));
         }
+        self.queue.schedule(name, self.now());
+        Ok(())
     }
 
     /// Asks for a snapshot and drives the snapshot controller until it is

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "../support/cas.rs"]
+pub mod cas;
+
 use keel_api::{
     BootSpec, Clock, DiskSpec, Phase, PowerState, RunPolicy, SystemClock, ValidationError,
     VirtualMachine, VmSpec,
@@ -16,7 +19,7 @@ use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
 use keel_hv::guest::GuestChannel;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_store::sqlite::SqliteStore;
-use keel_store::{StoreError, TypedStore};
+use keel_store::TypedStore;
 use tokio::sync::watch;
 
 pub fn guest_dir() -> Option<PathBuf> {
@@ -201,21 +204,10 @@ impl Env {
         name: &str,
         op: impl Fn(&mut VirtualMachine) -> Result<(), ValidationError>,
     ) {
-        loop {
-            let e = self
-                .store
-                .get::<VirtualMachine>(&vm_key(name))
-                .await
-                .unwrap()
-                .unwrap();
-            let mut vm = e.value;
-            op(&mut vm).unwrap();
-            match self.store.update(&vm_key(name), &vm, e.revision).await {
-                Ok(_) => return,
-                Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => panic!("{e}"),
-            }
-        }
+        cas::update(&self.store, &vm_key(name), |vm: &mut VirtualMachine| {
+            op(vm).unwrap()
+        })
+        .await
     }
 
     /// Waits until `pred` holds for the VM record (polling; real QEMU runs
