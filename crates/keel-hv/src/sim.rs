@@ -434,6 +434,15 @@ impl SimState {
         Ok(())
     }
 
+    /// The domain, or NotFound: absent is absent, for every call.
+    fn domain_mut(&mut self, instance: &str) -> Result<&mut SimDomain, HvError> {
+        self.domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })
+    }
+
     fn info_of(&self, instance: &str) -> Result<DomainInfo, HvError> {
         let d = self
             .domains
@@ -516,12 +525,7 @@ impl Hypervisor for SimHypervisor {
         s.strike(instance, "shutdown")?;
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(instance, "shutdown", p)?;
-        let d = s
-            .domains
-            .get_mut(instance)
-            .ok_or_else(|| HvError::NotFound {
-                instance: instance.to_string(),
-            })?;
+        let d = s.domain_mut(instance)?;
         if !d.state.is_exited() && d.powerdown_requested_at.is_none() {
             d.powerdown_requested_at = Some(now);
         }
@@ -535,12 +539,7 @@ impl Hypervisor for SimHypervisor {
         s.strike(instance, "kill")?;
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(instance, "kill", p)?;
-        let d = s
-            .domains
-            .get_mut(instance)
-            .ok_or_else(|| HvError::NotFound {
-                instance: instance.to_string(),
-            })?;
+        let d = s.domain_mut(instance)?;
         if !d.state.is_exited() {
             d.exit(ExitCause::Killed, now);
         }
@@ -675,12 +674,7 @@ impl Hypervisor for SimHypervisor {
             let fail_p = s.config.faults.migration_fails;
             let fails = s.chance(fail_p);
             let completes_at = now + s.config.migration_ms;
-            let d = s
-                .domains
-                .get_mut(instance)
-                .ok_or_else(|| HvError::NotFound {
-                    instance: instance.to_string(),
-                })?;
+            let d = s.domain_mut(instance)?;
             if !d.executing() || d.state != DomainState::Running {
                 return Err(HvError::Failed {
                     instance: instance.to_string(),
@@ -757,12 +751,7 @@ impl Hypervisor for SimHypervisor {
         let mut s = self.lock();
         let too_late_p = s.config.faults.cancel_too_late;
         let too_late = s.chance(too_late_p);
-        let d = s
-            .domains
-            .get_mut(instance)
-            .ok_or_else(|| HvError::NotFound {
-                instance: instance.to_string(),
-            })?;
+        let d = s.domain_mut(instance)?;
         if let Some(o) = d.outgoing.as_mut() {
             if now < o.completes_at && !o.cancelled && !too_late {
                 o.cancelled = true;
