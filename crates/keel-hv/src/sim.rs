@@ -145,6 +145,9 @@ struct SimState {
     starts_per_vm: BTreeMap<String, u32>,
     /// VMs whose next started instance crashes right after boot.
     crash_next_boot: std::collections::BTreeSet<String>,
+    /// VMs whose next starts fail (how many, and why), as QEMU does for a
+    /// kernel that is not a kernel: nothing is left behind.
+    failing_starts: BTreeMap<String, (u32, String)>,
     violations: Vec<String>,
     log: Vec<String>,
 }
@@ -181,6 +184,7 @@ impl SimHypervisor {
                 config,
                 starts_per_vm: BTreeMap::new(),
                 crash_next_boot: Default::default(),
+                failing_starts: BTreeMap::new(),
                 violations: Vec::new(),
                 log: Vec::new(),
             })),
@@ -294,6 +298,13 @@ impl SimHypervisor {
     /// The next instance of `vm` to start crashes right after it boots.
     pub fn crash_next_boot(&self, vm: &str) {
         self.lock().crash_next_boot.insert(vm.to_string());
+    }
+
+    /// The next `count` starts of `vm` fail with `reason`, leaving nothing.
+    pub fn fail_next_starts(&self, vm: &str, count: u32, reason: &str) {
+        self.lock()
+            .failing_starts
+            .insert(vm.to_string(), (count, reason.to_string()));
     }
 
     /// Makes one instance ignore ACPI power-down from now on.
@@ -479,6 +490,16 @@ impl Hypervisor for SimHypervisor {
             return Err(HvError::AlreadyExists {
                 instance: spec.instance.clone(),
             });
+        }
+        if let Some((left, reason)) = s.failing_starts.get_mut(&spec.vm) {
+            if *left > 0 {
+                *left -= 1;
+                return Err(HvError::Failed {
+                    instance: spec.instance.clone(),
+                    op: "start",
+                    reason: reason.clone(),
+                });
+            }
         }
         let live: Vec<String> = s
             .domains

@@ -224,7 +224,7 @@ async fn unreachable_qmp_on_a_live_process_is_unavailable() {
     };
     fx.boot("web", "web-1").await;
     let pid = fx.hv().pid("web-1").unwrap();
-    std::fs::remove_file(fx.hv().instance_dir("web-1").join("qmp.sock")).unwrap();
+    std::fs::remove_file(fx.hv().qmp_socket("web-1")).unwrap();
     // A fresh driver cannot reach QMP any more; the old one's connection
     // would have survived the unlink.
     fx.reopen().await;
@@ -361,4 +361,40 @@ async fn real_kvm_probe() {
         facts.accelerator,
         facts.accelerator_note
     );
+}
+
+/// A data dir of 200 characters (sockets cannot live under it: `sun_path`
+/// holds 107 bytes): the guest boots, a fresh driver re-adopts it over QMP,
+/// and its power-off is observed; cleanup leaves no socket dir behind.
+#[tokio::test]
+async fn a_data_dir_of_any_length_boots_and_readopts() {
+    let Some(guest) = guest_dir() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut data_dir = tmp.path().canonicalize().unwrap();
+    while data_dir.as_os_str().len() < 200 {
+        data_dir.push("a-rather-long-directory-name");
+    }
+    let _guard = KillGuard {
+        data_dir: data_dir.clone(),
+    };
+    let config = || common::tcg_config(&data_dir, &guest);
+    let hv = QemuDriver::new(config()).await.unwrap();
+    let mut ch = common::boot(&hv, &spec("web", "web-1")).await;
+    let sockets = hv.qmp_socket("web-1").parent().unwrap().to_path_buf();
+    assert!(
+        !sockets.starts_with(&data_dir),
+        "sockets under the long data dir: {}",
+        sockets.display()
+    );
+    ch.ticks().await.unwrap();
+
+    // As after a Keel restart: the new driver finds the socket dir in the
+    // instance's record and speaks QMP to the running guest.
+    drop(hv);
+    let hv = QemuDriver::new(config()).await.unwrap();
+    assert_eq!(hv.info("web-1").await.unwrap().state, DomainState::Running);
+    common::stop_and_cleanup(&hv, "web-1").await;
+    assert!(!sockets.exists(), "{} left behind", sockets.display());
 }

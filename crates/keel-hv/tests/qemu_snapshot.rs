@@ -229,11 +229,12 @@ async fn a_guest_left_paused_by_an_interrupted_snapshot_is_resumed() {
     };
     let mut ch = fx.boot("web", "web-1").await;
     let dir = fx.hv().instance_dir("web-1");
+    let qmp_socket = fx.hv().qmp_socket("web-1");
     // Without a driver the QMP socket is free for this test to pause the
     // guest the way the snapshot code does.
     drop(fx.driver.take());
     std::fs::write(dir.join("snapshot-paused"), "s1\n").unwrap();
-    let (qmp, _events) = QmpClient::connect(&dir.join("qmp.sock"), Duration::from_secs(5))
+    let (qmp, _events) = QmpClient::connect(&qmp_socket, Duration::from_secs(5))
         .await
         .unwrap();
     qmp.execute("stop", None).await.unwrap();

@@ -85,6 +85,8 @@ pub struct AgentConfig {
     pub guest_dir: Option<PathBuf>,
     pub accel: AccelChoice,
     pub disk_dir: Option<PathBuf>,
+    /// Where the qemu driver's sockets live; default: its own choice.
+    pub runtime_dir: Option<PathBuf>,
     /// Controller timings; `node` and `cluster_duties` are overwritten.
     pub lifecycle: LifecycleConfig,
 }
@@ -105,6 +107,7 @@ impl AgentConfig {
             guest_dir: None,
             accel: AccelChoice::Auto,
             disk_dir: None,
+            runtime_dir: None,
             lifecycle: LifecycleConfig::default(),
         }
     }
@@ -114,6 +117,7 @@ impl AgentConfig {
             kind: self.hypervisor,
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
+            runtime_dir: self.runtime_dir.clone(),
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
@@ -224,6 +228,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     });
     cfg.accel = args.accel;
     cfg.disk_dir = args.disk_dir;
+    cfg.runtime_dir = args.runtime_dir;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -98,6 +98,10 @@ pub struct ServeArgs {
     /// between nodes needs this on storage they share, at the same path.
     #[arg(long, env = "KEEL_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// Where QEMU's sockets live, which need short paths (default
+    /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
+    #[arg(long, env = "KEEL_RUNTIME_DIR")]
+    pub runtime_dir: Option<PathBuf>,
 }
 
 /// `keel agent`: a node agent without API, for a cluster on etcd.
@@ -125,6 +129,10 @@ pub struct AgentArgs {
     /// between nodes needs this on storage they share, at the same path.
     #[arg(long, env = "KEEL_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// Where QEMU's sockets live, which need short paths (default
+    /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
+    #[arg(long, env = "KEEL_RUNTIME_DIR")]
+    pub runtime_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

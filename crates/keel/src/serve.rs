@@ -64,6 +64,8 @@ pub struct ServeConfig {
     /// Where VM disks live (shared by the nodes of a cluster, for live
     /// migration); default: under the data dir.
     pub disk_dir: Option<PathBuf>,
+    /// Where the qemu driver's sockets live; default: its own choice.
+    pub runtime_dir: Option<PathBuf>,
     /// SQLite in the data dir, or an etcd cluster (control-plane mode).
     pub store: StoreSpec,
     /// With an etcd store: also run a node agent here (`node`).
@@ -90,6 +92,7 @@ impl ServeConfig {
             accel: AccelChoice::Auto,
             demo: false,
             disk_dir: None,
+            runtime_dir: None,
             store: StoreSpec::Sqlite,
             agent: false,
             election: ElectionConfig::default(),
@@ -101,6 +104,7 @@ impl ServeConfig {
             kind: self.hypervisor,
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
+            runtime_dir: self.runtime_dir.clone(),
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
@@ -116,6 +120,8 @@ pub struct HypervisorOptions {
     pub data_dir: PathBuf,
     /// Where the qemu driver keeps disks; default `<data_dir>/node/disks`.
     pub disk_dir: Option<PathBuf>,
+    /// Where the qemu driver keeps sockets; default: its own choice.
+    pub runtime_dir: Option<PathBuf>,
     /// Used only by the sim driver.
     pub sim: SimConfig,
     pub guest_dir: Option<PathBuf>,
@@ -132,6 +138,7 @@ pub async fn make_hypervisor(
         HypervisorKind::Qemu => {
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
             config.disk_dir = cfg.disk_dir.clone();
+            config.runtime_dir = cfg.runtime_dir.clone();
             if let Some(dir) = &cfg.guest_dir {
                 // QEMU runs with its own working directory in mind: absolute paths only.
                 let dir = dir
@@ -452,6 +459,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.store = args.store;
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
+    cfg.runtime_dir = args.runtime_dir;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -306,11 +306,15 @@ fn node_cordon_uncordon_and_drain_wait() {
     server.wait_vm("web", "run again", |v| phase(v) == "Running");
 }
 
-/// The README's main command, in small: `keel serve --demo` with the real
-/// QEMU driver boots the demo VM's guest, and `node info` names the
+/// The README's main command, as a user runs it from a clone at a long
+/// path: `keel serve --demo` with no flags but the port, from a working
+/// directory of over 150 characters, so the default data dir (`./keel-data`)
+/// is that long too (Unix sockets hold 107 bytes: Keel's must not live
+/// there) and the guest is found at the default `./target/guest`. The
+/// demo guest prints its ready marker, and `node info` names the
 /// accelerator the driver settled on.
 #[test]
-fn serve_demo_boots_a_real_guest() {
+fn serve_demo_boots_a_real_guest_from_a_deep_directory() {
     use std::io::{BufRead, BufReader};
     use std::time::{Duration, Instant};
     if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
@@ -322,14 +326,37 @@ fn serve_demo_boots_a_real_guest() {
         "test guest missing; run `bash scripts/build-test-guest`"
     );
     let dir = tempfile::tempdir().unwrap();
-    let data_dir = dir.path().canonicalize().unwrap();
+    let mut checkout = dir.path().canonicalize().unwrap();
+    for part in [
+        "home",
+        "someone-with-a-long-name",
+        "src",
+        "github.com",
+        "example-org",
+    ] {
+        checkout.push(part);
+    }
+    while checkout.as_os_str().len() < 150 {
+        checkout.push("keel-checkout-at-a-long-path");
+    }
+    std::fs::create_dir_all(checkout.join("target/guest")).unwrap();
+    for file in ["vmlinuz", "initramfs.cpio.gz"] {
+        std::fs::copy(guest.join(file), checkout.join("target/guest").join(file)).unwrap();
+    }
+    let data_dir = checkout.join("keel-data");
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(["serve", "--hypervisor", "qemu", "--accel", "tcg", "--demo"])
-        .args(["--node", "n1", "--listen", "127.0.0.1:0"])
-        .arg("--guest-dir")
-        .arg(&guest)
-        .arg("--data-dir")
-        .arg(&data_dir)
+        .args([
+            "serve",
+            "--demo",
+            "--accel",
+            "tcg",
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .current_dir(&checkout)
+        .env_remove("KEEL_DATA_DIR")
+        .env_remove("KEEL_GUEST_DIR")
+        .env_remove("KEEL_RUNTIME_DIR")
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -373,22 +400,32 @@ fn serve_demo_boots_a_real_guest() {
     let cli = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_keel"))
             .args(args)
+            .current_dir(&checkout)
             .env("KEEL_SERVER", format!("http://{addr}"))
-            .env("KEEL_DATA_DIR", &data_dir)
+            // The CLI finds the token in the default data dir, as the server's.
+            .env_remove("KEEL_DATA_DIR")
             .env_remove("KEEL_TOKEN")
             .output()
             .unwrap()
     };
     let start = Instant::now();
-    let running = loop {
+    let mut last = Value::Null;
+    let ready = loop {
         let out = cli(&["vm", "get", "demo", "-o", "json"]);
         if out.status.success() {
-            let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-            if v["vm"]["status"]["phase"] == "Running" {
-                break true;
+            last = serde_json::from_slice(&out.stdout).unwrap();
+            if let Some(inst) = last["vm"]["status"]["instance"]["id"].as_str() {
+                let console = data_dir
+                    .join("node/instances")
+                    .join(inst)
+                    .join("console.log");
+                let text = std::fs::read_to_string(console).unwrap_or_default();
+                if last["vm"]["status"]["phase"] == "Running" && text.contains("KEEL-GUEST-READY") {
+                    break true;
+                }
             }
         }
-        if start.elapsed() > Duration::from_secs(60) {
+        if start.elapsed() > Duration::from_secs(90) {
             break false;
         }
         std::thread::sleep(Duration::from_millis(200));
@@ -399,7 +436,7 @@ fn serve_demo_boots_a_real_guest() {
     let _ = child.wait();
     kill_guests();
     let log = log.join().unwrap();
-    assert!(running, "demo VM never ran: {log}");
+    assert!(ready, "demo guest never got ready: {last}\n{log}");
     assert!(node.contains("Tcg") && node.contains("qemu"), "{node}");
 }
 

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use keel_api::Accelerator;
 
-use super::layout::{InstancePaths, LaunchPlan};
+use super::layout::{self, InstancePaths, LaunchPlan};
 use super::proc;
 use super::{spawn_qemu, tail, QemuConfig};
 use crate::guest;
@@ -75,11 +75,16 @@ impl AccelChoice {
 }
 
 /// Settles the accelerator for the driver's lifetime; returns it and why.
-pub(super) async fn choose(config: &QemuConfig, scratch: &Path) -> (Accelerator, String) {
+/// `scratch` holds the probe guest's files, `runtime` its sockets' dir.
+pub(super) async fn choose(
+    config: &QemuConfig,
+    scratch: &Path,
+    runtime: &Path,
+) -> (Accelerator, String) {
     match config.accel {
         AccelChoice::Kvm => (Accelerator::Kvm, "kvm forced by configuration".into()),
         AccelChoice::Tcg => (Accelerator::Tcg, "tcg forced by configuration".into()),
-        AccelChoice::Auto => match probe_kvm(config, scratch).await {
+        AccelChoice::Auto => match probe_kvm(config, scratch, runtime).await {
             Ok(note) => (Accelerator::Kvm, note),
             Err(why) => (Accelerator::Tcg, format!("{why}; using tcg")),
         },
@@ -87,7 +92,7 @@ pub(super) async fn choose(config: &QemuConfig, scratch: &Path) -> (Accelerator,
 }
 
 /// `Ok(note)` if KVM booted the test guest; `Err(reason)` otherwise.
-async fn probe_kvm(config: &QemuConfig, scratch: &Path) -> Result<String, String> {
+async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Result<String, String> {
     let kvm = Path::new("/dev/kvm");
     if !kvm.exists() {
         return Err("/dev/kvm not present".into());
@@ -98,7 +103,10 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path) -> Result<String, String
     let Some(kernel) = config.default_kernel.clone() else {
         return Err("no default test guest configured to probe kvm with".into());
     };
-    let paths = InstancePaths::new(scratch.to_path_buf());
+    let paths = InstancePaths::new(
+        scratch.to_path_buf(),
+        layout::socket_dir_for(runtime, scratch),
+    );
     // A Keel stopped mid-probe leaves its probe guest running (a healthy one
     // never exits by itself) and its scratch directory behind.
     let marker = paths.qmp_chardev_arg();
@@ -116,6 +124,7 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path) -> Result<String, String
     }
     let _ = std::fs::remove_dir_all(scratch);
     std::fs::create_dir_all(scratch)
+        .and_then(|()| paths.prepare_sockets())
         .map_err(|e| format!("kvm probe: {}: {e}", scratch.display()))?;
     let plan = LaunchPlan {
         instance: "kvm-probe".into(),
@@ -153,6 +162,7 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path) -> Result<String, String
         }
     };
     let _ = std::fs::remove_dir_all(scratch);
+    let _ = paths.remove_sockets();
     outcome
 }
 

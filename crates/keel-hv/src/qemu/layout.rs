@@ -4,20 +4,31 @@
 //! ```text
 //! data_dir/
 //!   instances/<instance>/   one per start, removed by cleanup
-//!     spec.json             LaunchRecord: the spec, start time, argv
-//!     qmp.sock              QMP monitor (QEMU listens)
-//!     cmd.sock              guest command channel, serial ttyS1 (QEMU listens)
+//!     spec.json             LaunchRecord: the spec, start time, argv, socket dir
 //!     console.log           serial ttyS0
 //!     qemu.log              QEMU's own stdout/stderr
 //!     qemu.pid              written by QEMU (-pidfile), removed by QEMU at exit
 //!     shutdown.json         last QMP SHUTDOWN event (why QEMU is exiting)
 //!     kill-requested        Keel decided to kill; written before the signal
 //!     exit.json             ExitRecord, written once the process is gone
-//!     migrate.sock          incoming live migration (QEMU listens; unix URIs)
 //!     migration-out.json    OutgoingMigration: this instance was told to migrate
 //!     snapshot-paused       Keel paused the guest for a live snapshot; resume it
 //!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
+//!
+//! runtime_dir/<16 hex>/     the instance's sockets (a hash of its directory)
+//!   qmp.sock                QMP monitor (QEMU listens)
+//!   cmd.sock                guest command channel, serial ttyS1 (QEMU listens)
+//!   migrate.sock            incoming live migration (QEMU listens; unix URIs)
 //! ```
+//!
+//! Sockets live apart because a Unix socket's path must fit `sun_path`
+//! (107 bytes): under a data dir of any real length (`/home/<user>/…/keel-data`)
+//! they would not. The runtime dir is short (`/run/keel`, see
+//! [`default_runtime_dir`]) and each instance's socket dir is named by a hash
+//! of its instance directory, so drivers with different data dirs never
+//! collide there. The socket dir is written into `spec.json` at launch, and
+//! adoption reads it from there: a driver restarted with another runtime dir
+//! still finds the monitors of the guests it left running.
 //!
 //! The disk directory can be moved out of the data dir (`QemuConfig::disk_dir`):
 //! live migration between nodes needs every node to see the same images at
@@ -37,11 +48,50 @@ use crate::{DomainSpec, ExitCause};
 /// Linux `sun_path` is 108 bytes including the NUL.
 pub const MAX_SOCKET_PATH: usize = 107;
 
+/// The longest socket path below a runtime dir: `/<16 hex>/migrate.sock`.
+pub const SOCKET_SUFFIX_LEN: usize = "/0123456789abcdef/migrate.sock".len();
+
+/// Where sockets go when the configuration names no runtime dir: `/run/keel`
+/// for root (tmpfs, like libvirt's `/run/libvirt`: sockets need no
+/// persistence, their QEMUs do not survive a reboot either), else
+/// `$XDG_RUNTIME_DIR/keel`, else `/tmp/keel-<uid>`.
+pub fn default_runtime_dir() -> PathBuf {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if uid == 0 {
+        return PathBuf::from("/run/keel");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if Path::new(&dir).is_absolute() => Path::new(&dir).join("keel"),
+        _ => PathBuf::from(format!("/tmp/keel-{uid}")),
+    }
+}
+
+/// FNV-1a, 64 bit: a stable name for an instance's socket dir. Stability
+/// across Keel versions is not needed for correctness (the dir is recorded
+/// in `spec.json`), only uniqueness among the directories of one host.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// The socket dir of the instance (or probe) whose files are in `dir`.
+pub fn socket_dir_for(runtime_dir: &Path, dir: &Path) -> PathBuf {
+    use std::os::unix::ffi::OsStrExt;
+    runtime_dir.join(format!("{:016x}", fnv1a64(dir.as_os_str().as_bytes())))
+}
+
 #[derive(Debug, Clone)]
 pub struct Layout {
     pub root: PathBuf,
     /// `root/disks` unless configured elsewhere (shared storage).
     pub disks: PathBuf,
+    /// Short, absolute: holds each instance's socket dir.
+    pub runtime: PathBuf,
 }
 
 impl Layout {
@@ -52,8 +102,22 @@ impl Layout {
         self.disks.clone()
     }
     /// Callers validate `instance` first.
-    pub fn instance(&self, instance: &str) -> InstancePaths {
-        InstancePaths::new(self.instances_dir().join(instance))
+    pub fn instance_dir(&self, instance: &str) -> PathBuf {
+        self.instances_dir().join(instance)
+    }
+    /// The paths a new launch of `instance` uses. An instance that was
+    /// launched already has its own in its record ([`Self::launched`]).
+    pub fn new_instance(&self, instance: &str) -> InstancePaths {
+        let dir = self.instance_dir(instance);
+        let sockets = socket_dir_for(&self.runtime, &dir);
+        InstancePaths::new(dir, sockets)
+    }
+    /// The paths of a launched instance, as its record says. Records from
+    /// before socket dirs existed kept the sockets in the instance dir.
+    pub fn launched(&self, instance: &str, record: &LaunchRecord) -> InstancePaths {
+        let dir = self.instance_dir(instance);
+        let sockets = record.socket_dir.clone().unwrap_or_else(|| dir.clone());
+        InstancePaths::new(dir, sockets)
     }
     /// Callers validate `vm` first.
     pub fn vm_disks(&self, vm: &str) -> PathBuf {
@@ -67,6 +131,8 @@ impl Layout {
 #[derive(Debug, Clone)]
 pub struct InstancePaths {
     pub dir: PathBuf,
+    /// Holds the sockets; see the module doc.
+    pub sockets: PathBuf,
     pub spec: PathBuf,
     pub qmp: PathBuf,
     pub cmd: PathBuf,
@@ -82,21 +148,49 @@ pub struct InstancePaths {
 }
 
 impl InstancePaths {
-    pub fn new(dir: PathBuf) -> Self {
+    pub fn new(dir: PathBuf, sockets: PathBuf) -> Self {
         Self {
             spec: dir.join("spec.json"),
-            qmp: dir.join("qmp.sock"),
-            cmd: dir.join("cmd.sock"),
+            qmp: sockets.join("qmp.sock"),
+            cmd: sockets.join("cmd.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
             shutdown: dir.join("shutdown.json"),
             kill_marker: dir.join("kill-requested"),
             exit: dir.join("exit.json"),
-            migrate_sock: dir.join("migrate.sock"),
+            migrate_sock: sockets.join("migrate.sock"),
             migration_out: dir.join("migration-out.json"),
             snapshot_paused: dir.join("snapshot-paused"),
             dir,
+            sockets,
+        }
+    }
+
+    /// A fresh, private socket dir: whatever an earlier launch of the same
+    /// directory left there is removed, so a stale `qmp.sock` is never
+    /// mistaken for the new QEMU's.
+    pub fn prepare_sockets(&self) -> io::Result<()> {
+        use std::os::unix::fs::DirBuilderExt;
+        if self.sockets == self.dir {
+            return Ok(());
+        }
+        match std::fs::remove_dir_all(&self.sockets) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        std::fs::DirBuilder::new().mode(0o700).create(&self.sockets)
+    }
+
+    /// Removes the socket dir (the instance dir is the caller's).
+    pub fn remove_sockets(&self) -> io::Result<()> {
+        if self.sockets == self.dir {
+            return Ok(());
+        }
+        match std::fs::remove_dir_all(&self.sockets) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
         }
     }
 
@@ -125,6 +219,10 @@ pub struct LaunchRecord {
     pub started_at: Millis,
     pub accelerator: Accelerator,
     pub argv: Vec<String>,
+    /// Where the sockets are; `None` in records written before socket dirs
+    /// existed, whose sockets are in the instance dir.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub socket_dir: Option<PathBuf>,
 }
 
 /// `exit.json`: written exactly once, after the process is observed gone.
@@ -367,7 +465,10 @@ mod tests {
 
     #[test]
     fn command_line_escapes_commas_and_lists_disks_in_order() {
-        let paths = InstancePaths::new(PathBuf::from("/data,x/instances/web-1"));
+        let paths = InstancePaths::new(
+            PathBuf::from("/data,x/instances/web-1"),
+            PathBuf::from("/run/k,eel/0123"),
+        );
         let plan = LaunchPlan {
             instance: "web-1".into(),
             paths,
@@ -383,9 +484,8 @@ mod tests {
         };
         let args = plan.args();
         let joined = args.join(" ");
-        assert!(joined.contains(
-            "-chardev socket,id=qmp,path=/data,,x/instances/web-1/qmp.sock,server=on,wait=off"
-        ));
+        assert!(joined
+            .contains("-chardev socket,id=qmp,path=/run/k,,eel/0123/qmp.sock,server=on,wait=off"));
         let drives: Vec<_> = args
             .windows(2)
             .filter(|w| w[0] == "-drive")
@@ -419,6 +519,68 @@ mod tests {
         };
         let joined = incoming.args().join(" ");
         assert!(joined.contains("-incoming defer"), "{joined}");
+    }
+
+    #[test]
+    fn socket_paths_fit_whatever_the_data_dir() {
+        let runtime = Path::new("/run/keel");
+        let data = PathBuf::from(format!("/{}", "d".repeat(199)));
+        let layout = Layout {
+            root: data.clone(),
+            disks: data.join("disks"),
+            runtime: runtime.to_path_buf(),
+        };
+        let paths = layout.new_instance(&"i".repeat(keel_api::name::MAX_NAME_LEN));
+        for sock in [&paths.qmp, &paths.cmd, &paths.migrate_sock] {
+            assert!(sock.starts_with(runtime), "{}", sock.display());
+            assert!(
+                sock.as_os_str().len() <= runtime.as_os_str().len() + SOCKET_SUFFIX_LEN,
+                "{}",
+                sock.display()
+            );
+        }
+        assert!(paths.console.starts_with(&data) && paths.spec.starts_with(&data));
+        // Distinct instance dirs get distinct socket dirs.
+        assert_ne!(
+            layout.new_instance("web-1").sockets,
+            layout.new_instance("web-2").sockets
+        );
+        assert_eq!(
+            layout.new_instance("web-1").sockets,
+            layout.new_instance("web-1").sockets
+        );
+    }
+
+    #[test]
+    fn records_without_a_socket_dir_keep_their_sockets_in_the_instance_dir() {
+        let layout = Layout {
+            root: "/k".into(),
+            disks: "/k/disks".into(),
+            runtime: "/run/keel".into(),
+        };
+        let spec = DomainSpec {
+            vm: "web".into(),
+            instance: "web-1".into(),
+            cpus: 1,
+            memory_mib: 128,
+            disks: vec![],
+            boot: Default::default(),
+        };
+        // As an older Keel wrote it: no socket_dir key at all.
+        let mut old = serde_json::json!({
+            "spec": spec, "started_at": 1, "accelerator": Accelerator::Tcg, "argv": []
+        });
+        let record: LaunchRecord = serde_json::from_value(old.take()).unwrap();
+        let paths = layout.launched("web-1", &record);
+        assert_eq!(paths.qmp, Path::new("/k/instances/web-1/qmp.sock"));
+        let recorded = LaunchRecord {
+            socket_dir: Some("/run/other/ab".into()),
+            ..record
+        };
+        assert_eq!(
+            layout.launched("web-1", &recorded).qmp,
+            Path::new("/run/other/ab/qmp.sock")
+        );
     }
 
     #[test]

@@ -33,7 +33,7 @@ use async_trait::async_trait;
 use keel_api::{validate_name, Accelerator, Clock, SystemClock};
 
 pub use accel::{AccelChoice, AccelParseError, ACCEL_ENV};
-pub use layout::ExitRecord;
+pub use layout::{default_runtime_dir, ExitRecord};
 pub use qmp::{QmpClient, QmpError, QmpEvent, ShutdownEvent, StatusInfo};
 
 use layout::{
@@ -59,6 +59,9 @@ pub struct QemuConfig {
     /// so there the images also need `cache=none` (not yet configurable);
     /// on one host (tests) the shared page cache makes `writeback` safe.
     pub disk_dir: Option<PathBuf>,
+    /// Where instances' sockets live (short paths: `sun_path` holds 107
+    /// bytes); `None` means [`default_runtime_dir`]. Created 0700 if missing.
+    pub runtime_dir: Option<PathBuf>,
     /// Address incoming migrations listen on (a TCP port the kernel picks)
     /// and that is handed to the source, so it must be this node's address
     /// as other nodes reach it. `None`: a Unix socket in the instance
@@ -94,6 +97,7 @@ impl QemuConfig {
         Self {
             data_dir: data_dir.into(),
             disk_dir: None,
+            runtime_dir: None,
             migration_address: None,
             migration_max_bandwidth: None,
             storage_timeout: Duration::from_secs(60),
@@ -125,6 +129,8 @@ pub enum QemuInitError {
     DataDir { path: PathBuf, reason: String },
     #[error("qemu driver disk dir {path}: {reason}")]
     DiskDir { path: PathBuf, reason: String },
+    #[error("qemu driver runtime dir {path}: {reason}")]
+    RuntimeDir { path: PathBuf, reason: String },
     #[error("{binary} does not run ({reason}); install qemu-system-x86 (scripts/setup)")]
     QemuMissing { binary: PathBuf, reason: String },
     #[error("qemu driver migration address {address}: {reason}")]
@@ -164,11 +170,6 @@ impl Drop for Inner {
     }
 }
 
-/// `sun_path` budget: `<root>/instances/<63-char name>/migrate.sock`, the
-/// longest socket name in an instance directory.
-const SOCKET_SUFFIX_LEN: usize =
-    "/instances/".len() + keel_api::name::MAX_NAME_LEN + "/migrate.sock".len();
-
 impl QemuDriver {
     /// Checks QEMU runs, settles the accelerator (probing KVM under `Auto`)
     /// and re-adopts the instances found in the data dir.
@@ -187,12 +188,7 @@ impl QemuDriver {
         if root.to_str().is_none() {
             return Err(data_dir_err("path is not UTF-8".into()));
         }
-        if root.as_os_str().len() + SOCKET_SUFFIX_LEN > layout::MAX_SOCKET_PATH {
-            return Err(data_dir_err(format!(
-                "path too long: instance sockets would exceed {} bytes",
-                layout::MAX_SOCKET_PATH
-            )));
-        }
+        let runtime = runtime_dir(config.runtime_dir.clone())?;
         std::fs::create_dir_all(root.join("instances"))
             .map_err(|e| data_dir_err(format!("instances: {e}")))?;
         let disks = match &config.disk_dir {
@@ -226,10 +222,11 @@ impl QemuDriver {
         let layout = Layout {
             root: root.clone(),
             disks,
+            runtime,
         };
         let qemu_version = qemu_version(&config.qemu_binary).await?;
         let (accelerator, accelerator_note) =
-            accel::choose(&config, &root.join(".kvm-probe")).await;
+            accel::choose(&config, &root.join(".kvm-probe"), &layout.runtime).await;
         tracing::info!(
             accelerator = ?accelerator,
             note = %accelerator_note,
@@ -263,12 +260,26 @@ impl QemuDriver {
 
     /// The guest command channel (ttyS1); see [`crate::guest::GuestChannel`].
     pub fn command_socket(&self, instance: &str) -> PathBuf {
-        self.paths_or_nowhere(instance).cmd
+        self.launched_paths(instance).cmd
+    }
+
+    /// The QMP socket of a launched instance.
+    pub fn qmp_socket(&self, instance: &str) -> PathBuf {
+        self.launched_paths(instance).qmp
     }
 
     /// The instance directory.
     pub fn instance_dir(&self, instance: &str) -> PathBuf {
         self.paths_or_nowhere(instance).dir
+    }
+
+    /// Paths as the instance's record has them (sockets included); for an
+    /// instance not launched (or not readable) the paths of a new launch.
+    fn launched_paths(&self, instance: &str) -> InstancePaths {
+        match self.existing(instance, "paths") {
+            Ok(domain) => domain.paths.clone(),
+            Err(_) => self.paths_or_nowhere(instance),
+        }
     }
 
     /// Where disk `disk` of `vm` is (or would be) stored.
@@ -285,7 +296,7 @@ impl QemuDriver {
         if let Some(domain) = self.lock().get(instance) {
             return domain.pid();
         }
-        self.inner.layout.instance(instance).read_pid()
+        self.inner.layout.new_instance(instance).read_pid()
     }
 
     pub fn accelerator(&self) -> Accelerator {
@@ -294,10 +305,13 @@ impl QemuDriver {
 
     fn paths_or_nowhere(&self, instance: &str) -> InstancePaths {
         match validate_name("instance", instance) {
-            Ok(()) => self.inner.layout.instance(instance),
+            Ok(()) => self.inner.layout.new_instance(instance),
             // '.'-prefixed names are never instances (validate_name forbids
             // them), so this directory is never created.
-            Err(_) => InstancePaths::new(self.inner.layout.instances_dir().join(".invalid-name")),
+            Err(_) => {
+                let nowhere = self.inner.layout.instances_dir().join(".invalid-name");
+                InstancePaths::new(nowhere.clone(), nowhere)
+            }
         }
     }
 
@@ -355,18 +369,19 @@ impl QemuDriver {
         if let Some(d) = domains.get(instance) {
             return Ok(d.clone());
         }
-        let paths = self.inner.layout.instance(instance);
-        let record: LaunchRecord = match read_json(&paths.spec) {
+        let spec_path = self.inner.layout.new_instance(instance).spec;
+        let record: LaunchRecord = match read_json(&spec_path) {
             Ok(Some(r)) => r,
             Ok(None) => {
                 return Err(unavailable(
                     instance,
                     op,
-                    format!("{} is missing", paths.spec.display()),
+                    format!("{} is missing", spec_path.display()),
                 ))
             }
             Err(e) => return Err(unavailable(instance, op, e.to_string())),
         };
+        let paths = self.inner.layout.launched(instance, &record);
         let exit = read_json::<ExitRecord>(&paths.exit)
             .map_err(|e| unavailable(instance, op, e.to_string()))?;
         let domain = Domain::new(
@@ -414,7 +429,7 @@ impl QemuDriver {
             // No directory can have this name, so it was never started.
             return Err(not_found(instance));
         }
-        let dir = self.inner.layout.instance(instance).dir;
+        let dir = self.inner.layout.instance_dir(instance);
         match std::fs::symlink_metadata(&dir) {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -546,7 +561,7 @@ impl QemuDriver {
         }
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
-            paths: self.inner.layout.instance(&spec.instance),
+            paths: self.inner.layout.new_instance(&spec.instance),
             accelerator: self.inner.accelerator,
             machine: config.machine.clone(),
             cpus: spec.cpus,
@@ -629,6 +644,7 @@ impl QemuDriver {
             argv: std::iter::once(self.inner.config.qemu_binary.to_string_lossy().into_owned())
                 .chain(args.iter().cloned())
                 .collect(),
+            socket_dir: Some(plan.paths.sockets.clone()),
         };
         // The directory appears complete with its spec.json, or not at all.
         let staging = self
@@ -638,13 +654,22 @@ impl QemuDriver {
             .join(format!(".staging-{instance}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&staging);
         let prepared = std::fs::create_dir(&staging)
-            .and_then(|()| write_json_atomic(&InstancePaths::new(staging.clone()).spec, &record));
+            .and_then(|()| plan.paths.prepare_sockets())
+            .and_then(|()| {
+                write_json_atomic(
+                    &InstancePaths::new(staging.clone(), staging.clone()).spec,
+                    &record,
+                )
+            });
         if let Err(e) = prepared {
             let _ = std::fs::remove_dir_all(&staging);
+            let _ = plan.paths.remove_sockets();
             return Err(failed(format!("{}: {e}", staging.display())));
         }
         if let Err(e) = rename_noreplace(&staging, &plan.paths.dir) {
             let _ = std::fs::remove_dir_all(&staging);
+            // The socket dir is not removed here: it may be the live
+            // instance's that owns the directory we lost the race for.
             return Err(match e.kind() {
                 io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty => {
                     HvError::AlreadyExists {
@@ -657,6 +682,7 @@ impl QemuDriver {
 
         let remove_dir = || {
             let _ = std::fs::remove_dir_all(&plan.paths.dir);
+            let _ = plan.paths.remove_sockets();
         };
         let mut child = match spawn_qemu(&self.inner.config.qemu_binary, &plan) {
             Ok(child) => child,
@@ -738,7 +764,7 @@ impl QemuDriver {
         // atomically): a concurrent start of the same instance fails here.
         let domain = {
             let mut domains = self.lock();
-            if domains.contains_key(instance) || self.inner.layout.instance(instance).dir.exists() {
+            if domains.contains_key(instance) || self.inner.layout.instance_dir(instance).exists() {
                 return Err(HvError::AlreadyExists {
                     instance: instance.clone(),
                 });
@@ -747,7 +773,7 @@ impl QemuDriver {
                 instance.clone(),
                 spec.vm.clone(),
                 SystemClock.now_ms(),
-                self.inner.layout.instance(instance),
+                self.inner.layout.new_instance(instance),
                 self.inner.config.qmp_timeout,
                 Phase::Launching { pid: None },
                 self.inner.exits.clone(),
@@ -1000,16 +1026,18 @@ impl Hypervisor for QemuDriver {
                 state,
             });
         }
-        match std::fs::remove_dir_all(&domain.paths.dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(HvError::Failed {
-                    instance: instance.to_string(),
-                    op: "cleanup",
-                    reason: format!("remove {}: {e}", domain.paths.dir.display()),
-                })
+        let removed = domain.paths.remove_sockets().and_then(|()| {
+            match std::fs::remove_dir_all(&domain.paths.dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
             }
+        });
+        if let Err(e) = removed {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: format!("remove {}: {e}", domain.paths.dir.display()),
+            });
         }
         self.lock().remove(instance);
         tracing::info!(instance, "cleaned up");
@@ -1046,6 +1074,48 @@ impl Hypervisor for QemuDriver {
             Err(e) => Err(storage(format!("remove {}: {e}", dir.display()))),
         }
     }
+}
+
+/// The configured runtime dir, or the default; created private, absolute,
+/// and short enough for every socket below it.
+fn runtime_dir(configured: Option<PathBuf>) -> Result<PathBuf, QemuInitError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let dir = configured.unwrap_or_else(default_runtime_dir);
+    let err = |reason: String| QemuInitError::RuntimeDir {
+        path: dir.clone(),
+        reason,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| err(e.to_string()))?;
+    let dir = dir.canonicalize().map_err(|e| err(e.to_string()))?;
+    let meta = std::fs::metadata(&dir).map_err(|e| err(e.to_string()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    // Under /tmp someone else could have made it first and would then see,
+    // or replace, our sockets.
+    if meta.uid() != uid {
+        return Err(err(format!(
+            "owned by uid {}, not by this user ({uid})",
+            meta.uid()
+        )));
+    }
+    if meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| err(format!("make private: {e}")))?;
+    }
+    if dir.to_str().is_none() {
+        return Err(err("path is not UTF-8".into()));
+    }
+    if dir.as_os_str().len() + layout::SOCKET_SUFFIX_LEN > layout::MAX_SOCKET_PATH {
+        return Err(err(format!(
+            "path too long: sockets below it would exceed {} bytes; choose a shorter one",
+            layout::MAX_SOCKET_PATH
+        )));
+    }
+    Ok(dir)
 }
 
 fn not_found(instance: &str) -> HvError {
