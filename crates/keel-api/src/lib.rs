@@ -13,7 +13,7 @@ pub mod vm;
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
 pub use migration::{Migration, MigrationPhase, MigrationStatus};
-pub use name::validate_name;
+pub use name::{validate_name, validate_vm_name};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;

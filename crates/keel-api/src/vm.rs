@@ -253,6 +253,24 @@ pub struct Instance {
     /// When the hypervisor was first seen reporting it running.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub running_since: Option<Millis>,
+    /// Why the hypervisor's start of this instance failed. The instance
+    /// stays recorded until it is observed gone all the same: a failed
+    /// call does not prove that nothing runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_error: Option<String>,
+}
+
+impl Instance {
+    /// A new instance, recorded before the hypervisor is asked to start it.
+    pub fn new(id: impl Into<String>, node: impl Into<String>, created_at: Millis) -> Self {
+        Self {
+            id: id.into(),
+            node: node.into(),
+            created_at,
+            running_since: None,
+            start_error: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -299,6 +317,9 @@ pub struct ExitRecord {
     pub kind: ExitKind,
     /// Whether Keel had asked it to stop.
     pub requested: bool,
+    /// What went wrong, when Keel knows (e.g. the start's error).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 impl VirtualMachine {
@@ -343,7 +364,7 @@ impl VirtualMachine {
     }
 
     pub fn validate(&self) -> Result<(), ValidationError> {
-        validate_name("name", &self.name)?;
+        crate::name::validate_vm_name("name", &self.name)?;
         self.spec.validate()
     }
 

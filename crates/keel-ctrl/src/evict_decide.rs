@@ -135,10 +135,8 @@ fn adopt_target(vm: &VirtualMachine, m: &Migration, now: Millis) -> Step {
 pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> VirtualMachine {
     let mut next = vm.clone();
     next.status.instance = Some(Instance {
-        id: m.target_instance.clone(),
-        node: m.target_node.clone(),
-        created_at: m.created_at,
         running_since: Some(now),
+        ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
     next.status.eviction = None;

@@ -86,10 +86,8 @@ mod tests {
 
     fn instance(running_since: Option<u64>) -> Instance {
         Instance {
-            id: "a-1".into(),
-            node: "n".into(),
-            created_at: 1_000,
             running_since,
+            ..Instance::new("a-1", "n", 1_000)
         }
     }
 
@@ -117,6 +115,7 @@ mod tests {
             at: 10_250,
             kind: ExitKind::GuestPoweroff,
             requested: true,
+            reason: None,
         });
         report_transition(&log, &stopping, &gone);
         let mut crashed = gone.clone();

@@ -249,6 +249,11 @@ impl VmController {
                         tracing::warn!(vm = name, ?action, %err, "hypervisor call failed");
                         let mut noted = (*next).clone();
                         noted.status.message = Some(err.to_string());
+                        if action == HvAction::Start {
+                            if let Some(inst) = noted.status.instance.as_mut() {
+                                inst.start_error = Some(err.to_string());
+                            }
+                        }
                         // Best effort: a conflict means someone else wrote newer state.
                         let _ = self.write(&key, &noted, revision).await;
                         return Err(ReconcileError::Hypervisor {

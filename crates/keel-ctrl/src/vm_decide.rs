@@ -389,6 +389,10 @@ fn keep_running(
     status.observed_generation = vm.generation;
     if let Some(instance) = status.instance.as_mut() {
         instance.running_since = since;
+        if running {
+            // The start call failed (timed out, say), but the guest runs.
+            instance.start_error = None;
+        }
     }
     if settled {
         status.failed_starts = 0;
@@ -424,12 +428,18 @@ fn instance_gone(
         Some(ExitCause::Killed) => ExitKind::Killed,
         None => ExitKind::Vanished,
     };
+    // A start that failed, or an instance that ended before it was ever
+    // seen running (other than by the guest's own power-off), never ran:
+    // the user's request to run it is not fulfilled and must not be dropped.
+    let never_ran = inst.start_error.is_some()
+        || (inst.running_since.is_none() && cause != Some(ExitCause::Poweroff));
     let status = &mut next.status;
     status.last_exit = Some(ExitRecord {
         instance: inst.id.clone(),
         at: now,
         kind,
         requested,
+        reason: inst.start_error.clone(),
     });
     status.instance = None;
     status.stop = None;
@@ -446,8 +456,9 @@ fn instance_gone(
     }
     // Whatever restart was asked for is satisfied by the next fresh start.
     status.observed_restart_generation = vm.spec.restart_generation;
+    let mut booted = false;
     if !requested {
-        let booted = inst
+        booted = inst
             .running_since
             .is_some_and(|since| now >= since + cfg.boot_settle_ms);
         status.failed_starts = if booted { 0 } else { status.failed_starts + 1 };
@@ -462,18 +473,24 @@ fn instance_gone(
                 )
             },
         );
-        // A Manual VM whose guest stopped stays stopped, unless a recorded
-        // power intent says it must come back (a failed first boot after restore).
+        // A Manual VM whose guest stopped stays stopped, unless it never
+        // ran or a recorded power intent says it must come back (a failed
+        // first boot after restore).
         let intent_running = vm
             .power_intent
             .as_ref()
             .is_some_and(|i| i.power == PowerState::Running);
-        if vm.spec.run_policy == RunPolicy::Manual && !intent_running {
+        if vm.spec.run_policy == RunPolicy::Manual && !intent_running && !never_ran {
             next.spec.power = PowerState::Stopped;
             next.generation += 1;
         }
     }
     next.status.phase = phase_without_instance(&next, now);
+    if !requested {
+        let retry_in = (next.status.phase == Phase::BackOff)
+            .then(|| next.status.next_start_at.unwrap_or(now).saturating_sub(now));
+        next.status.message = unrequested_exit_message(inst, kind, booted, retry_in);
+    }
     // Clean up first: the record must keep naming the instance until the
     // node has forgotten it. NotFound from cleanup is success.
     Step::ActThenPersist {
@@ -481,6 +498,29 @@ fn instance_gone(
         vm: Box::new(next),
         requeue_at: now,
     }
+}
+
+/// Why an instance nobody asked to stop is gone, for `status.message`.
+/// `None` after a stable run: `last_exit` says how it ended, and the
+/// restart (if any) is immediate.
+fn unrequested_exit_message(
+    inst: &Instance,
+    kind: ExitKind,
+    booted: bool,
+    retry_in: Option<Millis>,
+) -> Option<String> {
+    let what = match &inst.start_error {
+        Some(err) => err.clone(),
+        None if booted => return None,
+        None if inst.running_since.is_none() => {
+            format!("instance {} ended ({kind:?}) before it ran", inst.id)
+        }
+        None => format!("instance {} ended ({kind:?}) while booting", inst.id),
+    };
+    Some(match retry_in {
+        Some(ms) => format!("{what}; next start in {}s", ms.div_ceil(1000)),
+        None => what,
+    })
 }
 
 /// The VM's node lost its lease: its instance counts as gone (the node
@@ -521,6 +561,7 @@ pub fn take_over_from_lost_node(
             at: now,
             kind: ExitKind::Vanished,
             requested,
+            reason: Some(format!("node {node} lost its lease")),
         });
     }
     next.status.instance = None;
@@ -531,7 +572,11 @@ pub fn take_over_from_lost_node(
     next.status.message = Some(format!(
         "node {node} lost its lease; its instance counts as fenced"
     ));
-    if !requested && vm.spec.run_policy == RunPolicy::Manual {
+    let intent_running = vm
+        .power_intent
+        .as_ref()
+        .is_some_and(|i| i.power == PowerState::Running);
+    if !requested && vm.spec.run_policy == RunPolicy::Manual && !intent_running {
         next.spec.power = PowerState::Stopped;
         next.generation += 1;
     }
@@ -565,12 +610,7 @@ fn no_instance(
     // or a deletion: a live one is adopted (and then stopped or kept by the
     // normal rules), an exited one is cleaned up.
     if let Some(live) = domains.iter().find(|d| !d.state.is_exited()) {
-        next.status.instance = Some(Instance {
-            id: live.instance.clone(),
-            node: cfg.node.clone(),
-            created_at: live.started_at,
-            running_since: None,
-        });
+        next.status.instance = Some(Instance::new(&live.instance, &cfg.node, live.started_at));
         next.status.message = Some(format!("adopted untracked instance {}", live.instance));
         return Step::Persist {
             vm: Box::new(next),
@@ -627,6 +667,8 @@ fn no_instance(
     }
     if let Some(at) = vm.status.next_start_at.filter(|at| *at > now) {
         next.status.phase = Phase::BackOff;
+        // The failure that put it here stays visible until the next try.
+        next.status.message = vm.status.message.clone();
         return persist_if_changed(vm, next, None, at);
     }
     if cluster.drain.is_some() {
@@ -638,12 +680,7 @@ fn no_instance(
     }
     let seq = vm.status.instance_seq + 1;
     next.status.instance_seq = seq;
-    next.status.instance = Some(Instance {
-        id: format!("{}-{seq}", vm.name),
-        node: cfg.node.clone(),
-        created_at: now,
-        running_since: None,
-    });
+    next.status.instance = Some(Instance::new(format!("{}-{seq}", vm.name), &cfg.node, now));
     next.status.next_start_at = None;
     next.status.phase = Phase::Starting;
     Step::Persist {
@@ -772,10 +809,8 @@ mod tests {
         let cfg = LifecycleConfig::default();
         let mut v = vm();
         v.status.instance = Some(Instance {
-            id: "web-1".into(),
-            node: "local".into(),
-            created_at: 0,
             running_since: Some(0),
+            ..Instance::new("web-1", "local", 0)
         });
         v.spec.power = PowerState::Stopped;
         let running = Observed::Instance(DomainState::Running);

@@ -192,3 +192,83 @@ async fn hung_guest_is_killed_after_the_grace_period_not_before() {
     assert_eq!(vm.status.phase, Phase::Stopped);
     assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Killed);
 }
+
+/// Bug: a start that failed (a kernel that is not a kernel) left the VM in
+/// BackOff with no word of why; the reason was only in the server log.
+/// Now it is on the record while the VM waits, and on the exit record.
+#[tokio::test]
+async fn a_failed_start_shows_its_reason_on_the_record() {
+    let mut w = World::new(6, slow_guest());
+    w.hv.fail_next_starts("web", 2, "could not load kernel '/k': Invalid argument");
+    w.create(
+        "web",
+        spec(
+            RunPolicy::AlwaysOnUnlessStoppedManually,
+            PowerState::Running,
+            60,
+        ),
+    )
+    .await;
+    // Failed at once; seen gone at the next look (1 s); 1 s of backoff.
+    w.run_for(1_500).await;
+    let vm = w.get("web").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::BackOff, "{vm:?}");
+    let message = vm.status.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("could not load kernel") && message.contains("next start in"),
+        "{message:?}"
+    );
+    let exit = vm.status.last_exit.unwrap();
+    assert!(
+        exit.reason
+            .as_deref()
+            .is_some_and(|r| r.contains("could not load kernel")),
+        "{exit:?}"
+    );
+    // The reason stays while it waits, not only at the moment of failure
+    // (the second failure, then 2 s of backoff).
+    w.run_for(1_500).await;
+    let vm = w.get("web").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::BackOff);
+    assert!(vm.status.message.unwrap().contains("could not load kernel"));
+
+    // Once starts work again it runs, and the message is gone.
+    w.run_for(20_000).await;
+    let vm = w.get("web").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    assert_eq!(vm.status.message, None);
+}
+
+/// Bug: a Manual VM whose start failed flipped to `power: Stopped`, silently
+/// cancelling the user's start. A start that never ran is a failed start:
+/// the request stays, and the start is retried with backoff.
+#[tokio::test]
+async fn a_manual_vm_whose_start_fails_keeps_the_start_request() {
+    let mut w = World::new(7, slow_guest());
+    w.hv.fail_next_starts("job", 3, "qemu exited during start");
+    w.create("job", spec(RunPolicy::Manual, PowerState::Running, 60))
+        .await;
+    let mut backoffs = 0;
+    for _ in 0..30 {
+        w.run_for(1_000).await;
+        let vm = w.get("job").await.unwrap();
+        assert_eq!(vm.spec.power, PowerState::Running, "{vm:?}");
+        backoffs += usize::from(vm.status.phase == Phase::BackOff);
+    }
+    assert!(backoffs > 0);
+    let vm = w.get("job").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    // Three failures: backoff 1 + 2 + 4 s before the fourth start.
+    assert_eq!(vm.status.instance.unwrap().id, "job-4");
+
+    // A Manual guest that ran and then crashed stays stopped, as before.
+    let inst = w.get("job").await.unwrap().status.instance.unwrap().id;
+    w.run_for(15_000).await;
+    w.hv.crash(&inst);
+    w.run_for(5_000).await;
+    let vm = w.get("job").await.unwrap();
+    assert_eq!(
+        (vm.spec.power, vm.status.phase),
+        (PowerState::Stopped, Phase::Stopped)
+    );
+}

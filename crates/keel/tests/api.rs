@@ -235,6 +235,8 @@ fn bad_input_is_refused_with_the_field_and_changes_nothing() {
         "x".repeat(70 * 1024)
     );
     let long_name = "a".repeat(64);
+    // Fits a name (63), but not with the instance suffix Keel derives from it.
+    let long_vm_name = "a".repeat(keel_api::name::MAX_VM_NAME_LEN + 1);
     let if_match = revision.to_string();
     // (method, path, body, extra headers, expected status, expected field)
     type Case<'a> = (
@@ -373,6 +375,14 @@ fn bad_input_is_refused_with_the_field_and_changes_nothing() {
             "POST",
             "/api/v1/vms".into(),
             create(json!(long_name), small_spec()),
+            vec![],
+            422,
+            Some("name"),
+        ),
+        (
+            "POST",
+            "/api/v1/vms".into(),
+            create(json!(long_vm_name), small_spec()),
             vec![],
             422,
             Some("name"),

@@ -64,7 +64,7 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
     let resp: VmList = client.get("/api/v1/vms")?;
     output::print(out, &resp, || {
         let mut t = Table::new(&[
-            "NAME", "PHASE", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE",
+            "NAME", "PHASE", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE", "REASON",
         ]);
         for item in &resp.items {
             let vm = &item.vm;
@@ -78,6 +78,7 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
                 format!("{}Mi", vm.spec.memory_mib),
                 inst.map(|i| i.id.clone()).unwrap_or_else(|| "-".into()),
                 inst.map(|i| i.node.clone()).unwrap_or_else(|| "-".into()),
+                vm.status.message.clone().unwrap_or_else(|| "-".into()),
             ]);
         }
         t.render()
@@ -145,6 +146,9 @@ fn describe(resp: &VmResponse) -> String {
                 if exit.requested { " (requested)" } else { "" }
             ),
         ));
+        if let Some(reason) = &exit.reason {
+            pairs.push(("exit reason", reason.clone()));
+        }
     }
     if let Some(at) = vm.deletion_requested_at {
         pairs.push(("deletion requested", t(at)));

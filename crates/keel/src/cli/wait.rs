@@ -147,12 +147,7 @@ mod tests {
         let mut vm = VirtualMachine::new("web", spec);
         vm.status.phase = phase;
         vm.status.observed_generation = 1;
-        vm.status.instance = instance.map(|id| Instance {
-            id: id.into(),
-            node: "n".into(),
-            created_at: 1,
-            running_since: None,
-        });
+        vm.status.instance = instance.map(|id| Instance::new(id, "n", 1));
         vm
     }
 
