@@ -77,6 +77,9 @@ pub struct NodeStatus {
     pub hypervisor: Option<String>,
     #[serde(default)]
     pub last_heartbeat: Millis,
+    /// Where this node keeps VM disks; `None` (older agents): node-local.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_home: Option<crate::DiskHome>,
 }
 
 impl Node {
@@ -124,6 +127,14 @@ impl Node {
     pub fn cordon_by_operator(&mut self) {
         self.cordoned = true;
         self.cordoned_by_keel = false;
+    }
+
+    /// Where this node keeps VM disks.
+    pub fn disk_home(&self) -> crate::DiskHome {
+        self.status
+            .disk_home
+            .clone()
+            .unwrap_or_else(|| crate::DiskHome::Node(self.name.clone()))
     }
 
     pub fn draining(&self) -> Option<&Drain> {

@@ -208,6 +208,46 @@ pub struct VmStatus {
     /// Sequence number of the last migration attempt; ids are `<vm>-m<seq>`.
     #[serde(default)]
     pub migration_seq: u64,
+    /// Where the VM's disks live: fixed when its first instance is
+    /// recorded. Only nodes that see this home may run the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_home: Option<DiskHome>,
+    /// An instance has run on the disks: from now on they must exist
+    /// wherever the VM starts, and are never created again. A VM never
+    /// boots on blank disks in place of its own.
+    #[serde(default)]
+    pub disks_used: bool,
+}
+
+/// Where a VM's disks are, as the nodes that can see them say.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DiskHome {
+    /// In the node's own disk dir: only this node sees them.
+    Node(String),
+    /// In a directory shared by every node that mounts it at this path.
+    Shared(String),
+}
+
+impl std::fmt::Display for DiskHome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DiskHome::Node(node) => write!(f, "node-local storage on node {node}"),
+            DiskHome::Shared(dir) => write!(f, "shared storage {dir}"),
+        }
+    }
+}
+
+impl VmStatus {
+    /// Whether a start may create missing disks: only until an instance has
+    /// run on them. A record from before disk homes were kept (no home, but
+    /// instances before) is treated as used.
+    pub fn may_create_disks(&self) -> bool {
+        match self.disk_home {
+            Some(_) => !self.disks_used,
+            None => self.instance_seq == 0,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]

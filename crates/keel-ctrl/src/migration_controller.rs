@@ -93,6 +93,8 @@ impl MigrationController {
                     memory_mib: vm.spec.memory_mib,
                     disks: vm.spec.disks.clone(),
                     boot: vm.spec.boot.clone(),
+                    // The source's disks, on storage both nodes share.
+                    create_disks: false,
                 };
                 match self.hv.prepare_incoming(&spec).await {
                     Ok(uri) => {

@@ -45,19 +45,56 @@ pub async fn run_controllers(
     );
 }
 
-async fn run_housekeeping(
-    vms: &VmController,
-    clock: &Arc<dyn Clock>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let mut last_heartbeat_ok = clock.now_ms();
-    while !*stop.borrow() {
-        vms.housekeeping(&mut last_heartbeat_ok).await;
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
-            _ = stop.changed() => {}
+/// The heartbeat (with the fence-lease renewal) and the other chores run
+/// on loops of their own: a chore stuck on a hung hypervisor or store call
+/// must never delay the heartbeat, or a healthy node would be fenced.
+async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watch::Receiver<bool>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // The chores act on the cluster's state only while this node's own
+    // heartbeat gets through, as a node cut off must not take over others.
+    let heartbeat_ok_at = AtomicU64::new(clock.now_ms());
+    let lease = async {
+        let mut stop = stop.clone();
+        let mut last_heartbeat_ok = clock.now_ms();
+        while !*stop.borrow() {
+            // A heartbeat that hangs counts as failed, so self-fencing is
+            // judged on time, whatever the store does.
+            let bounded = tokio::time::timeout(
+                Duration::from_millis(HOUSEKEEPING_MS),
+                vms.keep_lease(&mut last_heartbeat_ok),
+            );
+            let outcome = bounded.await;
+            heartbeat_ok_at.store(last_heartbeat_ok, Ordering::Relaxed);
+            if outcome.is_err() {
+                tracing::warn!("heartbeat timed out");
+                let now = clock.now_ms();
+                if now.saturating_sub(last_heartbeat_ok) >= vms.config().self_fence_ms {
+                    vms.self_fence().await;
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = stop.changed() => {}
+            }
         }
-    }
+    };
+    let chores = async {
+        let mut stop = stop.clone();
+        while !*stop.borrow() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = stop.changed() => {}
+            }
+            let fresh = clock
+                .now_ms()
+                .saturating_sub(heartbeat_ok_at.load(Ordering::Relaxed))
+                <= 2 * HOUSEKEEPING_MS;
+            if !*stop.borrow() && fresh {
+                vms.chores().await;
+            }
+        }
+    };
+    tokio::join!(lease, chores);
 }
 
 async fn run_reconcilers(

@@ -28,6 +28,13 @@ pub fn candidate_nodes(
         .filter(|n| node_ready(n, now, cfg) && !n.cordoned && n.drain.is_none())
         .filter(|n| Some(n.name.as_str()) != exclude)
         .filter(|n| vm.spec.node.as_deref().is_none_or(|pin| pin == n.name))
+        // Only where its disks are: a VM never boots on blank disks.
+        .filter(|n| {
+            vm.status
+                .disk_home
+                .as_ref()
+                .is_none_or(|h| *h == n.disk_home())
+        })
         .map(|n| {
             let load = vms
                 .iter()
@@ -57,12 +64,17 @@ pub fn placement(
         }
         None => {
             next.status.message = Some(format!(
-                "no ready, uncordoned node can run VM {}{}",
+                "no ready, uncordoned node can run VM {}{}{}",
                 vm.name,
                 vm.spec
                     .node
                     .as_ref()
                     .map(|n| format!(" (pinned to {n})"))
+                    .unwrap_or_default(),
+                vm.status
+                    .disk_home
+                    .as_ref()
+                    .map(|h| format!(" where its disks are ({h})"))
                     .unwrap_or_default()
             ));
         }
@@ -142,5 +154,39 @@ mod tests {
         assert_eq!(got, ["b", "a"]);
         let got = candidate_nodes(&vm("new", None), &nodes, &vms, Some("b"), 100_000, &cfg);
         assert_eq!(got, ["a"]);
+    }
+
+    #[test]
+    fn a_vm_goes_only_where_its_disks_are() {
+        let cfg = LifecycleConfig::default();
+        let shared = |name: &str| {
+            let mut n = node(name, 100_000);
+            n.status.disk_home = Some(keel_api::DiskHome::Shared("/nfs".into()));
+            n
+        };
+        let nodes = [
+            node("a", 100_000),
+            node("b", 100_000),
+            shared("s1"),
+            shared("s2"),
+        ];
+        let mut local = vm("local", None);
+        local.status.disk_home = Some(keel_api::DiskHome::Node("a".into()));
+        assert_eq!(
+            candidate_nodes(&local, &nodes, &[], None, 100_000, &cfg),
+            ["a"]
+        );
+        assert!(candidate_nodes(&local, &nodes, &[], Some("a"), 100_000, &cfg).is_empty());
+        let mut on_nfs = vm("nfs", None);
+        on_nfs.status.disk_home = Some(keel_api::DiskHome::Shared("/nfs".into()));
+        assert_eq!(
+            candidate_nodes(&on_nfs, &nodes, &[], None, 100_000, &cfg),
+            ["s1", "s2"]
+        );
+        // A new VM has no home yet: anywhere.
+        assert_eq!(
+            candidate_nodes(&vm("new", None), &nodes, &[], None, 100_000, &cfg).len(),
+            4
+        );
     }
 }

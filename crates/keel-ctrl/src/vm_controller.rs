@@ -108,6 +108,7 @@ impl VmController {
                 .map(|e| e.value.clone())
                 .unwrap_or_else(|| Node::new(&self.cfg.node));
             node.status.last_heartbeat = now;
+            node.status.disk_home = Some(self.cfg.disk_home());
             if let Some(facts) = facts {
                 node.status.accelerator = Some(facts.accelerator);
                 node.status.hypervisor = Some(facts.hypervisor.clone());
@@ -137,23 +138,63 @@ impl VmController {
         }
     }
 
-    /// The node agent's periodic chores: heartbeat (self-fencing when it
-    /// could not be renewed for `self_fence_ms`), taking over the VMs of
-    /// nodes whose lease ran out (with `cluster_duties`), ending stray
-    /// domains.
-    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
+    /// Writes the heartbeat and, once it reached the store, renews the
+    /// node's local fence lease (which the QEMU driver's keepers enforce
+    /// even if this process dies) with what is left of `self_fence_ms`,
+    /// counted from before the write was sent.
+    pub async fn heartbeat_and_renew(
+        &self,
+        facts: Option<&keel_hv::NodeFacts>,
+    ) -> Result<(), StoreError> {
+        let sent_at = self.clock.now_ms();
+        self.heartbeat(facts).await?;
+        let elapsed = self.clock.now_ms().saturating_sub(sent_at);
+        let left = self.cfg.self_fence_ms.saturating_sub(elapsed);
+        if let Err(err) = self
+            .hv
+            .renew_fence(std::time::Duration::from_millis(left))
+            .await
+        {
+            // The guests will be fenced when the lease lapses: loud, but
+            // nothing else to do than try again at the next heartbeat.
+            tracing::error!(node = %self.cfg.node, %err, "cannot renew the local fence lease");
+        }
+        Ok(())
+    }
+
+    /// The lease half of housekeeping: heartbeat and fence-lease renewal,
+    /// self-fencing when the heartbeat could not be renewed for
+    /// `self_fence_ms`. Returns whether the heartbeat succeeded. Runs on
+    /// its own loop in the runtime, so that no other chore can delay it.
+    pub async fn keep_lease(&self, last_heartbeat_ok: &mut Millis) -> bool {
         let now = self.clock.now_ms();
         let facts = self.hv.facts().await;
-        match self.heartbeat(Some(&facts)).await {
-            Ok(()) => *last_heartbeat_ok = now,
+        match self.heartbeat_and_renew(Some(&facts)).await {
+            Ok(()) => {
+                *last_heartbeat_ok = now;
+                true
+            }
             Err(err) => {
                 tracing::warn!(node = %self.cfg.node, %err, "heartbeat failed");
                 if now.saturating_sub(*last_heartbeat_ok) >= self.cfg.self_fence_ms {
                     self.self_fence().await;
                 }
-                return;
+                false
             }
         }
+    }
+
+    /// The node agent's periodic chores: the heartbeat (see
+    /// [`Self::keep_lease`]), then, if it succeeded, the others.
+    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
+        if self.keep_lease(last_heartbeat_ok).await {
+            self.chores().await;
+        }
+    }
+
+    /// Taking over the VMs of nodes whose lease ran out (with
+    /// `cluster_duties`), ending stray domains.
+    pub async fn chores(&self) {
         if self.cfg.cluster_duties {
             if let Err(err) = self.take_over_lost_nodes().await {
                 tracing::warn!(%err, "taking over from lost nodes failed");
@@ -526,6 +567,7 @@ impl VmController {
                         memory_mib: vm.spec.memory_mib,
                         disks: vm.spec.disks.clone(),
                         boot: vm.spec.boot.clone(),
+                        create_disks: vm.status.may_create_disks(),
                     })
                     .await
             }

@@ -14,8 +14,8 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    Drain, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase, PowerState,
-    RunPolicy, Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
+    DiskHome, Drain, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase,
+    PowerState, RunPolicy, Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
 
@@ -56,6 +56,19 @@ pub struct LifecycleConfig {
     /// one writer); false under a control plane, whose elected leader does
     /// it with guarded writes (`ClusterController`).
     pub cluster_duties: bool,
+    /// The directory this node keeps VM disks in, if other nodes share it
+    /// (mounted at the same path); `None`: the disks are node-local.
+    pub shared_disk_dir: Option<String>,
+}
+
+impl LifecycleConfig {
+    /// Where the disks of VMs started on this node live.
+    pub fn disk_home(&self) -> DiskHome {
+        match &self.shared_disk_dir {
+            Some(dir) => DiskHome::Shared(dir.clone()),
+            None => DiskHome::Node(self.node.clone()),
+        }
+    }
 }
 
 impl Default for LifecycleConfig {
@@ -74,6 +87,7 @@ impl Default for LifecycleConfig {
             node_lease_ms: 40_000,
             self_fence_ms: 20_000,
             cluster_duties: true,
+            shared_disk_dir: None,
         }
     }
 }
@@ -394,6 +408,12 @@ fn keep_running(
             instance.start_error = None;
         }
     }
+    if running {
+        // The guest has run on its disks: from now on they are the VM's
+        // data, and no start anywhere may create blank ones instead.
+        status.disks_used = true;
+        status.disk_home.get_or_insert_with(|| cfg.disk_home());
+    }
     if settled {
         status.failed_starts = 0;
         status.next_start_at = None;
@@ -678,6 +698,20 @@ fn no_instance(
         next.status.message = Some(format!("pinned to draining node {}", cfg.node));
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
+    let here = cfg.disk_home();
+    if let Some(home) = vm.status.disk_home.as_ref().filter(|h| **h != here) {
+        // Its disks are where this node cannot see them: starting here
+        // would mean blank disks in place of the VM's own. Back to the
+        // scheduler, which places it only where its disks are.
+        next.status.node = None;
+        next.status.phase = Phase::Pending;
+        next.status.message = Some(format!(
+            "the disks of VM {} are on {home}, which node {} does not see; not started here",
+            vm.name, cfg.node
+        ));
+        return persist_if_changed(vm, next, None, now + cfg.poll_ms);
+    }
+    next.status.disk_home.get_or_insert(here);
     let seq = vm.status.instance_seq + 1;
     next.status.instance_seq = seq;
     next.status.instance = Some(Instance::new(format!("{}-{seq}", vm.name), &cfg.node, now));
@@ -796,6 +830,57 @@ mod tests {
                 node: None,
             },
         )
+    }
+
+    #[test]
+    fn nothing_starts_where_the_disks_are_not() {
+        let cfg = LifecycleConfig {
+            node: "b".into(),
+            ..Default::default()
+        };
+        let mut v = vm();
+        v.status.node = Some("b".into());
+        v.status.instance_seq = 3;
+        v.status.disks_used = true;
+        v.status.disk_home = Some(DiskHome::Node("a".into()));
+        let observed = Observed::NoInstance {
+            domains: vec![],
+            restore_source: RestoreSource::NotNeeded,
+        };
+        let Step::Persist { vm: next, then, .. } =
+            decide(&v, &observed, &ClusterView::default(), 1_000, &cfg)
+        else {
+            panic!("expected the reason to be recorded");
+        };
+        assert_eq!(then, None, "no start");
+        assert!(next.status.instance.is_none() && next.status.node.is_none());
+        assert!(next
+            .status
+            .message
+            .unwrap()
+            .contains("node-local storage on node a"));
+
+        // On its own node it starts, and a first start records the home.
+        let here = LifecycleConfig {
+            node: "a".into(),
+            ..Default::default()
+        };
+        let step = decide(&v, &observed, &ClusterView::default(), 1_000, &here);
+        assert!(matches!(
+            step,
+            Step::Persist {
+                then: Some(HvAction::Start),
+                ..
+            }
+        ));
+        let fresh = vm();
+        let Step::Persist { vm: next, .. } =
+            decide(&fresh, &observed, &ClusterView::default(), 1_000, &here)
+        else {
+            panic!()
+        };
+        assert_eq!(next.status.disk_home, Some(DiskHome::Node("a".into())));
+        assert!(next.status.may_create_disks());
     }
 
     #[test]

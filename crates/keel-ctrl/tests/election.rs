@@ -79,6 +79,8 @@ impl World {
         let cfg = LifecycleConfig {
             node: node.into(),
             cluster_duties: false,
+            // One fabric: every node sees the same disks.
+            shared_disk_dir: Some("/sim-fabric".into()),
             ..LifecycleConfig::default()
         };
         let agent = VmController::new(self.store.clone(), Arc::new(hv), self.shared_clock(), cfg);

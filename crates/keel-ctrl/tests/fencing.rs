@@ -88,3 +88,39 @@ async fn nothing_is_placed_on_a_node_that_is_not_ready() {
         assert_eq!(c.vm(name).await.status.instance.unwrap().node, "a");
     }
 }
+
+/// Nodes with disks of their own (no shared storage): when a's lease runs
+/// out, its VM is not started on b, which would mean blank disks in place
+/// of the VM's own. It waits, with the reason on its record, and runs on a
+/// again, with its data, once a is back.
+#[tokio::test]
+async fn without_shared_storage_a_lost_nodes_vm_waits_for_its_disks() {
+    let mut c = Cluster::with_local_disks(sim());
+    c.add_node("a").await;
+    c.create("vm", RunPolicy::AlwaysOn).await;
+    c.run(3_000).await;
+    assert!(c.executing_on("a", "vm"));
+    c.agents[0].hv.guest_write("vm", 7, "written on a").unwrap();
+    c.add_node("b").await;
+    c.agents[0].running = false;
+    c.agents[0].hv.power_failure();
+
+    c.run(lease_ms() + 30_000).await;
+    assert!(!c.executing_on("b", "vm"), "started on b");
+    assert!(!c.agents[1].hv.has_disks("vm"), "b made disks for the VM");
+    let vm = c.vm("vm").await;
+    assert!(vm.status.instance.is_none(), "{vm:?}");
+    let message = vm.status.message.unwrap_or_default();
+    assert!(
+        message.contains("where its disks are") && message.contains("node a"),
+        "{message:?}"
+    );
+
+    c.agents[0].running = true;
+    c.run(20_000).await;
+    assert!(c.executing_on("a", "vm"), "{}", c.explain("vm").await);
+    assert_eq!(
+        c.agents[0].hv.disk_record("vm", 7).as_deref(),
+        Some("written on a")
+    );
+}

@@ -125,6 +125,7 @@ async fn delete_waits_while_the_domain_lookup_fails() {
         memory_mib: 64,
         disks: vec![],
         boot: Default::default(),
+        create_disks: true,
     })
     .await
     .unwrap();

@@ -143,6 +143,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                         memory_mib: 64,
                         disks: vec![],
                         boot: Default::default(),
+                        create_disks: true,
                     })
                     .await
                     .ok();

@@ -27,6 +27,17 @@ pub struct DomainSpec {
     pub memory_mib: u64,
     pub disks: Vec<keel_api::DiskSpec>,
     pub boot: keel_api::BootSpec,
+    /// Whether missing disks may be created (only before an instance has
+    /// ever run on them). Otherwise a missing disk fails the start, with
+    /// the path in the reason: never a blank disk in place of the VM's own.
+    #[serde(default = "create_disks_default")]
+    pub create_disks: bool,
+}
+
+/// Launch records written before `create_disks` existed came from starts
+/// that created disks as needed.
+fn create_disks_default() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,6 +137,9 @@ pub enum HvError {
         op: &'static str,
         reason: String,
     },
+    /// The node's local fence lease could not be renewed.
+    #[error("fence lease: {reason}")]
+    Fence { reason: String },
 }
 
 impl HvError {
@@ -143,6 +157,16 @@ pub trait Hypervisor: Send + Sync + 'static {
     /// correctness: controllers still re-check on their schedule.
     fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainExit>> {
         None
+    }
+
+    /// Extends the node's local fence lease to `valid_for` from now. Called
+    /// after each heartbeat that reached the store, with what is left of the
+    /// self-fence window counted from before it was sent. A driver that
+    /// fences (the QEMU driver under keepers) ends every guest once the
+    /// lease lapses, even if this process is dead; others ignore it.
+    async fn renew_fence(&self, valid_for: std::time::Duration) -> Result<(), HvError> {
+        let _ = valid_for;
+        Ok(())
     }
 
     /// Creates the VM's disks if missing and launches the domain.

@@ -491,6 +491,18 @@ impl Hypervisor for SimHypervisor {
                 instance: spec.instance.clone(),
             });
         }
+        if spec.create_disks {
+            self.disks().entry(spec.vm.clone()).or_default();
+        } else if !self.disks().contains_key(&spec.vm) {
+            return Err(HvError::Failed {
+                instance: spec.instance.clone(),
+                op: "start",
+                reason: format!(
+                    "the disks of VM {} are not on node {}: no blank ones are made in their place",
+                    spec.vm, self.node
+                ),
+            });
+        }
         if let Some((left, reason)) = s.failing_starts.get_mut(&spec.vm) {
             if *left > 0 {
                 *left -= 1;
@@ -522,7 +534,6 @@ impl Hypervisor for SimHypervisor {
             .then_some(now + s.config.boot_ms + 500);
         let ignore = s.config.faults.ignore_powerdown;
         let ignores_powerdown = s.chance(ignore);
-        self.disks().entry(spec.vm.clone()).or_default();
         s.domains.insert(
             spec.instance.clone(),
             SimDomain {
@@ -860,7 +871,29 @@ mod tests {
             memory_mib: 64,
             disks: vec![],
             boot: Default::default(),
+            create_disks: true,
         }
+    }
+
+    #[tokio::test]
+    async fn a_start_that_may_not_create_disks_needs_them_to_exist() {
+        let clock = ManualClock::new(0);
+        let hv = SimHypervisor::new(Arc::new(clock.clone()), 1, SimConfig::default());
+        let used = DomainSpec {
+            create_disks: false,
+            ..spec("a", "a-1")
+        };
+        let err = hv.start(&used).await.unwrap_err();
+        assert!(matches!(err, HvError::Failed { .. }), "{err:?}");
+        assert!(!hv.has_disks("a") && hv.live_instances("a").is_empty());
+        hv.start(&spec("a", "a-2")).await.unwrap();
+        hv.kill("a-2").await.unwrap();
+        hv.start(&DomainSpec {
+            instance: "a-3".into(),
+            ..used
+        })
+        .await
+        .unwrap();
     }
 
     #[tokio::test]

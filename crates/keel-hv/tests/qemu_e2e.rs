@@ -398,3 +398,23 @@ async fn a_data_dir_of_any_length_boots_and_readopts() {
     common::stop_and_cleanup(&hv, "web-1").await;
     assert!(!sockets.exists(), "{} left behind", sockets.display());
 }
+
+/// A VM that has run on its disks never gets blank ones: a start that may
+/// not create disks fails, naming the missing image, and leaves nothing.
+#[tokio::test]
+async fn a_start_that_may_not_create_disks_fails_on_missing_ones() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let used = keel_hv::DomainSpec {
+        create_disks: false,
+        ..spec("web", "web-1")
+    };
+    let err = fx.hv().start(&used).await.unwrap_err();
+    assert!(
+        matches!(&err, HvError::Failed { reason, .. } if reason.contains("missing at")),
+        "{err:?}"
+    );
+    assert!(!fx.hv().disk_path("web", "data").exists());
+    assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
+}

@@ -36,6 +36,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         memory_mib: 256,
         disks: disks(),
         boot: BootSpec::default(),
+        create_disks: true,
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, SystemClock};
 use keel_ctrl::{run_vm_controller, LifecycleConfig, LifecycleObserver, VmController};
+use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::AccelChoice;
 use keel_hv::sim::SimConfig;
 use keel_hv::Hypervisor;
@@ -46,7 +47,9 @@ impl NodeAgent {
         let ctrl = Arc::new(
             VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer),
         );
-        ctrl.heartbeat(Some(&facts))
+        // Registers the node and grants the first fence lease: under a
+        // keeper, no guest starts (or stays) without one.
+        ctrl.heartbeat_and_renew(Some(&facts))
             .await
             .with_context(|| format!("registering node {node}"))?;
         let (stop, stop_rx) = watch::channel(false);
@@ -87,6 +90,9 @@ pub struct AgentConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The fence keeper QEMU runs under (`keel keeper`); `None` only in
+    /// tests that have no keel binary.
+    pub keeper: Option<KeeperCommand>,
     /// Controller timings; `node` and `cluster_duties` are overwritten.
     pub lifecycle: LifecycleConfig,
 }
@@ -108,6 +114,7 @@ impl AgentConfig {
             accel: AccelChoice::Auto,
             disk_dir: None,
             runtime_dir: None,
+            keeper: None,
             lifecycle: LifecycleConfig::default(),
         }
     }
@@ -118,6 +125,7 @@ impl AgentConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            keeper: self.keeper.clone(),
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
@@ -183,6 +191,7 @@ pub async fn start_with_hypervisor(
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         cluster_duties: false,
+        shared_disk_dir: serve::shared_disk_dir(cfg.disk_dir.as_deref())?,
         ..cfg.lifecycle.clone()
     };
     // A bare agent serves no metrics endpoint: nothing to report to.
@@ -229,6 +238,9 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.accel = args.accel;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    if cfg.hypervisor == HypervisorKind::Qemu {
+        cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

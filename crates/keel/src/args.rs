@@ -44,6 +44,20 @@ pub enum Command {
     Restore(RestoreArgs),
     /// List live migrations (made by node drains).
     Migration(MigrationCommand),
+    /// Internal: runs one QEMU under the node's fence lease (started by a
+    /// node agent's QEMU driver; see keel_hv::qemu::keeper).
+    #[command(hide = true)]
+    Keeper(KeeperArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct KeeperArgs {
+    /// The instance directory (its spec.json holds QEMU's argv).
+    #[arg(long)]
+    pub instance_dir: PathBuf,
+    /// The node's fence-lease file.
+    #[arg(long)]
+    pub lease: PathBuf,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

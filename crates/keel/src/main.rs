@@ -16,6 +16,15 @@ fn main() -> ExitCode {
         Command::Snapshot(cmd) => keel::cli::snapshot(cmd),
         Command::Restore(args) => keel::cli::restore(args),
         Command::Migration(cmd) => keel::cli::migration(cmd),
+        Command::Keeper(args) => {
+            use keel_hv::qemu::keeper;
+            let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))
+                .unwrap_or_else(|e| {
+                    eprintln!("keel keeper: {}: {e}", args.instance_dir.display());
+                    1
+                });
+            return ExitCode::from(code.clamp(0, 255) as u8);
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -24,6 +24,7 @@ use keel_ctrl::{
     run_control_plane, run_vm_controller, ClusterController, ElectionConfig, LeaderElection,
     LifecycleConfig, VmController,
 };
+use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_hv::Hypervisor;
@@ -66,6 +67,8 @@ pub struct ServeConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// With `agent`: the fence keeper QEMU runs under (`keel keeper`).
+    pub keeper: Option<KeeperCommand>,
     /// SQLite in the data dir, or an etcd cluster (control-plane mode).
     pub store: StoreSpec,
     /// With an etcd store: also run a node agent here (`node`).
@@ -93,6 +96,7 @@ impl ServeConfig {
             demo: false,
             disk_dir: None,
             runtime_dir: None,
+            keeper: None,
             store: StoreSpec::Sqlite,
             agent: false,
             election: ElectionConfig::default(),
@@ -105,6 +109,14 @@ impl ServeConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            // One host, one store: nobody else can start these VMs, so
+            // guests may outlive the server for good. A control plane's
+            // in-process agent is a cluster node and fences.
+            keeper: if self.agent {
+                self.keeper.clone()
+            } else {
+                None
+            },
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
@@ -122,6 +134,9 @@ pub struct HypervisorOptions {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver keeps sockets; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// Run each QEMU under this fence keeper (cluster nodes); see
+    /// `keel_hv::qemu::keeper`.
+    pub keeper: Option<KeeperCommand>,
     /// Used only by the sim driver.
     pub sim: SimConfig,
     pub guest_dir: Option<PathBuf>,
@@ -139,6 +154,7 @@ pub async fn make_hypervisor(
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
             config.disk_dir = cfg.disk_dir.clone();
             config.runtime_dir = cfg.runtime_dir.clone();
+            config.keeper = cfg.keeper.clone();
             if let Some(dir) = &cfg.guest_dir {
                 // QEMU runs with its own working directory in mind: absolute paths only.
                 let dir = dir
@@ -159,6 +175,19 @@ pub async fn make_hypervisor(
             Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
         }
     }
+}
+
+/// `--disk-dir` names storage the nodes share (mounted at the same path on
+/// each); without it disks are node-local. The path as the driver uses it.
+pub fn shared_disk_dir(disk_dir: Option<&Path>) -> anyhow::Result<Option<String>> {
+    disk_dir
+        .map(|dir| {
+            std::fs::create_dir_all(dir)
+                .and_then(|()| dir.canonicalize())
+                .with_context(|| format!("disk dir {}", dir.display()))
+                .map(|d| d.to_string_lossy().into_owned())
+        })
+        .transpose()
 }
 
 /// A started server. Dropping it without [`RunningServer::shutdown`]
@@ -264,6 +293,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     let (stop, stop_rx) = watch::channel(false);
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
+        shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
         ..cfg.lifecycle.clone()
     };
     let metrics = Arc::new(Metrics::new());
@@ -273,7 +303,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     );
     // Register the node (with the hypervisor's facts) before serving; the
     // controller runtime keeps the heartbeat going from here on.
-    ctrl.heartbeat(Some(&facts))
+    ctrl.heartbeat_and_renew(Some(&facts))
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
@@ -347,6 +377,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         cluster_duties: false,
+        shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
         ..cfg.lifecycle.clone()
     };
     let (stop, stop_rx) = watch::channel(false);
@@ -460,6 +491,9 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
+        cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

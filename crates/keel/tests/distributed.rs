@@ -157,6 +157,8 @@ impl Cluster {
             HypervisorKind::Sim,
         );
         cfg.lifecycle = lifecycle();
+        // The sim nodes share one fabric: their disks are shared storage.
+        cfg.disk_dir = Some(self.dir.path().join("shared-disks"));
         let agent = agent::start_with_hypervisor(cfg, Arc::new(hv.clone()))
             .await
             .expect("agent starts");

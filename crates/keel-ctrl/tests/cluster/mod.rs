@@ -45,6 +45,8 @@ pub struct Cluster {
     pub fabric: SimFabric,
     pub agents: Vec<Agent>,
     pub sim: SimConfig,
+    /// Each node keeps its disks to itself (no shared storage).
+    pub local_disks: bool,
 }
 
 pub fn spec(policy: RunPolicy) -> VmSpec {
@@ -85,6 +87,15 @@ impl Cluster {
             fabric: SimFabric::default(),
             agents: Vec::new(),
             sim,
+            local_disks: false,
+        }
+    }
+
+    /// Nodes without shared storage: each its own disks, nothing migrates.
+    pub fn with_local_disks(sim: SimConfig) -> Self {
+        Self {
+            local_disks: true,
+            ..Self::new(sim)
         }
     }
 
@@ -105,7 +116,9 @@ impl Cluster {
 
     pub fn make_agent(&self, name: &str, seed: u64) -> Agent {
         let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
-        let hv = SimHypervisor::join(shared.clone(), seed, self.sim.clone(), &self.fabric, name);
+        let own = SimFabric::default();
+        let fabric = if self.local_disks { &own } else { &self.fabric };
+        let hv = SimHypervisor::join(shared.clone(), seed, self.sim.clone(), fabric, name);
         let partitioned = Arc::new(AtomicBool::new(false));
         let (vms, migrations) = self.controllers(name, &hv, &partitioned);
         Agent {
@@ -133,6 +146,8 @@ impl Cluster {
         )));
         let cfg = LifecycleConfig {
             node: name.to_string(),
+            // One fabric: every node sees the same disks.
+            shared_disk_dir: (!self.local_disks).then(|| "/sim-fabric".into()),
             ..Default::default()
         };
         let vms = VmController::new(store, Arc::new(hv.clone()), shared, cfg);

@@ -137,6 +137,8 @@ impl Env {
         let cfg = LifecycleConfig {
             node: name.into(),
             poll_ms: 500,
+            // The nodes share one disk dir, as nodes on shared storage.
+            shared_disk_dir: Some("/shared-test-disks".into()),
             ..Default::default()
         };
         let ctrl = Arc::new(VmController::new(

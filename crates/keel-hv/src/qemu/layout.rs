@@ -565,6 +565,7 @@ mod tests {
             memory_mib: 128,
             disks: vec![],
             boot: Default::default(),
+            create_disks: true,
         };
         // As an older Keel wrote it: no socket_dir key at all.
         let mut old = serde_json::json!({

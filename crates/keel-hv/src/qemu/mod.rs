@@ -14,6 +14,7 @@
 //! on storage both nodes share (`QemuConfig::disk_dir`).
 
 mod accel;
+pub mod keeper;
 mod layout;
 mod migration;
 mod monitor;
@@ -90,6 +91,12 @@ pub struct QemuConfig {
     pub qmp_timeout: Duration,
     /// How long `start` waits for a new QEMU's QMP to answer.
     pub launch_timeout: Duration,
+    /// Run each QEMU under a fence keeper ([`keeper`]) that kills it when
+    /// the node's local lease (`data_dir/fence-lease`, renewed through
+    /// [`Hypervisor::renew_fence`]) lapses. For cluster nodes, where another
+    /// node may start the VM once this one's lease has run out; `None` (one
+    /// host, nobody else can start it) lets guests outlive Keel for good.
+    pub keeper: Option<keeper::KeeperCommand>,
 }
 
 impl QemuConfig {
@@ -111,6 +118,7 @@ impl QemuConfig {
             machine: "q35".into(),
             qmp_timeout: Duration::from_secs(5),
             launch_timeout: Duration::from_secs(30),
+            keeper: None,
         }
     }
 
@@ -160,6 +168,8 @@ struct Inner {
     vm_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Where monitors announce exits (see `Hypervisor::exit_events`).
     exits: tokio::sync::broadcast::Sender<crate::DomainExit>,
+    /// The node's local lease, read by the keepers.
+    lease: keeper::FenceLease,
 }
 
 impl Drop for Inner {
@@ -236,6 +246,7 @@ impl QemuDriver {
         );
         let mut config = config;
         config.data_dir = root;
+        let lease = keeper::FenceLease::new(layout.root.join(keeper::LEASE_FILE));
         let driver = QemuDriver {
             inner: Arc::new(Inner {
                 config,
@@ -246,6 +257,7 @@ impl QemuDriver {
                 domains: Mutex::new(BTreeMap::new()),
                 vm_locks: Mutex::new(BTreeMap::new()),
                 exits: tokio::sync::broadcast::channel(256).0,
+                lease,
             }),
         };
         driver.adopt_all();
@@ -473,12 +485,15 @@ impl QemuDriver {
         }
     }
 
-    /// Creates missing qcow2 images; existing ones are left as they are.
+    /// Creates missing qcow2 images if `create`; existing ones are left as
+    /// they are. Without `create` a missing image fails, naming it: the VM
+    /// has run on its disks, and a blank one must never take their place.
     /// Returns the image paths in `disks` order, or why not.
     async fn ensure_disks(
         &self,
         vm: &str,
         disks: &[keel_api::DiskSpec],
+        create: bool,
     ) -> Result<Vec<PathBuf>, String> {
         let vm_dir = self.inner.layout.vm_disks(vm);
         tokio::fs::create_dir_all(&vm_dir)
@@ -487,6 +502,14 @@ impl QemuDriver {
         let mut paths = Vec::new();
         for disk in disks {
             let path = self.inner.layout.disk(vm, &disk.name);
+            if !create && !path.exists() {
+                return Err(format!(
+                    "disk {} of VM {vm} is missing at {}: the VM has run on its disks, so no \
+                     blank one is made in its place (wrong node, or shared storage not mounted?)",
+                    disk.name,
+                    path.display()
+                ));
+            }
             if !path.exists() {
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
@@ -630,7 +653,7 @@ impl QemuDriver {
         let disks = if incoming {
             self.existing_disks(spec)?
         } else {
-            self.ensure_disks(&spec.vm, &spec.disks)
+            self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks)
                 .await
                 .map_err(failed)?
         };
@@ -684,19 +707,32 @@ impl QemuDriver {
             let _ = std::fs::remove_dir_all(&plan.paths.dir);
             let _ = plan.paths.remove_sockets();
         };
-        let mut child = match spawn_qemu(&self.inner.config.qemu_binary, &plan) {
+        let keeper = self.inner.config.keeper.as_ref();
+        let spawned = match keeper {
+            Some(k) => spawn_keeper(k, &self.inner.lease, &plan),
+            None => spawn_qemu(&self.inner.config.qemu_binary, &plan),
+        };
+        let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
                 remove_dir();
                 return Err(failed(format!(
                     "spawn {}: {e}",
-                    self.inner.config.qemu_binary.display()
+                    keeper
+                        .map_or(&self.inner.config.qemu_binary, |k| &k.program)
+                        .display()
                 )));
             }
         };
-        let pid = child.id().unwrap_or(0);
-        domain.set_phase(Phase::Launching { pid: Some(pid) });
-        tracing::info!(instance = %instance, pid, accel = ?plan.accelerator, "QEMU spawned");
+        let child_pid = child.id().unwrap_or(0);
+        // Under a keeper, QEMU's pid is known only once it wrote its pid
+        // file; until then a kill must wait (the keeper's pid is not QEMU's).
+        if keeper.is_none() {
+            domain.set_phase(Phase::Launching {
+                pid: Some(child_pid),
+            });
+        }
+        tracing::info!(instance = %instance, pid = child_pid, keeper = keeper.is_some(), accel = ?plan.accelerator, "QEMU spawned");
 
         let ready = match self.await_qmp(&plan.paths, &mut child).await {
             // Before the monitor takes the connection, so that a target that
@@ -708,17 +744,49 @@ impl QemuDriver {
             Ok(connected) => Ok((connected, None)),
             Err(reason) => Err(reason),
         };
+        let ready = match ready {
+            Ok((connected, uri)) if keeper.is_some() => {
+                match self.kept_qemu(domain, &plan.paths).await {
+                    Ok(fd) => Ok((connected, uri, Some(fd))),
+                    Err(reason) => Err(reason),
+                }
+            }
+            Ok((connected, uri)) => Ok((connected, uri, None)),
+            Err(reason) => Err(reason),
+        };
         match ready {
-            Ok((connected, uri)) => {
+            Ok((connected, uri, kept)) => {
+                let (pid, watch) = match kept {
+                    Some(fd) => {
+                        // The keeper is reaped when it exits (after QEMU),
+                        // so no zombie stays; QEMU is watched by pidfd.
+                        tokio::spawn(async move {
+                            let _ = child.wait().await;
+                        });
+                        (fd.pid(), ProcessWatch::PidFd(fd))
+                    }
+                    None => (child_pid, ProcessWatch::Child(child)),
+                };
                 domain.set_phase(Phase::Live { pid });
-                domain.spawn_monitor(ProcessWatch::Child(child), Some(connected));
+                domain.spawn_monitor(watch, Some(connected));
                 Ok(uri)
             }
             Err(reason) => {
                 // Leave nothing running and nothing behind: a failed start
-                // is a start that never happened (`NotFound`).
+                // is a start that never happened (`NotFound`). A keeper's
+                // death takes its QEMU along (PDEATHSIG), but not at once:
+                // wait for QEMU itself too.
+                let qemu = keeper.and(
+                    plan.paths
+                        .read_pid()
+                        .or_else(|| proc::find_instance_process(&domain.marker)),
+                );
                 let _ = child.start_kill();
                 let _ = child.wait().await;
+                if let Some(Ok(fd)) = qemu.map(|pid| PidFd::open_verified(pid, &domain.marker)) {
+                    let _ = fd.signal(libc::SIGKILL);
+                    let _ = tokio::time::timeout(Duration::from_secs(10), fd.exited()).await;
+                }
                 let log = tail(&plan.paths.qemu_log);
                 remove_dir();
                 Err(failed(format!("{reason}; qemu log: {log}")))
@@ -808,6 +876,28 @@ impl QemuDriver {
         })
     }
 
+    /// The QEMU a keeper started, once its QMP answered: its pid from the
+    /// pid file, verified by its identity marker.
+    async fn kept_qemu(&self, domain: &Domain, paths: &InstancePaths) -> Result<PidFd, String> {
+        let deadline = Instant::now() + self.inner.config.launch_timeout;
+        loop {
+            if let Some(pid) = paths.read_pid() {
+                if let Ok(fd) = PidFd::open_verified(pid, &domain.marker) {
+                    return Ok(fd);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err("QEMU under the keeper answered QMP but wrote no pid file".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The node's local lease, which this driver's keepers enforce.
+    pub fn fence_lease(&self) -> &keeper::FenceLease {
+        &self.inner.lease
+    }
+
     /// Waits for the new QEMU's QMP greeting, or its early death.
     async fn await_qmp(
         &self,
@@ -854,6 +944,18 @@ impl Hypervisor for QemuDriver {
             accelerator: self.inner.accelerator,
             accelerator_note: self.inner.accelerator_note.clone(),
         }
+    }
+
+    async fn renew_fence(&self, valid_for: Duration) -> Result<(), HvError> {
+        if self.inner.config.keeper.is_none() {
+            return Ok(());
+        }
+        self.inner
+            .lease
+            .renew(valid_for)
+            .map_err(|e| HvError::Fence {
+                reason: format!("renew {}: {e}", self.inner.lease.path().display()),
+            })
     }
 
     fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<crate::DomainExit>> {
@@ -1152,6 +1254,43 @@ fn spawn_qemu(binary: &Path, plan: &LaunchPlan) -> io::Result<tokio::process::Ch
         cmd.pre_exec(|| {
             // Own session and process group: no controlling terminal, so
             // neither a Ctrl-C nor a hangup aimed at Keel reaches QEMU.
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// Spawns a fence keeper for the instance (which then starts QEMU from the
+/// instance's `spec.json`) in a new session, with its output and QEMU's
+/// appended to `qemu.log`. The caller owns the keeper child.
+fn spawn_keeper(
+    keeper: &keeper::KeeperCommand,
+    lease: &keeper::FenceLease,
+    plan: &LaunchPlan,
+) -> io::Result<tokio::process::Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&plan.paths.qemu_log)?;
+    let mut cmd = tokio::process::Command::new(&keeper.program);
+    cmd.args(&keeper.args)
+        .arg("--instance-dir")
+        .arg(&plan.paths.dir)
+        .arg("--lease")
+        .arg(lease.path())
+        .current_dir(&plan.paths.dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(false);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Its own session, like QEMU's without a keeper: a signal aimed
+            // at the agent's process group does not reach it.
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }

@@ -354,7 +354,7 @@ impl QemuDriver {
         // A VM that never ran has no images yet; `start` would create them
         // blank, and the snapshot of blank disks is what the VM holds.
         let paths = self
-            .ensure_disks(vm, disks)
+            .ensure_disks(vm, disks, true)
             .await
             .map_err(|e| storage(vm, OP, format!("snapshot {name}: {e}")))?;
         let what = |disk: &DiskSpec| format!("snapshot {name} of disk {}", disk.name);

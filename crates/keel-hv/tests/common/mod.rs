@@ -201,6 +201,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
             size_mib: 64,
         }],
         boot: BootSpec::default(),
+        create_disks: true,
     }
 }
 

@@ -1,0 +1,247 @@
+//! The fence keeper: a small process between the node agent and each QEMU
+//! that ends QEMU when the node's local lease lapses, whether or not the
+//! agent is still alive.
+//!
+//! Why: in a cluster, another node may start a VM once this node's lease in
+//! the store has run out. The agent ends its own guests before that when it
+//! cannot renew it (self-fencing), but an agent that was killed, or is
+//! stopped, cannot. QEMU runs in its own session so that it outlives agent
+//! restarts (re-adoption without a reboot), so nothing else would end it:
+//! `kill -9` of an agent used to leave its guests running while the cluster
+//! started them elsewhere. This is Proxmox HA's watchdog and libvirt
+//! sanlock's lease, in software: lease, then watchdog, then recovery.
+//!
+//! How:
+//! - The agent renews `<data dir>/fence-lease` after every heartbeat that
+//!   reached the store: it holds a deadline on `CLOCK_BOOTTIME` (system-wide,
+//!   monotonic, counts suspend), `self_fence_ms` after the moment the
+//!   heartbeat was sent. Wall clocks play no part.
+//! - The driver starts `keel keeper --instance-dir DIR --lease FILE` instead
+//!   of QEMU. The keeper refuses to start QEMU under a lapsed lease, starts
+//!   it from the instance's `spec.json` with `PR_SET_PDEATHSIG = SIGKILL`
+//!   (if the keeper dies, for any reason, QEMU dies with it), and checks
+//!   the lease every [`CHECK_EVERY`]. Once the deadline has passed it writes
+//!   the kill marker and `fenced.json`, SIGKILLs QEMU, reaps it and exits.
+//! - A deadline is only ever extended by a successful read of the file; an
+//!   unreadable or missing file leaves the last one in force, so it lapses.
+//! - The keeper's own command line does not carry QEMU's identity marker, so
+//!   the driver's process scans find QEMU, never the keeper.
+//!
+//! The cluster takes a node's VMs over only after `node_lease_ms` of its own
+//! time without a heartbeat change, well past `self_fence_ms`.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::layout::{read_json, write_json_atomic, LaunchRecord};
+
+/// The lease file, in the driver's data dir.
+pub const LEASE_FILE: &str = "fence-lease";
+/// Written by the keeper into the instance dir when it fenced QEMU.
+pub const FENCED_FILE: &str = "fenced.json";
+/// How often the keeper looks at the lease and at QEMU.
+pub const CHECK_EVERY: Duration = Duration::from_millis(200);
+
+/// How the driver runs a keeper: `program args… --instance-dir D --lease L`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeeperCommand {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl KeeperCommand {
+    /// `keel keeper`, with this process's own binary.
+    pub fn this_binary(subcommand: &str) -> io::Result<KeeperCommand> {
+        Ok(KeeperCommand {
+            program: std::env::current_exe()?,
+            args: vec![subcommand.to_string()],
+        })
+    }
+}
+
+/// Milliseconds on `CLOCK_BOOTTIME`.
+pub fn boottime_ms() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own; CLOCK_BOOTTIME
+    // exists on every kernel Keel runs on (2.6.39+).
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime(CLOCK_BOOTTIME) failed");
+    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
+}
+
+/// The node's local lease: a deadline on `CLOCK_BOOTTIME`.
+#[derive(Debug, Clone)]
+pub struct FenceLease {
+    path: PathBuf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct LeaseRecord {
+    /// `CLOCK_BOOTTIME` milliseconds after which guests must be gone.
+    valid_until_boottime_ms: u64,
+}
+
+impl FenceLease {
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Extends the lease to `valid_for` from now. The caller passes what is
+    /// left of its self-fence window, counted from before the heartbeat that
+    /// earned it was sent.
+    pub fn renew(&self, valid_for: Duration) -> io::Result<()> {
+        let record = LeaseRecord {
+            valid_until_boottime_ms: boottime_ms() + valid_for.as_millis() as u64,
+        };
+        write_json_atomic(&self.path, &record)
+    }
+
+    /// The deadline, if the file exists and reads.
+    pub fn deadline(&self) -> io::Result<Option<u64>> {
+        Ok(read_json::<LeaseRecord>(&self.path)?.map(|r| r.valid_until_boottime_ms))
+    }
+
+    /// Whether the lease is in force now.
+    pub fn valid_now(&self) -> bool {
+        matches!(self.deadline(), Ok(Some(d)) if boottime_ms() < d)
+    }
+}
+
+/// `fenced.json`: why the keeper ended QEMU.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FencedRecord {
+    pub lease_deadline_boottime_ms: u64,
+    pub fenced_at_boottime_ms: u64,
+    pub reason: String,
+}
+
+/// Parses `--instance-dir DIR --lease FILE` and runs the keeper; returns
+/// the process exit code.
+pub fn main_with_args(args: impl IntoIterator<Item = String>) -> i32 {
+    let mut instance_dir = None;
+    let mut lease = None;
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--instance-dir" => instance_dir = args.next().map(PathBuf::from),
+            "--lease" => lease = args.next().map(PathBuf::from),
+            other => {
+                eprintln!("keel keeper: unexpected argument {other:?}");
+                return 2;
+            }
+        }
+    }
+    let (Some(instance_dir), Some(lease)) = (instance_dir, lease) else {
+        eprintln!("keel keeper: usage: keeper --instance-dir DIR --lease FILE");
+        return 2;
+    };
+    match run(&instance_dir, &FenceLease::new(lease)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("keel keeper: {}: {e}", instance_dir.display());
+            1
+        }
+    }
+}
+
+/// Runs QEMU as described by `instance_dir/spec.json` under `lease`.
+pub fn run(instance_dir: &Path, lease: &FenceLease) -> io::Result<i32> {
+    use std::os::unix::process::CommandExt;
+    let record: LaunchRecord = read_json(&instance_dir.join("spec.json"))?
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "spec.json missing"))?;
+    let Some((program, args)) = record.argv.split_first() else {
+        return Err(io::Error::other("spec.json has an empty argv"));
+    };
+    let mut deadline = lease.deadline()?.unwrap_or(0);
+    if boottime_ms() >= deadline {
+        eprintln!("keel keeper: the node's fence lease has lapsed; not starting QEMU");
+        return Ok(3);
+    }
+    // SAFETY: getpid has no preconditions.
+    let keeper = unsafe { libc::getpid() };
+    let mut cmd = Command::new(program);
+    cmd.args(args).current_dir(instance_dir);
+    // SAFETY: prctl and getppid are async-signal-safe and touch no memory
+    // of ours.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The keeper may have died between fork and prctl: then no
+            // signal would come, so do not run at all.
+            if libc::getppid() != keeper {
+                return Err(io::Error::other("keeper exited during start"));
+            }
+            Ok(())
+        });
+    }
+    let mut qemu = cmd.spawn()?;
+    loop {
+        if let Some(status) = qemu.try_wait()? {
+            return Ok(status.code().unwrap_or(128 + status_signal(&status)));
+        }
+        // Only a successful read extends the deadline.
+        if let Ok(Some(renewed)) = lease.deadline() {
+            deadline = deadline.max(renewed);
+        }
+        let now = boottime_ms();
+        if now >= deadline {
+            fence(instance_dir, &mut qemu, deadline, now);
+            return Ok(0);
+        }
+        std::thread::sleep(CHECK_EVERY);
+    }
+}
+
+fn status_signal(status: &std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal().unwrap_or(0)
+}
+
+fn fence(instance_dir: &Path, qemu: &mut std::process::Child, deadline: u64, now: u64) {
+    // The kill marker first: whoever records the exit reports it as Keel's
+    // kill, not a crash.
+    let _ = std::fs::write(instance_dir.join("kill-requested"), b"fence keeper\n");
+    let record = FencedRecord {
+        lease_deadline_boottime_ms: deadline,
+        fenced_at_boottime_ms: now,
+        reason: format!(
+            "the node's fence lease lapsed {} ms ago: its agent did not renew it",
+            now - deadline
+        ),
+    };
+    let _ = write_json_atomic(&instance_dir.join(FENCED_FILE), &record);
+    eprintln!("keel keeper: {}; killing QEMU", record.reason);
+    let _ = qemu.kill();
+    let _ = qemu.wait();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_is_valid_until_its_deadline_and_missing_means_lapsed() {
+        let dir = tempfile::tempdir().unwrap();
+        let lease = FenceLease::new(dir.path().join(LEASE_FILE));
+        assert!(!lease.valid_now(), "no file: no lease");
+        lease.renew(Duration::from_secs(30)).unwrap();
+        assert!(lease.valid_now());
+        let d = lease.deadline().unwrap().unwrap();
+        assert!(d > boottime_ms() + 29_000 && d <= boottime_ms() + 30_000);
+        lease.renew(Duration::ZERO).unwrap();
+        assert!(!lease.valid_now());
+    }
+}

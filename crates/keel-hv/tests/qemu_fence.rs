@@ -1,0 +1,173 @@
+//! The fence keeper against real QEMU: a guest runs only while the node's
+//! local lease is renewed, whatever happens to the driver (the agent) or to
+//! the keeper itself. See `keel_hv::qemu::keeper`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{pid_alive, spec, Fixture, BOOT};
+use keel_hv::qemu::keeper::{KeeperCommand, FENCED_FILE};
+use keel_hv::qemu::{QemuConfig, QemuDriver};
+use keel_hv::{DomainState, ExitCause, HvError, Hypervisor};
+
+fn with_keeper(mut config: QemuConfig) -> QemuConfig {
+    config.keeper = Some(KeeperCommand {
+        program: env!("CARGO_BIN_EXE_keel-keeper").into(),
+        args: vec![],
+    });
+    config
+}
+
+async fn fenced_fixture() -> Option<Fixture> {
+    Fixture::with(with_keeper).await
+}
+
+/// Polls until `pid` is gone; returns how long that took.
+async fn wait_gone(pid: u32, timeout: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if !pid_alive(pid) {
+            return Some(t.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    after.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// The agent dies (its driver is dropped, nothing renews the lease): the
+/// keeper ends the guest once the lease lapses, and a new driver sees the
+/// exit as Keel's kill, with the keeper's reason on file.
+#[tokio::test]
+async fn a_guest_is_fenced_once_nobody_renews_the_lease() {
+    let Some(mut fx) = fenced_fixture().await else {
+        return;
+    };
+    // Renewed every second for 4 s, as the agent does after each heartbeat
+    // (always "now + the same window"; the keeper never shortens a lease).
+    const LEASE: Duration = Duration::from_secs(4);
+    let renewer = {
+        let hv = fx.hv().clone();
+        hv.renew_fence(LEASE).await.unwrap();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                hv.renew_fence(LEASE).await.unwrap();
+            }
+        })
+    };
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    let keeper = parent_of(pid);
+    let keeper_cmd = std::fs::read_to_string(format!("/proc/{keeper}/cmdline")).unwrap();
+    assert!(
+        keeper_cmd.contains("keel-keeper"),
+        "QEMU's parent: {keeper_cmd:?}"
+    );
+    // Renewals keep it running past several lease lengths.
+    tokio::time::sleep(LEASE * 2).await;
+    assert!(pid_alive(pid), "fenced although the lease was renewed");
+
+    // As after `kill -9` of the agent: the last renewal stands, then lapses.
+    renewer.abort();
+    fx.hv().renew_fence(LEASE).await.unwrap();
+    let data_dir = fx.dir.path().to_path_buf();
+    drop(fx.driver.take());
+    let gone = wait_gone(pid, Duration::from_secs(10)).await;
+    let gone = gone.expect("QEMU still running 10 s after its 2 s lease lapsed");
+    eprintln!("fenced {gone:?} after the last renewal (lease {LEASE:?})");
+    assert!(
+        gone >= LEASE - Duration::from_millis(500),
+        "fenced early: {gone:?}"
+    );
+    assert!(!pid_alive(keeper), "the keeper stays after fencing");
+
+    let instance_dir = data_dir.join("instances/web-1");
+    let fenced = std::fs::read_to_string(instance_dir.join(FENCED_FILE)).unwrap();
+    assert!(fenced.contains("lease lapsed"), "{fenced}");
+    let hv = QemuDriver::new(with_keeper(common::tcg_config(&data_dir, &fx.guest)))
+        .await
+        .unwrap();
+    assert_eq!(
+        hv.info("web-1").await.unwrap().state,
+        DomainState::Exited(ExitCause::Killed)
+    );
+    hv.cleanup("web-1").await.unwrap();
+}
+
+/// An agent restarted within the lease re-adopts the guest, which never
+/// stopped: same boot, still counting.
+#[tokio::test]
+async fn an_agent_back_within_the_lease_readopts_without_a_reboot() {
+    let Some(mut fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::from_secs(5)).await.unwrap();
+    let mut ch = fx.boot("web", "web-1").await;
+    let before = ch.ticks().await.unwrap();
+    drop(ch);
+    fx.hv().renew_fence(Duration::from_secs(5)).await.unwrap();
+    let data_dir = fx.dir.path().to_path_buf();
+    drop(fx.driver.take());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let hv = QemuDriver::new(with_keeper(common::tcg_config(&data_dir, &fx.guest)))
+        .await
+        .unwrap();
+    hv.renew_fence(Duration::from_secs(30)).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(hv.info("web-1").await.unwrap().state, DomainState::Running);
+    let mut ch = keel_hv::guest::GuestChannel::connect(hv.command_socket("web-1"))
+        .await
+        .unwrap();
+    ch.sync(BOOT).await.unwrap();
+    let after = ch.ticks().await.unwrap();
+    assert_eq!(after.boot_id, before.boot_id, "the guest rebooted");
+    assert!(after.ticks > before.ticks);
+    common::stop_and_cleanup(&hv, "web-1").await;
+    fx.driver = Some(hv);
+}
+
+/// The keeper is QEMU's lifeline: if it dies, however, QEMU dies with it
+/// (no guest can outlive the thing that would fence it).
+#[tokio::test]
+async fn killing_the_keeper_ends_its_qemu() {
+    let Some(fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::from_secs(60)).await.unwrap();
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    let keeper = parent_of(pid);
+    // SAFETY: kill(2) on the keeper this test's driver started.
+    assert_eq!(unsafe { libc::kill(keeper as i32, libc::SIGKILL) }, 0);
+    assert!(
+        wait_gone(pid, Duration::from_secs(5)).await.is_some(),
+        "QEMU outlived its keeper"
+    );
+    let state = fx
+        .wait_for("web-1", Duration::from_secs(5), DomainState::is_exited)
+        .await;
+    assert!(state.is_exited(), "{state:?}");
+}
+
+/// Under a lapsed lease nothing starts, and nothing is left behind.
+#[tokio::test]
+async fn nothing_starts_under_a_lapsed_lease() {
+    let Some(fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::ZERO).await.unwrap();
+    let err = fx.hv().start(&spec("web", "web-1")).await.unwrap_err();
+    assert!(
+        matches!(&err, HvError::Failed { reason, .. } if reason.contains("lease")),
+        "{err:?}"
+    );
+    assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
+    assert!(fx.hv().list().await.unwrap().is_empty());
+}

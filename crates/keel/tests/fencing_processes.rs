@@ -1,0 +1,384 @@
+//! Fencing with real processes: etcd, a control plane and two node agents,
+//! each a `keel` process, with a real QEMU guest (TCG) and disk directories
+//! of their own, as on two hosts without shared storage.
+//!
+//! `kill -9` of the agent that runs the VM: its keeper ends the orphaned
+//! QEMU once the agent's local lease lapses (within 30 s), the cluster
+//! takes the VM over only after the node's lease (40 s), and the other node
+//! boots nothing, on blank disks or otherwise, since the VM's disks are on
+//! the dead node. The process table is sampled throughout: never two QEMUs
+//! of the VM. When the agent is back the VM runs there again, on its own
+//! disks, with the record written before.
+//!
+//! Needs the etcd of `scripts/start-etcd` (`KEEL_ETCD_ENDPOINT`), QEMU and
+//! the test guest; `KEEL_SKIP_ETCD_TESTS=1` or `KEEL_SKIP_QEMU_TESTS=1`
+//! skip it.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use keel_hv::guest::GuestChannel;
+use serde_json::Value;
+
+/// A `keel` process; SIGKILLed on drop. Its stderr is collected.
+struct Keel {
+    name: String,
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Keel {
+    fn spawn(name: &str, args: &[&str]) -> Keel {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("KEEL_DATA_DIR")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Keel {
+            name: name.into(),
+            child,
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        format!("--- {} ---\n{}", self.name, self.log.lock().unwrap())
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Keel {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// SIGKILLs everything whose command line names `root` (QEMUs, keepers).
+struct KillAll(PathBuf);
+
+impl Drop for KillAll {
+    fn drop(&mut self) {
+        for (pid, _) in processes_naming(&self.0.to_string_lossy()) {
+            // SAFETY: a process whose command line names this test's dir.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+fn processes_naming(needle: &str) -> Vec<(i32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// QEMU processes of VM `vm` under `root`, by instance.
+fn qemus_of(root: &Path, vm: &str) -> Vec<String> {
+    processes_naming(&root.to_string_lossy())
+        .into_iter()
+        .filter(|(_, c)| c.starts_with("qemu-system"))
+        .filter_map(|(_, c)| {
+            let name = c.split("guest=").nth(1)?.split_whitespace().next()?;
+            name.starts_with(&format!("{vm}-"))
+                .then(|| name.to_string())
+        })
+        .collect()
+}
+
+fn cli(root: &Path, server: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .env("KEEL_SERVER", server)
+        .env("KEEL_DATA_DIR", root.join("cp"))
+        .env_remove("KEEL_TOKEN")
+        .output()
+        .unwrap()
+}
+
+fn vm_json(root: &Path, server: &str, name: &str) -> Option<Value> {
+    let out = cli(root, server, &["vm", "get", name, "-o", "json"]);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice::<Value>(&out.stdout).unwrap()["vm"].clone())
+}
+
+fn skipped() -> bool {
+    ["KEEL_SKIP_ETCD_TESTS", "KEEL_SKIP_QEMU_TESTS"]
+        .iter()
+        .any(|v| std::env::var(v).as_deref() == Ok("1"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() {
+    if skipped() {
+        return;
+    }
+    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
+    assert!(
+        guest.join("vmlinuz").is_file(),
+        "run scripts/build-test-guest"
+    );
+    let endpoint =
+        std::env::var("KEEL_ETCD_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:2379".into());
+    let host = endpoint.trim_start_matches("http://").to_string();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let store = format!(
+        "etcd://{host}/keel-test/fencing-{}-{nanos}",
+        std::process::id()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().canonicalize().unwrap();
+    let _kill_all = KillAll(root.clone());
+    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    let guest_dir = guest.to_string_lossy().into_owned();
+
+    let cp_dir = dir("cp");
+    let mut cp = Keel::spawn(
+        "control plane",
+        &[
+            "serve",
+            "--store",
+            &store,
+            "--listen",
+            "127.0.0.1:0",
+            "--node",
+            "cp",
+            "--data-dir",
+            &cp_dir,
+        ],
+    );
+    let agent_args = |node: &str, data: &str| -> Vec<String> {
+        [
+            "agent",
+            "--store",
+            &store,
+            "--node",
+            node,
+            "--data-dir",
+            data,
+            "--accel",
+            "tcg",
+            "--guest-dir",
+            &guest_dir,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let spawn_agent = |node: &str| {
+        let args = agent_args(node, &dir(node));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Keel::spawn(node, &args)
+    };
+    let mut agents = vec![spawn_agent("n1"), spawn_agent("n2")];
+    let logs = |cp: &Keel, agents: &[Keel]| {
+        std::iter::once(cp.log())
+            .chain(agents.iter().map(Keel::log))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let server = loop {
+        let log = cp.log.lock().unwrap().clone();
+        if let Some(addr) = log.split("serving addr=").nth(1) {
+            break format!("http://{}", addr.split_whitespace().next().unwrap());
+        }
+        assert!(Instant::now() < deadline, "no control plane:\n{}", cp.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = cli(&root, &server, &["node", "list", "-o", "json"]);
+        let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if nodes["items"].as_array().is_some_and(|a| a.len() == 2) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agents did not register:\n{}",
+            logs(&cp, &agents)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let out = cli(
+        &root,
+        &server,
+        &[
+            "vm", "create", "web", "--memory", "256", "--disk", "data:64", "--policy", "AlwaysOn",
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Running, and the guest up: write a record to its disk.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let (owner, instance) = loop {
+        if let Some(vm) = vm_json(&root, &server, "web") {
+            if vm["status"]["phase"] == "Running" {
+                let inst = &vm["status"]["instance"];
+                break (
+                    inst["node"].as_str().unwrap().to_string(),
+                    inst["id"].as_str().unwrap().to_string(),
+                );
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web never ran:\n{}",
+            logs(&cp, &agents)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let other = if owner == "n1" { "n2" } else { "n1" };
+    let instance_dir = root.join(&owner).join("node/instances").join(&instance);
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(instance_dir.join("spec.json")).unwrap()).unwrap();
+    let sockets = PathBuf::from(spec["socket_dir"].as_str().unwrap());
+    GuestChannel::wait_ready(&instance_dir.join("console.log"), Duration::from_secs(90))
+        .await
+        .unwrap();
+    {
+        let mut ch = GuestChannel::connect(sockets.join("cmd.sock"))
+            .await
+            .unwrap();
+        ch.sync(Duration::from_secs(30)).await.unwrap();
+        ch.put(5, "written before the fault").await.unwrap();
+    }
+
+    // The process table, sampled throughout.
+    let max_seen = Arc::new(AtomicUsize::new(0));
+    let stop_sampling = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (root, max_seen, stop) = (root.clone(), max_seen.clone(), stop_sampling.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                max_seen.fetch_max(qemus_of(&root, "web").len(), Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        })
+    };
+
+    let killed_at = Instant::now();
+    let owner_index = agents.iter().position(|a| a.name == owner).unwrap();
+    agents[owner_index].kill9();
+    let fenced_after = loop {
+        if qemus_of(&root, "web").is_empty() {
+            break killed_at.elapsed();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(30),
+            "the orphaned QEMU still runs 30 s after kill -9 of its agent:\n{}",
+            logs(&cp, &agents)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    eprintln!("orphaned QEMU fenced {fenced_after:?} after kill -9 of agent {owner}");
+
+    // Past the node's lease: the control plane has taken the VM over, and
+    // the other node has booted nothing and made no disks for it.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let vm = loop {
+        let vm = vm_json(&root, &server, "web").unwrap();
+        let message = vm["status"]["message"].as_str().unwrap_or_default();
+        if vm["status"]["instance"].is_null() && message.contains("where its disks are") {
+            break vm;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not taken over: {vm}\n{}",
+            logs(&cp, &agents)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!(
+        "taken over after {:?}: {}",
+        killed_at.elapsed(),
+        vm["status"]["message"]
+    );
+    // A little longer: nothing may start on the other node meanwhile.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(qemus_of(&root, "web").is_empty(), "a second instance runs");
+    let other_disks = root.join(other).join("node/disks/web");
+    assert!(
+        !other_disks.exists(),
+        "{other} made disks for web: {}",
+        other_disks.display()
+    );
+
+    // The agent is back: the VM runs on its own disks again.
+    agents[owner_index] = spawn_agent(&owner);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (node, instance) = loop {
+        if let Some(vm) = vm_json(&root, &server, "web") {
+            let inst = &vm["status"]["instance"];
+            if vm["status"]["phase"] == "Running" && inst["id"].as_str() != Some(&instance) {
+                break (
+                    inst["node"].as_str().unwrap().to_string(),
+                    inst["id"].as_str().unwrap().to_string(),
+                );
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "web did not come back:\n{}",
+            logs(&cp, &agents)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(node, owner, "ran elsewhere than where its disks are");
+    let instance_dir = root.join(&owner).join("node/instances").join(&instance);
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(instance_dir.join("spec.json")).unwrap()).unwrap();
+    let sockets = PathBuf::from(spec["socket_dir"].as_str().unwrap());
+    GuestChannel::wait_ready(&instance_dir.join("console.log"), Duration::from_secs(90))
+        .await
+        .unwrap();
+    let mut ch = GuestChannel::connect(sockets.join("cmd.sock"))
+        .await
+        .unwrap();
+    ch.sync(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(ch.get(5).await.unwrap(), "written before the fault");
+
+    stop_sampling.store(true, Ordering::Relaxed);
+    sampler.join().unwrap();
+    let max = max_seen.load(Ordering::Relaxed);
+    eprintln!("max simultaneous QEMUs of web: {max}");
+    assert_eq!(max, 1, "two instances of web at once");
+    cp.kill9();
+}
