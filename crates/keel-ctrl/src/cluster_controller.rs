@@ -19,7 +19,8 @@ use tokio::sync::watch;
 
 use crate::election::LeaderElection;
 use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
-use crate::schedule::{lost_nodes, next_node_loss, placement};
+use crate::liveness::Liveness;
+use crate::schedule::placement;
 use crate::vm_controller::record_event;
 use crate::vm_decide::{take_over_from_lost_node, LifecycleConfig};
 
@@ -63,11 +64,13 @@ impl Fence<'_> {
     }
 }
 
-/// Every node, and every VM with the revision it was read at.
+/// Every node, and every VM with the revision it was read at, and the
+/// reader's view of which nodes are alive.
 pub(crate) struct ClusterState {
     pub nodes: Vec<Node>,
     pub vms: Vec<VirtualMachine>,
     pub revisions: Vec<Revision>,
+    pub liveness: Liveness,
 }
 
 impl ClusterState {
@@ -76,13 +79,18 @@ impl ClusterState {
         Ok(nodes.into_iter().map(|(_, e)| e.value).collect())
     }
 
-    pub async fn read(store: &TypedStore, nodes: Vec<Node>) -> Result<Self, StoreError> {
+    pub async fn read(
+        store: &TypedStore,
+        nodes: Vec<Node>,
+        liveness: Liveness,
+    ) -> Result<Self, StoreError> {
         let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
         let (vms, revisions) = vms.into_iter().map(|(_, e)| (e.value, e.revision)).unzip();
         Ok(Self {
             nodes,
             vms,
             revisions,
+            liveness,
         })
     }
 
@@ -114,7 +122,7 @@ pub(crate) async fn place(
     cfg: &LifecycleConfig,
     fence: Fence<'_>,
 ) -> Result<Millis, StoreError> {
-    let Some(next) = placement(vm, &state.nodes, &state.vms, now, cfg) else {
+    let Some(next) = placement(vm, &state.nodes, &state.vms, &state.liveness, now, cfg) else {
         return Ok(now + cfg.retry_ms);
     };
     let again = if next.status.node.is_some() {
@@ -202,6 +210,8 @@ pub struct ClusterController {
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
     election: Arc<LeaderElection>,
+    /// Kept across passes: nodes are judged on this controller's clock.
+    liveness: std::sync::Mutex<Liveness>,
 }
 
 impl ClusterController {
@@ -217,6 +227,7 @@ impl ClusterController {
             clock,
             cfg,
             election,
+            liveness: Default::default(),
         }
     }
 
@@ -245,17 +256,22 @@ impl ClusterController {
         let fence = Fence::Guard(guard);
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes).await?;
+        let liveness = {
+            let mut liveness = self.liveness.lock().expect("liveness lock");
+            liveness.observe(&nodes, now);
+            liveness.clone()
+        };
+        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
         let mut report = PassReport {
             next_at: now + MAX_IDLE_MS,
             placed: 0,
             unplaced: 0,
             taken_over: 0,
         };
-        if let Some(at) = next_node_loss(&state.nodes, now, &self.cfg) {
+        if let Some(at) = state.liveness.next_loss(now, &self.cfg) {
             report.next_at = report.next_at.min(at);
         }
-        let lost = lost_nodes(&state.nodes, None, now, &self.cfg);
+        let lost = state.liveness.lost(None, now, &self.cfg);
         if !lost.is_empty() {
             report.taken_over = take_over(&self.store, &mut state, &lost, now, fence).await?;
         }

@@ -6,12 +6,8 @@
 
 use keel_api::{Millis, Node, VirtualMachine};
 
+use crate::liveness::Liveness;
 use crate::vm_decide::LifecycleConfig;
-
-/// A node is ready while its heartbeat is fresh.
-pub fn node_ready(node: &Node, now: Millis, cfg: &LifecycleConfig) -> bool {
-    now.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms
-}
 
 /// Nodes `vm` may go to now, best first: ready, not cordoned, allowed by
 /// `spec.node`, not `exclude`; fewest VMs first, then by name.
@@ -20,12 +16,13 @@ pub fn candidate_nodes(
     nodes: &[Node],
     vms: &[VirtualMachine],
     exclude: Option<&str>,
+    liveness: &Liveness,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Vec<String> {
     let mut candidates: Vec<(usize, String)> = nodes
         .iter()
-        .filter(|n| node_ready(n, now, cfg) && !n.cordoned && n.drain.is_none())
+        .filter(|n| liveness.ready(n, now, cfg) && !n.cordoned && n.drain.is_none())
         .filter(|n| Some(n.name.as_str()) != exclude)
         .filter(|n| vm.spec.node.as_deref().is_none_or(|pin| pin == n.name))
         // Only where its disks are: a VM never boots on blank disks.
@@ -53,11 +50,12 @@ pub fn placement(
     vm: &VirtualMachine,
     nodes: &[Node],
     vms: &[VirtualMachine],
+    liveness: &Liveness,
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Option<VirtualMachine> {
     let mut next = vm.clone();
-    match candidate_nodes(vm, nodes, vms, None, now, cfg).first() {
+    match candidate_nodes(vm, nodes, vms, None, liveness, now, cfg).first() {
         Some(node) => {
             next.status.node = Some(node.clone());
             next.status.message = None;
@@ -80,32 +78,6 @@ pub fn placement(
         }
     }
     (next != *vm).then_some(next)
-}
-
-/// Nodes whose lease has run out (heartbeat older than `node_lease_ms`),
-/// except `me`: their VMs go back to the scheduler.
-pub fn lost_nodes(
-    nodes: &[Node],
-    me: Option<&str>,
-    now: Millis,
-    cfg: &LifecycleConfig,
-) -> Vec<String> {
-    nodes
-        .iter()
-        .filter(|n| Some(n.name.as_str()) != me)
-        .filter(|n| now.saturating_sub(n.status.last_heartbeat) > cfg.node_lease_ms)
-        .map(|n| n.name.clone())
-        .collect()
-}
-
-/// The earliest moment a node that is not lost yet would be, if it sent
-/// no further heartbeat: when to check again for lost nodes.
-pub fn next_node_loss(nodes: &[Node], now: Millis, cfg: &LifecycleConfig) -> Option<Millis> {
-    nodes
-        .iter()
-        .map(|n| n.status.last_heartbeat.saturating_add(cfg.node_lease_ms) + 1)
-        .filter(|at| *at > now)
-        .min()
 }
 
 #[cfg(test)]
@@ -150,9 +122,25 @@ mod tests {
             node("stale", 1),
         ];
         let vms = [vm("x", Some("a"))];
-        let got = candidate_nodes(&vm("new", None), &nodes, &vms, None, 100_000, &cfg);
+        let got = candidate_nodes(
+            &vm("new", None),
+            &nodes,
+            &vms,
+            None,
+            &Liveness::default(),
+            100_000,
+            &cfg,
+        );
         assert_eq!(got, ["b", "a"]);
-        let got = candidate_nodes(&vm("new", None), &nodes, &vms, Some("b"), 100_000, &cfg);
+        let got = candidate_nodes(
+            &vm("new", None),
+            &nodes,
+            &vms,
+            Some("b"),
+            &Liveness::default(),
+            100_000,
+            &cfg,
+        );
         assert_eq!(got, ["a"]);
     }
 
@@ -173,19 +161,53 @@ mod tests {
         let mut local = vm("local", None);
         local.status.disk_home = Some(keel_api::DiskHome::Node("a".into()));
         assert_eq!(
-            candidate_nodes(&local, &nodes, &[], None, 100_000, &cfg),
+            candidate_nodes(
+                &local,
+                &nodes,
+                &[],
+                None,
+                &Liveness::default(),
+                100_000,
+                &cfg
+            ),
             ["a"]
         );
-        assert!(candidate_nodes(&local, &nodes, &[], Some("a"), 100_000, &cfg).is_empty());
+        assert!(candidate_nodes(
+            &local,
+            &nodes,
+            &[],
+            Some("a"),
+            &Liveness::default(),
+            100_000,
+            &cfg
+        )
+        .is_empty());
         let mut on_nfs = vm("nfs", None);
         on_nfs.status.disk_home = Some(keel_api::DiskHome::Shared("/nfs".into()));
         assert_eq!(
-            candidate_nodes(&on_nfs, &nodes, &[], None, 100_000, &cfg),
+            candidate_nodes(
+                &on_nfs,
+                &nodes,
+                &[],
+                None,
+                &Liveness::default(),
+                100_000,
+                &cfg
+            ),
             ["s1", "s2"]
         );
         // A new VM has no home yet: anywhere.
         assert_eq!(
-            candidate_nodes(&vm("new", None), &nodes, &[], None, 100_000, &cfg).len(),
+            candidate_nodes(
+                &vm("new", None),
+                &nodes,
+                &[],
+                None,
+                &Liveness::default(),
+                100_000,
+                &cfg
+            )
+            .len(),
             4
         );
     }

@@ -14,8 +14,9 @@ use crate::keys::{
     event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
     vm_key, NODES_PREFIX, VMS_PREFIX,
 };
+use crate::liveness::Liveness;
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
-use crate::schedule::{candidate_nodes, lost_nodes};
+use crate::schedule::candidate_nodes;
 use crate::vm_decide::{
     decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
 };
@@ -42,6 +43,8 @@ pub struct VmController {
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
     observer: Arc<dyn LifecycleObserver>,
+    /// Other nodes' heartbeats as this agent has seen them, on its clock.
+    liveness: std::sync::Mutex<Liveness>,
 }
 
 impl VmController {
@@ -57,7 +60,15 @@ impl VmController {
             clock,
             cfg,
             observer: Arc::new(NoObserver),
+            liveness: Default::default(),
         }
+    }
+
+    /// `nodes` taken into this agent's liveness view at `now`; the view.
+    fn observe_nodes(&self, nodes: &[Node], now: Millis) -> Liveness {
+        let mut liveness = self.liveness.lock().expect("liveness lock");
+        liveness.observe(nodes, now);
+        liveness.clone()
     }
 
     pub fn config(&self) -> &LifecycleConfig {
@@ -227,11 +238,12 @@ impl VmController {
     pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let lost = lost_nodes(&nodes, Some(&self.cfg.node), now, &self.cfg);
+        let liveness = self.observe_nodes(&nodes, now);
+        let lost = liveness.lost(Some(&self.cfg.node), now, &self.cfg);
         if lost.is_empty() {
             return Ok(());
         }
-        let mut state = ClusterState::read(&self.store, nodes).await?;
+        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
         cluster_controller::take_over(&self.store, &mut state, &lost, now, Fence::Cas).await?;
         Ok(())
     }
@@ -373,7 +385,8 @@ impl VmController {
     ) -> Result<Option<Millis>, StoreError> {
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes).await?;
+        let liveness = self.observe_nodes(&nodes, now);
+        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
         cluster_controller::place(
             &self.store,
             &mut state,
@@ -417,7 +430,16 @@ impl VmController {
         let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
         let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
         let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
-        let targets = candidate_nodes(vm, &nodes, &vms, Some(&self.cfg.node), now, &self.cfg);
+        let liveness = self.observe_nodes(&nodes, now);
+        let targets = candidate_nodes(
+            vm,
+            &nodes,
+            &vms,
+            Some(&self.cfg.node),
+            &liveness,
+            now,
+            &self.cfg,
+        );
         Ok(ClusterView {
             drain: Some(drain),
             migration,

@@ -1,6 +1,7 @@
 //! Seeded simulation of a three-node cluster: random user requests,
 //! drains and uncordons, network partitions of one agent, host power
 //! failures, migration failures and late successes, controller restarts.
+//! Each node's wall clock is off by up to a minute either way.
 //! At every tick no VM executes twice anywhere and every executing
 //! instance is the recorded one (or the target of a handover from it);
 //! once the chaos stops, every VM reaches the state its record asks for.
@@ -39,7 +40,15 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         migration_ms: rng.gen_range(500..20_000),
         faults,
     });
+    // Wall clocks up to a minute apart: liveness and takeover must not
+    // depend on them.
     for node in NODES {
+        let skew = if rng.gen_bool(0.7) {
+            rng.gen_range(-60_000..=60_000)
+        } else {
+            0
+        };
+        c.skew_ms.insert(node.to_string(), skew);
         c.add_node(node).await;
     }
     for vm in VMS {
@@ -53,7 +62,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         c.create(vm, policy).await;
     }
     let mut powered_off: Vec<usize> = Vec::new();
-    let mut trace = Vec::new();
+    let mut trace = vec![format!("clock skews {:?}", c.skew_ms)];
     for tick in 0..CHAOS_TICKS {
         let roll = rng.gen_range(0..100);
         let what = match roll {

@@ -47,6 +47,22 @@ pub struct Cluster {
     pub sim: SimConfig,
     /// Each node keeps its disks to itself (no shared storage).
     pub local_disks: bool,
+    /// How far each node's wall clock is off (ms, either way). The
+    /// controllers see it; the store and the simulated hosts keep true time.
+    pub skew_ms: BTreeMap<String, i64>,
+}
+
+/// A node's wall clock: true time plus a fixed offset.
+#[derive(Clone)]
+pub struct SkewedClock {
+    base: ManualClock,
+    offset_ms: i64,
+}
+
+impl Clock for SkewedClock {
+    fn now_ms(&self) -> Millis {
+        self.base.now_ms().saturating_add_signed(self.offset_ms)
+    }
 }
 
 pub fn spec(policy: RunPolicy) -> VmSpec {
@@ -88,6 +104,7 @@ impl Cluster {
             agents: Vec::new(),
             sim,
             local_disks: false,
+            skew_ms: BTreeMap::new(),
         }
     }
 
@@ -139,7 +156,10 @@ impl Cluster {
         hv: &SimHypervisor,
         partitioned: &Arc<AtomicBool>,
     ) -> (VmController, MigrationController) {
-        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
+        let shared: Arc<dyn Clock> = Arc::new(SkewedClock {
+            base: self.clock.clone(),
+            offset_ms: self.skew_ms.get(name).copied().unwrap_or(0),
+        });
         let store = TypedStore::new(Arc::new(FaultyStore::partitionable(
             self.store.raw().clone(),
             partitioned.clone(),

@@ -1,0 +1,161 @@
+//! Whether nodes are alive, judged on the observer's own clock.
+//!
+//! A node's heartbeat carries the node's wall-clock time, but two hosts'
+//! wall clocks can be far apart: comparing a node's timestamp with the
+//! observer's clock let a node whose clock runs behind look lost while it
+//! ran its guests. So the timestamp is treated as an opaque value, and a
+//! node counts as silent for as long as the *observer* has seen the value
+//! not change: its lease runs out only after `node_lease_ms` of the
+//! observer's time without a new heartbeat, whatever either clock says. A
+//! new observer (a freshly elected leader, a restarted agent) starts every
+//! count at its first look, so it takes over nothing before a full lease
+//! of its own has passed: later, never earlier.
+
+use std::collections::BTreeMap;
+
+use keel_api::{Millis, Node};
+
+use crate::vm_decide::LifecycleConfig;
+
+#[derive(Debug, Clone, Default)]
+pub struct Liveness {
+    nodes: BTreeMap<String, Heard>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Heard {
+    heartbeat: Millis,
+    /// Observer time when this heartbeat value was first seen.
+    since: Millis,
+    /// The value has been seen to change at least once.
+    changed: bool,
+}
+
+impl Liveness {
+    /// Takes in the nodes' records as read at observer time `now`.
+    pub fn observe(&mut self, nodes: &[Node], now: Millis) {
+        for node in nodes {
+            let heartbeat = node.status.last_heartbeat;
+            match self.nodes.get_mut(&node.name) {
+                Some(h) if h.heartbeat == heartbeat => {}
+                Some(h) => {
+                    *h = Heard {
+                        heartbeat,
+                        since: now,
+                        changed: true,
+                    }
+                }
+                None => {
+                    self.nodes.insert(
+                        node.name.clone(),
+                        Heard {
+                            heartbeat,
+                            since: now,
+                            changed: false,
+                        },
+                    );
+                }
+            }
+        }
+        self.nodes
+            .retain(|name, _| nodes.iter().any(|n| n.name == *name));
+    }
+
+    /// For how long (observer time) the node's heartbeat has not changed;
+    /// 0 for a node never observed.
+    pub fn silent_for(&self, node: &str, now: Millis) -> Millis {
+        self.nodes
+            .get(node)
+            .map_or(0, |h| now.saturating_sub(h.since))
+    }
+
+    /// Ready: heard from within `node_ready_ms`. Until its heartbeat has
+    /// been seen to change, the node's own timestamp is the only hint; it
+    /// is used for readiness only (a wrong answer delays or misplaces a
+    /// start, it never starts a second instance), never for loss.
+    pub fn ready(&self, node: &Node, now: Millis, cfg: &LifecycleConfig) -> bool {
+        match self.nodes.get(&node.name) {
+            Some(h) if h.changed => now.saturating_sub(h.since) <= cfg.node_ready_ms,
+            _ => now.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms,
+        }
+    }
+
+    /// Nodes silent for longer than `node_lease_ms`, except `me`: their
+    /// VMs go back to the scheduler.
+    pub fn lost(&self, me: Option<&str>, now: Millis, cfg: &LifecycleConfig) -> Vec<String> {
+        self.nodes
+            .iter()
+            .filter(|(name, _)| Some(name.as_str()) != me)
+            .filter(|(_, h)| now.saturating_sub(h.since) > cfg.node_lease_ms)
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// The earliest moment a node not lost yet would be, if it sent no
+    /// further heartbeat: when to check again.
+    pub fn next_loss(&self, now: Millis, cfg: &LifecycleConfig) -> Option<Millis> {
+        self.nodes
+            .values()
+            .map(|h| h.since.saturating_add(cfg.node_lease_ms) + 1)
+            .filter(|at| *at > now)
+            .min()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(name: &str, heartbeat: Millis) -> Node {
+        let mut n = Node::new(name);
+        n.status.last_heartbeat = heartbeat;
+        n
+    }
+
+    /// A node whose clock is an hour behind keeps its guests as long as its
+    /// heartbeat keeps changing; one whose clock is an hour ahead is lost
+    /// once it stops, after a lease of the observer's time, not before.
+    #[test]
+    fn skewed_clocks_neither_lose_a_live_node_nor_hide_a_dead_one() {
+        let cfg = LifecycleConfig::default();
+        let hour = 3_600_000;
+        let mut l = Liveness::default();
+        let t0 = 10 * hour;
+        for step in 0..20u64 {
+            let now = t0 + step * 5_000;
+            let behind = node("behind", now - hour);
+            let ahead = node(
+                "ahead",
+                if step < 2 {
+                    now + hour
+                } else {
+                    t0 + 5_000 + hour
+                },
+            );
+            l.observe(&[behind.clone(), ahead.clone()], now);
+            assert!(!l.lost(None, now, &cfg).contains(&"behind".to_string()));
+            if step >= 2 {
+                assert!(l.ready(&behind, now, &cfg), "step {step}");
+            }
+            let silent = now.saturating_sub(t0 + 5_000);
+            assert_eq!(
+                l.lost(None, now, &cfg).contains(&"ahead".to_string()),
+                silent > cfg.node_lease_ms,
+                "step {step}"
+            );
+        }
+        // A new observer counts from its own first look.
+        let mut fresh = Liveness::default();
+        let now = t0 + 100_000;
+        fresh.observe(&[node("ahead", t0 + 5_000 + hour)], now);
+        assert!(fresh.lost(None, now + cfg.node_lease_ms, &cfg).is_empty());
+        assert_eq!(
+            fresh.lost(None, now + cfg.node_lease_ms + 1, &cfg),
+            ["ahead"]
+        );
+        assert_eq!(
+            fresh.next_loss(now, &cfg),
+            Some(now + cfg.node_lease_ms + 1)
+        );
+    }
+}
