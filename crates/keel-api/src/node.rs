@@ -80,6 +80,11 @@ pub struct NodeStatus {
     /// Where this node keeps VM disks; `None` (older agents): node-local.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_home: Option<crate::DiskHome>,
+    /// Which agent runs this node: an id kept in its data dir. A second
+    /// agent with the same node name (another host, another data dir) is
+    /// refused while this one is alive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation: Option<String>,
 }
 
 impl Node {

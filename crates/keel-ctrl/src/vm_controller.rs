@@ -37,6 +37,20 @@ pub enum ReconcileError {
     },
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum HeartbeatError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// Another agent claimed this node's name: this one must not renew its
+    /// lease (its guests are fenced) or act for the node any more.
+    #[error("node {node} is now run by another agent (incarnation {theirs}; this agent is {ours}); not renewing this agent's lease")]
+    Superseded {
+        node: String,
+        theirs: String,
+        ours: String,
+    },
+}
+
 pub struct VmController {
     store: TypedStore,
     hv: Arc<dyn Hypervisor>,
@@ -108,7 +122,10 @@ impl VmController {
 
     /// Writes this node's heartbeat (creating its record on first call),
     /// and marks a drain complete once no VM is owned by this node.
-    pub async fn heartbeat(&self, facts: Option<&keel_hv::NodeFacts>) -> Result<(), StoreError> {
+    pub async fn heartbeat(
+        &self,
+        facts: Option<&keel_hv::NodeFacts>,
+    ) -> Result<(), HeartbeatError> {
         let key = node_key(&self.cfg.node);
         let mut owns_vms = None;
         loop {
@@ -118,6 +135,18 @@ impl VmController {
                 .as_ref()
                 .map(|e| e.value.clone())
                 .unwrap_or_else(|| Node::new(&self.cfg.node));
+            if let (Some(ours), Some(theirs)) = (&self.cfg.incarnation, &node.status.incarnation) {
+                if ours != theirs {
+                    return Err(HeartbeatError::Superseded {
+                        node: self.cfg.node.clone(),
+                        theirs: theirs.clone(),
+                        ours: ours.clone(),
+                    });
+                }
+            }
+            if self.cfg.incarnation.is_some() {
+                node.status.incarnation = self.cfg.incarnation.clone();
+            }
             node.status.last_heartbeat = now;
             node.status.disk_home = Some(self.cfg.disk_home());
             if let Some(facts) = facts {
@@ -144,7 +173,7 @@ impl VmController {
             match result {
                 Ok(_) => return Ok(()),
                 Err(StoreError::Conflict { .. }) => continue,
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
             }
         }
     }
@@ -156,7 +185,7 @@ impl VmController {
     pub async fn heartbeat_and_renew(
         &self,
         facts: Option<&keel_hv::NodeFacts>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), HeartbeatError> {
         let sent_at = self.clock.now_ms();
         self.heartbeat(facts).await?;
         let elapsed = self.clock.now_ms().saturating_sub(sent_at);

@@ -59,6 +59,9 @@ pub struct LifecycleConfig {
     /// The directory this node keeps VM disks in, if other nodes share it
     /// (mounted at the same path); `None`: the disks are node-local.
     pub shared_disk_dir: Option<String>,
+    /// This agent's incarnation (see `NodeStatus::incarnation`); `None`
+    /// claims none and checks none (tests, single host).
+    pub incarnation: Option<String>,
 }
 
 impl LifecycleConfig {
@@ -88,6 +91,7 @@ impl Default for LifecycleConfig {
             self_fence_ms: 20_000,
             cluster_duties: true,
             shared_disk_dir: None,
+            incarnation: None,
         }
     }
 }

@@ -418,3 +418,30 @@ async fn a_start_that_may_not_create_disks_fails_on_missing_ones() {
     assert!(!fx.hv().disk_path("web", "data").exists());
     assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
 }
+
+/// An instance directory that went missing (deleted by hand, a lost mount)
+/// is not "gone" while its QEMU lives: the lookup is Unavailable, never
+/// NotFound, so no controller starts a second instance beside it.
+#[tokio::test]
+async fn a_missing_instance_dir_is_not_gone_while_its_qemu_lives() {
+    let Some(mut fx) = Fixture::new().await else {
+        return;
+    };
+    fx.boot("web", "web-1").await;
+    let dir = fx.hv().instance_dir("web-1");
+    let aside = fx.dir.path().join("moved-away");
+    drop(fx.driver.take());
+    std::fs::rename(&dir, &aside).unwrap();
+    fx.reopen().await;
+    let err = fx.hv().info("web-1").await.unwrap_err();
+    assert!(matches!(err, HvError::Unavailable { .. }), "{err:?}");
+    assert!(fx.hv().cleanup("web-1").await.is_err());
+    // Back in place (a remount): the next driver finds it running.
+    std::fs::rename(&aside, &dir).unwrap();
+    fx.reopen().await;
+    assert_eq!(
+        fx.hv().info("web-1").await.unwrap().state,
+        DomainState::Running
+    );
+    common::stop_and_cleanup(fx.hv(), "web-1").await;
+}

@@ -6,11 +6,12 @@
 //! It serves no API.
 
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
-use keel_api::{validate_name, Clock, SystemClock};
+use keel_api::{validate_name, Clock, Node, SystemClock};
 use keel_ctrl::{run_vm_controller, LifecycleConfig, LifecycleObserver, VmController};
 use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::AccelChoice;
@@ -72,6 +73,76 @@ impl NodeAgent {
     pub fn abort(self) {
         self.task.abort();
     }
+}
+
+const INCARNATION_FILE: &str = "incarnation";
+
+/// This agent's incarnation: an id kept in its data dir, so that a restart
+/// on the same host (same data dir) is the same agent, and an agent on
+/// another host that claims the same node name is not.
+pub fn load_or_create_incarnation(data_dir: &Path) -> anyhow::Result<String> {
+    let path = data_dir.join(INCARNATION_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(id) if !id.trim().is_empty() => return Ok(id.trim().to_string()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+    let id = std::fs::read_to_string("/proc/sys/kernel/random/uuid")
+        .context("generating an incarnation id")?
+        .trim()
+        .to_string();
+    std::fs::write(&path, format!("{id}\n"))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(id)
+}
+
+/// Before an agent acts for `node`: if another incarnation holds the name,
+/// it is refused while that one's heartbeat moves, and the name is taken
+/// over only after a full node lease of silence (its guests are fenced by
+/// then, and the cluster has taken its VMs over).
+pub async fn claim_node_name(
+    store: &TypedStore,
+    node: &str,
+    ours: &str,
+    lease_ms: u64,
+) -> anyhow::Result<()> {
+    let key = keel_ctrl::keys::node_key(node);
+    let Some(first) = store.get::<Node>(&key).await? else {
+        return Ok(());
+    };
+    let theirs = match &first.value.status.incarnation {
+        Some(theirs) if theirs != ours => theirs.clone(),
+        _ => return Ok(()),
+    };
+    let heartbeat = first.value.status.last_heartbeat;
+    tracing::warn!(%node, %theirs, "another agent's incarnation holds this node name; waiting one node lease for it to go silent");
+    let silent_since = std::time::Instant::now();
+    let mut latest = first;
+    while silent_since.elapsed() < Duration::from_millis(lease_ms) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Some(now) = store.get::<Node>(&key).await? else {
+            return Ok(());
+        };
+        if now.value.status.last_heartbeat != heartbeat
+            || now.value.status.incarnation.as_deref() != Some(theirs.as_str())
+        {
+            bail!(
+                "node name {node} is in use by another live agent (incarnation {}); \
+                 refusing to run a second agent for it",
+                now.value.status.incarnation.as_deref().unwrap_or("none")
+            );
+        }
+        latest = now;
+    }
+    let mut claimed = latest.value.clone();
+    claimed.status.incarnation = Some(ours.to_string());
+    store
+        .update(&key, &claimed, latest.revision)
+        .await
+        .with_context(|| format!("claiming node name {node}"))?;
+    tracing::warn!(%node, previous = %theirs, "took over the node name after a lease of silence");
+    Ok(())
 }
 
 /// Everything `keel agent` needs; tests build one directly.
@@ -188,12 +259,15 @@ pub async fn start_with_hypervisor(
         .await?
         .expect("checked: an etcd store");
     let store = TypedStore::new(raw);
+    let incarnation = load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         cluster_duties: false,
         shared_disk_dir: serve::shared_disk_dir(cfg.disk_dir.as_deref())?,
+        incarnation: Some(incarnation.clone()),
         ..cfg.lifecycle.clone()
     };
+    claim_node_name(&store, &cfg.node, &incarnation, lifecycle.node_lease_ms).await?;
     // A bare agent serves no metrics endpoint: nothing to report to.
     let agent = NodeAgent::spawn(
         store.clone(),

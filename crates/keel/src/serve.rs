@@ -374,12 +374,18 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     if !addr.ip().is_loopback() {
         tracing::warn!(%addr, "listening beyond loopback: the API is plain HTTP guarded only by the bearer token");
     }
+    let incarnation = crate::agent::load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         cluster_duties: false,
         shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
+        incarnation: cfg.agent.then(|| incarnation.clone()),
         ..cfg.lifecycle.clone()
     };
+    if cfg.agent {
+        crate::agent::claim_node_name(&store, &cfg.node, &incarnation, lifecycle.node_lease_ms)
+            .await?;
+    }
     let (stop, stop_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::new());
     let (agent, hypervisor) = if cfg.agent {

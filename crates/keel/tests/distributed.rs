@@ -598,3 +598,47 @@ async fn a_drain_survives_the_leader_dying() {
     c.shutdown().await;
     eprintln!("a_drain_survives_the_leader_dying: {:?}", started.elapsed());
 }
+
+/// Two agents claim one node name (two hosts, two data dirs): the second is
+/// refused while the first heartbeats, and a restart of the first (same
+/// data dir, same incarnation) is welcome at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_agent_with_the_same_node_name_is_refused() {
+    let Some(mut c) = Cluster::new("same-name").await else {
+        return;
+    };
+    c.agent("n1").await;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let hv = SimHypervisor::join(clock, 99, sim(), &SimFabric::default(), "n1");
+    let mut impostor = AgentConfig::new(
+        c.spec.clone(),
+        c.dir.path().join("other-host"),
+        "n1".into(),
+        HypervisorKind::Sim,
+    );
+    impostor.lifecycle = lifecycle();
+    let t = Instant::now();
+    let err = match agent::start_with_hypervisor(impostor, Arc::new(hv)).await {
+        Ok(_) => panic!("a second agent for n1 started"),
+        Err(e) => format!("{e:#}"),
+    };
+    assert!(err.contains("in use by another live agent"), "{err}");
+    assert!(t.elapsed() < DEADLINE, "took {:?}", t.elapsed());
+    let incarnation = c.store.get::<Node>(&node_key("n1")).await.unwrap().unwrap();
+    let first = std::fs::read_to_string(c.dir.path().join("n1/incarnation")).unwrap();
+    assert_eq!(
+        incarnation.value.status.incarnation.as_deref(),
+        Some(first.trim()),
+        "the record still names the first agent"
+    );
+
+    // The first agent restarts on its own data dir: no wait, same name.
+    c.agents.remove("n1").unwrap().shutdown().await.unwrap();
+    let t = Instant::now();
+    c.agent("n1").await;
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+}

@@ -288,12 +288,25 @@ pub fn opt_escape(path: &Path) -> String {
 }
 
 /// Writes `value` as JSON to a temporary file and renames it into place, so
-/// readers see either nothing or a whole record.
+/// readers see either nothing or a whole record; the file and then its
+/// directory are fsynced, so a record survives a power failure once this
+/// returns (an exit record lost that way would leave a gone instance
+/// looking as if it never ended, or a launch record lost, a live one as
+/// if it never began).
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    use std::io::Write;
     let tmp = path.with_extension("json.tmp");
     let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let mut file = std::fs::File::create(&tmp)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    sync_dir(path.parent().unwrap_or(Path::new(".")))
+}
+
+/// fsync of a directory: makes a rename or a new entry in it durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// `Ok(None)` if the file does not exist.

@@ -460,6 +460,15 @@ impl QemuDriver {
                         // the directory.
                         Err(not_found(instance))
                     }
+                    _ if self.identity_still_runs(instance).is_some() => Err(unavailable(
+                        instance,
+                        op,
+                        format!(
+                            "instance dir {} is missing, but a QEMU with this instance's \
+                             identity still runs",
+                            dir.display()
+                        ),
+                    )),
                     _ => {
                         self.lock().remove(instance);
                         Err(not_found(instance))
@@ -469,6 +478,15 @@ impl QemuDriver {
             Err(e) => return Err(unavailable(instance, op, format!("{}: {e}", dir.display()))),
         }
         self.domain(instance, op)
+    }
+
+    /// A live QEMU started for `instance` from this data dir, found by its
+    /// `-pidfile` argument (which names the instance dir, whatever the
+    /// socket dir was): "gone" must be observed, not concluded from a
+    /// directory that went missing.
+    fn identity_still_runs(&self, instance: &str) -> Option<u32> {
+        let pidfile = self.inner.layout.new_instance(instance).pidfile;
+        proc::find_instance_process(&pidfile.to_string_lossy())
     }
 
     fn info_of(&self, domain: &Domain, state: DomainState) -> DomainInfo {
@@ -689,7 +707,9 @@ impl QemuDriver {
             let _ = plan.paths.remove_sockets();
             return Err(failed(format!("{}: {e}", staging.display())));
         }
-        if let Err(e) = rename_noreplace(&staging, &plan.paths.dir) {
+        if let Err(e) = rename_noreplace(&staging, &plan.paths.dir)
+            .and_then(|()| layout::sync_dir(&self.inner.layout.instances_dir()))
+        {
             let _ = std::fs::remove_dir_all(&staging);
             // The socket dir is not removed here: it may be the live
             // instance's that owns the directory we lost the race for.
