@@ -164,6 +164,19 @@ pub(crate) async fn take_over(
             continue;
         };
         let owner = owner.to_string();
+        // An instance the node created after the heartbeat we judged it
+        // by (both the node's own clock) proves it was alive after all: it
+        // came back between our read of the nodes and of this VM.
+        let last_heard = state
+            .nodes
+            .iter()
+            .find(|n| n.name == owner)
+            .map(|n| n.status.last_heartbeat);
+        if let (Some(inst), Some(heard)) = (&vm.status.instance, last_heard) {
+            if inst.node == owner && inst.created_at > heard {
+                continue;
+            }
+        }
         let (migrations, _) = store
             .list::<Migration>(&migrations_of_prefix(&vm.name))
             .await?;

@@ -14,129 +14,16 @@
 //! the test guest; `KEEL_SKIP_ETCD_TESTS=1` or `KEEL_SKIP_QEMU_TESTS=1`
 //! skip it.
 
-use std::io::{BufRead, BufReader};
+mod procs;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use keel_hv::guest::GuestChannel;
+use procs::{cli, qemus_of, skipped, store_spec, vm_json, Keel, KillAll};
 use serde_json::Value;
-
-/// A `keel` process; SIGKILLed on drop. Its stderr is collected.
-struct Keel {
-    name: String,
-    child: Child,
-    log: Arc<Mutex<String>>,
-}
-
-impl Keel {
-    fn spawn(name: &str, args: &[&str]) -> Keel {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env_remove("KEEL_DATA_DIR")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let log = Arc::new(Mutex::new(String::new()));
-        let stderr = child.stderr.take().unwrap();
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let mut log = sink.lock().unwrap();
-                log.push_str(&line);
-                log.push('\n');
-            }
-        });
-        Keel {
-            name: name.into(),
-            child,
-            log,
-        }
-    }
-
-    fn log(&self) -> String {
-        format!("--- {} ---\n{}", self.name, self.log.lock().unwrap())
-    }
-
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Keel {
-    fn drop(&mut self) {
-        self.kill9();
-    }
-}
-
-/// SIGKILLs everything whose command line names `root` (QEMUs, keepers).
-struct KillAll(PathBuf);
-
-impl Drop for KillAll {
-    fn drop(&mut self) {
-        for (pid, _) in processes_naming(&self.0.to_string_lossy()) {
-            // SAFETY: a process whose command line names this test's dir.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-}
-
-fn processes_naming(needle: &str) -> Vec<(i32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push((pid, cmdline));
-        }
-    }
-    found
-}
-
-/// QEMU processes of VM `vm` under `root`, by instance.
-fn qemus_of(root: &Path, vm: &str) -> Vec<String> {
-    processes_naming(&root.to_string_lossy())
-        .into_iter()
-        .filter(|(_, c)| c.starts_with("qemu-system"))
-        .filter_map(|(_, c)| {
-            let name = c.split("guest=").nth(1)?.split_whitespace().next()?;
-            name.starts_with(&format!("{vm}-"))
-                .then(|| name.to_string())
-        })
-        .collect()
-}
-
-fn cli(root: &Path, server: &str, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(args)
-        .env("KEEL_SERVER", server)
-        .env("KEEL_DATA_DIR", root.join("cp"))
-        .env_remove("KEEL_TOKEN")
-        .output()
-        .unwrap()
-}
-
-fn vm_json(root: &Path, server: &str, name: &str) -> Option<Value> {
-    let out = cli(root, server, &["vm", "get", name, "-o", "json"]);
-    out.status
-        .success()
-        .then(|| serde_json::from_slice::<Value>(&out.stdout).unwrap()["vm"].clone())
-}
-
-fn skipped() -> bool {
-    ["KEEL_SKIP_ETCD_TESTS", "KEEL_SKIP_QEMU_TESTS"]
-        .iter()
-        .any(|v| std::env::var(v).as_deref() == Ok("1"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() {
@@ -148,17 +35,7 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
         guest.join("vmlinuz").is_file(),
         "run scripts/build-test-guest"
     );
-    let endpoint =
-        std::env::var("KEEL_ETCD_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:2379".into());
-    let host = endpoint.trim_start_matches("http://").to_string();
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let store = format!(
-        "etcd://{host}/keel-test/fencing-{}-{nanos}",
-        std::process::id()
-    );
+    let store = store_spec("fencing");
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().canonicalize().unwrap();
     let _kill_all = KillAll(root.clone());

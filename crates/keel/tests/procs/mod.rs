@@ -1,0 +1,142 @@
+//! Helpers for tests that run Keel as separate processes (`keel serve`,
+//! `keel agent`) with real QEMU guests. Each test file compiles its own
+//! copy and uses part of it.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+/// A `keel` process; SIGKILLed on drop. Its stderr is collected.
+pub struct Keel {
+    pub name: String,
+    pub child: Child,
+    pub log: Arc<Mutex<String>>,
+}
+
+impl Keel {
+    pub fn spawn(name: &str, args: &[&str]) -> Keel {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("KEEL_DATA_DIR")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap();
+                log.push_str(&line);
+                log.push('\n');
+            }
+        });
+        Keel {
+            name: name.into(),
+            child,
+            log,
+        }
+    }
+
+    pub fn log(&self) -> String {
+        format!("--- {} ---\n{}", self.name, self.log.lock().unwrap())
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Keel {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// SIGKILLs everything whose command line names `root` (QEMUs, keepers).
+pub struct KillAll(pub std::path::PathBuf);
+
+impl Drop for KillAll {
+    fn drop(&mut self) {
+        for (pid, _) in processes_naming(&self.0.to_string_lossy()) {
+            // SAFETY: a process whose command line names this test's dir.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
+pub fn processes_naming(needle: &str) -> Vec<(i32, String)> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
+        if cmdline.contains(needle) {
+            found.push((pid, cmdline));
+        }
+    }
+    found
+}
+
+/// QEMU processes of VM `vm` under `root`, by instance.
+pub fn qemus_of(root: &Path, vm: &str) -> Vec<String> {
+    processes_naming(&root.to_string_lossy())
+        .into_iter()
+        .filter(|(_, c)| c.starts_with("qemu-system"))
+        .filter_map(|(_, c)| {
+            let name = c.split("guest=").nth(1)?.split_whitespace().next()?;
+            name.starts_with(&format!("{vm}-"))
+                .then(|| name.to_string())
+        })
+        .collect()
+}
+
+pub fn cli(root: &Path, server: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .env("KEEL_SERVER", server)
+        .env("KEEL_DATA_DIR", root.join("cp"))
+        .env_remove("KEEL_TOKEN")
+        .output()
+        .unwrap()
+}
+
+pub fn vm_json(root: &Path, server: &str, name: &str) -> Option<Value> {
+    let out = cli(root, server, &["vm", "get", name, "-o", "json"]);
+    out.status
+        .success()
+        .then(|| serde_json::from_slice::<Value>(&out.stdout).unwrap()["vm"].clone())
+}
+
+pub fn skipped() -> bool {
+    ["KEEL_SKIP_ETCD_TESTS", "KEEL_SKIP_QEMU_TESTS"]
+        .iter()
+        .any(|v| std::env::var(v).as_deref() == Ok("1"))
+}
+
+/// An etcd store spec with a namespace of its own, on the etcd of
+/// `scripts/start-etcd` (`KEEL_ETCD_ENDPOINT`).
+pub fn store_spec(test: &str) -> String {
+    let endpoint =
+        std::env::var("KEEL_ETCD_ENDPOINT").unwrap_or_else(|_| "http://127.0.0.1:2379".into());
+    let host = endpoint.trim_start_matches("http://").to_string();
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!(
+        "etcd://{host}/keel-test/{test}-{}-{nanos}",
+        std::process::id()
+    )
+}
