@@ -453,6 +453,35 @@ impl VirtualMachine {
         Ok(())
     }
 
+    /// The power state a restore of this VM ends in: the intent recorded
+    /// when it was requested, as the run policy (which a restore keeps)
+    /// allows it. The controller ends the restore there, and
+    /// `keel restore --wait` waits for it.
+    pub fn power_after_restore(&self) -> PowerState {
+        let wanted = self
+            .power_intent
+            .as_ref()
+            .map_or(self.spec.power, |i| i.power);
+        match self.spec.run_policy {
+            RunPolicy::AlwaysOn => PowerState::Running,
+            RunPolicy::AlwaysOff => PowerState::Stopped,
+            _ => wanted,
+        }
+    }
+
+    /// Whether a restore is done and the VM is back in `power`: Running
+    /// with an instance that has booted (the intent is cleared then), or
+    /// Stopped with none.
+    pub fn restored_to(&self, power: PowerState) -> bool {
+        let s = &self.status;
+        self.restore.is_none()
+            && self.power_intent.is_none()
+            && match power {
+                PowerState::Running => s.phase == Phase::Running && s.instance.is_some(),
+                PowerState::Stopped => s.phase == Phase::Stopped && s.instance.is_none(),
+            }
+    }
+
     /// Replaces the spec as a whole (an update), keeping what must survive
     /// such an overwrite: the power intent and the restart counter.
     pub fn replace_spec(&mut self, mut spec: VmSpec) -> Result<(), ValidationError> {
@@ -501,6 +530,34 @@ impl VirtualMachine {
 }
 
 impl VmSpec {
+    /// This spec after a restore from a snapshot taken with `snapshot`: the
+    /// snapshot brings back the hardware (cpus, memory, disks, boot), never
+    /// the operating decisions (run policy, power, restart counter, stop
+    /// grace period, node pin), which stay as they are now. Power is then
+    /// set from the recorded intent ([`VirtualMachine::power_after_restore`]).
+    pub fn restored_from(&self, snapshot: &VmSpec) -> VmSpec {
+        // Destructured without `..`: a new field must be sorted into one
+        // of the two groups here.
+        let VmSpec {
+            cpus,
+            memory_mib,
+            disks,
+            boot,
+            run_policy: _,
+            power: _,
+            restart_generation: _,
+            stop_grace_period_s: _,
+            node: _,
+        } = snapshot.clone();
+        VmSpec {
+            cpus,
+            memory_mib,
+            disks,
+            boot,
+            ..self.clone()
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.cpus == 0 || self.cpus > MAX_CPUS {
             return Err(ValidationError::new(
@@ -636,6 +693,47 @@ mod tests {
         assert!(vm.power_intent.is_some());
         assert_eq!(vm.spec.restart_generation, 1);
         assert_eq!(vm.generation, gen);
+    }
+
+    #[test]
+    fn restore_takes_hardware_from_the_snapshot_and_keeps_the_decisions() {
+        let now = spec();
+        let mut snap = spec();
+        snap.cpus = 4;
+        snap.memory_mib = 512;
+        snap.disks.clear();
+        snap.boot.cmdline = Some("quiet".into());
+        snap.run_policy = RunPolicy::AlwaysOn;
+        snap.power = PowerState::Stopped;
+        snap.restart_generation = 9;
+        snap.stop_grace_period_s = 5;
+        snap.node = Some("elsewhere".into());
+        let restored = now.restored_from(&snap);
+        assert_eq!(
+            (
+                restored.cpus,
+                restored.memory_mib,
+                &restored.disks,
+                &restored.boot
+            ),
+            (4, 512, &snap.disks, &snap.boot)
+        );
+        assert_eq!(
+            (
+                restored.run_policy,
+                restored.power,
+                restored.restart_generation,
+                restored.stop_grace_period_s,
+                &restored.node
+            ),
+            (
+                now.run_policy,
+                now.power,
+                now.restart_generation,
+                now.stop_grace_period_s,
+                &now.node
+            )
+        );
     }
 
     #[test]

@@ -733,12 +733,11 @@ fn restore(
 fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> VirtualMachine {
     let mut next = vm.clone();
     if let Some(snap) = snap {
-        let mut spec = snap.spec.clone();
-        spec.restart_generation = vm.spec.restart_generation;
-        spec.node = vm.spec.node.clone();
-        next.spec = spec;
+        // Hardware and disks from the snapshot; the run policy and the
+        // other operating decisions stay as they were before the restore.
+        next.spec = vm.spec.restored_from(&snap.spec);
     }
-    let power = vm.power_intent.as_ref().map_or(vm.spec.power, |i| i.power);
+    let power = vm.power_after_restore();
     next.spec.power = power;
     if power == PowerState::Stopped {
         // Nothing has to boot: the intent is fulfilled by this write. A

@@ -240,6 +240,50 @@ fn snapshot_create_wait_and_restore_wait_keep_the_power_state() {
     assert!(migrations.starts_with("ID"), "{migrations}");
 }
 
+/// Snapshotted while AlwaysOn and running, then switched to Manual and
+/// stopped: the restore keeps Manual and Stopped, and `keel restore --wait`
+/// waits for exactly that (it used to wait for Stopped while the VM came
+/// back Running under the snapshot's AlwaysOn, and time out).
+#[test]
+fn restore_wait_agrees_with_the_controller_on_policy_and_power() {
+    let server = TestServer::start();
+    ok(&keel(
+        &server,
+        &[
+            "vm", "create", "app", "--disk", "data:64", "--policy", "AlwaysOn",
+        ],
+    ));
+    server.wait_vm("app", "run", |v| phase(v) == "Running");
+    ok(&keel(
+        &server,
+        &["snapshot", "create", "app", "on", "--wait"],
+    ));
+    let rev = server.vm("app").unwrap()["revision"].clone();
+    let r = server.send(
+        "PUT",
+        "/api/v1/vms/app/spec",
+        &serde_json::json!({"revision": rev, "spec": {"cpus": 1, "memory_mib": 128,
+            "disks": [{"name": "data", "size_mib": 64}], "run_policy": "Manual"}})
+        .to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    ok(&keel(&server, &["vm", "stop", "app", "--wait"]));
+    let out = keel(
+        &server,
+        &["restore", "app", "on", "--wait", "--timeout", "20"],
+    );
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("app: restored from snapshot on; Stopped"),
+        "{stdout}"
+    );
+    let vm = server.vm("app").unwrap();
+    assert_eq!(vm["vm"]["spec"]["run_policy"], "Manual", "{vm}");
+    assert_eq!(vm["vm"]["spec"]["power"], "Stopped", "{vm}");
+    assert_eq!(phase(&vm), "Stopped");
+    assert!(instance(&vm).is_none(), "{vm}");
+}
+
 #[test]
 fn node_cordon_uncordon_and_drain_wait() {
     let server = TestServer::start();
