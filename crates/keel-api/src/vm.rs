@@ -2,7 +2,8 @@
 //!
 //! A record has four parts, each with one writer:
 //! - `spec`: what the user asked for (API writes; the controller writes only
-//!   `spec.power` when a Manual VM's guest stops itself).
+//!   `spec.power`, when a run ends by itself under a policy that keeps it
+//!   stopped then: `RunPolicy::run_ends_after`).
 //! - `power_intent`: the power state to return to after a restore or any
 //!   re-creation of the runtime instance. It sits outside `spec` on purpose:
 //!   a wholesale replacement of the spec cannot drop it.
@@ -60,8 +61,8 @@ pub struct VmSpec {
     pub boot: BootSpec,
     #[serde(default)]
     pub run_policy: RunPolicy,
-    /// The power state the user last asked for. Only Manual and
-    /// AlwaysOnUnlessStoppedManually follow it; the other policies fix it.
+    /// The power state the user last asked for. Every policy but AlwaysOn
+    /// and AlwaysOff follows it (`RunPolicy::follows_power`).
     #[serde(default)]
     pub power: PowerState,
     /// Bumped by each restart request; the controller restarts the instance
@@ -110,15 +111,46 @@ pub enum RunPolicy {
     /// Restarted after a crash or guest power-off, but not after a user stop.
     #[default]
     AlwaysOnUnlessStoppedManually,
+    /// Restarted after a failure (a crash, a kill nobody asked for, an
+    /// instance that vanished or a node that was lost), not after the guest
+    /// powered itself off; a user stop is honoured.
+    RerunOnFailure,
+    /// Runs once: stays stopped after the run ends, however it ends. Start
+    /// and restart requests are refused (the run is over, or still to
+    /// come); a stop ends the run.
+    Once,
 }
 
 impl RunPolicy {
-    pub const ALL: [RunPolicy; 4] = [
+    pub const ALL: [RunPolicy; 6] = [
         RunPolicy::AlwaysOn,
         RunPolicy::AlwaysOff,
         RunPolicy::Manual,
         RunPolicy::AlwaysOnUnlessStoppedManually,
+        RunPolicy::RerunOnFailure,
+        RunPolicy::Once,
     ];
+
+    /// Whether `spec.power` (the user's last start or stop) decides if the
+    /// VM runs; the other policies fix it.
+    pub fn follows_power(self) -> bool {
+        !matches!(self, RunPolicy::AlwaysOn | RunPolicy::AlwaysOff)
+    }
+
+    /// Whether an instance that ran and then ended by itself, in this way,
+    /// ends the VM's run: the controller records `spec.power = Stopped`
+    /// and starts nothing. A start that never ran is not a run and never
+    /// ends one (it is retried with backoff), nor does an exit while a
+    /// restore's `Running` intent is still to be fulfilled.
+    pub fn run_ends_after(self, exit: ExitKind) -> bool {
+        match self {
+            RunPolicy::Manual | RunPolicy::Once => true,
+            RunPolicy::RerunOnFailure => exit == ExitKind::GuestPoweroff,
+            RunPolicy::AlwaysOn
+            | RunPolicy::AlwaysOff
+            | RunPolicy::AlwaysOnUnlessStoppedManually => false,
+        }
+    }
 }
 
 impl std::str::FromStr for RunPolicy {
@@ -128,9 +160,10 @@ impl std::str::FromStr for RunPolicy {
             .into_iter()
             .find(|p| format!("{p:?}").eq_ignore_ascii_case(s))
             .ok_or_else(|| {
+                let names: Vec<String> = RunPolicy::ALL.iter().map(|p| format!("{p:?}")).collect();
                 ValidationError::new(
                     "spec.run_policy",
-                    format!("{s:?} is not one of AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually"),
+                    format!("{s:?} is not one of {}", names.join(", ")),
                 )
             })
     }
@@ -353,7 +386,8 @@ impl VirtualMachine {
         match self.spec.run_policy {
             RunPolicy::AlwaysOn => true,
             RunPolicy::AlwaysOff => false,
-            RunPolicy::Manual | RunPolicy::AlwaysOnUnlessStoppedManually => {
+            p => {
+                debug_assert!(p.follows_power());
                 self.spec.power == PowerState::Running
             }
         }
@@ -371,12 +405,12 @@ impl VirtualMachine {
     /// The user asks for the VM to run.
     pub fn request_start(&mut self) -> Result<(), ValidationError> {
         self.refuse_if_busy()?;
-        if self.spec.run_policy == RunPolicy::AlwaysOff {
+        if matches!(self.spec.run_policy, RunPolicy::AlwaysOff | RunPolicy::Once) {
             return Err(ValidationError::new(
                 "spec.run_policy",
                 format!(
-                    "VM {} is AlwaysOff; change the run policy to start it",
-                    self.name
+                    "VM {} is {:?}; change the run policy to start it",
+                    self.name, self.spec.run_policy
                 ),
             ));
         }
@@ -404,12 +438,12 @@ impl VirtualMachine {
     /// gone before the new one starts.
     pub fn request_restart(&mut self) -> Result<(), ValidationError> {
         self.refuse_if_busy()?;
-        if self.spec.run_policy == RunPolicy::AlwaysOff {
+        if matches!(self.spec.run_policy, RunPolicy::AlwaysOff | RunPolicy::Once) {
             return Err(ValidationError::new(
                 "spec.run_policy",
                 format!(
-                    "VM {} is AlwaysOff; change the run policy to restart it",
-                    self.name
+                    "VM {} is {:?}; change the run policy to restart it",
+                    self.name, self.spec.run_policy
                 ),
             ));
         }
@@ -744,5 +778,63 @@ mod tests {
         vm.spec.run_policy = RunPolicy::AlwaysOff;
         assert!(vm.request_start().is_err());
         assert!(!vm.wants_running());
+        vm.spec.run_policy = RunPolicy::Once;
+        assert_eq!(vm.request_start().unwrap_err().field, "spec.run_policy");
+        assert_eq!(vm.request_restart().unwrap_err().field, "spec.run_policy");
+        vm.request_stop().unwrap();
+        assert!(!vm.wants_running());
+        vm.spec.run_policy = RunPolicy::RerunOnFailure;
+        vm.request_start().unwrap();
+        assert!(vm.wants_running());
+        vm.request_stop().unwrap();
+        assert!(!vm.wants_running());
+    }
+
+    #[test]
+    fn every_policy_parses_by_its_name_in_any_case() {
+        for p in RunPolicy::ALL {
+            assert_eq!(
+                format!("{p:?}")
+                    .to_lowercase()
+                    .parse::<RunPolicy>()
+                    .unwrap(),
+                p
+            );
+            assert_eq!(serde_json::to_value(p).unwrap(), format!("{p:?}"));
+        }
+        let err = "Sometimes".parse::<RunPolicy>().unwrap_err();
+        assert!(
+            err.message.contains("RerunOnFailure, Once"),
+            "{}",
+            err.message
+        );
+    }
+
+    /// The run-policy table of the README, for exits nobody asked for.
+    #[test]
+    fn which_exits_end_a_run() {
+        use ExitKind::*;
+        let table = [
+            (RunPolicy::AlwaysOn, [false, false, false, false]),
+            (
+                RunPolicy::AlwaysOnUnlessStoppedManually,
+                [false, false, false, false],
+            ),
+            (RunPolicy::Manual, [true, true, true, true]),
+            (RunPolicy::Once, [true, true, true, true]),
+            (RunPolicy::RerunOnFailure, [true, false, false, false]),
+        ];
+        for (policy, ends) in table {
+            for (kind, end) in [GuestPoweroff, Crashed, Killed, Vanished]
+                .into_iter()
+                .zip(ends)
+            {
+                assert_eq!(
+                    policy.run_ends_after(kind),
+                    end,
+                    "{policy:?} after {kind:?}"
+                );
+            }
+        }
     }
 }

@@ -473,14 +473,11 @@ fn instance_gone(
                 )
             },
         );
-        // A Manual VM whose guest stopped stays stopped, unless it never
+        // A run that ended this way ends for good under some policies
+        // (Manual, Once; RerunOnFailure after a power-off), unless it never
         // ran or a recorded power intent says it must come back (a failed
         // first boot after restore).
-        let intent_running = vm
-            .power_intent
-            .as_ref()
-            .is_some_and(|i| i.power == PowerState::Running);
-        if vm.spec.run_policy == RunPolicy::Manual && !intent_running && !never_ran {
+        if vm.spec.run_policy.run_ends_after(kind) && !intent_running(vm) && !never_ran {
             next.spec.power = PowerState::Stopped;
             next.generation += 1;
         }
@@ -572,16 +569,30 @@ pub fn take_over_from_lost_node(
     next.status.message = Some(format!(
         "node {node} lost its lease; its instance counts as fenced"
     ));
-    let intent_running = vm
-        .power_intent
+    // Lost with its node: an infrastructure failure, the way a vanished
+    // instance is. An instance that never ran was a failed start, retried.
+    let never_ran = vm
+        .status
+        .instance
         .as_ref()
-        .is_some_and(|i| i.power == PowerState::Running);
-    if !requested && vm.spec.run_policy == RunPolicy::Manual && !intent_running {
+        .is_some_and(|i| i.start_error.is_some() || i.running_since.is_none());
+    if !requested
+        && vm.spec.run_policy.run_ends_after(ExitKind::Vanished)
+        && !intent_running(vm)
+        && !never_ran
+    {
         next.spec.power = PowerState::Stopped;
         next.generation += 1;
     }
     next.status.phase = phase_without_instance(&next, now);
     Some(next)
+}
+
+/// Whether a restore's recorded `Running` intent is still to be fulfilled.
+fn intent_running(vm: &VirtualMachine) -> bool {
+    vm.power_intent
+        .as_ref()
+        .is_some_and(|i| i.power == PowerState::Running)
 }
 
 fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {
@@ -795,6 +806,100 @@ mod tests {
                 node: None,
             },
         )
+    }
+
+    /// The README's run-policy table for exits nobody asked for: whether
+    /// the run ends (`spec.power` becomes Stopped, nothing restarts). A
+    /// start that never ran (a start error, or an end before it was seen
+    /// running other than by power-off) never ends the run.
+    #[test]
+    fn unrequested_exits_end_the_run_per_policy() {
+        use ExitKind::*;
+        let cfg = LifecycleConfig::default();
+        // Poweroff, Crashed, Killed, Vanished: ends the run?
+        let table = [
+            (RunPolicy::AlwaysOn, [false, false, false, false]),
+            (RunPolicy::AlwaysOnUnlessStoppedManually, [false; 4]),
+            (RunPolicy::Manual, [true; 4]),
+            (RunPolicy::Once, [true; 4]),
+            (RunPolicy::RerunOnFailure, [true, false, false, false]),
+        ];
+        let exits = [
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Poweroff)),
+                GuestPoweroff,
+            ),
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Crashed)),
+                Crashed,
+            ),
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Killed)),
+                Killed,
+            ),
+            (Observed::InstanceAbsent, Vanished),
+        ];
+        for (policy, ends) in table {
+            for ((observed, kind), ends) in exits.iter().zip(ends) {
+                for (running_since, start_error) in [
+                    (Some(0), None),
+                    (None, None),
+                    (None, Some("boom".to_string())),
+                ] {
+                    let mut v = vm();
+                    v.spec.run_policy = policy;
+                    v.status.instance = Some(Instance {
+                        running_since,
+                        start_error: start_error.clone(),
+                        ..Instance::new("web-1", "local", 0)
+                    });
+                    let ran = start_error.is_none()
+                        && (running_since.is_some() || *kind == GuestPoweroff);
+                    let step = decide(&v, observed, &ClusterView::default(), 100_000, &cfg);
+                    let Step::ActThenPersist { vm: next, .. } = step else {
+                        panic!("{policy:?} {kind:?}: {step:?}")
+                    };
+                    let label = format!("{policy:?} after {kind:?}, ran: {ran}");
+                    assert_eq!(
+                        next.status.last_exit.as_ref().unwrap().kind,
+                        *kind,
+                        "{label}"
+                    );
+                    assert_eq!(
+                        next.spec.power == PowerState::Stopped,
+                        ends && ran,
+                        "{label}"
+                    );
+                    assert_eq!(next.wants_running(), !(ends && ran), "{label}");
+                }
+            }
+        }
+    }
+
+    /// A lost node is an infrastructure failure: RerunOnFailure runs the VM
+    /// elsewhere, Once and Manual keep a run that happened ended, and a
+    /// start that never ran is retried under all of them.
+    #[test]
+    fn lost_node_ends_the_run_per_policy() {
+        for (policy, ran, keeps_running) in [
+            (RunPolicy::AlwaysOn, true, true),
+            (RunPolicy::AlwaysOnUnlessStoppedManually, true, true),
+            (RunPolicy::RerunOnFailure, true, true),
+            (RunPolicy::Manual, true, false),
+            (RunPolicy::Once, true, false),
+            (RunPolicy::Manual, false, true),
+            (RunPolicy::Once, false, true),
+        ] {
+            let mut v = vm();
+            v.spec.run_policy = policy;
+            v.status.instance = Some(Instance {
+                running_since: ran.then_some(0),
+                ..Instance::new("web-1", "n1", 0)
+            });
+            let next = take_over_from_lost_node(&v, "n1", &[], 100_000).unwrap();
+            assert!(next.status.instance.is_none());
+            assert_eq!(next.wants_running(), keeps_running, "{policy:?} ran: {ran}");
+        }
     }
 
     #[test]

@@ -197,7 +197,8 @@ pub struct CreateArgs {
     /// A disk as NAME:SIZE_MIB; repeat for more.
     #[arg(long = "disk", value_parser = parse_disk)]
     pub disks: Vec<DiskSpec>,
-    /// Run policy: AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually.
+    /// Run policy: AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually
+    /// (the default), RerunOnFailure, Once.
     #[arg(long, value_parser = parse_policy)]
     pub policy: Option<RunPolicy>,
     /// Create it powered off.
@@ -434,6 +435,23 @@ mod tests {
         assert_eq!(c.disks[0].size_mib, 64);
         assert_eq!(c.policy, Some(RunPolicy::Manual));
         assert!(parse_disk("nosize").is_err());
+    }
+
+    #[test]
+    fn every_run_policy_parses_and_is_in_the_help() {
+        let help = Cli::command()
+            .find_subcommand_mut("vm")
+            .and_then(|c| c.find_subcommand_mut("create"))
+            .expect("vm create")
+            .render_long_help()
+            .to_string();
+        for p in RunPolicy::ALL {
+            assert_eq!(parse_policy(&format!("{p:?}")), Ok(p));
+            assert!(
+                help.contains(&format!("{p:?}")),
+                "{p:?} missing from: {help}"
+            );
+        }
     }
 
     #[test]

@@ -263,7 +263,7 @@ fn schemas() -> Value {
             "memory_mib": {"type": "integer", "minimum": keel_api::MIN_MEMORY_MIB, "maximum": keel_api::MAX_MEMORY_MIB},
             "disks": {"type": "array", "maxItems": keel_api::MAX_DISKS, "items": {"$ref": "#/components/schemas/DiskSpec"}},
             "boot": {"$ref": "#/components/schemas/BootSpec"},
-            "run_policy": {"type": "string", "enum": ["AlwaysOn", "AlwaysOff", "Manual", "AlwaysOnUnlessStoppedManually"], "default": "AlwaysOnUnlessStoppedManually"},
+            "run_policy": {"type": "string", "enum": keel_api::RunPolicy::ALL, "default": keel_api::RunPolicy::default()},
             "power": {"$ref": "#/components/schemas/PowerState"},
             "restart_generation": {"type": "integer", "minimum": 0},
             "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
