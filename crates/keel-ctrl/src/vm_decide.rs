@@ -209,6 +209,7 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
     // even though we cannot see the instance; a kill of an absent domain is
     // harmless. Gone is only ever concluded from a successful lookup.
     if let Some(stop) = &vm.status.stop {
+        let grace_end = grace_end(vm, stop.requested_at);
         if now >= stop.next_check_at {
             let inst = vm
                 .status
@@ -217,7 +218,6 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
                 .expect("caller checked")
                 .id
                 .clone();
-            let grace_end = stop.requested_at + vm.spec.stop_grace_period_s * 1000;
             if now >= grace_end {
                 let stop = next.status.stop.as_mut().expect("cloned");
                 stop.forced_at.get_or_insert(now);
@@ -229,7 +229,16 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
                 };
             }
         }
-        let requeue_at = (now + cfg.retry_ms).min(stop.next_check_at.max(now + 1));
+        // Look again at the retry interval, or sooner if the schedule's
+        // next check or the force at the grace end comes first. A check
+        // that is already due (it needs a successful lookup) is no reason
+        // to look again at once.
+        let due = if stop.next_check_at > now {
+            stop.next_check_at
+        } else {
+            grace_end
+        };
+        let requeue_at = (now + cfg.retry_ms).min(due.max(now + 1));
         return persist_if_changed(vm, next, None, requeue_at);
     }
     persist_if_changed(vm, next, None, now + cfg.retry_ms)
@@ -899,6 +908,45 @@ mod tests {
             let next = take_over_from_lost_node(&v, "n1", &[], 100_000).unwrap();
             assert!(next.status.instance.is_none());
             assert_eq!(next.wants_running(), keeps_running, "{policy:?} ran: {ran}");
+        }
+    }
+
+    /// While lookups fail mid-stop, the next look is at the retry
+    /// interval, or at the schedule's next check or the grace end when one
+    /// comes sooner; never "at once" for a check that is already due.
+    #[test]
+    fn failed_lookup_during_a_stop_requeues_at_retry_bounded_by_the_grace_end() {
+        let cfg = LifecycleConfig::default();
+        let t0 = 100_000;
+        let grace_end = t0 + 60_000;
+        // (now, next_check_at) → requeue_at
+        for (now, next_check_at, expected) in [
+            (t0 + 10_000, t0 + 3_000, t0 + 11_000),
+            (t0 + 10_000, t0 + 10_000, t0 + 11_000),
+            (t0 + 10_000, t0 + 10_400, t0 + 10_400),
+            (grace_end - 300, t0 + 31_000, grace_end),
+        ] {
+            let mut v = vm();
+            v.spec.power = PowerState::Stopped;
+            v.status.instance = Some(Instance::new("web-1", "local", 0));
+            v.status.stop = Some(StopProgress {
+                reason: StopReason::User,
+                requested_at: t0,
+                attempts: 3,
+                next_check_at,
+                forced_at: None,
+            });
+            let observed = Observed::Unknown("unavailable".into());
+            let requeue_at = match decide(&v, &observed, &ClusterView::default(), now, &cfg) {
+                Step::Wait { requeue_at }
+                | Step::Persist {
+                    requeue_at,
+                    then: None,
+                    ..
+                } => requeue_at,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(requeue_at - t0, expected - t0, "now {}", now - t0);
         }
     }
 
