@@ -76,6 +76,10 @@ pub struct VmSpec {
     pub node: Option<String>,
 }
 
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
 fn default_grace() -> u64 {
     DEFAULT_STOP_GRACE_PERIOD_S
 }
@@ -273,6 +277,12 @@ pub struct Eviction {
     /// The migration of the current attempt, reserved before it is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<String>,
+    /// Attempts of this eviction that failed, for the backoff between them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_attempts: u32,
+    /// No new attempt before this (backoff after a failed one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }

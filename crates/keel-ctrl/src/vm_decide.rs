@@ -276,7 +276,11 @@ fn instance_alive(
 ) -> Step {
     let mut next = vm.clone();
     next.status.message = None;
-    if vm.status.stop.is_none() && vm.deletion_requested_at.is_none() {
+    // A user's stop, restart, restore or delete wins over an eviction: it
+    // is honoured at once by the normal stop (which first waits for the
+    // migration controller to cancel a migration in flight, since the VM
+    // no longer wants it), not retried against for the drain's windows.
+    if should_stop(vm).is_none() {
         if let Some(step) = decide_eviction(vm, inst, state, cluster, now, cfg) {
             return step;
         }
