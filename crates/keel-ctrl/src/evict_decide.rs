@@ -10,8 +10,8 @@
 //! is created, and created only if absent: once per attempt.
 
 use keel_api::{
-    Eviction, EvictionPhase, Instance, Migration, MigrationPhase, MigrationStatus, Millis, Phase,
-    StopReason, VirtualMachine,
+    Eviction, EvictionPhase, Instance, Migration, MigrationPhase, MigrationStatus, MigrationTuning,
+    Millis, Phase, StopReason, VirtualMachine,
 };
 use keel_hv::DomainState;
 
@@ -96,13 +96,28 @@ pub(crate) fn decide_eviction(
             None => match &ev.migration {
                 // Reserved, but the record was not created (a crash in
                 // between): create it now, from the reservation.
-                Some(_) => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
-                    fallback(vm, "no node to migrate to", now, windows.fallback_ms)
-                }),
+                Some(_) => match cluster.targets.first() {
+                    Some(target) => reserve_and_create(vm, inst, target, cluster, now),
+                    None => fallback(vm, "no node to migrate to", now, windows.fallback_ms),
+                },
                 None if state != DomainState::Running => poll(ev.submit_deadline),
-                None => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
+                None if cluster.targets.is_empty() => {
                     fallback(vm, "no node to migrate to", now, windows.fallback_ms)
-                }),
+                }
+                None => match free_target(inst, cluster, &drain.tuning) {
+                    Ok(target) => reserve_and_create(vm, inst, &target, cluster, now),
+                    // Every slot is taken: wait (within the submission
+                    // window) for one to free up.
+                    Err(why) => {
+                        let mut next = vm.clone();
+                        let e = next.status.eviction.as_mut().expect("cloned");
+                        e.message = Some(format!("waiting for a migration slot: {why}"));
+                        let requeue_at = ev
+                            .submit_deadline
+                            .map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1));
+                        persist_if_changed(vm, next, None, requeue_at)
+                    }
+                },
             },
         },
         EvictionPhase::Migrating => match migration.map(|m| m.status.phase) {
@@ -208,15 +223,60 @@ fn retry(
     }
 }
 
-/// Reserves the migration on the record (or reuses the reservation) and
-/// creates it. `None` if there is nowhere to go.
+/// The best target with a free slot under the drain's limits on parallel
+/// migrations (cluster-wide, and per node for the source and the target),
+/// or why there is none. Migrations of this VM do not count (a reserved
+/// one is this very attempt). The limits hold as far as agents see each
+/// other's migrations: two agents deciding at the same moment may each
+/// take the last slot.
+fn free_target(
+    inst: &Instance,
+    cluster: &ClusterView,
+    tuning: &MigrationTuning,
+) -> Result<String, String> {
+    let others: Vec<&Migration> = cluster
+        .in_flight
+        .iter()
+        .filter(|m| !m.status.phase.is_final() && m.source_instance != inst.id)
+        .collect();
+    let per_cluster = tuning.parallel_per_cluster as usize;
+    let per_node = tuning.parallel_per_node as usize;
+    if others.len() >= per_cluster {
+        return Err(format!(
+            "{} of {per_cluster} migrations in flight in the cluster",
+            others.len()
+        ));
+    }
+    let on = |node: &str| {
+        others
+            .iter()
+            .filter(|m| m.source_node == node || m.target_node == node)
+            .count()
+    };
+    let here = on(&inst.node);
+    if here >= per_node {
+        return Err(format!(
+            "{here} of {per_node} migrations in flight on node {}",
+            inst.node
+        ));
+    }
+    cluster
+        .targets
+        .iter()
+        .find(|t| on(t) < per_node)
+        .cloned()
+        .ok_or_else(|| format!("every target node has {per_node} migrations in flight"))
+}
+
+/// Reserves the migration to `target` on the record (or reuses the
+/// reservation) and creates it, with the drain's tuning.
 fn reserve_and_create(
     vm: &VirtualMachine,
     inst: &Instance,
+    target: &str,
     cluster: &ClusterView,
     now: Millis,
-) -> Option<Step> {
-    let target = cluster.targets.first()?;
+) -> Step {
     let mut next = vm.clone();
     let ev_migration = vm
         .status
@@ -246,13 +306,14 @@ fn reserve_and_create(
         vm: vm.name.clone(),
         source_node: inst.node.clone(),
         source_instance: inst.id.clone(),
-        target_node: target.clone(),
+        target_node: target.to_string(),
         target_instance,
         created_at: now,
+        tuning: cluster.drain.as_ref().map(|d| d.tuning).unwrap_or_default(),
         status: MigrationStatus::default(),
     };
     let create = HvAction::CreateMigration(Box::new(migration));
-    Some(persist_if_changed(vm, next, Some(create), now + 500))
+    persist_if_changed(vm, next, Some(create), now + 500)
 }
 
 /// How many final (succeeded or failed) migration records of a VM are kept
@@ -310,6 +371,7 @@ mod tests {
             target_node: "b".into(),
             target_instance: format!("vm-t{seq}"),
             created_at: seq,
+            tuning: MigrationTuning::default(),
             status: MigrationStatus {
                 phase,
                 ..Default::default()

@@ -377,10 +377,17 @@ impl VmController {
         let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
         let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
         let targets = candidate_nodes(vm, &nodes, &vms, Some(&self.cfg.node), now, &self.cfg);
+        let (all, _) = self.store.list::<Migration>(MIGRATIONS_PREFIX).await?;
+        let in_flight = all
+            .into_iter()
+            .map(|(_, e)| e.value)
+            .filter(|m| !m.status.phase.is_final())
+            .collect();
         Ok(ClusterView {
             drain: Some(drain),
             migration,
             targets,
+            in_flight,
         })
     }
 

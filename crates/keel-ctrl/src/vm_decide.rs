@@ -114,6 +114,9 @@ pub struct ClusterView {
     /// Nodes the VM could move to now (ready, not cordoned, not this one),
     /// best first.
     pub targets: Vec<String>,
+    /// Every migration in flight in the cluster (for the drain's limits on
+    /// parallel migrations).
+    pub in_flight: Vec<Migration>,
 }
 
 /// A hypervisor call the executor makes.

@@ -11,8 +11,8 @@ mod cluster;
 
 use cluster::{sim, Cluster};
 use keel_api::{
-    EvictionPhase, EvictionWindows, MigrationPhase, Node, Phase, RunPolicy, Snapshot,
-    SnapshotPhase, VirtualMachine,
+    EvictionPhase, EvictionWindows, MigrationPhase, MigrationTuning, Node, Phase, RunPolicy,
+    Snapshot, SnapshotPhase, VirtualMachine,
 };
 use keel_ctrl::keys::{snapshot_key, vm_key, MIGRATIONS_PREFIX};
 use keel_ctrl::KEEP_FINAL_MIGRATIONS;
@@ -528,4 +528,153 @@ async fn failed_attempts_back_off_and_old_migrations_are_collected() {
         ms.iter().any(|m| m.id == newest),
         "the newest is kept: {ms:?}"
     );
+}
+
+async fn tuned_drain(c: &Cluster, node: &str, windows: EvictionWindows, tuning: MigrationTuning) {
+    let now = c.now();
+    c.update_node(node, |n| n.request_tuned_drain(now, windows, tuning))
+        .await;
+}
+
+/// The drain's limits on parallel migrations hold at every tick: per node
+/// (2 by default: node a sends at most two at a time) and cluster-wide; and
+/// they are used, not undercut. Every VM still leaves by live migration.
+#[tokio::test]
+async fn parallel_migrations_stay_within_the_node_and_cluster_limits() {
+    let per_node_default = MigrationTuning::default();
+    let cluster_of_three = MigrationTuning {
+        parallel_per_cluster: 3,
+        parallel_per_node: 10,
+        ..MigrationTuning::default()
+    };
+    for (tuning, most) in [(per_node_default, 2), (cluster_of_three, 3)] {
+        let mut c = Cluster::new(sim());
+        c.add_node("a").await;
+        let names = ["v1", "v2", "v3", "v4", "v5", "v6"];
+        for name in names {
+            c.create(name, RunPolicy::AlwaysOnUnlessStoppedManually)
+                .await;
+        }
+        c.run(3_000).await;
+        c.add_node("b").await;
+        c.add_node("c").await;
+        let windows = EvictionWindows {
+            submit_ms: 120_000,
+            ..cluster::windows()
+        };
+        tuned_drain(&c, "a", windows, tuning).await;
+        let mut seen = 0;
+        for _ in 0..120 {
+            c.tick().await;
+            let mut in_flight = Vec::new();
+            for name in names {
+                in_flight.extend(
+                    c.migrations_of(name)
+                        .await
+                        .into_iter()
+                        .filter(|m| !m.status.phase.is_final()),
+                );
+            }
+            for node in ["a", "b", "c"] {
+                let here = in_flight
+                    .iter()
+                    .filter(|m| m.source_node == node || m.target_node == node)
+                    .count();
+                assert!(
+                    here <= tuning.parallel_per_node as usize,
+                    "{here} in flight on {node}: {in_flight:?}"
+                );
+            }
+            assert!(in_flight.len() <= tuning.parallel_per_cluster as usize);
+            seen = seen.max(in_flight.len());
+        }
+        assert_eq!(seen, most, "{tuning:?}: the limit is used");
+        for name in names {
+            let vm = c.vm(name).await;
+            assert_ne!(vm.status.instance.as_ref().unwrap().node, "a", "{name}");
+            assert!(vm.status.last_exit.is_none(), "{name} was stopped: {vm:?}");
+        }
+    }
+}
+
+/// A migration past its completion timeout (per GiB of guest memory) or
+/// without progress for the progress timeout is cancelled, with the reason
+/// on its record, well before the drain's migrate window ends; and the
+/// source is sent with the drain's tuning (auto-converge on by default).
+#[tokio::test]
+async fn overdue_or_stalled_migrations_are_cancelled() {
+    let windows = EvictionWindows {
+        submit_ms: 5_000,
+        migrate_ms: 600_000,
+        fallback_ms: 40_000,
+    };
+    // (tuning, sim, expected reason, cancelled by)
+    let completion = MigrationTuning {
+        completion_timeout_per_gib_s: 10,
+        bandwidth_mib_s: Some(64),
+        downtime_limit_ms: Some(200),
+        ..MigrationTuning::default()
+    };
+    let progress = MigrationTuning {
+        progress_timeout_s: 20,
+        ..MigrationTuning::default()
+    };
+    let slow = SimConfig {
+        migration_ms: 300_000,
+        ..sim()
+    };
+    let stalling = SimConfig {
+        migration_ms: 20_000,
+        faults: SimFaults {
+            migration_stalls: 1.0,
+            ..Default::default()
+        },
+        ..sim()
+    };
+    for (tuning, sim, reason, by_ms) in [
+        (completion, slow, "not completed within 10s", 12_000),
+        (
+            progress,
+            stalling,
+            "no progress for 20s",
+            10_000 + 20_000 + 7_000,
+        ),
+    ] {
+        let mut c = Cluster::new(sim);
+        c.add_node("a").await;
+        c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
+            .await;
+        c.run(3_000).await;
+        let source = c.vm("vm").await.status.instance.unwrap().id;
+        c.add_node("b").await;
+        tuned_drain(&c, "a", windows, tuning).await;
+        let start = c.now();
+        let mut failed = None;
+        while failed.is_none() && c.now() < start + by_ms {
+            c.tick().await;
+            failed = c
+                .migrations_of("vm")
+                .await
+                .into_iter()
+                .find(|m| m.status.phase == MigrationPhase::Failed);
+        }
+        let m = failed.unwrap_or_else(|| panic!("{reason}: not cancelled in {by_ms} ms"));
+        assert!(
+            m.status
+                .message
+                .as_deref()
+                .unwrap_or("")
+                .starts_with(reason),
+            "{m:?}"
+        );
+        assert_eq!(m.tuning, tuning);
+        let params = c.agent("a").hv.migration_params(&source).unwrap();
+        assert!(params.auto_converge);
+        assert_eq!(
+            params.max_bandwidth,
+            tuning.bandwidth_mib_s.map(|b| b << 20)
+        );
+        assert_eq!(params.downtime_limit_ms, tuning.downtime_limit_ms);
+        assert!(!c.executing_on("b", "vm"), "the target never ran");
+    }
 }
