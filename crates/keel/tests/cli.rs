@@ -238,6 +238,20 @@ fn snapshot_create_wait_and_restore_wait_keep_the_power_state() {
     assert!(out.contains("deletion requested"), "{out}");
     let migrations = ok(&keel(&server, &["migration", "list", "db"]));
     assert!(migrations.starts_with("ID"), "{migrations}");
+    // A migration shows the bounds it runs under.
+    server.put_raw(
+        "/migrations/db/db-m1",
+        &serde_json::json!({"id": "db-m1", "vm": "db", "source_node": "a",
+            "source_instance": "db-1", "target_node": "b", "target_instance": "db-2",
+            "created_at": 1, "tuning": {"downtime_limit_ms": 200},
+            "status": {"phase": "Failed", "message": "no progress for 150s"}}),
+    );
+    let migrations = ok(&keel(&server, &["migration", "list", "db"]));
+    assert!(
+        migrations.lines().next().unwrap().contains("TUNING")
+            && migrations.contains("timeout 150s/GiB, progress 150s, bandwidth node default, auto-converge on, downtime 200ms"),
+        "{migrations}"
+    );
 }
 
 /// Snapshotted while AlwaysOn and running, then switched to Manual and
@@ -329,6 +343,11 @@ fn node_cordon_uncordon_and_drain_wait() {
             "5s",
             "--fallback-window",
             "5s",
+            "--max-parallel",
+            "3",
+            "--bandwidth",
+            "64",
+            "--no-auto-converge",
             "--timeout",
             "60",
         ],
@@ -340,6 +359,10 @@ fn node_cordon_uncordon_and_drain_wait() {
     let vm = server.vm("web").unwrap();
     assert!(instance(&vm).is_none(), "{vm}");
     let info = ok(&keel(&server, &["node", "info", "test-node"]));
+    assert!(
+        info.contains("timeout 150s/GiB, progress 150s, bandwidth 64 MiB/s, auto-converge off, downtime default, parallel 3/cluster 2/node"),
+        "the drain's migration bounds: {info}"
+    );
     assert!(
         info.contains("true (keel)") && info.contains("completed"),
         "{info}"
