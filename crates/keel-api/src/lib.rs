@@ -12,7 +12,7 @@ pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
-pub use migration::{Migration, MigrationPhase, MigrationStatus};
+pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};

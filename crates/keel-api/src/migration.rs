@@ -4,7 +4,101 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Millis;
+use crate::{Millis, ValidationError};
+
+pub const DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S: u64 = 150;
+pub const DEFAULT_PROGRESS_TIMEOUT_S: u64 = 150;
+pub const DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER: u32 = 5;
+pub const DEFAULT_PARALLEL_MIGRATIONS_PER_NODE: u32 = 2;
+
+/// How live migrations of a drain are run and bounded. Recorded on the
+/// drain and copied onto each migration it creates, so a migration is run
+/// by the settings it was created with.
+///
+/// Post-copy is never used: Keel migrates pre-copy only (a post-copy
+/// switch-over cannot be undone if the link fails, and there is no opt-in
+/// for it yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MigrationTuning {
+    /// A migration running longer than this per GiB of guest memory
+    /// (rounded up) is cancelled; the drain's migrate window bounds it too.
+    pub completion_timeout_per_gib_s: u64,
+    /// A migration whose transferred bytes have not grown for this long is
+    /// cancelled.
+    pub progress_timeout_s: u64,
+    /// Bandwidth cap in MiB/s; `None`: the node's setting (QEMU: 128 MiB/s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bandwidth_mib_s: Option<u64>,
+    /// Throttle the guest's CPUs when it dirties memory faster than it is
+    /// sent, so the migration converges.
+    pub auto_converge: bool,
+    /// The longest pause at switch-over, in ms; `None`: the hypervisor's
+    /// default (QEMU: 300 ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub downtime_limit_ms: Option<u64>,
+    /// At most this many migrations in flight across the cluster.
+    pub parallel_per_cluster: u32,
+    /// At most this many migrations in flight into or out of one node.
+    pub parallel_per_node: u32,
+}
+
+impl Default for MigrationTuning {
+    fn default() -> Self {
+        Self {
+            completion_timeout_per_gib_s: DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S,
+            progress_timeout_s: DEFAULT_PROGRESS_TIMEOUT_S,
+            bandwidth_mib_s: None,
+            auto_converge: true,
+            downtime_limit_ms: None,
+            parallel_per_cluster: DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER,
+            parallel_per_node: DEFAULT_PARALLEL_MIGRATIONS_PER_NODE,
+        }
+    }
+}
+
+impl MigrationTuning {
+    /// How long a migration of a guest with `memory_mib` may run.
+    pub fn completion_timeout_ms(&self, memory_mib: u64) -> Millis {
+        let gib = memory_mib.div_ceil(1024).max(1);
+        self.completion_timeout_per_gib_s
+            .saturating_mul(gib)
+            .saturating_mul(1000)
+    }
+
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        let range = |field: &str, v: u64, lo: u64, hi: u64| {
+            if (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(ValidationError::new(
+                    format!("tuning.{field}"),
+                    format!("{v} is out of range {lo}..={hi}"),
+                ))
+            }
+        };
+        range(
+            "completion_timeout_per_gib_s",
+            self.completion_timeout_per_gib_s,
+            1,
+            86_400,
+        )?;
+        range("progress_timeout_s", self.progress_timeout_s, 1, 86_400)?;
+        if let Some(b) = self.bandwidth_mib_s {
+            range("bandwidth_mib_s", b, 1, 1 << 20)?;
+        }
+        if let Some(d) = self.downtime_limit_ms {
+            range("downtime_limit_ms", d, 1, 60_000)?;
+        }
+        range(
+            "parallel_per_cluster",
+            self.parallel_per_cluster.into(),
+            1,
+            1000,
+        )?;
+        range("parallel_per_node", self.parallel_per_node.into(), 1, 1000)
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -16,6 +110,9 @@ pub struct Migration {
     pub target_node: String,
     pub target_instance: String,
     pub created_at: Millis,
+    /// The drain's tuning when this migration was created.
+    #[serde(default)]
+    pub tuning: MigrationTuning,
     #[serde(default)]
     pub status: MigrationStatus,
 }
@@ -54,4 +151,39 @@ pub struct MigrationStatus {
     pub downtime_ms: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// Bytes sent at `progress_at`, the last time the sent amount was seen
+    /// to grow (for the progress timeout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_at: Option<Millis>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_bounded_and_the_timeout_scales_with_memory() {
+        let t = MigrationTuning::default();
+        assert_eq!(t.completion_timeout_per_gib_s, 150);
+        assert_eq!(t.progress_timeout_s, 150);
+        assert!(t.auto_converge);
+        assert_eq!((t.parallel_per_cluster, t.parallel_per_node), (5, 2));
+        assert_eq!(t.completion_timeout_ms(256), 150_000);
+        assert_eq!(t.completion_timeout_ms(1024), 150_000);
+        assert_eq!(t.completion_timeout_ms(1025), 300_000);
+        assert_eq!(t.completion_timeout_ms(16 << 10), 16 * 150_000);
+        t.validate().unwrap();
+        let parsed: MigrationTuning = serde_json::from_str("{}").unwrap();
+        assert_eq!(parsed, t);
+        let bad = MigrationTuning {
+            parallel_per_node: 0,
+            ..t
+        };
+        assert_eq!(
+            bad.validate().unwrap_err().field,
+            "tuning.parallel_per_node"
+        );
+    }
 }

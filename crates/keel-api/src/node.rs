@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::Millis;
+use crate::{MigrationTuning, Millis};
 
 pub const DEFAULT_EVICTION_WINDOW_MS: Millis = 10 * 60 * 1000;
 
@@ -41,6 +41,9 @@ pub struct Drain {
     pub requested_at: Millis,
     #[serde(default)]
     pub windows: EvictionWindows,
+    /// How its migrations are run and bounded.
+    #[serde(default)]
+    pub tuning: MigrationTuning,
     /// Set when no VM is left on the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completed_at: Option<Millis>,
@@ -101,6 +104,16 @@ impl Node {
     /// Starts a drain, cordoning the node if nobody has yet. Idempotent: an
     /// active drain keeps its original start (and so its deadlines).
     pub fn request_drain(&mut self, now: Millis, windows: EvictionWindows) {
+        self.request_tuned_drain(now, windows, MigrationTuning::default())
+    }
+
+    /// [`Node::request_drain`] with its migrations' tuning.
+    pub fn request_tuned_drain(
+        &mut self,
+        now: Millis,
+        windows: EvictionWindows,
+        tuning: MigrationTuning,
+    ) {
         if !self.cordoned {
             self.cordoned = true;
             self.cordoned_by_keel = true;
@@ -111,6 +124,7 @@ impl Node {
                 self.drain = Some(Drain {
                     requested_at: now,
                     windows,
+                    tuning,
                     completed_at: None,
                 })
             }

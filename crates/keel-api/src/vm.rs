@@ -2,7 +2,8 @@
 //!
 //! A record has four parts, each with one writer:
 //! - `spec`: what the user asked for (API writes; the controller writes only
-//!   `spec.power` when a Manual VM's guest stops itself).
+//!   `spec.power`, when a run ends by itself under a policy that keeps it
+//!   stopped then: `RunPolicy::run_ends_after`).
 //! - `power_intent`: the power state to return to after a restore or any
 //!   re-creation of the runtime instance. It sits outside `spec` on purpose:
 //!   a wholesale replacement of the spec cannot drop it.
@@ -60,8 +61,8 @@ pub struct VmSpec {
     pub boot: BootSpec,
     #[serde(default)]
     pub run_policy: RunPolicy,
-    /// The power state the user last asked for. Only Manual and
-    /// AlwaysOnUnlessStoppedManually follow it; the other policies fix it.
+    /// The power state the user last asked for. Every policy but AlwaysOn
+    /// and AlwaysOff follows it (`RunPolicy::follows_power`).
     #[serde(default)]
     pub power: PowerState,
     /// Bumped by each restart request; the controller restarts the instance
@@ -73,6 +74,10 @@ pub struct VmSpec {
     /// Node the VM must run on; `None` lets Keel place it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 fn default_grace() -> u64 {
@@ -110,15 +115,46 @@ pub enum RunPolicy {
     /// Restarted after a crash or guest power-off, but not after a user stop.
     #[default]
     AlwaysOnUnlessStoppedManually,
+    /// Restarted after a failure (a crash, a kill nobody asked for, an
+    /// instance that vanished or a node that was lost), not after the guest
+    /// powered itself off; a user stop is honoured.
+    RerunOnFailure,
+    /// Runs once: stays stopped after the run ends, however it ends. Start
+    /// and restart requests are refused (the run is over, or still to
+    /// come); a stop ends the run.
+    Once,
 }
 
 impl RunPolicy {
-    pub const ALL: [RunPolicy; 4] = [
+    pub const ALL: [RunPolicy; 6] = [
         RunPolicy::AlwaysOn,
         RunPolicy::AlwaysOff,
         RunPolicy::Manual,
         RunPolicy::AlwaysOnUnlessStoppedManually,
+        RunPolicy::RerunOnFailure,
+        RunPolicy::Once,
     ];
+
+    /// Whether `spec.power` (the user's last start or stop) decides if the
+    /// VM runs; the other policies fix it.
+    pub fn follows_power(self) -> bool {
+        !matches!(self, RunPolicy::AlwaysOn | RunPolicy::AlwaysOff)
+    }
+
+    /// Whether an instance that ran and then ended by itself, in this way,
+    /// ends the VM's run: the controller records `spec.power = Stopped`
+    /// and starts nothing. A start that never ran is not a run and never
+    /// ends one (it is retried with backoff), nor does an exit while a
+    /// restore's `Running` intent is still to be fulfilled.
+    pub fn run_ends_after(self, exit: ExitKind) -> bool {
+        match self {
+            RunPolicy::Manual | RunPolicy::Once => true,
+            RunPolicy::RerunOnFailure => exit == ExitKind::GuestPoweroff,
+            RunPolicy::AlwaysOn
+            | RunPolicy::AlwaysOff
+            | RunPolicy::AlwaysOnUnlessStoppedManually => false,
+        }
+    }
 }
 
 impl std::str::FromStr for RunPolicy {
@@ -128,9 +164,10 @@ impl std::str::FromStr for RunPolicy {
             .into_iter()
             .find(|p| format!("{p:?}").eq_ignore_ascii_case(s))
             .ok_or_else(|| {
+                let names: Vec<String> = RunPolicy::ALL.iter().map(|p| format!("{p:?}")).collect();
                 ValidationError::new(
                     "spec.run_policy",
-                    format!("{s:?} is not one of AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually"),
+                    format!("{s:?} is not one of {}", names.join(", ")),
                 )
             })
     }
@@ -280,6 +317,12 @@ pub struct Eviction {
     /// The migration of the current attempt, reserved before it is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<String>,
+    /// Attempts of this eviction that failed, for the backoff between them.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub failed_attempts: u32,
+    /// No new attempt before this (backoff after a failed one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_attempt_at: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }
@@ -393,7 +436,8 @@ impl VirtualMachine {
         match self.spec.run_policy {
             RunPolicy::AlwaysOn => true,
             RunPolicy::AlwaysOff => false,
-            RunPolicy::Manual | RunPolicy::AlwaysOnUnlessStoppedManually => {
+            p => {
+                debug_assert!(p.follows_power());
                 self.spec.power == PowerState::Running
             }
         }
@@ -411,12 +455,12 @@ impl VirtualMachine {
     /// The user asks for the VM to run.
     pub fn request_start(&mut self) -> Result<(), ValidationError> {
         self.refuse_if_busy()?;
-        if self.spec.run_policy == RunPolicy::AlwaysOff {
+        if matches!(self.spec.run_policy, RunPolicy::AlwaysOff | RunPolicy::Once) {
             return Err(ValidationError::new(
                 "spec.run_policy",
                 format!(
-                    "VM {} is AlwaysOff; change the run policy to start it",
-                    self.name
+                    "VM {} is {:?}; change the run policy to start it",
+                    self.name, self.spec.run_policy
                 ),
             ));
         }
@@ -444,12 +488,12 @@ impl VirtualMachine {
     /// gone before the new one starts.
     pub fn request_restart(&mut self) -> Result<(), ValidationError> {
         self.refuse_if_busy()?;
-        if self.spec.run_policy == RunPolicy::AlwaysOff {
+        if matches!(self.spec.run_policy, RunPolicy::AlwaysOff | RunPolicy::Once) {
             return Err(ValidationError::new(
                 "spec.run_policy",
                 format!(
-                    "VM {} is AlwaysOff; change the run policy to restart it",
-                    self.name
+                    "VM {} is {:?}; change the run policy to restart it",
+                    self.name, self.spec.run_policy
                 ),
             ));
         }
@@ -491,6 +535,35 @@ impl VirtualMachine {
         });
         self.generation += 1;
         Ok(())
+    }
+
+    /// The power state a restore of this VM ends in: the intent recorded
+    /// when it was requested, as the run policy (which a restore keeps)
+    /// allows it. The controller ends the restore there, and
+    /// `keel restore --wait` waits for it.
+    pub fn power_after_restore(&self) -> PowerState {
+        let wanted = self
+            .power_intent
+            .as_ref()
+            .map_or(self.spec.power, |i| i.power);
+        match self.spec.run_policy {
+            RunPolicy::AlwaysOn => PowerState::Running,
+            RunPolicy::AlwaysOff => PowerState::Stopped,
+            _ => wanted,
+        }
+    }
+
+    /// Whether a restore is done and the VM is back in `power`: Running
+    /// with an instance that has booted (the intent is cleared then), or
+    /// Stopped with none.
+    pub fn restored_to(&self, power: PowerState) -> bool {
+        let s = &self.status;
+        self.restore.is_none()
+            && self.power_intent.is_none()
+            && match power {
+                PowerState::Running => s.phase == Phase::Running && s.instance.is_some(),
+                PowerState::Stopped => s.phase == Phase::Stopped && s.instance.is_none(),
+            }
     }
 
     /// Replaces the spec as a whole (an update), keeping what must survive
@@ -541,6 +614,34 @@ impl VirtualMachine {
 }
 
 impl VmSpec {
+    /// This spec after a restore from a snapshot taken with `snapshot`: the
+    /// snapshot brings back the hardware (cpus, memory, disks, boot), never
+    /// the operating decisions (run policy, power, restart counter, stop
+    /// grace period, node pin), which stay as they are now. Power is then
+    /// set from the recorded intent ([`VirtualMachine::power_after_restore`]).
+    pub fn restored_from(&self, snapshot: &VmSpec) -> VmSpec {
+        // Destructured without `..`: a new field must be sorted into one
+        // of the two groups here.
+        let VmSpec {
+            cpus,
+            memory_mib,
+            disks,
+            boot,
+            run_policy: _,
+            power: _,
+            restart_generation: _,
+            stop_grace_period_s: _,
+            node: _,
+        } = snapshot.clone();
+        VmSpec {
+            cpus,
+            memory_mib,
+            disks,
+            boot,
+            ..self.clone()
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.cpus == 0 || self.cpus > MAX_CPUS {
             return Err(ValidationError::new(
@@ -679,6 +780,47 @@ mod tests {
     }
 
     #[test]
+    fn restore_takes_hardware_from_the_snapshot_and_keeps_the_decisions() {
+        let now = spec();
+        let mut snap = spec();
+        snap.cpus = 4;
+        snap.memory_mib = 512;
+        snap.disks.clear();
+        snap.boot.cmdline = Some("quiet".into());
+        snap.run_policy = RunPolicy::AlwaysOn;
+        snap.power = PowerState::Stopped;
+        snap.restart_generation = 9;
+        snap.stop_grace_period_s = 5;
+        snap.node = Some("elsewhere".into());
+        let restored = now.restored_from(&snap);
+        assert_eq!(
+            (
+                restored.cpus,
+                restored.memory_mib,
+                &restored.disks,
+                &restored.boot
+            ),
+            (4, 512, &snap.disks, &snap.boot)
+        );
+        assert_eq!(
+            (
+                restored.run_policy,
+                restored.power,
+                restored.restart_generation,
+                restored.stop_grace_period_s,
+                &restored.node
+            ),
+            (
+                now.run_policy,
+                now.power,
+                now.restart_generation,
+                now.stop_grace_period_s,
+                &now.node
+            )
+        );
+    }
+
+    #[test]
     fn policies_refuse_contradicting_requests() {
         let mut vm = VirtualMachine::new("a", spec());
         vm.spec.run_policy = RunPolicy::AlwaysOn;
@@ -686,5 +828,63 @@ mod tests {
         vm.spec.run_policy = RunPolicy::AlwaysOff;
         assert!(vm.request_start().is_err());
         assert!(!vm.wants_running());
+        vm.spec.run_policy = RunPolicy::Once;
+        assert_eq!(vm.request_start().unwrap_err().field, "spec.run_policy");
+        assert_eq!(vm.request_restart().unwrap_err().field, "spec.run_policy");
+        vm.request_stop().unwrap();
+        assert!(!vm.wants_running());
+        vm.spec.run_policy = RunPolicy::RerunOnFailure;
+        vm.request_start().unwrap();
+        assert!(vm.wants_running());
+        vm.request_stop().unwrap();
+        assert!(!vm.wants_running());
+    }
+
+    #[test]
+    fn every_policy_parses_by_its_name_in_any_case() {
+        for p in RunPolicy::ALL {
+            assert_eq!(
+                format!("{p:?}")
+                    .to_lowercase()
+                    .parse::<RunPolicy>()
+                    .unwrap(),
+                p
+            );
+            assert_eq!(serde_json::to_value(p).unwrap(), format!("{p:?}"));
+        }
+        let err = "Sometimes".parse::<RunPolicy>().unwrap_err();
+        assert!(
+            err.message.contains("RerunOnFailure, Once"),
+            "{}",
+            err.message
+        );
+    }
+
+    /// The run-policy table of the README, for exits nobody asked for.
+    #[test]
+    fn which_exits_end_a_run() {
+        use ExitKind::*;
+        let table = [
+            (RunPolicy::AlwaysOn, [false, false, false, false]),
+            (
+                RunPolicy::AlwaysOnUnlessStoppedManually,
+                [false, false, false, false],
+            ),
+            (RunPolicy::Manual, [true, true, true, true]),
+            (RunPolicy::Once, [true, true, true, true]),
+            (RunPolicy::RerunOnFailure, [true, false, false, false]),
+        ];
+        for (policy, ends) in table {
+            for (kind, end) in [GuestPoweroff, Crashed, Killed, Vanished]
+                .into_iter()
+                .zip(ends)
+            {
+                assert_eq!(
+                    policy.run_ends_after(kind),
+                    end,
+                    "{policy:?} after {kind:?}"
+                );
+            }
+        }
     }
 }

@@ -10,13 +10,13 @@
 //! is created, and created only if absent: once per attempt.
 
 use keel_api::{
-    Eviction, EvictionPhase, Instance, Migration, MigrationPhase, MigrationStatus, Millis, Phase,
-    StopReason, VirtualMachine,
+    Eviction, EvictionPhase, Instance, Migration, MigrationPhase, MigrationStatus, MigrationTuning,
+    Millis, Phase, StopReason, VirtualMachine,
 };
 use keel_hv::DomainState;
 
 use crate::vm_decide::{
-    begin_stop, persist_if_changed, ClusterView, HvAction, LifecycleConfig, Step,
+    backoff, begin_stop, persist_if_changed, ClusterView, HvAction, LifecycleConfig, Step,
 };
 
 /// `None`: the node is not draining, carry on as usual.
@@ -44,6 +44,8 @@ pub(crate) fn decide_eviction(
                 migrate_deadline: None,
                 fallback_deadline: None,
                 migration: None,
+                failed_attempts: 0,
+                next_attempt_at: None,
                 message: None,
             });
             return Some(Step::Persist {
@@ -82,23 +84,45 @@ pub(crate) fn decide_eviction(
             _ if expired(ev.submit_deadline) => {
                 fallback(vm, "submission window expired", now, windows.fallback_ms)
             }
-            Some(MigrationPhase::Failed) => retry(vm, migration, now),
+            Some(MigrationPhase::Failed) => retry(vm, migration, now, cfg),
             Some(_) => poll(ev.submit_deadline),
+            // Backing off after a failed attempt.
+            None if ev.migration.is_none() && ev.next_attempt_at.is_some_and(|at| at > now) => {
+                let at = ev.next_attempt_at.unwrap_or(now);
+                Step::Wait {
+                    requeue_at: ev.submit_deadline.map_or(at, |d| d.min(at)),
+                }
+            }
             None => match &ev.migration {
                 // Reserved, but the record was not created (a crash in
                 // between): create it now, from the reservation.
-                Some(_) => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
-                    fallback(vm, "no node to migrate to", now, windows.fallback_ms)
-                }),
+                Some(_) => match cluster.targets.first() {
+                    Some(target) => reserve_and_create(vm, inst, target, cluster, now),
+                    None => fallback(vm, "no node to migrate to", now, windows.fallback_ms),
+                },
                 None if state != DomainState::Running => poll(ev.submit_deadline),
-                None => reserve_and_create(vm, inst, cluster, now).unwrap_or_else(|| {
+                None if cluster.targets.is_empty() => {
                     fallback(vm, "no node to migrate to", now, windows.fallback_ms)
-                }),
+                }
+                None => match free_target(inst, cluster, &drain.tuning) {
+                    Ok(target) => reserve_and_create(vm, inst, &target, cluster, now),
+                    // Every slot is taken: wait (within the submission
+                    // window) for one to free up.
+                    Err(why) => {
+                        let mut next = vm.clone();
+                        let e = next.status.eviction.as_mut().expect("cloned");
+                        e.message = Some(format!("waiting for a migration slot: {why}"));
+                        let requeue_at = ev
+                            .submit_deadline
+                            .map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1));
+                        persist_if_changed(vm, next, None, requeue_at)
+                    }
+                },
             },
         },
         EvictionPhase::Migrating => match migration.map(|m| m.status.phase) {
             Some(MigrationPhase::Failed) if !expired(ev.submit_deadline) => {
-                retry(vm, migration, now)
+                retry(vm, migration, now, cfg)
             }
             Some(MigrationPhase::Failed) => {
                 fallback(vm, "migration failed", now, windows.fallback_ms)
@@ -163,18 +187,33 @@ fn fallback(vm: &VirtualMachine, why: &str, now: Millis, fallback_ms: Millis) ->
 }
 
 /// The attempt failed within the submission window: a new attempt, with a
-/// new migration (the failed one is never reused).
-fn retry(vm: &VirtualMachine, failed: Option<&Migration>, now: Millis) -> Step {
+/// new migration (the failed one is never reused), after a backoff (the
+/// start backoff: 1, 2, 4 … s, capped), so a target that fails at once is
+/// not tried back to back for the whole window.
+fn retry(
+    vm: &VirtualMachine,
+    failed: Option<&Migration>,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
     let mut next = vm.clone();
     let e = next.status.eviction.as_mut().expect("eviction present");
+    let wait = backoff(
+        cfg.start_backoff_initial_ms,
+        cfg.start_backoff_max_ms,
+        e.failed_attempts,
+    );
+    e.failed_attempts += 1;
+    e.next_attempt_at = Some(now + wait);
     e.phase = EvictionPhase::Submitting;
     e.migration = None;
     e.migrate_deadline = None;
     e.message = failed.map(|m| {
         format!(
-            "migration {} failed: {}; trying again",
+            "migration {} failed: {}; next attempt in {}s",
             m.id,
-            m.status.message.as_deref().unwrap_or("no reason given")
+            m.status.message.as_deref().unwrap_or("no reason given"),
+            wait.div_ceil(1000)
         )
     });
     Step::Persist {
@@ -184,15 +223,60 @@ fn retry(vm: &VirtualMachine, failed: Option<&Migration>, now: Millis) -> Step {
     }
 }
 
-/// Reserves the migration on the record (or reuses the reservation) and
-/// creates it. `None` if there is nowhere to go.
+/// The best target with a free slot under the drain's limits on parallel
+/// migrations (cluster-wide, and per node for the source and the target),
+/// or why there is none. Migrations of this VM do not count (a reserved
+/// one is this very attempt). The limits hold as far as agents see each
+/// other's migrations: two agents deciding at the same moment may each
+/// take the last slot.
+fn free_target(
+    inst: &Instance,
+    cluster: &ClusterView,
+    tuning: &MigrationTuning,
+) -> Result<String, String> {
+    let others: Vec<&Migration> = cluster
+        .in_flight
+        .iter()
+        .filter(|m| !m.status.phase.is_final() && m.source_instance != inst.id)
+        .collect();
+    let per_cluster = tuning.parallel_per_cluster as usize;
+    let per_node = tuning.parallel_per_node as usize;
+    if others.len() >= per_cluster {
+        return Err(format!(
+            "{} of {per_cluster} migrations in flight in the cluster",
+            others.len()
+        ));
+    }
+    let on = |node: &str| {
+        others
+            .iter()
+            .filter(|m| m.source_node == node || m.target_node == node)
+            .count()
+    };
+    let here = on(&inst.node);
+    if here >= per_node {
+        return Err(format!(
+            "{here} of {per_node} migrations in flight on node {}",
+            inst.node
+        ));
+    }
+    cluster
+        .targets
+        .iter()
+        .find(|t| on(t) < per_node)
+        .cloned()
+        .ok_or_else(|| format!("every target node has {per_node} migrations in flight"))
+}
+
+/// Reserves the migration to `target` on the record (or reuses the
+/// reservation) and creates it, with the drain's tuning.
 fn reserve_and_create(
     vm: &VirtualMachine,
     inst: &Instance,
+    target: &str,
     cluster: &ClusterView,
     now: Millis,
-) -> Option<Step> {
-    let target = cluster.targets.first()?;
+) -> Step {
     let mut next = vm.clone();
     let ev_migration = vm
         .status
@@ -222,11 +306,152 @@ fn reserve_and_create(
         vm: vm.name.clone(),
         source_node: inst.node.clone(),
         source_instance: inst.id.clone(),
-        target_node: target.clone(),
+        target_node: target.to_string(),
         target_instance,
         created_at: now,
+        tuning: cluster.drain.as_ref().map(|d| d.tuning).unwrap_or_default(),
         status: MigrationStatus::default(),
     };
     let create = HvAction::CreateMigration(Box::new(migration));
-    Some(persist_if_changed(vm, next, Some(create), now + 500))
+    persist_if_changed(vm, next, Some(create), now + 500)
+}
+
+/// How many final (succeeded or failed) migration records of a VM are kept
+/// for `keel migration list`; older ones are deleted.
+pub const KEEP_FINAL_MIGRATIONS: usize = 3;
+
+/// The ids of `vm_name`'s migration records that can be deleted: final
+/// ones beyond the newest `KEEP_FINAL_MIGRATIONS`. Never one still in
+/// flight, one the VM's eviction names, or one from the VM's recorded
+/// instance (a succeeded one is still to be adopted, and lost-node
+/// takeover and stray-domain collection look at it). `vm` is `None` once
+/// the record is gone: then every final one goes.
+pub fn migrations_to_collect(vm: Option<&VirtualMachine>, migrations: &[Migration]) -> Vec<String> {
+    let keep = if vm.is_some() {
+        KEEP_FINAL_MIGRATIONS
+    } else {
+        0
+    };
+    let named = vm
+        .and_then(|v| v.status.eviction.as_ref())
+        .and_then(|e| e.migration.as_deref());
+    let recorded = vm
+        .and_then(|v| v.status.instance.as_ref())
+        .map(|i| i.id.as_str());
+    let mut done: Vec<&Migration> = migrations
+        .iter()
+        .filter(|m| m.status.phase.is_final())
+        .collect();
+    // Newest first: ids are `<vm>-m<seq>`, seq counting up per VM.
+    done.sort_by_key(|m| std::cmp::Reverse((seq_of(&m.id), m.created_at)));
+    done.into_iter()
+        .skip(keep)
+        .filter(|m| Some(m.id.as_str()) != named && Some(m.source_instance.as_str()) != recorded)
+        .map(|m| m.id.clone())
+        .collect()
+}
+
+fn seq_of(id: &str) -> u64 {
+    id.rsplit_once("-m")
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{PowerState, RunPolicy, VmSpec};
+
+    fn migration(seq: u64, phase: MigrationPhase, source: &str) -> Migration {
+        Migration {
+            id: format!("vm-m{seq}"),
+            vm: "vm".into(),
+            source_node: "a".into(),
+            source_instance: source.into(),
+            target_node: "b".into(),
+            target_instance: format!("vm-t{seq}"),
+            created_at: seq,
+            tuning: MigrationTuning::default(),
+            status: MigrationStatus {
+                phase,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn final_migrations_beyond_the_last_few_are_collected() {
+        use MigrationPhase::*;
+        let mut vm = VirtualMachine::new(
+            "vm",
+            VmSpec {
+                cpus: 1,
+                memory_mib: 64,
+                disks: vec![],
+                boot: Default::default(),
+                run_policy: RunPolicy::Manual,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 60,
+                node: None,
+            },
+        );
+        vm.status.instance = Some(Instance::new("vm-9", "a", 0));
+        // (migrations, the eviction names) → collected, oldest last
+        let cases: Vec<(Vec<Migration>, Option<&str>, Vec<&str>)> = vec![
+            (vec![], None, vec![]),
+            (
+                (1..=3).map(|n| migration(n, Failed, "vm-1")).collect(),
+                None,
+                vec![],
+            ),
+            (
+                // 10 sorts after 9, not between 1 and 2.
+                (1..=10).map(|n| migration(n, Failed, "vm-1")).collect(),
+                None,
+                vec![
+                    "vm-m7", "vm-m6", "vm-m5", "vm-m4", "vm-m3", "vm-m2", "vm-m1",
+                ],
+            ),
+            (
+                vec![
+                    migration(1, Failed, "vm-1"),
+                    migration(2, Succeeded, "vm-9"),
+                    migration(3, Failed, "vm-1"),
+                    migration(4, Failed, "vm-1"),
+                    migration(5, Failed, "vm-1"),
+                    migration(6, Running, "vm-1"),
+                    migration(7, Failed, "vm-1"),
+                ],
+                Some("vm-m1"),
+                // m7, m5, m4 are kept; of the older ones m2 is from the
+                // recorded instance and m1 is named; m6 is in flight.
+                vec!["vm-m3"],
+            ),
+            (
+                (1..=5).map(|n| migration(n, Failed, "vm-1")).collect(),
+                Some("vm-m5"),
+                vec!["vm-m2", "vm-m1"],
+            ),
+        ];
+        for (ms, named, expected) in cases {
+            let mut v = vm.clone();
+            v.status.eviction = named.map(|id| Eviction {
+                drain_requested_at: 0,
+                phase: EvictionPhase::Submitting,
+                started_at: 0,
+                submit_deadline: None,
+                migrate_deadline: None,
+                fallback_deadline: None,
+                migration: Some(id.into()),
+                failed_attempts: 0,
+                next_attempt_at: None,
+                message: None,
+            });
+            assert_eq!(migrations_to_collect(Some(&v), &ms), expected, "{named:?}");
+        }
+        // The VM is gone: every final record goes, in-flight ones stay.
+        let ms = vec![migration(1, Failed, "vm-1"), migration(2, Pending, "vm-1")];
+        assert_eq!(migrations_to_collect(None, &ms), ["vm-m1"]);
+    }
 }

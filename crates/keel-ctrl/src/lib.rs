@@ -19,6 +19,7 @@ pub mod vm_decide;
 
 pub use cluster_controller::{run_control_plane, ClusterController, Fence, PassReport};
 pub use election::{ElectionConfig, LeaderElection, LeaderRecord};
+pub use evict_decide::{migrations_to_collect, KEEP_FINAL_MIGRATIONS};
 pub use migration_controller::MigrationController;
 pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;

@@ -122,7 +122,12 @@ impl MigrationController {
                     Ok(MigrationProgress::Active { .. } | MigrationProgress::Completed { .. })
                 );
                 if !started {
-                    if let Err(err) = self.hv.migrate(&m.source_instance, &uri).await {
+                    let params = keel_hv::MigrationParams::from_tuning(&m.tuning);
+                    if let Err(err) = self
+                        .hv
+                        .migrate_tuned(&m.source_instance, &uri, &params)
+                        .await
+                    {
                         let why = format!("could not start sending to {uri}: {err}");
                         return self.fail(&key, m, entry.revision, &why, now).await;
                     }
@@ -151,13 +156,41 @@ impl MigrationController {
                         self.fail(&key, m, entry.revision, "source reports no migration", now)
                             .await
                     }
-                    Ok(MigrationProgress::Active { .. }) => {
-                        if !wanted {
+                    Ok(MigrationProgress::Active {
+                        transferred_bytes, ..
+                    }) => {
+                        let memory_mib = vm.as_ref().map_or(0, |vm| vm.spec.memory_mib);
+                        let check = check_progress(&m, memory_mib, transferred_bytes, now);
+                        if !wanted || check.is_err() {
                             if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
                                 tracing::warn!(vm = vm_name, migration = id, %err, "cancel failed");
                             }
                         }
-                        Ok(poll)
+                        // Recorded, so the reason outlives this controller;
+                        // the migration is Failed only once the source says
+                        // it stopped (a cancel may come too late).
+                        match check {
+                            Err(why) if m.status.message.is_none() => {
+                                tracing::info!(
+                                    vm = vm_name,
+                                    migration = id,
+                                    why,
+                                    "cancelling migration"
+                                );
+                                m.status.message = Some(format!("cancelling: {why}"));
+                                self.write(&key, &m, entry.revision, now)
+                                    .await
+                                    .map(|_| poll)
+                            }
+                            Ok(Some(progress)) => {
+                                m.status.progress_bytes = Some(progress);
+                                m.status.progress_at = Some(now);
+                                self.write(&key, &m, entry.revision, now)
+                                    .await
+                                    .map(|_| poll)
+                            }
+                            _ => Ok(poll),
+                        }
                     }
                     Err(err) if err.is_not_found() => {
                         self.fail(&key, m, entry.revision, "source instance is gone", now)
@@ -221,7 +254,13 @@ impl MigrationController {
         self.observer.migration_finished(false, seconds);
         m.status.phase = MigrationPhase::Failed;
         m.status.finished_at = Some(now);
-        m.status.message = Some(why.to_string());
+        m.status.message = Some(match m.status.message.as_deref() {
+            // Cancelled for a timeout: that is the reason.
+            Some(cancelling) if cancelling.starts_with("cancelling: ") => {
+                format!("{} ({why})", &cancelling["cancelling: ".len()..])
+            }
+            _ => why.to_string(),
+        });
         self.write(key, &m, revision, now).await
     }
 
@@ -236,6 +275,117 @@ impl MigrationController {
             Ok(_) => Ok(Some(now)),
             Err(StoreError::Conflict { .. }) => Ok(Some(now)),
             Err(e) => Err(e),
+        }
+    }
+}
+
+/// Progress is recorded at most this often (the progress timeout is
+/// measured from the last recorded progress).
+const PROGRESS_RECORD_MS: Millis = 5_000;
+
+/// A migration under way, `transferred` bytes sent so far, against its
+/// tuning: `Err(why)` when it must be cancelled (it ran past its
+/// completion timeout for `memory_mib` of guest memory, or sent nothing
+/// new for the progress timeout); `Ok(Some(bytes))` when new progress is
+/// to be recorded; `Ok(None)` otherwise.
+pub(crate) fn check_progress(
+    m: &Migration,
+    memory_mib: u64,
+    transferred: u64,
+    now: Millis,
+) -> Result<Option<u64>, String> {
+    let t = &m.tuning;
+    let started = m.status.started_at.unwrap_or(m.created_at);
+    let limit = t.completion_timeout_ms(memory_mib);
+    if now.saturating_sub(started) >= limit {
+        return Err(format!(
+            "not completed within {}s ({}s per GiB of {memory_mib} MiB)",
+            limit / 1000,
+            t.completion_timeout_per_gib_s
+        ));
+    }
+    let last_at = m.status.progress_at.unwrap_or(started);
+    let grew = transferred > m.status.progress_bytes.unwrap_or(0);
+    if grew {
+        let due = m.status.progress_at.is_none() || now >= last_at + PROGRESS_RECORD_MS;
+        return Ok(due.then_some(transferred));
+    }
+    if now.saturating_sub(last_at) >= t.progress_timeout_s * 1000 {
+        return Err(format!(
+            "no progress for {}s ({} bytes sent)",
+            t.progress_timeout_s, transferred
+        ));
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{MigrationStatus, MigrationTuning};
+
+    #[test]
+    fn completion_and_progress_timeouts() {
+        let t0 = 1_000_000;
+        let m = |progress: Option<(u64, Millis)>| Migration {
+            id: "vm-m1".into(),
+            vm: "vm".into(),
+            source_node: "a".into(),
+            source_instance: "vm-1".into(),
+            target_node: "b".into(),
+            target_instance: "vm-2".into(),
+            created_at: t0 - 1_000,
+            tuning: MigrationTuning::default(),
+            status: MigrationStatus {
+                phase: MigrationPhase::Running,
+                started_at: Some(t0),
+                progress_bytes: progress.map(|p| p.0),
+                progress_at: progress.map(|p| p.1),
+                ..Default::default()
+            },
+        };
+        // (recorded progress, memory MiB, bytes sent, now) → outcome
+        let cases = [
+            (None, 2048, 10, t0 + 1_000, Ok(Some(10))),
+            (Some((10, t0 + 1_000)), 2048, 20, t0 + 3_000, Ok(None)),
+            (Some((10, t0 + 1_000)), 2048, 20, t0 + 6_000, Ok(Some(20))),
+            (Some((10, t0 + 1_000)), 2048, 10, t0 + 150_999, Ok(None)),
+            (
+                Some((10, t0 + 1_000)),
+                2048,
+                10,
+                t0 + 151_000,
+                Err("no progress for 150s"),
+            ),
+            (
+                Some((10, t0 + 290_000)),
+                2048,
+                20,
+                t0 + 299_999,
+                Ok(Some(20)),
+            ),
+            (
+                Some((10, t0 + 290_000)),
+                2048,
+                20,
+                t0 + 300_000,
+                Err("not completed within 300s"),
+            ),
+            (
+                Some((10, t0 + 140_000)),
+                512,
+                20,
+                t0 + 150_000,
+                Err("not completed within 150s"),
+            ),
+        ];
+        for (progress, memory, sent, now, expected) in cases {
+            let got = check_progress(&m(progress), memory, sent, now);
+            match (&got, &expected) {
+                (Ok(a), Ok(b)) => assert_eq!(a, b, "{progress:?} {sent} at +{}", now - t0),
+                (Err(why), Err(start)) => assert!(why.starts_with(start), "{why}"),
+                _ => panic!("{progress:?} {sent} at +{}: {got:?}", now - t0),
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ use keel_store::{StoreError, TypedStore};
 use crate::cluster_controller::{self, ClusterState, Fence};
 use crate::keys::{
     event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
-    vm_key, NODES_PREFIX, VMS_PREFIX,
+    vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
@@ -469,10 +469,17 @@ impl VmController {
             now,
             &self.cfg,
         );
+        let (all, _) = self.store.list::<Migration>(MIGRATIONS_PREFIX).await?;
+        let in_flight = all
+            .into_iter()
+            .map(|(_, e)| e.value)
+            .filter(|m| !m.status.phase.is_final())
+            .collect();
         Ok(ClusterView {
             drain: Some(drain),
             migration,
             targets,
+            in_flight,
         })
     }
 
@@ -481,6 +488,64 @@ impl VmController {
     /// of an abandoned one, instances of VMs now owned elsewhere. Killing an
     /// extra instance is always safe; the recorded one is never touched.
     pub async fn collect_garbage(&self) -> Result<(), ReconcileError> {
+        self.end_stray_domains().await?;
+        self.collect_migrations().await
+    }
+
+    /// Deletes final migration records beyond the last few of each VM this
+    /// node owns (`migrations_to_collect`), and every final one of a VM
+    /// whose record is gone. Each delete is a compare-and-swap on the
+    /// revision read, so a record that changed meanwhile stays.
+    async fn collect_migrations(&self) -> Result<(), ReconcileError> {
+        let store_err = |source| ReconcileError::Store {
+            vm: String::new(),
+            source,
+        };
+        let (all, _) = self
+            .store
+            .list::<Migration>(MIGRATIONS_PREFIX)
+            .await
+            .map_err(store_err)?;
+        let mut by_vm: std::collections::BTreeMap<&str, Vec<&keel_store::TypedEntry<Migration>>> =
+            Default::default();
+        for (_, entry) in &all {
+            by_vm
+                .entry(entry.value.vm.as_str())
+                .or_default()
+                .push(entry);
+        }
+        for (name, entries) in by_vm {
+            let record = self
+                .store
+                .get::<VirtualMachine>(&vm_key(name))
+                .await
+                .map_err(store_err)?
+                .map(|e| e.value);
+            if record
+                .as_ref()
+                .is_some_and(|vm| vm.owner_node() != Some(self.cfg.node.as_str()))
+            {
+                continue;
+            }
+            let migrations: Vec<Migration> = entries.iter().map(|e| e.value.clone()).collect();
+            for id in crate::evict_decide::migrations_to_collect(record.as_ref(), &migrations) {
+                let Some(entry) = entries.iter().find(|e| e.value.id == id) else {
+                    continue;
+                };
+                match self
+                    .store
+                    .delete(&migration_key(name, &id), entry.revision)
+                    .await
+                {
+                    Ok(_) | Err(StoreError::Conflict { .. }) => {}
+                    Err(source) => return Err(store_err(source)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn end_stray_domains(&self) -> Result<(), ReconcileError> {
         let domains = match self.hv.list().await {
             Ok(d) => d,
             Err(err) => {

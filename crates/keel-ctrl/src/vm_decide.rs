@@ -132,6 +132,9 @@ pub struct ClusterView {
     /// Nodes the VM could move to now (ready, not cordoned, not this one),
     /// best first.
     pub targets: Vec<String>,
+    /// Every migration in flight in the cluster (for the drain's limits on
+    /// parallel migrations).
+    pub in_flight: Vec<Migration>,
 }
 
 /// A hypervisor call the executor makes.
@@ -227,6 +230,7 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
     // even though we cannot see the instance; a kill of an absent domain is
     // harmless. Gone is only ever concluded from a successful lookup.
     if let Some(stop) = &vm.status.stop {
+        let grace_end = grace_end(vm, stop.requested_at);
         if now >= stop.next_check_at {
             let inst = vm
                 .status
@@ -235,7 +239,6 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
                 .expect("caller checked")
                 .id
                 .clone();
-            let grace_end = stop.requested_at + vm.spec.stop_grace_period_s * 1000;
             if now >= grace_end {
                 let stop = next.status.stop.as_mut().expect("cloned");
                 stop.forced_at.get_or_insert(now);
@@ -247,7 +250,16 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
                 };
             }
         }
-        let requeue_at = (now + cfg.retry_ms).min(stop.next_check_at.max(now + 1));
+        // Look again at the retry interval, or sooner if the schedule's
+        // next check or the force at the grace end comes first. A check
+        // that is already due (it needs a successful lookup) is no reason
+        // to look again at once.
+        let due = if stop.next_check_at > now {
+            stop.next_check_at
+        } else {
+            grace_end
+        };
+        let requeue_at = (now + cfg.retry_ms).min(due.max(now + 1));
         return persist_if_changed(vm, next, None, requeue_at);
     }
     persist_if_changed(vm, next, None, now + cfg.retry_ms)
@@ -285,7 +297,11 @@ fn instance_alive(
 ) -> Step {
     let mut next = vm.clone();
     next.status.message = None;
-    if vm.status.stop.is_none() && vm.deletion_requested_at.is_none() {
+    // A user's stop, restart, restore or delete wins over an eviction: it
+    // is honoured at once by the normal stop (which first waits for the
+    // migration controller to cancel a migration in flight, since the VM
+    // no longer wants it), not retried against for the drain's windows.
+    if should_stop(vm).is_none() {
         if let Some(step) = decide_eviction(vm, inst, state, cluster, now, cfg) {
             return step;
         }
@@ -497,14 +513,11 @@ fn instance_gone(
                 )
             },
         );
-        // A Manual VM whose guest stopped stays stopped, unless it never
+        // A run that ended this way ends for good under some policies
+        // (Manual, Once; RerunOnFailure after a power-off), unless it never
         // ran or a recorded power intent says it must come back (a failed
         // first boot after restore).
-        let intent_running = vm
-            .power_intent
-            .as_ref()
-            .is_some_and(|i| i.power == PowerState::Running);
-        if vm.spec.run_policy == RunPolicy::Manual && !intent_running && !never_ran {
+        if vm.spec.run_policy.run_ends_after(kind) && !intent_running(vm) && !never_ran {
             next.spec.power = PowerState::Stopped;
             next.generation += 1;
         }
@@ -596,16 +609,30 @@ pub fn take_over_from_lost_node(
     next.status.message = Some(format!(
         "node {node} lost its lease; its instance counts as fenced"
     ));
-    let intent_running = vm
-        .power_intent
+    // Lost with its node: an infrastructure failure, the way a vanished
+    // instance is. An instance that never ran was a failed start, retried.
+    let never_ran = vm
+        .status
+        .instance
         .as_ref()
-        .is_some_and(|i| i.power == PowerState::Running);
-    if !requested && vm.spec.run_policy == RunPolicy::Manual && !intent_running {
+        .is_some_and(|i| i.start_error.is_some() || i.running_since.is_none());
+    if !requested
+        && vm.spec.run_policy.run_ends_after(ExitKind::Vanished)
+        && !intent_running(vm)
+        && !never_ran
+    {
         next.spec.power = PowerState::Stopped;
         next.generation += 1;
     }
     next.status.phase = phase_without_instance(&next, now);
     Some(next)
+}
+
+/// Whether a restore's recorded `Running` intent is still to be fulfilled.
+fn intent_running(vm: &VirtualMachine) -> bool {
+    vm.power_intent
+        .as_ref()
+        .is_some_and(|i| i.power == PowerState::Running)
 }
 
 fn phase_without_instance(vm: &VirtualMachine, now: Millis) -> Phase {
@@ -771,12 +798,11 @@ fn restore(
 fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> VirtualMachine {
     let mut next = vm.clone();
     if let Some(snap) = snap {
-        let mut spec = snap.spec.clone();
-        spec.restart_generation = vm.spec.restart_generation;
-        spec.node = vm.spec.node.clone();
-        next.spec = spec;
+        // Hardware and disks from the snapshot; the run policy and the
+        // other operating decisions stay as they were before the restore.
+        next.spec = vm.spec.restored_from(&snap.spec);
     }
-    let power = vm.power_intent.as_ref().map_or(vm.spec.power, |i| i.power);
+    let power = vm.power_after_restore();
     next.spec.power = power;
     if power == PowerState::Stopped {
         // Nothing has to boot: the intent is fulfilled by this write. A
@@ -834,6 +860,139 @@ mod tests {
                 node: None,
             },
         )
+    }
+
+    /// The README's run-policy table for exits nobody asked for: whether
+    /// the run ends (`spec.power` becomes Stopped, nothing restarts). A
+    /// start that never ran (a start error, or an end before it was seen
+    /// running other than by power-off) never ends the run.
+    #[test]
+    fn unrequested_exits_end_the_run_per_policy() {
+        use ExitKind::*;
+        let cfg = LifecycleConfig::default();
+        // Poweroff, Crashed, Killed, Vanished: ends the run?
+        let table = [
+            (RunPolicy::AlwaysOn, [false, false, false, false]),
+            (RunPolicy::AlwaysOnUnlessStoppedManually, [false; 4]),
+            (RunPolicy::Manual, [true; 4]),
+            (RunPolicy::Once, [true; 4]),
+            (RunPolicy::RerunOnFailure, [true, false, false, false]),
+        ];
+        let exits = [
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Poweroff)),
+                GuestPoweroff,
+            ),
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Crashed)),
+                Crashed,
+            ),
+            (
+                Observed::Instance(DomainState::Exited(ExitCause::Killed)),
+                Killed,
+            ),
+            (Observed::InstanceAbsent, Vanished),
+        ];
+        for (policy, ends) in table {
+            for ((observed, kind), ends) in exits.iter().zip(ends) {
+                for (running_since, start_error) in [
+                    (Some(0), None),
+                    (None, None),
+                    (None, Some("boom".to_string())),
+                ] {
+                    let mut v = vm();
+                    v.spec.run_policy = policy;
+                    v.status.instance = Some(Instance {
+                        running_since,
+                        start_error: start_error.clone(),
+                        ..Instance::new("web-1", "local", 0)
+                    });
+                    let ran = start_error.is_none()
+                        && (running_since.is_some() || *kind == GuestPoweroff);
+                    let step = decide(&v, observed, &ClusterView::default(), 100_000, &cfg);
+                    let Step::ActThenPersist { vm: next, .. } = step else {
+                        panic!("{policy:?} {kind:?}: {step:?}")
+                    };
+                    let label = format!("{policy:?} after {kind:?}, ran: {ran}");
+                    assert_eq!(
+                        next.status.last_exit.as_ref().unwrap().kind,
+                        *kind,
+                        "{label}"
+                    );
+                    assert_eq!(
+                        next.spec.power == PowerState::Stopped,
+                        ends && ran,
+                        "{label}"
+                    );
+                    assert_eq!(next.wants_running(), !(ends && ran), "{label}");
+                }
+            }
+        }
+    }
+
+    /// A lost node is an infrastructure failure: RerunOnFailure runs the VM
+    /// elsewhere, Once and Manual keep a run that happened ended, and a
+    /// start that never ran is retried under all of them.
+    #[test]
+    fn lost_node_ends_the_run_per_policy() {
+        for (policy, ran, keeps_running) in [
+            (RunPolicy::AlwaysOn, true, true),
+            (RunPolicy::AlwaysOnUnlessStoppedManually, true, true),
+            (RunPolicy::RerunOnFailure, true, true),
+            (RunPolicy::Manual, true, false),
+            (RunPolicy::Once, true, false),
+            (RunPolicy::Manual, false, true),
+            (RunPolicy::Once, false, true),
+        ] {
+            let mut v = vm();
+            v.spec.run_policy = policy;
+            v.status.instance = Some(Instance {
+                running_since: ran.then_some(0),
+                ..Instance::new("web-1", "n1", 0)
+            });
+            let next = take_over_from_lost_node(&v, "n1", &[], 100_000).unwrap();
+            assert!(next.status.instance.is_none());
+            assert_eq!(next.wants_running(), keeps_running, "{policy:?} ran: {ran}");
+        }
+    }
+
+    /// While lookups fail mid-stop, the next look is at the retry
+    /// interval, or at the schedule's next check or the grace end when one
+    /// comes sooner; never "at once" for a check that is already due.
+    #[test]
+    fn failed_lookup_during_a_stop_requeues_at_retry_bounded_by_the_grace_end() {
+        let cfg = LifecycleConfig::default();
+        let t0 = 100_000;
+        let grace_end = t0 + 60_000;
+        // (now, next_check_at) → requeue_at
+        for (now, next_check_at, expected) in [
+            (t0 + 10_000, t0 + 3_000, t0 + 11_000),
+            (t0 + 10_000, t0 + 10_000, t0 + 11_000),
+            (t0 + 10_000, t0 + 10_400, t0 + 10_400),
+            (grace_end - 300, t0 + 31_000, grace_end),
+        ] {
+            let mut v = vm();
+            v.spec.power = PowerState::Stopped;
+            v.status.instance = Some(Instance::new("web-1", "local", 0));
+            v.status.stop = Some(StopProgress {
+                reason: StopReason::User,
+                requested_at: t0,
+                attempts: 3,
+                next_check_at,
+                forced_at: None,
+            });
+            let observed = Observed::Unknown("unavailable".into());
+            let requeue_at = match decide(&v, &observed, &ClusterView::default(), now, &cfg) {
+                Step::Wait { requeue_at }
+                | Step::Persist {
+                    requeue_at,
+                    then: None,
+                    ..
+                } => requeue_at,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(requeue_at - t0, expected - t0, "now {}", now - t0);
+        }
     }
 
     #[test]

@@ -56,6 +56,8 @@ async fn run_seed(seed: u64) -> Result<(), String> {
             RunPolicy::AlwaysOn,
             RunPolicy::Manual,
             RunPolicy::AlwaysOnUnlessStoppedManually,
+            RunPolicy::RerunOnFailure,
+            RunPolicy::Once,
         ]
         .choose(&mut rng)
         .unwrap();

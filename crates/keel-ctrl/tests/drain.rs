@@ -10,8 +10,12 @@
 mod cluster;
 
 use cluster::{sim, Cluster};
-use keel_api::{EvictionPhase, MigrationPhase, Node, Phase, RunPolicy};
-use keel_ctrl::keys::MIGRATIONS_PREFIX;
+use keel_api::{
+    EvictionPhase, EvictionWindows, MigrationPhase, MigrationTuning, Node, Phase, RunPolicy,
+    Snapshot, SnapshotPhase, VirtualMachine,
+};
+use keel_ctrl::keys::{snapshot_key, vm_key, MIGRATIONS_PREFIX};
+use keel_ctrl::KEEP_FINAL_MIGRATIONS;
 use keel_hv::sim::{SimConfig, SimFaults};
 
 /// Three VMs on node a, node b joins, a is drained: all three move to b by
@@ -343,4 +347,334 @@ async fn a_stopped_vm_does_not_hold_up_a_drain() {
     assert_eq!(vm.status.phase, Phase::Stopped);
     assert!(vm.status.instance.is_none());
     assert!(c.node("a").await.drain.unwrap().completed_at.is_some());
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum UserRequest {
+    Stop,
+    Restart,
+    Restore,
+    Delete,
+}
+
+/// Takes snapshot `name` of `vm` on node `node` (live), as its agent's
+/// snapshot controller does.
+async fn take_snapshot(c: &mut Cluster, node: &str, vm: &str, name: &str) {
+    let snap = Snapshot {
+        vm: vm.into(),
+        name: name.into(),
+        spec: c.vm(vm).await.spec,
+        requested_at: c.now(),
+        deletion_requested_at: None,
+        status: Default::default(),
+    };
+    let key = snapshot_key(vm, name);
+    c.store.create(&key, &snap).await.unwrap();
+    let snaps = c.agent(node).vms.snapshot_controller();
+    for _ in 0..20 {
+        if let Ok(None) = snaps.reconcile(vm, name).await {
+            break;
+        }
+        c.tick().await;
+    }
+    let snap = c.store.get::<Snapshot>(&key).await.unwrap().unwrap().value;
+    assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{snap:?}");
+}
+
+/// User requests win over an eviction: a stop, restart, restore or delete
+/// asked for while the VM is being migrated off a draining node (windows
+/// of 10 minutes each) is done within the VM's grace period (30 s), with
+/// the migration cancelled and not attempted again.
+#[tokio::test]
+async fn user_requests_during_a_drain_are_honoured_within_the_grace_period() {
+    for request in [
+        UserRequest::Stop,
+        UserRequest::Restart,
+        UserRequest::Restore,
+        UserRequest::Delete,
+    ] {
+        let mut c = Cluster::new(SimConfig {
+            migration_ms: 600_000,
+            ..sim()
+        });
+        c.add_node("a").await;
+        c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
+            .await;
+        c.run(3_000).await;
+        c.agent("a").hv.guest_write("vm", 1, "in-snapshot").unwrap();
+        if request == UserRequest::Restore {
+            take_snapshot(&mut c, "a", "vm", "s").await;
+            c.agent("a").hv.guest_write("vm", 1, "after").unwrap();
+        }
+        c.add_node("b").await;
+        let now = c.now();
+        c.update_node("a", |n| n.request_drain(now, EvictionWindows::default()))
+            .await;
+        c.run(5_000).await;
+        let ev = c.vm("vm").await.status.eviction.unwrap();
+        assert_eq!(ev.phase, EvictionPhase::Migrating, "{request:?}: {ev:?}");
+
+        let requested = c.now();
+        c.update_vm("vm", |vm| match request {
+            UserRequest::Stop => vm.request_stop().unwrap(),
+            UserRequest::Restart => vm.request_restart().unwrap(),
+            UserRequest::Restore => vm.request_restore("s", requested).unwrap(),
+            UserRequest::Delete => {
+                vm.deletion_requested_at.get_or_insert(requested);
+            }
+        })
+        .await;
+        let grace_ms = c.vm("vm").await.spec.stop_grace_period_s * 1000;
+        let mut done = false;
+        while !done && c.now() < requested + grace_ms {
+            c.tick().await;
+            let record = c
+                .store
+                .get::<VirtualMachine>(&vm_key("vm"))
+                .await
+                .unwrap()
+                .map(|e| e.value);
+            let on = |node| c.executing_on(node, "vm");
+            done = match (request, &record) {
+                (UserRequest::Delete, None) => !on("a") && !on("b"),
+                (UserRequest::Delete, Some(_)) => false,
+                (_, None) => panic!("{request:?}: record lost"),
+                (UserRequest::Stop, Some(vm)) => {
+                    vm.status.phase == Phase::Stopped
+                        && vm.status.instance.is_none()
+                        && !on("a")
+                        && !on("b")
+                }
+                (UserRequest::Restart | UserRequest::Restore, Some(vm)) => {
+                    vm.restore.is_none()
+                        && vm.status.phase == Phase::Running
+                        && vm.status.observed_restart_generation == vm.spec.restart_generation
+                        && vm.status.instance.as_ref().is_some_and(|i| i.node == "b")
+                        && vm.status.last_exit.is_some()
+                        && !on("a")
+                }
+            };
+        }
+        assert!(
+            done,
+            "{request:?} not honoured within the {grace_ms} ms grace period: {}",
+            c.explain("vm").await
+        );
+        let ms = c.migrations_of("vm").await;
+        assert!(
+            ms.len() <= 1 && ms.iter().all(|m| m.status.phase == MigrationPhase::Failed),
+            "{request:?}: the migration is cancelled, not tried again: {ms:?}"
+        );
+        if request == UserRequest::Restore {
+            assert_eq!(
+                c.agent("b").hv.disk_record("vm", 1).as_deref(),
+                Some("in-snapshot")
+            );
+        }
+    }
+}
+
+/// Attempts that fail at once (the target cannot start an incoming
+/// instance) are retried with backoff, not back to back for the whole
+/// submission window; and only the last few final migration records of a
+/// VM are kept.
+#[tokio::test]
+async fn failed_attempts_back_off_and_old_migrations_are_collected() {
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
+    c.agent("b").hv.set_faults(SimFaults {
+        op_unavailable: 1.0,
+        ..Default::default()
+    });
+    let now = c.now();
+    c.update_node("a", |n| {
+        n.request_drain(
+            now,
+            EvictionWindows {
+                submit_ms: 60_000,
+                ..cluster::windows()
+            },
+        )
+    })
+    .await;
+    // 50 s into the submission window (60 s).
+    c.run(50_000).await;
+    let vm = c.vm("vm").await;
+    let ev = vm.status.eviction.clone().unwrap();
+    assert_eq!(ev.phase, EvictionPhase::Submitting, "{vm:?}");
+    let attempts = vm.status.migration_seq;
+    // Backoff 1, 2, 4, 8, 16, 32 s: about six attempts in 50 s (back to
+    // back it was fifty).
+    assert!(
+        (4..=8).contains(&attempts),
+        "{attempts} attempts in 50 s of the submission window"
+    );
+    assert!(
+        ev.message
+            .as_deref()
+            .unwrap_or("")
+            .contains("next attempt in"),
+        "{ev:?}"
+    );
+    c.agent("b").hv.set_faults(SimFaults::default());
+    c.run(60_000).await;
+    assert!(c.executing_on("b", "vm"), "{}", c.explain("vm").await);
+    let ms = c.migrations_of("vm").await;
+    assert!(
+        ms.len() <= KEEP_FINAL_MIGRATIONS,
+        "only the last {KEEP_FINAL_MIGRATIONS} are kept: {ms:?}"
+    );
+    let newest = format!("vm-m{}", c.vm("vm").await.status.migration_seq);
+    assert!(
+        ms.iter().any(|m| m.id == newest),
+        "the newest is kept: {ms:?}"
+    );
+}
+
+async fn tuned_drain(c: &Cluster, node: &str, windows: EvictionWindows, tuning: MigrationTuning) {
+    let now = c.now();
+    c.update_node(node, |n| n.request_tuned_drain(now, windows, tuning))
+        .await;
+}
+
+/// The drain's limits on parallel migrations hold at every tick: per node
+/// (2 by default: node a sends at most two at a time) and cluster-wide; and
+/// they are used, not undercut. Every VM still leaves by live migration.
+#[tokio::test]
+async fn parallel_migrations_stay_within_the_node_and_cluster_limits() {
+    let per_node_default = MigrationTuning::default();
+    let cluster_of_three = MigrationTuning {
+        parallel_per_cluster: 3,
+        parallel_per_node: 10,
+        ..MigrationTuning::default()
+    };
+    for (tuning, most) in [(per_node_default, 2), (cluster_of_three, 3)] {
+        let mut c = Cluster::new(sim());
+        c.add_node("a").await;
+        let names = ["v1", "v2", "v3", "v4", "v5", "v6"];
+        for name in names {
+            c.create(name, RunPolicy::AlwaysOnUnlessStoppedManually)
+                .await;
+        }
+        c.run(3_000).await;
+        c.add_node("b").await;
+        c.add_node("c").await;
+        let windows = EvictionWindows {
+            submit_ms: 120_000,
+            ..cluster::windows()
+        };
+        tuned_drain(&c, "a", windows, tuning).await;
+        let mut seen = 0;
+        for _ in 0..120 {
+            c.tick().await;
+            let mut in_flight = Vec::new();
+            for name in names {
+                in_flight.extend(
+                    c.migrations_of(name)
+                        .await
+                        .into_iter()
+                        .filter(|m| !m.status.phase.is_final()),
+                );
+            }
+            for node in ["a", "b", "c"] {
+                let here = in_flight
+                    .iter()
+                    .filter(|m| m.source_node == node || m.target_node == node)
+                    .count();
+                assert!(
+                    here <= tuning.parallel_per_node as usize,
+                    "{here} in flight on {node}: {in_flight:?}"
+                );
+            }
+            assert!(in_flight.len() <= tuning.parallel_per_cluster as usize);
+            seen = seen.max(in_flight.len());
+        }
+        assert_eq!(seen, most, "{tuning:?}: the limit is used");
+        for name in names {
+            let vm = c.vm(name).await;
+            assert_ne!(vm.status.instance.as_ref().unwrap().node, "a", "{name}");
+            assert!(vm.status.last_exit.is_none(), "{name} was stopped: {vm:?}");
+        }
+    }
+}
+
+/// A migration past its completion timeout (per GiB of guest memory) or
+/// without progress for the progress timeout is cancelled, with the reason
+/// on its record, well before the drain's migrate window ends; and the
+/// source is sent with the drain's tuning (auto-converge on by default).
+#[tokio::test]
+async fn overdue_or_stalled_migrations_are_cancelled() {
+    let windows = EvictionWindows {
+        submit_ms: 5_000,
+        migrate_ms: 600_000,
+        fallback_ms: 40_000,
+    };
+    // (tuning, sim, expected reason, cancelled by)
+    let completion = MigrationTuning {
+        completion_timeout_per_gib_s: 10,
+        bandwidth_mib_s: Some(64),
+        downtime_limit_ms: Some(200),
+        ..MigrationTuning::default()
+    };
+    let progress = MigrationTuning {
+        progress_timeout_s: 20,
+        ..MigrationTuning::default()
+    };
+    let slow = SimConfig {
+        migration_ms: 300_000,
+        ..sim()
+    };
+    let stalling = SimConfig {
+        migration_ms: 20_000,
+        faults: SimFaults {
+            migration_stalls: 1.0,
+            ..Default::default()
+        },
+        ..sim()
+    };
+    for (tuning, sim, reason, by_ms) in [
+        (completion, slow, "not completed within 10s", 12_000),
+        (
+            progress,
+            stalling,
+            "no progress for 20s",
+            10_000 + 20_000 + 7_000,
+        ),
+    ] {
+        let mut c = Cluster::new(sim);
+        c.add_node("a").await;
+        c.create("vm", RunPolicy::AlwaysOnUnlessStoppedManually)
+            .await;
+        c.run(3_000).await;
+        let source = c.vm("vm").await.status.instance.unwrap().id;
+        c.add_node("b").await;
+        tuned_drain(&c, "a", windows, tuning).await;
+        let start = c.now();
+        let mut failed = None;
+        while failed.is_none() && c.now() < start + by_ms {
+            c.tick().await;
+            failed = c
+                .migrations_of("vm")
+                .await
+                .into_iter()
+                .find(|m| m.status.phase == MigrationPhase::Failed);
+        }
+        let m = failed.unwrap_or_else(|| panic!("{reason}: not cancelled in {by_ms} ms"));
+        assert!(
+            m.status
+                .message
+                .as_deref()
+                .unwrap_or("")
+                .starts_with(reason),
+            "{m:?}"
+        );
+        assert_eq!(m.tuning, tuning);
+        let params = c.agent("a").hv.migration_params(&source).unwrap();
+        assert!(params.auto_converge);
+        assert_eq!(
+            params.max_bandwidth,
+            tuning.bandwidth_mib_s.map(|b| b << 20)
+        );
+        assert_eq!(params.downtime_limit_ms, tuning.downtime_limit_ms);
+        assert!(!c.executing_on("b", "vm"), "the target never ran");
+    }
 }

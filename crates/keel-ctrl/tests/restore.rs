@@ -1,8 +1,11 @@
-//! Restore keeps the power state: every run policy × {running, stopped
-//! before the restore} × {first boot after restore succeeds, crashes once}.
-//! The snapshot's own spec always says the opposite power state, so a
-//! restore that took the power state from the restored spec (instead of the
-//! intent recorded before the maintenance window) fails here.
+//! Restore brings back disks and hardware, not the operating decisions:
+//! every run policy at snapshot time × every run policy at restore time ×
+//! {running, stopped before the restore} × {first boot after restore
+//! succeeds, crashes once}. The snapshot's own spec always says the
+//! opposite power state, a different CPU count and a different grace
+//! period, so a restore that took the power state or the policy from the
+//! snapshot (instead of keeping the VM's and the intent recorded before the
+//! maintenance window) fails here.
 
 mod common;
 
@@ -14,6 +17,12 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const SLOT: u32 = 7;
+/// The VM's grace period before the restore; the snapshot's is tampered to
+/// something else, and must not come back.
+const GRACE_S: u64 = 30;
+const SNAPSHOT_GRACE_S: u64 = 45;
+/// The VM's CPU count at snapshot time: it must come back.
+const SNAPSHOT_CPUS: u32 = 2;
 
 fn sim() -> SimConfig {
     SimConfig {
@@ -25,47 +34,71 @@ fn sim() -> SimConfig {
 }
 
 struct Case {
+    policy_at_snapshot: RunPolicy,
+    /// The policy the VM has when the restore is requested.
     policy: RunPolicy,
     running_before: bool,
     first_boot_crashes: bool,
 }
 
-/// Sets the case up, restores, and returns whether the VM ran before.
-async fn restore_case(w: &mut World, case: &Case) -> bool {
-    let name = "vm";
-    let create_power = if case.running_before {
-        PowerState::Running
-    } else {
-        PowerState::Stopped
-    };
-    let policy_at_create = match case.policy {
-        // Data is written by a running guest; AlwaysOff never runs, so it
-        // starts Manual and switches below.
-        RunPolicy::AlwaysOff => RunPolicy::Manual,
-        p => p,
-    };
-    w.create(name, spec(policy_at_create, PowerState::Running, 30))
-        .await;
-    w.run_for(5_000).await;
-    w.hv.guest_write(name, SLOT, "in-snapshot").unwrap();
-    let snap = w.take_snapshot(name, "before").await;
-    assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{snap:?}");
-    assert!(snap.status.live);
-    w.hv.guest_write(name, SLOT, "after-snapshot").unwrap();
+impl Case {
+    fn same(policy: RunPolicy, running_before: bool, first_boot_crashes: bool) -> Self {
+        Case {
+            policy_at_snapshot: policy,
+            policy,
+            running_before,
+            first_boot_crashes,
+        }
+    }
+}
 
-    let policy = case.policy;
-    w.user_op(name, move |vm| {
+async fn set_policy(w: &mut World, policy: RunPolicy, power: PowerState, cpus: Option<u32>) {
+    w.user_op("vm", move |vm| {
         let mut s = vm.spec.clone();
         s.run_policy = policy;
-        s.power = create_power;
+        s.power = power;
+        if let Some(cpus) = cpus {
+            s.cpus = cpus;
+        }
         vm.replace_spec(s)
     })
     .await
     .unwrap();
     w.run_for(60_000).await;
+}
+
+/// Sets the case up, restores, and returns whether the VM ran before.
+async fn restore_case(w: &mut World, case: &Case) -> bool {
+    let name = "vm";
+    let power_before = if case.running_before {
+        PowerState::Running
+    } else {
+        PowerState::Stopped
+    };
+    w.create(name, spec(RunPolicy::Manual, PowerState::Running, GRACE_S))
+        .await;
+    w.run_for(5_000).await;
+    w.hv.guest_write(name, SLOT, "in-snapshot").unwrap();
+    // The snapshot is taken under its policy (offline when that stops it),
+    // with a CPU count the VM no longer has at restore time.
+    set_policy(
+        w,
+        case.policy_at_snapshot,
+        PowerState::Running,
+        Some(SNAPSHOT_CPUS),
+    )
+    .await;
+    let snap = w.take_snapshot(name, "before").await;
+    assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{snap:?}");
+    assert_eq!(snap.spec.run_policy, case.policy_at_snapshot);
+    // Data is written by a running guest after the snapshot.
+    set_policy(w, RunPolicy::Manual, PowerState::Running, Some(1)).await;
+    w.hv.guest_write(name, SLOT, "after-snapshot").unwrap();
+    set_policy(w, case.policy, power_before, None).await;
     let running_before = !w.hv.live_instances(name).is_empty();
 
-    // The snapshot's spec says the opposite of the state before.
+    // The snapshot's spec says the opposite of the state before, and
+    // another grace period.
     let key = snapshot_key(name, "before");
     let mut entry = w
         .user
@@ -78,6 +111,7 @@ async fn restore_case(w: &mut World, case: &Case) -> bool {
     } else {
         PowerState::Running
     };
+    entry.value.spec.stop_grace_period_s = SNAPSHOT_GRACE_S;
     w.user
         .update(&key, &entry.value, entry.revision)
         .await
@@ -90,12 +124,18 @@ async fn restore_case(w: &mut World, case: &Case) -> bool {
     w.user_op(name, move |vm| vm.request_restore("before", now))
         .await
         .unwrap();
-    let intent = w.get(name).await.unwrap().power_intent.unwrap();
+    let vm = w.get(name).await.unwrap();
+    let intent = vm.power_intent.clone().unwrap();
     assert_eq!(intent.power == PowerState::Running, running_before);
+    // What `keel restore --wait` waits for.
+    assert_eq!(
+        vm.power_after_restore() == PowerState::Running,
+        running_before
+    );
     running_before
 }
 
-async fn assert_restored(w: &World, running_before: bool, case_label: &str) {
+async fn assert_restored(w: &World, case: &Case, running_before: bool, case_label: &str) {
     let vm = w.get("vm").await.unwrap();
     let live = w.hv.live_instances("vm");
     assert!(
@@ -106,6 +146,24 @@ async fn assert_restored(w: &World, running_before: bool, case_label: &str) {
         vm.power_intent.is_none(),
         "{case_label}: power intent not converted: {vm:?}"
     );
+    assert_eq!(
+        vm.spec.run_policy, case.policy,
+        "{case_label}: the run policy from before the restore"
+    );
+    assert_eq!(
+        vm.spec.cpus, SNAPSHOT_CPUS,
+        "{case_label}: hardware restored"
+    );
+    assert_eq!(
+        vm.spec.stop_grace_period_s, GRACE_S,
+        "{case_label}: grace period kept"
+    );
+    let power = if running_before {
+        PowerState::Running
+    } else {
+        PowerState::Stopped
+    };
+    assert!(vm.restored_to(power), "{case_label}: {vm:?}");
     if running_before {
         assert_eq!(vm.status.phase, Phase::Running, "{case_label}: {vm:?}");
         assert_eq!(live.len(), 1, "{case_label}");
@@ -126,41 +184,88 @@ async fn assert_restored(w: &World, running_before: bool, case_label: &str) {
 }
 
 #[tokio::test]
-async fn restore_returns_every_policy_to_its_power_state() {
-    let mut ran = 0;
-    for policy in RunPolicy::ALL {
-        for running_before in [true, false] {
-            for first_boot_crashes in [false, true] {
-                let case = Case {
-                    policy,
-                    running_before,
-                    first_boot_crashes,
-                };
-                let label = format!(
-                    "{policy:?}, {} before, first boot {}",
-                    if running_before { "running" } else { "stopped" },
-                    if first_boot_crashes {
-                        "crashes"
-                    } else {
-                        "succeeds"
-                    }
-                );
-                let mut w = World::new(ran, sim());
-                let was_running = restore_case(&mut w, &case).await;
-                // What each policy allows before the restore.
-                let expected_before = match policy {
-                    RunPolicy::AlwaysOn => true,
-                    RunPolicy::AlwaysOff => false,
-                    _ => running_before,
-                };
-                assert_eq!(was_running, expected_before, "{label}");
-                w.run_for(180_000).await;
-                assert_restored(&w, was_running, &label).await;
-                ran += 1;
+async fn restore_keeps_the_policy_and_power_state_from_before() {
+    let mut ran = 0u64;
+    for policy_at_snapshot in RunPolicy::ALL {
+        for policy in RunPolicy::ALL {
+            for running_before in [true, false] {
+                for first_boot_crashes in [false, true] {
+                    let case = Case {
+                        policy_at_snapshot,
+                        policy,
+                        running_before,
+                        first_boot_crashes,
+                    };
+                    let label = format!(
+                        "snapshot under {policy_at_snapshot:?}, restored under {policy:?}, {} before, first boot {}",
+                        if running_before { "running" } else { "stopped" },
+                        if first_boot_crashes {
+                            "crashes"
+                        } else {
+                            "succeeds"
+                        }
+                    );
+                    let mut w = World::new(ran, sim());
+                    let was_running = restore_case(&mut w, &case).await;
+                    // What each policy allows before the restore.
+                    let expected_before = match policy {
+                        RunPolicy::AlwaysOn => true,
+                        RunPolicy::AlwaysOff => false,
+                        _ => running_before,
+                    };
+                    assert_eq!(was_running, expected_before, "{label}");
+                    w.run_for(180_000).await;
+                    assert_restored(&w, &case, was_running, &label).await;
+                    ran += 1;
+                }
             }
         }
     }
-    assert_eq!(ran, 16);
+    assert_eq!(ran as usize, RunPolicy::ALL.len().pow(2) * 4);
+}
+
+/// The measured bug: snapshotted while AlwaysOn and running, then switched
+/// to Manual and stopped. The restore must end Manual and Stopped, and the
+/// goal `keel restore --wait` computes from the restore's answer is reached
+/// in the very write that ends the restore.
+#[tokio::test]
+async fn always_on_snapshot_restored_into_a_stopped_manual_vm_stays_stopped() {
+    let mut w = World::new(5, sim());
+    w.create(
+        "vm",
+        spec(RunPolicy::AlwaysOn, PowerState::Running, GRACE_S),
+    )
+    .await;
+    w.run_for(5_000).await;
+    let snap = w.take_snapshot("vm", "on").await;
+    assert_eq!(snap.spec.run_policy, RunPolicy::AlwaysOn);
+    set_policy(&mut w, RunPolicy::Manual, PowerState::Running, None).await;
+    w.user_op("vm", VirtualMachine::request_stop).await.unwrap();
+    w.run_for(60_000).await;
+    assert_eq!(w.get("vm").await.unwrap().status.phase, Phase::Stopped);
+
+    let now = w.now();
+    w.user_op("vm", move |vm| vm.request_restore("on", now))
+        .await
+        .unwrap();
+    // The CLI's goal, from the record the restore request returns.
+    let goal = w.get("vm").await.unwrap().power_after_restore();
+    assert_eq!(goal, PowerState::Stopped);
+    for _ in 0..100 {
+        if w.get("vm").await.unwrap().restore.is_none() {
+            break;
+        }
+        w.step_to_next().await;
+    }
+    let vm = w.get("vm").await.unwrap();
+    assert!(vm.restore.is_none(), "{vm:?}");
+    assert!(vm.restored_to(goal), "goal reached at once: {vm:?}");
+    w.run_for(120_000).await;
+    let vm = w.get("vm").await.unwrap();
+    assert_eq!(vm.spec.run_policy, RunPolicy::Manual);
+    assert_eq!(vm.spec.power, PowerState::Stopped);
+    assert_eq!(vm.status.phase, Phase::Stopped);
+    assert!(w.hv.live_instances("vm").is_empty());
 }
 
 /// The case the issue names: AlwaysOnUnlessStoppedManually, running before,
@@ -169,11 +274,7 @@ async fn restore_returns_every_policy_to_its_power_state() {
 #[tokio::test]
 async fn aousm_running_before_comes_back_after_a_crashed_first_boot() {
     let mut w = World::new(77, sim());
-    let case = Case {
-        policy: RunPolicy::AlwaysOnUnlessStoppedManually,
-        running_before: true,
-        first_boot_crashes: true,
-    };
+    let case = Case::same(RunPolicy::AlwaysOnUnlessStoppedManually, true, true);
     assert!(restore_case(&mut w, &case).await);
     w.run_for(180_000).await;
     let vm = w.get("vm").await.unwrap();
@@ -183,7 +284,7 @@ async fn aousm_running_before_comes_back_after_a_crashed_first_boot() {
         "the crash of the first boot was seen: {exit:?} {vm:?} {:?}",
         w.hv.log()
     );
-    assert_restored(&w, true, "AOUSM crash").await;
+    assert_restored(&w, &case, true, "AOUSM crash").await;
 }
 
 /// Controller restarts, store outages and hypervisor faults at any step of
@@ -193,6 +294,7 @@ async fn restore_survives_controller_restarts_and_faults_at_any_step() {
     for seed in 0..60u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let case = Case {
+            policy_at_snapshot: RunPolicy::ALL[rng.gen_range(0..RunPolicy::ALL.len())],
             policy: [RunPolicy::Manual, RunPolicy::AlwaysOnUnlessStoppedManually]
                 [seed as usize % 2],
             running_before: rng.gen_bool(0.5),
@@ -217,7 +319,7 @@ async fn restore_survives_controller_restarts_and_faults_at_any_step() {
         w.hv.set_faults(SimFaults::default());
         w.queue.schedule("vm", w.now());
         w.run_for(300_000).await;
-        assert_restored(&w, was_running, &format!("seed {seed}")).await;
+        assert_restored(&w, &case, was_running, &format!("seed {seed}")).await;
     }
 }
 

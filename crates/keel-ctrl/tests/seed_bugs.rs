@@ -108,6 +108,42 @@ async fn lookup_error_during_stop_never_counts_as_gone() {
     assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
 }
 
+/// Bug: while lookups failed during a stop, a due re-check was requeued at
+/// now + 1 ms, and the controller spun for the rest of the grace period.
+/// It re-checks at the retry interval, and still forces at the grace end.
+#[tokio::test]
+async fn failing_lookups_during_a_stop_do_not_spin() {
+    let mut w = World::new(4, slow_guest());
+    let old = running_vm(&mut w, "db").await;
+    w.hv.hang_guest(&old);
+    w.user_op("db", VirtualMachine::request_stop).await.unwrap();
+    w.reconcile_due().await;
+    let stop = w.get("db").await.unwrap().status.stop.unwrap();
+    let grace_end = stop.requested_at + 60_000;
+    w.hv.set_faults(SimFaults {
+        lookup_unavailable: 1.0,
+        ..Default::default()
+    });
+    let mut reconciles = 0;
+    while w.now() < grace_end + 1_000 {
+        assert!(w.queue.next_due().is_some(), "nothing scheduled");
+        w.clock.advance_to(w.queue.next_due().unwrap());
+        reconciles += w.reconcile_due().await;
+    }
+    assert!(
+        reconciles <= 100,
+        "{reconciles} reconciles during a 60 s stop with failing lookups"
+    );
+    let stop = w.get("db").await.unwrap().status.stop.unwrap();
+    assert_eq!(stop.forced_at, Some(grace_end), "forced at the grace end");
+
+    w.hv.set_faults(SimFaults::default());
+    w.run_for(5_000).await;
+    let vm = w.get("db").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Stopped, "{vm:?}");
+    assert!(w.hv.live_instances("db").is_empty());
+}
+
 /// Bug: on delete, the lookup of where the VM runs failed, the error was
 /// swallowed, and the record (and disks) were removed while the VM still ran.
 #[tokio::test]

@@ -14,6 +14,12 @@
 //!   was requested, and never while an instance of the VM is live (orphans
 //!   planted behind the controller's back included).
 //!
+//! - the run-policy table: an exit nobody asked for of an instance that ran
+//!   ends the run (`spec.power` becomes Stopped) exactly when the policy
+//!   says so (Manual and Once: always; RerunOnFailure: after a guest
+//!   power-off only; AlwaysOn and AlwaysOnUnlessStoppedManually: never),
+//!   and a start that never ran never ends it.
+//!
 //! Checked at the end, after faults stop: every VM reaches the state its
 //! record asks for within a bounded budget (nothing is stuck forever).
 
@@ -24,7 +30,7 @@ mod seeds;
 use std::collections::BTreeSet;
 
 use common::{spec, World};
-use keel_api::{Phase, PowerState, RunPolicy, VirtualMachine};
+use keel_api::{ExitKind, Phase, PowerState, RunPolicy, VirtualMachine};
 use keel_hv::sim::{SimConfig, SimFaults};
 use keel_hv::{DomainSpec, Hypervisor};
 use rand::seq::SliceRandom;
@@ -68,6 +74,10 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     let mut orphans: BTreeSet<String> = BTreeSet::new();
 
     for step in 0..STEPS {
+        let mut before = Vec::new();
+        for name in NAMES {
+            before.push(w.get(name).await);
+        }
         let name = *NAMES.choose(&mut rng).unwrap();
         let roll = rng.gen_range(0..100);
         let what = match roll {
@@ -181,6 +191,11 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         check_step(&w, &existing, &deleting, &orphans)
             .await
             .map_err(|e| report(seed, &trace, &w, &e))?;
+        for (name, before) in NAMES.iter().zip(&before) {
+            if let (Some(before), Some(after)) = (before, w.get(name).await) {
+                check_exit_per_policy(before, &after).map_err(|e| report(seed, &trace, &w, &e))?;
+            }
+        }
         // Records that finished deleting are no longer expected.
         for name in NAMES {
             if deleting.contains(name) && w.get(name).await.is_none() {
@@ -234,6 +249,58 @@ async fn check_step(
                 "record of VM {name} deleted while an instance is live"
             ));
         }
+    }
+    Ok(())
+}
+
+/// When one step ended the recorded instance without a stop request, the
+/// record's power follows the run-policy table (written out here, not
+/// taken from the code under test).
+fn check_exit_per_policy(before: &VirtualMachine, after: &VirtualMachine) -> Result<(), String> {
+    let Some(inst) = &before.status.instance else {
+        return Ok(());
+    };
+    let Some(exit) = after
+        .status
+        .last_exit
+        .as_ref()
+        .filter(|e| e.instance == inst.id)
+    else {
+        return Ok(());
+    };
+    if before.status.last_exit.as_ref() == Some(exit)
+        || before.status.stop.is_some()
+        || exit.requested
+        || before.spec.power != PowerState::Running
+        || before.spec.run_policy != after.spec.run_policy
+        || before.deletion_requested_at.is_some()
+        || before.restore.is_some()
+    {
+        return Ok(());
+    }
+    let ends = match before.spec.run_policy {
+        RunPolicy::Manual | RunPolicy::Once => true,
+        RunPolicy::RerunOnFailure => exit.kind == ExitKind::GuestPoweroff,
+        RunPolicy::AlwaysOn | RunPolicy::AlwaysOnUnlessStoppedManually => false,
+        RunPolicy::AlwaysOff => return Ok(()),
+    };
+    let ran = inst.start_error.is_none()
+        && (inst.running_since.is_some() || exit.kind == ExitKind::GuestPoweroff);
+    let intent_running = before
+        .power_intent
+        .as_ref()
+        .is_some_and(|i| i.power == PowerState::Running);
+    let stopped = ends && ran && !intent_running;
+    if (after.spec.power == PowerState::Stopped) != stopped {
+        return Err(format!(
+            "{}: {:?} instance {} ended ({:?}, ran: {ran}) and power is now {:?}; the run-policy table says {}",
+            before.name,
+            before.spec.run_policy,
+            inst.id,
+            exit.kind,
+            after.spec.power,
+            if stopped { "Stopped" } else { "Running" }
+        ));
     }
     Ok(())
 }

@@ -89,6 +89,27 @@ pub struct DomainExit {
     pub instance: String,
 }
 
+/// How an outgoing migration is run (pre-copy only).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationParams {
+    /// Bytes/s; `None`: the driver's default.
+    pub max_bandwidth: Option<u64>,
+    /// Throttle the guest's CPUs so a busy guest converges.
+    pub auto_converge: bool,
+    /// The longest pause at switch-over; `None`: the driver's default.
+    pub downtime_limit_ms: Option<u64>,
+}
+
+impl MigrationParams {
+    pub fn from_tuning(t: &keel_api::MigrationTuning) -> Self {
+        Self {
+            max_bandwidth: t.bandwidth_mib_s.map(|m| m.saturating_mul(1 << 20)),
+            auto_converge: t.auto_converge,
+            downtime_limit_ms: t.downtime_limit_ms,
+        }
+    }
+}
+
 /// What the source side of a live migration reports.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MigrationProgress {
@@ -230,6 +251,18 @@ pub trait Hypervisor: Send + Sync + 'static {
     async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
         let _ = uri;
         Err(unsupported_migration(instance, "migrate"))
+    }
+
+    /// [`Hypervisor::migrate`], tuned. A driver that cannot tune a
+    /// migration starts it untuned.
+    async fn migrate_tuned(
+        &self,
+        instance: &str,
+        uri: &str,
+        params: &MigrationParams,
+    ) -> Result<(), HvError> {
+        let _ = params;
+        self.migrate(instance, uri).await
     }
 
     async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {

@@ -63,6 +63,8 @@ pub struct SimFaults {
     pub migration_fails: f64,
     /// A cancel comes too late: the migration completes anyway.
     pub cancel_too_late: f64,
+    /// A started migration stops making progress half-way (until cancelled).
+    pub migration_stalls: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -94,8 +96,11 @@ struct Outgoing {
     started_at: Millis,
     completes_at: Millis,
     fails: bool,
+    /// Stops progressing half-way and never completes.
+    stalls: bool,
     cancelled: bool,
     abort: Arc<AtomicBool>,
+    params: crate::MigrationParams,
 }
 
 impl SimDomain {
@@ -336,6 +341,16 @@ impl SimHypervisor {
     }
 
     /// What the driver did, for replaying a failing seed.
+    /// How the last outgoing migration of `instance` was tuned.
+    pub fn migration_params(&self, instance: &str) -> Option<crate::MigrationParams> {
+        let s = self.lock();
+        s.domains
+            .get(instance)?
+            .outgoing
+            .as_ref()
+            .map(|o| o.params.clone())
+    }
+
     pub fn log(&self) -> Vec<String> {
         self.lock().log.clone()
     }
@@ -678,6 +693,16 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
+        self.migrate_tuned(instance, uri, &crate::MigrationParams::default())
+            .await
+    }
+
+    async fn migrate_tuned(
+        &self,
+        instance: &str,
+        uri: &str,
+        params: &crate::MigrationParams,
+    ) -> Result<(), HvError> {
         let now = self.clock.now_ms();
         let target_state = self
             .fabric
@@ -705,7 +730,13 @@ impl Hypervisor for SimHypervisor {
             s.maybe_unavailable(instance, "migrate", p)?;
             let fail_p = s.config.faults.migration_fails;
             let fails = s.chance(fail_p);
-            let completes_at = now + s.config.migration_ms;
+            let stall_p = s.config.faults.migration_stalls;
+            let stalls = s.chance(stall_p);
+            let completes_at = if stalls {
+                Millis::MAX
+            } else {
+                now + s.config.migration_ms
+            };
             let d = s.domain_mut(instance)?;
             if !d.executing() || d.state != DomainState::Running {
                 return Err(HvError::Failed {
@@ -726,8 +757,10 @@ impl Hypervisor for SimHypervisor {
                 started_at: now,
                 completes_at,
                 fails,
+                stalls,
                 cancelled: false,
                 abort: abort.clone(),
+                params: params.clone(),
             });
             s.log.push(format!("t={now}: migrate {instance} -> {uri}"));
             (completes_at, fails, abort)
@@ -763,6 +796,10 @@ impl Hypervisor for SimHypervisor {
             None => MigrationProgress::None,
             Some(o) if o.cancelled => MigrationProgress::Failed {
                 reason: "cancelled".into(),
+            },
+            Some(o) if o.stalls => MigrationProgress::Active {
+                transferred_bytes: (now - o.started_at).min(s.config.migration_ms / 2) * 1000,
+                total_bytes: s.config.migration_ms * 1000,
             },
             Some(o) if now < o.completes_at => MigrationProgress::Active {
                 transferred_bytes: (now - o.started_at) * 1000,

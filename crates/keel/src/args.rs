@@ -211,7 +211,8 @@ pub struct CreateArgs {
     /// A disk as NAME:SIZE_MIB; repeat for more.
     #[arg(long = "disk", value_parser = parse_disk)]
     pub disks: Vec<DiskSpec>,
-    /// Run policy: AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually.
+    /// Run policy: AlwaysOn, AlwaysOff, Manual, AlwaysOnUnlessStoppedManually
+    /// (the default), RerunOnFailure, Once.
     #[arg(long, value_parser = parse_policy)]
     pub policy: Option<RunPolicy>,
     /// Create it powered off.
@@ -297,6 +298,29 @@ pub struct DrainArgs {
     /// How long the fallback (graceful stop, forced at the end) may take.
     #[arg(long, value_parser = parse_window)]
     pub fallback_window: Option<u64>,
+    /// A migration is cancelled when running longer than this per GiB of
+    /// guest memory (default 150s).
+    #[arg(long, value_parser = parse_window)]
+    pub completion_timeout_per_gib: Option<u64>,
+    /// A migration is cancelled when nothing new was sent for this long
+    /// (default 150s).
+    #[arg(long, value_parser = parse_window)]
+    pub progress_timeout: Option<u64>,
+    /// Bandwidth cap per migration, MiB/s (default: the node's setting).
+    #[arg(long)]
+    pub bandwidth: Option<u64>,
+    /// Do not throttle busy guests so that their migration converges.
+    #[arg(long)]
+    pub no_auto_converge: bool,
+    /// Longest pause at switch-over, ms (default: the hypervisor's).
+    #[arg(long)]
+    pub downtime_limit: Option<u64>,
+    /// Migrations in flight across the cluster at most (default 5).
+    #[arg(long)]
+    pub max_parallel: Option<u32>,
+    /// Migrations in flight into or out of one node at most (default 2).
+    #[arg(long)]
+    pub max_parallel_per_node: Option<u32>,
     /// Wait until no VM is left on the node, printing each VM's eviction progress.
     #[arg(long)]
     pub wait: bool,
@@ -448,6 +472,23 @@ mod tests {
         assert_eq!(c.disks[0].size_mib, 64);
         assert_eq!(c.policy, Some(RunPolicy::Manual));
         assert!(parse_disk("nosize").is_err());
+    }
+
+    #[test]
+    fn every_run_policy_parses_and_is_in_the_help() {
+        let help = Cli::command()
+            .find_subcommand_mut("vm")
+            .and_then(|c| c.find_subcommand_mut("create"))
+            .expect("vm create")
+            .render_long_help()
+            .to_string();
+        for p in RunPolicy::ALL {
+            assert_eq!(parse_policy(&format!("{p:?}")), Ok(p));
+            assert!(
+                help.contains(&format!("{p:?}")),
+                "{p:?} missing from: {help}"
+            );
+        }
     }
 
     #[test]

@@ -807,6 +807,22 @@ fn policy_refusals_name_the_run_policy_and_change_nothing() {
     }
     assert_eq!(server.snapshot(), before);
 
+    // Once runs its one run; a start or restart would be another.
+    server.create_vm(
+        "once",
+        json!({"cpus": 1, "memory_mib": 64, "run_policy": "Once"}),
+    );
+    server.wait_vm("once", "run", |v| phase(v) == "Running");
+    for action in ["start", "restart"] {
+        let r = server.send("POST", &format!("/api/v1/vms/once/{action}"), "");
+        assert_eq!(r.status, 409, "{}", r.text);
+        assert_eq!(r.json()["field"], "spec.run_policy");
+        assert!(r.json()["error"].as_str().unwrap().contains("Once"));
+    }
+    let r = server.send("POST", "/api/v1/vms/once/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_settled_stopped("once");
+
     // A VM being deleted refuses power changes, naming why.
     let r = server.send("DELETE", "/api/v1/vms/off", "");
     assert_eq!(r.status, 202);
@@ -914,6 +930,13 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
     let server = TestServer::start();
     let doc = server.get("/api/v1/openapi.json").json();
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let policies = &doc["components"]["schemas"]["VmSpec"]["properties"]["run_policy"];
+    let names: Vec<String> = keel_api::RunPolicy::ALL
+        .iter()
+        .map(|p| format!("{p:?}"))
+        .collect();
+    assert_eq!(policies["enum"], serde_json::json!(names), "{policies}");
+    assert!(names.contains(&"RerunOnFailure".into()) && names.contains(&"Once".into()));
     let paths = doc["paths"].as_object().unwrap();
     for (path, methods) in [
         ("/healthz", vec!["get"]),

@@ -238,6 +238,64 @@ fn snapshot_create_wait_and_restore_wait_keep_the_power_state() {
     assert!(out.contains("deletion requested"), "{out}");
     let migrations = ok(&keel(&server, &["migration", "list", "db"]));
     assert!(migrations.starts_with("ID"), "{migrations}");
+    // A migration shows the bounds it runs under.
+    server.put_raw(
+        "/migrations/db/db-m1",
+        &serde_json::json!({"id": "db-m1", "vm": "db", "source_node": "a",
+            "source_instance": "db-1", "target_node": "b", "target_instance": "db-2",
+            "created_at": 1, "tuning": {"downtime_limit_ms": 200},
+            "status": {"phase": "Failed", "message": "no progress for 150s"}}),
+    );
+    let migrations = ok(&keel(&server, &["migration", "list", "db"]));
+    assert!(
+        migrations.lines().next().unwrap().contains("TUNING")
+            && migrations.contains("timeout 150s/GiB, progress 150s, bandwidth node default, auto-converge on, downtime 200ms"),
+        "{migrations}"
+    );
+}
+
+/// Snapshotted while AlwaysOn and running, then switched to Manual and
+/// stopped: the restore keeps Manual and Stopped, and `keel restore --wait`
+/// waits for exactly that (it used to wait for Stopped while the VM came
+/// back Running under the snapshot's AlwaysOn, and time out).
+#[test]
+fn restore_wait_agrees_with_the_controller_on_policy_and_power() {
+    let server = TestServer::start();
+    ok(&keel(
+        &server,
+        &[
+            "vm", "create", "app", "--disk", "data:64", "--policy", "AlwaysOn",
+        ],
+    ));
+    server.wait_vm("app", "run", |v| phase(v) == "Running");
+    ok(&keel(
+        &server,
+        &["snapshot", "create", "app", "on", "--wait"],
+    ));
+    let rev = server.vm("app").unwrap()["revision"].clone();
+    let r = server.send(
+        "PUT",
+        "/api/v1/vms/app/spec",
+        &serde_json::json!({"revision": rev, "spec": {"cpus": 1, "memory_mib": 128,
+            "disks": [{"name": "data", "size_mib": 64}], "run_policy": "Manual"}})
+        .to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    ok(&keel(&server, &["vm", "stop", "app", "--wait"]));
+    let out = keel(
+        &server,
+        &["restore", "app", "on", "--wait", "--timeout", "20"],
+    );
+    let stdout = ok(&out);
+    assert!(
+        stdout.contains("app: restored from snapshot on; Stopped"),
+        "{stdout}"
+    );
+    let vm = server.vm("app").unwrap();
+    assert_eq!(vm["vm"]["spec"]["run_policy"], "Manual", "{vm}");
+    assert_eq!(vm["vm"]["spec"]["power"], "Stopped", "{vm}");
+    assert_eq!(phase(&vm), "Stopped");
+    assert!(instance(&vm).is_none(), "{vm}");
 }
 
 #[test]
@@ -285,6 +343,11 @@ fn node_cordon_uncordon_and_drain_wait() {
             "5s",
             "--fallback-window",
             "5s",
+            "--max-parallel",
+            "3",
+            "--bandwidth",
+            "64",
+            "--no-auto-converge",
             "--timeout",
             "60",
         ],
@@ -296,6 +359,10 @@ fn node_cordon_uncordon_and_drain_wait() {
     let vm = server.vm("web").unwrap();
     assert!(instance(&vm).is_none(), "{vm}");
     let info = ok(&keel(&server, &["node", "info", "test-node"]));
+    assert!(
+        info.contains("timeout 150s/GiB, progress 150s, bandwidth 64 MiB/s, auto-converge off, downtime default, parallel 3/cluster 2/node"),
+        "the drain's migration bounds: {info}"
+    );
     assert!(
         info.contains("true (keel)") && info.contains("completed"),
         "{info}"

@@ -600,6 +600,20 @@ fn bad_node_requests_are_refused_and_change_nothing() {
             400,
             Some("submit_window_s"),
         ),
+        (
+            "POST",
+            drain,
+            r#"{"tuning":{"parallel_per_node":0}}"#,
+            422,
+            Some("tuning.parallel_per_node"),
+        ),
+        (
+            "POST",
+            drain,
+            r#"{"tuning":{"post_copy":true}}"#,
+            400,
+            Some("tuning.post_copy"),
+        ),
         ("POST", drain, r#"{"window":60}"#, 400, Some("window")),
         ("POST", drain, "[60]", 400, Some("body")),
         ("POST", "/api/v1/nodes/ghost/drain", "", 404, Some("name")),
@@ -684,6 +698,13 @@ fn operator_cordon_survives_a_plain_uncordon() {
     let r = post_node(&server, "drain", "");
     assert_eq!(r["node"]["cordoned_by_keel"], false);
     assert_eq!(r["node"]["drain"]["windows"]["submit_ms"], 600_000);
+    // The migrations' bounds by default, on the drain.
+    assert_eq!(
+        r["node"]["drain"]["tuning"],
+        json!({"completion_timeout_per_gib_s": 150, "progress_timeout_s": 150,
+               "auto_converge": true, "parallel_per_cluster": 5, "parallel_per_node": 2}),
+        "{r}"
+    );
     let r = post_node(&server, "uncordon", "");
     assert_eq!(
         (r["schedulable"].clone(), r["operator_cordon"].clone()),

@@ -12,7 +12,8 @@
 //! QMP, target: `migrate-incoming {uri}` right after QMP is up (before the
 //! monitor takes the connection), plus `query-migrate` to learn the TCP port.
 //! Source: `migrate-set-capabilities` (events, so the monitor logs the
-//! phases), `migrate-set-parameters` (bandwidth cap, if configured),
+//! phases; auto-converge as tuned), `migrate-set-parameters` (bandwidth
+//! cap and downtime limit, if set),
 //! `migrate {uri}`; then `query-migrate` to poll and `migrate_cancel`.
 //!
 //! Transport. Default: a Unix socket in the target's instance directory. It
@@ -51,7 +52,7 @@ use super::layout::{read_json, write_json_atomic, InstancePaths, MAX_SOCKET_PATH
 use super::monitor::Phase;
 use super::qmp::{QmpClient, QmpError};
 use super::{unavailable, QemuDriver};
-use crate::{DomainState, HvError, MigrationProgress};
+use crate::{DomainState, HvError, MigrationParams, MigrationProgress};
 
 /// `migration-out.json`: this instance was told to send itself to `uri`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,7 +266,12 @@ impl QemuDriver {
         Ok(format!("tcp:{}", SocketAddr::new(ip, port)))
     }
 
-    pub(super) async fn migrate_out(&self, instance: &str, uri: &str) -> Result<(), HvError> {
+    pub(super) async fn migrate_out(
+        &self,
+        instance: &str,
+        uri: &str,
+        params: &MigrationParams,
+    ) -> Result<(), HvError> {
         const OP: &str = "migrate";
         let failed = |reason: String| HvError::Failed {
             instance: instance.to_string(),
@@ -318,16 +324,26 @@ impl QemuDriver {
         client
             .execute(
                 "migrate-set-capabilities",
-                Some(json!({ "capabilities": [{ "capability": "events", "state": true }] })),
+                Some(json!({ "capabilities": [
+                    { "capability": "events", "state": true },
+                    { "capability": "auto-converge", "state": params.auto_converge },
+                ] })),
             )
             .await
             .map_err(qmp_err)?;
-        if let Some(bytes_per_s) = self.inner.config.migration_max_bandwidth {
+        let mut set = serde_json::Map::new();
+        if let Some(bytes_per_s) = params
+            .max_bandwidth
+            .or(self.inner.config.migration_max_bandwidth)
+        {
+            set.insert("max-bandwidth".into(), json!(bytes_per_s));
+        }
+        if let Some(ms) = params.downtime_limit_ms {
+            set.insert("downtime-limit".into(), json!(ms));
+        }
+        if !set.is_empty() {
             client
-                .execute(
-                    "migrate-set-parameters",
-                    Some(json!({ "max-bandwidth": bytes_per_s })),
-                )
+                .execute("migrate-set-parameters", Some(Value::Object(set)))
                 .await
                 .map_err(qmp_err)?;
         }

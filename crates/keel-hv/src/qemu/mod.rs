@@ -996,7 +996,17 @@ impl Hypervisor for QemuDriver {
     }
 
     async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
-        self.migrate_out(instance, uri).await
+        self.migrate_out(instance, uri, &crate::MigrationParams::default())
+            .await
+    }
+
+    async fn migrate_tuned(
+        &self,
+        instance: &str,
+        uri: &str,
+        params: &crate::MigrationParams,
+    ) -> Result<(), HvError> {
+        self.migrate_out(instance, uri, params).await
     }
 
     async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {

@@ -8,7 +8,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::Json;
-use keel_api::{EvictionWindows, Millis, Node};
+use keel_api::{EvictionWindows, MigrationTuning, Millis, Node};
 use keel_ctrl::keys::{node_key, NODES_PREFIX};
 use keel_store::Revision;
 use serde::{Deserialize, Serialize};
@@ -46,9 +46,23 @@ pub struct DrainRequest {
     /// (graceful stop, forced at the end).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback_window_s: Option<u64>,
+    /// How the drain's migrations are run and bounded; fields left out
+    /// keep their defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tuning: Option<MigrationTuning>,
 }
 
 impl DrainRequest {
+    /// The tuning asked for (defaults for what is left out), or a 422
+    /// naming the field out of range.
+    pub fn tuning(&self) -> Result<MigrationTuning, ApiError> {
+        let tuning = self.tuning.unwrap_or_default();
+        tuning.validate().map_err(|e| {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).with_field(&e.field)
+        })?;
+        Ok(tuning)
+    }
+
     /// The windows asked for, or a 422 naming the field out of range.
     pub fn windows(&self) -> Result<EvictionWindows, ApiError> {
         let default = EvictionWindows::default();
@@ -201,14 +215,16 @@ pub async fn drain(
     let from_query = query.take_u64("revision")?;
     query.finish()?;
     let expected = expected_revision(&headers, from_query, None)?;
-    let windows = req.unwrap_or_default().windows()?;
+    let req = req.unwrap_or_default();
+    let windows = req.windows()?;
+    let tuning = req.tuning()?;
     let now = state.clock.now_ms();
     let (node, revision) = mutate(&state, &name, expected, |n| {
-        n.request_drain(now, windows);
+        n.request_tuned_drain(now, windows, tuning);
         Ok(())
     })
     .await?;
-    tracing::info!(node = %name, revision, ?windows, "drain requested");
+    tracing::info!(node = %name, revision, ?windows, ?tuning, "drain requested");
     Ok(node_response(StatusCode::ACCEPTED, node, revision))
 }
 

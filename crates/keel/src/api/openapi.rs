@@ -263,7 +263,7 @@ fn schemas() -> Value {
             "memory_mib": {"type": "integer", "minimum": keel_api::MIN_MEMORY_MIB, "maximum": keel_api::MAX_MEMORY_MIB},
             "disks": {"type": "array", "maxItems": keel_api::MAX_DISKS, "items": {"$ref": "#/components/schemas/DiskSpec"}},
             "boot": {"$ref": "#/components/schemas/BootSpec"},
-            "run_policy": {"type": "string", "enum": ["AlwaysOn", "AlwaysOff", "Manual", "AlwaysOnUnlessStoppedManually"], "default": "AlwaysOnUnlessStoppedManually"},
+            "run_policy": {"type": "string", "enum": keel_api::RunPolicy::ALL, "default": keel_api::RunPolicy::default()},
             "power": {"$ref": "#/components/schemas/PowerState"},
             "restart_generation": {"type": "integer", "minimum": 0},
             "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
@@ -323,6 +323,8 @@ fn schemas() -> Value {
             "migrate_deadline": millis,
             "fallback_deadline": millis,
             "migration": {"type": "string"},
+            "failed_attempts": {"type": "integer", "minimum": 0},
+            "next_attempt_at": millis,
             "message": {"type": "string"}
         }},
         "VmResponse": {"type": "object", "required": ["revision", "vm"], "properties": {
@@ -359,6 +361,7 @@ fn schemas() -> Value {
                     "migrate_ms": {"type": "integer"},
                     "fallback_ms": {"type": "integer"}
                 }},
+                "tuning": {"$ref": "#/components/schemas/MigrationTuning"},
                 "completed_at": {"type": "integer", "minimum": 0, "description": "Set when no VM is left on the node"}
             }},
             "status": {"type": "object", "properties": {
@@ -390,7 +393,17 @@ fn schemas() -> Value {
         "DrainRequest": {"type": "object", "additionalProperties": false, "properties": {
             "submit_window_s": window.clone(),
             "migrate_window_s": window.clone(),
-            "fallback_window_s": window
+            "fallback_window_s": window,
+            "tuning": {"$ref": "#/components/schemas/MigrationTuning"}
+        }},
+        "MigrationTuning": {"type": "object", "additionalProperties": false, "description": "How a drain's live migrations are run and bounded (pre-copy only; post-copy is never used). Fields left out keep their defaults.", "properties": {
+            "completion_timeout_per_gib_s": {"type": "integer", "minimum": 1, "maximum": 86400, "default": keel_api::migration::DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S, "description": "Cancelled when running longer than this per GiB of guest memory"},
+            "progress_timeout_s": {"type": "integer", "minimum": 1, "maximum": 86400, "default": keel_api::migration::DEFAULT_PROGRESS_TIMEOUT_S, "description": "Cancelled when nothing new was sent for this long"},
+            "bandwidth_mib_s": {"type": "integer", "minimum": 1, "description": "Bandwidth cap; absent: the node's setting"},
+            "auto_converge": {"type": "boolean", "default": true},
+            "downtime_limit_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "description": "Longest pause at switch-over; absent: the hypervisor's default"},
+            "parallel_per_cluster": {"type": "integer", "minimum": 1, "maximum": 1000, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER},
+            "parallel_per_node": {"type": "integer", "minimum": 1, "maximum": 1000, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_NODE}
         }},
         "CreateSnapshotRequest": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"}
@@ -428,13 +441,16 @@ fn schemas() -> Value {
             "target_node": {"type": "string"},
             "target_instance": {"type": "string"},
             "created_at": millis,
+            "tuning": {"$ref": "#/components/schemas/MigrationTuning"},
             "status": {"type": "object", "properties": {
                 "phase": {"type": "string", "enum": ["Pending", "TargetReady", "Running", "Succeeded", "Failed"]},
                 "target_uri": {"type": "string"},
                 "started_at": millis,
                 "finished_at": millis,
                 "downtime_ms": {"type": "integer"},
-                "message": {"type": "string"}
+                "message": {"type": "string"},
+                "progress_bytes": {"type": "integer", "description": "Bytes sent when progress was last recorded"},
+                "progress_at": millis
             }}
         }},
         "MigrationItem": {"type": "object", "required": ["revision", "migration"], "properties": {

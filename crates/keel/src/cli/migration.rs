@@ -18,7 +18,7 @@ pub fn run(cmd: MigrationCommand) -> anyhow::Result<()> {
             let list: MigrationList = client.get(&path)?;
             output::print(out, &list, || {
                 let mut t = Table::new(&[
-                    "ID", "VM", "PHASE", "FROM", "TO", "CREATED", "DOWNTIME", "MESSAGE",
+                    "ID", "VM", "PHASE", "FROM", "TO", "CREATED", "DOWNTIME", "TUNING", "MESSAGE",
                 ]);
                 for item in &list.items {
                     let m = &item.migration;
@@ -33,6 +33,7 @@ pub fn run(cmd: MigrationCommand) -> anyhow::Result<()> {
                             .downtime_ms
                             .map(|d| format!("{d}ms"))
                             .unwrap_or_else(|| "-".into()),
+                        super::node::tuning_text(&m.tuning),
                         m.status.message.clone().unwrap_or_else(|| "-".into()),
                     ]);
                 }

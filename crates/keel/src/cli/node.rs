@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use keel_api::{Clock, Millis, Node, VirtualMachine};
+use keel_api::{Clock, MigrationTuning, Millis, Node, VirtualMachine};
 use ureq::http::Method;
 
 use super::output::{self, fields, Table};
@@ -96,6 +96,12 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     ),
                     ("cordoned", cordon_text(n)),
                     ("drain", drain_text(n, now)),
+                    (
+                        "migrations",
+                        n.drain
+                            .as_ref()
+                            .map_or_else(|| "-".into(), |d| tuning_text(&d.tuning)),
+                    ),
                     ("revision", resp.revision.to_string()),
                 ])
             })
@@ -155,11 +161,44 @@ fn uncordon(client: &Client, out: OutputFormat, args: UncordonArgs) -> anyhow::R
     })
 }
 
+/// One line for a drain's migration tuning.
+pub fn tuning_text(t: &MigrationTuning) -> String {
+    format!(
+        "timeout {}s/GiB, progress {}s, bandwidth {}, auto-converge {}, downtime {}, parallel {}/cluster {}/node",
+        t.completion_timeout_per_gib_s,
+        t.progress_timeout_s,
+        t.bandwidth_mib_s
+            .map_or_else(|| "node default".into(), |b| format!("{b} MiB/s")),
+        if t.auto_converge { "on" } else { "off" },
+        t.downtime_limit_ms
+            .map_or_else(|| "default".into(), |d| format!("{d}ms")),
+        t.parallel_per_cluster,
+        t.parallel_per_node
+    )
+}
+
+fn requested_tuning(args: &DrainArgs) -> Option<MigrationTuning> {
+    let d = MigrationTuning::default();
+    let t = MigrationTuning {
+        completion_timeout_per_gib_s: args
+            .completion_timeout_per_gib
+            .unwrap_or(d.completion_timeout_per_gib_s),
+        progress_timeout_s: args.progress_timeout.unwrap_or(d.progress_timeout_s),
+        bandwidth_mib_s: args.bandwidth.or(d.bandwidth_mib_s),
+        auto_converge: !args.no_auto_converge,
+        downtime_limit_ms: args.downtime_limit.or(d.downtime_limit_ms),
+        parallel_per_cluster: args.max_parallel.unwrap_or(d.parallel_per_cluster),
+        parallel_per_node: args.max_parallel_per_node.unwrap_or(d.parallel_per_node),
+    };
+    (t != d).then_some(t)
+}
+
 fn drain(client: &Client, out: OutputFormat, args: DrainArgs) -> anyhow::Result<()> {
     let req = DrainRequest {
         submit_window_s: args.submit_window,
         migrate_window_s: args.migrate_window,
         fallback_window_s: args.fallback_window,
+        tuning: requested_tuning(&args),
     };
     let resp: NodeResponse =
         client.call(Method::POST, &verb_path(&args.name, "drain"), Some(&req))?;
@@ -170,10 +209,11 @@ fn drain(client: &Client, out: OutputFormat, args: DrainArgs) -> anyhow::Result<
                 "node {}: drain requested{}\n",
                 args.name,
                 d.map(|d| format!(
-                    " (windows: submit {}s, migrate {}s, fallback {}s)",
+                    " (windows: submit {}s, migrate {}s, fallback {}s; migrations: {})",
                     d.windows.submit_ms / 1000,
                     d.windows.migrate_ms / 1000,
-                    d.windows.fallback_ms / 1000
+                    d.windows.fallback_ms / 1000,
+                    tuning_text(&d.tuning)
                 ))
                 .unwrap_or_default()
             )

@@ -207,11 +207,8 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
         &format!("/api/v1/vms/{}/restore", encode(&args.vm)),
         Some(&req),
     )?;
-    let power = resp
-        .vm
-        .power_intent
-        .as_ref()
-        .map_or(resp.vm.spec.power, |i| i.power);
+    // The controller's own rule, so the CLI waits for what it will do.
+    let power = resp.vm.power_after_restore();
     if !args.wait {
         return output::print(out, &resp, || {
             format!(

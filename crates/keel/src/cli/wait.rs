@@ -22,8 +22,9 @@ pub enum Goal {
         old_instance: Option<String>,
         restart_generation: u64,
     },
-    /// The restore is done and the VM is back in the power state recorded
-    /// for it: Running with an instance (booted: the intent is cleared), or
+    /// The restore is done and the VM is back in the power state it ends
+    /// in (`VirtualMachine::power_after_restore`, the controller's rule):
+    /// Running with an instance (booted: the intent is cleared), or
     /// Stopped with none.
     Restored { power: PowerState },
     /// The record is gone.
@@ -50,14 +51,7 @@ impl Goal {
                     && s.observed_restart_generation >= *restart_generation
                     && s.instance.as_ref().map(|i| &i.id) != old_instance.as_ref()
             }
-            Goal::Restored { power } => {
-                vm.restore.is_none()
-                    && vm.power_intent.is_none()
-                    && match power {
-                        PowerState::Running => s.phase == Phase::Running && s.instance.is_some(),
-                        PowerState::Stopped => s.phase == Phase::Stopped && s.instance.is_none(),
-                    }
-            }
+            Goal::Restored { power } => vm.restored_to(*power),
             Goal::Gone => false,
         }
     }
