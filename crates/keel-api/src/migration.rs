@@ -7,7 +7,6 @@ use serde::{Deserialize, Serialize};
 use crate::Millis;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Migration {
     pub id: String,
     pub vm: String,
@@ -40,7 +39,6 @@ impl MigrationPhase {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MigrationStatus {
     #[serde(default)]
     pub phase: MigrationPhase,

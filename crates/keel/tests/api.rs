@@ -986,3 +986,48 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
     );
     assert!(r.text.contains("status=\"201\""), "{}", r.text);
 }
+
+/// Stored records are read leniently: one written by a newer Keel (a field
+/// this build lacks) is served; one that cannot be decoded is left out of
+/// lists, never failing them, and reported: an event naming its key and
+/// the `keel_undecodable_records` metric.
+#[test]
+fn newer_records_are_served_and_undecodable_ones_reported() {
+    let server = TestServer::start();
+    server.create_vm(
+        "a",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.put_raw("/vms/broken", &json!({"name": "broken", "spec": "?"}));
+    server.put_raw(
+        "/vms/newer",
+        &json!({"name": "newer", "schema_version": 2, "added_in_v2": {"x": 1},
+                "spec": {"cpus": 1, "memory_mib": 64, "power": "Stopped", "added_in_v2": 1}}),
+    );
+    let r = server.get("/api/v1/vms");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let names: Vec<String> = r.json()["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["vm"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["a", "newer"]);
+    server.wait_vm("newer", "settle stopped", |v| phase(v) == "Stopped");
+
+    let start = std::time::Instant::now();
+    let events = loop {
+        let events = server.get("/api/v1/events?vm=broken").json()["items"].clone();
+        if !events.as_array().unwrap().is_empty() {
+            break events;
+        }
+        assert!(
+            start.elapsed() < common::DEADLINE,
+            "no event for /vms/broken"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(events[0]["event"]["key"], "/vms/broken", "{events}");
+    let metrics = server.get("/metrics").text;
+    assert!(metrics.contains("keel_undecodable_records 1"), "{metrics}");
+}
