@@ -253,6 +253,13 @@ impl SimHypervisor {
         self.disks().contains_key(vm)
     }
 
+    /// Whether `vm`'s disks (as this node sees them) hold snapshot `name`.
+    pub fn has_snapshot(&self, vm: &str, name: &str) -> bool {
+        self.disks()
+            .get(vm)
+            .is_some_and(|d| d.snapshots.contains_key(name))
+    }
+
     /// The guest of `vm`'s live instance writes a record to its disk.
     /// Fails when no instance of the VM is live (no guest to write).
     pub fn guest_write(&self, vm: &str, slot: u32, text: &str) -> Result<(), String> {
