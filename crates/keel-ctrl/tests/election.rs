@@ -433,3 +433,40 @@ async fn undecodable_records_stop_no_leader_pass() {
     assert_eq!(report.taken_over, 2, "{report:?}");
     assert_eq!(w.vm("vm").await.status.node.as_deref(), Some("n2"));
 }
+
+/// A lost node's VM with a migration record that cannot be read is not
+/// taken over: the migration may be to a live target about to settle the
+/// VM. Once the record is readable (here: gone) it is.
+#[tokio::test]
+async fn takeover_waits_while_a_migration_of_the_vm_is_unreadable() {
+    let w = World::new();
+    let a = w.control_plane("a");
+    round(&[a.election()]).await;
+    let n1 = w.agent("n1").await;
+    w.create_vm("vm").await;
+    a.reconcile().await.unwrap().unwrap();
+    run_agent(&w, &n1, "vm").await;
+    let key = "/migrations/vm/vm-m1";
+    let rev = w
+        .store
+        .raw()
+        .put(
+            key,
+            b"{\"vm\":1}".to_vec(),
+            keel_store::Precondition::Absent,
+        )
+        .await
+        .unwrap();
+    let n2 = w.agent("n2").await;
+    w.clock
+        .advance(LifecycleConfig::default().node_lease_ms + 1_000);
+    a.election().step().await.unwrap();
+    n2.heartbeat(None).await.unwrap();
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!(report.taken_over, 0, "{report:?}");
+    assert_eq!(w.vm("vm").await.owner_node(), Some("n1"));
+
+    w.store.raw().delete(key, rev).await.unwrap();
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!(report.taken_over, 1, "{report:?}");
+}
