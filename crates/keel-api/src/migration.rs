@@ -52,4 +52,9 @@ pub struct MigrationStatus {
     pub downtime_ms: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// When the source node's agent saw the source instance gone before
+    /// any outcome: not an outcome itself. The target settles it by its
+    /// own state (paused with the whole state: Succeeded; exited: Failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_gone_at: Option<Millis>,
 }

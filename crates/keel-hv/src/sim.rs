@@ -63,6 +63,10 @@ pub struct SimFaults {
     pub migration_fails: f64,
     /// A cancel comes too late: the migration completes anyway.
     pub cancel_too_late: f64,
+    /// The target receives the whole state, but the source reports the
+    /// migration failed (the last acknowledgement was lost) and runs on:
+    /// a target that ran by itself would run beside it.
+    pub handover_unconfirmed: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -94,8 +98,13 @@ struct Outgoing {
     started_at: Millis,
     completes_at: Millis,
     fails: bool,
+    /// Fails from the source's view only: the target got everything.
+    unconfirmed: bool,
     cancelled: bool,
     abort: Arc<AtomicBool>,
+    /// A terminal outcome was reported while the source was alive; the
+    /// driver remembers it once the process is gone.
+    reported: bool,
 }
 
 impl SimDomain {
@@ -114,10 +123,9 @@ impl SimDomain {
     fn executing(&self) -> bool {
         !self.state.is_exited()
             && self.incoming.is_none()
-            && !self
-                .outgoing
-                .as_ref()
-                .is_some_and(|o| !o.fails && !o.cancelled && self.state == DomainState::Paused)
+            && !self.outgoing.as_ref().is_some_and(|o| {
+                !o.fails && !o.unconfirmed && !o.cancelled && self.state == DomainState::Paused
+            })
     }
 }
 
@@ -366,19 +374,20 @@ impl SimState {
                 }
                 match inc.completes_at {
                     Some(at) if now >= at => {
-                        d.state = if inc.fails {
-                            DomainState::Exited(ExitCause::Crashed)
+                        if inc.fails {
+                            d.state = DomainState::Exited(ExitCause::Crashed);
+                            d.incoming = None;
                         } else {
-                            DomainState::Running
-                        };
-                        d.incoming = None;
+                            // Everything arrived: paused until resumed.
+                            d.state = DomainState::Paused;
+                        }
                     }
                     _ => {}
                 }
                 continue;
             }
             if let Some(out) = &d.outgoing {
-                if now >= out.completes_at && !out.fails && !out.cancelled {
+                if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
                     // Handed over: the source stays paused until told to quit.
                     d.state = DomainState::Paused;
                     continue;
@@ -701,6 +710,8 @@ impl Hypervisor for SimHypervisor {
             s.maybe_unavailable(instance, "migrate", p)?;
             let fail_p = s.config.faults.migration_fails;
             let fails = s.chance(fail_p);
+            let unconfirmed_p = s.config.faults.handover_unconfirmed;
+            let unconfirmed = !fails && s.chance(unconfirmed_p);
             let completes_at = now + s.config.migration_ms;
             let d = s.domain_mut(instance)?;
             if !d.executing() || d.state != DomainState::Running {
@@ -722,8 +733,10 @@ impl Hypervisor for SimHypervisor {
                 started_at: now,
                 completes_at,
                 fails,
+                unconfirmed,
                 cancelled: false,
                 abort: abort.clone(),
+                reported: false,
             });
             s.log.push(format!("t={now}: migrate {instance} -> {uri}"));
             (completes_at, fails, abort)
@@ -752,26 +765,68 @@ impl Hypervisor for SimHypervisor {
         let mut s = self.lock();
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(instance, "query migration", p)?;
-        let d = s.domains.get(instance).ok_or_else(|| HvError::NotFound {
-            instance: instance.to_string(),
-        })?;
-        Ok(match &d.outgoing {
-            None => MigrationProgress::None,
-            Some(o) if o.cancelled => MigrationProgress::Failed {
+        let d = s
+            .domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        let exited = d.state.is_exited();
+        let Some(o) = d.outgoing.as_mut() else {
+            return Ok(MigrationProgress::None);
+        };
+        let progress = if o.cancelled {
+            MigrationProgress::Failed {
                 reason: "cancelled".into(),
-            },
-            Some(o) if now < o.completes_at => MigrationProgress::Active {
+            }
+        } else if now < o.completes_at && !exited {
+            return Ok(MigrationProgress::Active {
                 transferred_bytes: (now - o.started_at) * 1000,
                 total_bytes: (o.completes_at - o.started_at) * 1000,
-            },
-            Some(o) if o.fails => MigrationProgress::Failed {
+            });
+        } else if o.fails || o.unconfirmed {
+            MigrationProgress::Failed {
                 reason: "injected migration failure".into(),
-            },
-            Some(o) => MigrationProgress::Completed {
+            }
+        } else {
+            MigrationProgress::Completed {
                 total_ms: o.completes_at - o.started_at,
                 downtime_ms: Some(50),
-            },
-        })
+            }
+        };
+        // As the qemu driver: an outcome is known once it was seen while
+        // the source lived; a source that died first leaves it unknown.
+        if exited && !o.reported {
+            return Ok(MigrationProgress::Unknown {
+                reason: format!("source instance {instance} exited before the outcome was seen"),
+            });
+        }
+        o.reported = true;
+        Ok(progress)
+    }
+
+    async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(instance, "resume incoming", p)?;
+        let d = s.domain_mut(instance)?;
+        match (&d.incoming, d.state) {
+            (None, DomainState::Running) => return Ok(()),
+            (Some(inc), DomainState::Paused) if inc.completes_at.is_some_and(|at| now >= at) => {
+                d.incoming = None;
+                d.state = DomainState::Running;
+            }
+            (_, state) => {
+                return Err(HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "resume incoming",
+                    reason: format!("not an arrived incoming instance ({state:?})"),
+                })
+            }
+        }
+        s.log.push(format!("t={now}: resume incoming {instance}"));
+        Ok(())
     }
 
     async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
