@@ -5,11 +5,14 @@ use crate::{Millis, Phase};
 /// A recorded state change of a VM, kept in the store under
 /// `/events/<vm>/<revision, zero-padded>` so they list in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Event {
     pub at: Millis,
     pub vm: String,
     pub from: Phase,
     pub to: Phase,
     pub reason: String,
+    /// The stored record this event is about when it is not the VM's
+    /// phase change: a record that cannot be decoded, say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }

@@ -18,3 +18,14 @@ pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;
 pub use vm::*;
+
+/// The version of the stored record format this build writes, in each
+/// record's top-level [`SCHEMA_VERSION_FIELD`]. Records are read leniently:
+/// a field this build does not know (written by a newer Keel during a
+/// rolling upgrade, say) is ignored, and a missing version means a record
+/// written before versioning (0). The API stays strict: request bodies are
+/// parsed into their own types, which refuse unknown fields.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// The field every stored record carries [`SCHEMA_VERSION`] in.
+pub const SCHEMA_VERSION_FIELD: &str = "schema_version";

@@ -101,7 +101,6 @@ impl MigrationTuning {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Migration {
     pub id: String,
     pub vm: String,
@@ -137,7 +136,6 @@ impl MigrationPhase {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct MigrationStatus {
     #[serde(default)]
     pub phase: MigrationPhase,
@@ -157,6 +155,11 @@ pub struct MigrationStatus {
     pub progress_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress_at: Option<Millis>,
+    /// When the source node's agent saw the source instance gone before
+    /// any outcome: not an outcome itself. The target settles it by its
+    /// own state (paused with the whole state: Succeeded; exited: Failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_gone_at: Option<Millis>,
 }
 
 #[cfg(test)]

@@ -16,7 +16,6 @@ pub enum Accelerator {
 
 /// A host that runs VMs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Node {
     pub name: String,
     /// No new VMs are placed on a cordoned node.
@@ -36,7 +35,6 @@ pub struct Node {
 /// (per VM, when migration cannot be done in time) graceful stop and start
 /// elsewhere. Each phase has a bounded window.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Drain {
     pub requested_at: Millis,
     #[serde(default)]
@@ -50,7 +48,6 @@ pub struct Drain {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct EvictionWindows {
     /// From the start of an eviction until its migration is under way.
     pub submit_ms: Millis,
@@ -72,7 +69,6 @@ impl Default for EvictionWindows {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct NodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accelerator: Option<Accelerator>,

@@ -5,7 +5,6 @@ use serde::{Deserialize, Serialize};
 use crate::{validate_name, Millis, ValidationError, VmSpec};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Snapshot {
     pub vm: String,
     pub name: String,
@@ -27,7 +26,6 @@ pub enum SnapshotPhase {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct SnapshotStatus {
     #[serde(default)]
     pub phase: SnapshotPhase,

@@ -24,7 +24,6 @@ pub const MAX_DISKS: usize = 16;
 pub const MAX_DISK_SIZE_MIB: u64 = 16 << 20;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct VirtualMachine {
     pub name: String,
     /// Bumped by every spec change, so the controller can tell which spec
@@ -44,14 +43,12 @@ pub struct VirtualMachine {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct RestoreRequest {
     pub snapshot: String,
     pub requested_at: Millis,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct VmSpec {
     pub cpus: u32,
     pub memory_mib: u64,
@@ -85,7 +82,6 @@ fn default_grace() -> u64 {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct DiskSpec {
     pub name: String,
     pub size_mib: u64,
@@ -94,7 +90,6 @@ pub struct DiskSpec {
 /// Direct kernel boot. Paths are on the node; `None` falls back to the
 /// node's default test guest.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct BootSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<String>,
@@ -185,7 +180,6 @@ pub enum PowerState {
 /// window starts; converted into `spec.power` and cleared exactly once,
 /// after the replacement instance has booted (or, for `Stopped`, at once).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct PowerIntent {
     pub power: PowerState,
     /// Why it was recorded, e.g. `restore snapshot nightly`.
@@ -207,7 +201,6 @@ pub enum Phase {
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct VmStatus {
     #[serde(default)]
     pub phase: Phase,
@@ -301,7 +294,6 @@ pub enum EvictionPhase {
 /// so a controller restart resumes the same windows instead of opening new
 /// ones; a missing or impossible deadline counts as expired.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Eviction {
     /// The drain (its `requested_at`) this eviction serves: a marker left by
     /// an earlier drain is stale and starts a new attempt.
@@ -328,7 +320,6 @@ pub struct Eviction {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Instance {
     pub id: String,
     pub node: String,
@@ -370,7 +361,6 @@ pub enum StopReason {
 /// backoff until the grace period ends, then forced. Stored so a controller
 /// restart continues the same schedule instead of starting over.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct StopProgress {
     pub reason: StopReason,
     pub requested_at: Millis,
@@ -393,7 +383,6 @@ pub enum ExitKind {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ExitRecord {
     pub instance: String,
     pub at: Millis,
@@ -757,10 +746,19 @@ mod tests {
     }
 
     #[test]
-    fn unknown_fields_are_rejected() {
-        let err =
-            serde_json::from_str::<VmSpec>(r#"{"cpus":1,"memory_mib":64,"bogus":1}"#).unwrap_err();
-        assert!(err.to_string().contains("bogus"), "{err}");
+    fn stored_records_tolerate_unknown_fields() {
+        // As a newer Keel might write them: new fields at every level.
+        let json = r#"{"name":"a","generation":2,"schema_version":9,"new_top":1,
+            "spec":{"cpus":1,"memory_mib":64,"new_spec":true,
+                "disks":[{"name":"d","size_mib":8,"new_disk":1}],
+                "boot":{"kernel":"/k","new_boot":1}},
+            "status":{"phase":"Running","new_status":[1],
+                "instance":{"id":"a-1","node":"n1","created_at":5,"new_inst":{}}}}"#;
+        let vm: VirtualMachine = serde_json::from_str(json).unwrap();
+        assert_eq!(vm.spec.disks[0].size_mib, 8);
+        assert_eq!(vm.spec.boot.kernel.as_deref(), Some("/k"));
+        assert_eq!(vm.status.phase, Phase::Running);
+        assert_eq!(vm.owner_node(), Some("n1"));
     }
 
     #[test]

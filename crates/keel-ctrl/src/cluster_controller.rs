@@ -21,7 +21,7 @@ use crate::election::LeaderElection;
 use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
 use crate::liveness::Liveness;
 use crate::schedule::placement;
-use crate::vm_controller::record_event;
+use crate::vm_controller::{record_event, report_undecodable};
 use crate::vm_decide::{take_over_from_lost_node, LifecycleConfig};
 
 /// Longest a leader goes without a pass. Passes are driven by changes and
@@ -177,10 +177,20 @@ pub(crate) async fn take_over(
                 continue;
             }
         }
-        let (migrations, _) = store
-            .list::<Migration>(&migrations_of_prefix(&vm.name))
+        let migrations = store
+            .list_with_skipped::<Migration>(&migrations_of_prefix(&vm.name))
             .await?;
-        let migrations: Vec<Migration> = migrations.into_iter().map(|(_, e)| e.value).collect();
+        if let Some(bad) = migrations.skipped.first() {
+            // It may be a migration to a live target still settling the VM.
+            tracing::warn!(vm = %vm.name, key = %bad.key,
+                "not taken over: one of its migration records cannot be decoded");
+            continue;
+        }
+        let migrations: Vec<Migration> = migrations
+            .entries
+            .into_iter()
+            .map(|(_, e)| e.value)
+            .collect();
         let Some(next) = take_over_from_lost_node(vm, &owner, &migrations, now) else {
             // A migration from the lost node is still being settled by its target.
             continue;
@@ -311,6 +321,7 @@ impl ClusterController {
                 report.next_at = report.next_at.min(again.max(now + 1));
             }
         }
+        report_undecodable(&self.store, now, fence).await;
         Ok(report)
     }
 

@@ -28,6 +28,27 @@ pub fn name_of<'a>(prefix: &str, key: &'a str) -> Option<&'a str> {
 
 pub const EVENTS_PREFIX: &str = "/events/";
 
+/// Events about records that belong to no VM (a node's, say) are kept under
+/// this name, which no VM can have (names are `[a-z0-9-]`).
+pub const STORE_EVENTS: &str = "_store";
+
+/// The VM whose events tell about a problem with the record at `key`: the
+/// VM itself, or the VM a snapshot, migration or event belongs to;
+/// [`STORE_EVENTS`] for anything else.
+pub fn event_subject(key: &str) -> &str {
+    if let Some(name) = name_of(VMS_PREFIX, key) {
+        return name;
+    }
+    for prefix in [SNAPSHOTS_PREFIX, MIGRATIONS_PREFIX, EVENTS_PREFIX] {
+        if let Some((vm, _)) = key.strip_prefix(prefix).and_then(|r| r.split_once('/')) {
+            if !vm.is_empty() {
+                return vm;
+            }
+        }
+    }
+    STORE_EVENTS
+}
+
 /// Events of one VM sort by the store revision of the change they record.
 pub fn event_key(vm: &str, revision: u64) -> String {
     format!("{EVENTS_PREFIX}{vm}/{revision:020}")

@@ -61,6 +61,12 @@ impl Liveness {
             .retain(|name, _| nodes.iter().any(|n| n.name == *name));
     }
 
+    /// Takes the counts of `other` (a view that observed a subset of the
+    /// nodes) for the nodes it knows.
+    pub fn merge(&mut self, other: Liveness) {
+        self.nodes.extend(other.nodes);
+    }
+
     /// For how long (observer time) the node's heartbeat has not changed;
     /// 0 for a node never observed.
     pub fn silent_for(&self, node: &str, now: Millis) -> Millis {

@@ -4,14 +4,23 @@
 //! this migration. The phase only moves forward (compare-and-swap), and a
 //! migration that completes despite a cancel is recorded as Succeeded: the
 //! eviction honours it.
+//!
+//! The target waits paused once the state has arrived and is resumed only
+//! after Succeeded is recorded and the VM record names it (as libvirt's
+//! confirm step): a target never runs beside a source that did not hand
+//! over. The source's outcome decides while it lives. A source gone before
+//! any outcome was seen is recorded as such (`source_gone_at`), never as a
+//! failure: the target settles it by its state, Succeeded if it holds the
+//! whole state, Failed if it ended.
 
 use std::sync::Arc;
 
-use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, VirtualMachine};
+use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, Node, VirtualMachine};
 use keel_hv::{DomainSpec, DomainState, Hypervisor, MigrationProgress};
 use keel_store::{StoreError, TypedStore};
 
-use crate::keys::{migration_key, vm_key};
+use crate::keys::{migration_key, node_key, vm_key};
+use crate::liveness::Liveness;
 use crate::observe::{LifecycleObserver, NoObserver};
 use crate::vm_decide::LifecycleConfig;
 
@@ -21,6 +30,8 @@ pub struct MigrationController {
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
     observer: Arc<dyn LifecycleObserver>,
+    /// Source nodes' heartbeats as seen here, on this controller's clock.
+    liveness: std::sync::Mutex<Liveness>,
 }
 
 impl MigrationController {
@@ -36,6 +47,7 @@ impl MigrationController {
             clock,
             cfg,
             observer: Arc::new(NoObserver),
+            liveness: Default::default(),
         }
     }
 
@@ -54,7 +66,8 @@ impl MigrationController {
         let mut m = entry.value;
         let now = self.clock.now_ms();
         let me = self.cfg.node.as_str();
-        if m.status.phase.is_final() || (m.source_node != me && m.target_node != me) {
+        if m.status.phase == MigrationPhase::Failed || (m.source_node != me && m.target_node != me)
+        {
             return Ok(None);
         }
         let vm = self
@@ -62,6 +75,12 @@ impl MigrationController {
             .get::<VirtualMachine>(&vm_key(vm_name))
             .await?
             .map(|e| e.value);
+        if m.status.phase == MigrationPhase::Succeeded {
+            if m.target_node != me {
+                return Ok(None);
+            }
+            return Ok(self.resume_target(&m, vm.as_ref(), now).await);
+        }
         // Still wanted: the VM's eviction names it and has not given up, and
         // nobody asked for the VM to stop, restart or go away meanwhile.
         let wanted = vm.as_ref().is_some_and(|vm| {
@@ -117,9 +136,13 @@ impl MigrationController {
             MigrationPhase::TargetReady if m.source_node == me => {
                 let uri = m.status.target_uri.clone().unwrap_or_default();
                 let progress = self.hv.migration_status(&m.source_instance).await;
+                // Unknown: the source is gone after it may have sent
+                // everything; the Running phase settles that by the target.
                 let started = matches!(
                     progress,
-                    Ok(MigrationProgress::Active { .. } | MigrationProgress::Completed { .. })
+                    Ok(MigrationProgress::Active { .. }
+                        | MigrationProgress::Completed { .. }
+                        | MigrationProgress::Unknown { .. })
                 );
                 if !started {
                     let params = keel_hv::MigrationParams::from_tuning(&m.tuning);
@@ -141,13 +164,9 @@ impl MigrationController {
             MigrationPhase::Running if m.source_node == me => {
                 match self.hv.migration_status(&m.source_instance).await {
                     Ok(MigrationProgress::Completed { downtime_ms, .. }) => {
-                        m.status.phase = MigrationPhase::Succeeded;
-                        m.status.finished_at = Some(now);
                         m.status.downtime_ms = downtime_ms;
-                        tracing::info!(vm = vm_name, migration = id, "migration succeeded");
-                        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
-                        self.observer.migration_finished(true, seconds);
-                        self.write(&key, &m, entry.revision, now).await
+                        self.succeed(&key, m, entry.revision, "source handed over", now)
+                            .await
                     }
                     Ok(MigrationProgress::Failed { reason }) => {
                         self.fail(&key, m, entry.revision, &reason, now).await
@@ -192,8 +211,16 @@ impl MigrationController {
                             _ => Ok(poll),
                         }
                     }
+                    // Gone before an outcome was seen: not a failure. The
+                    // target settles it by its state; only if it cannot
+                    // (its node is lost, so it never ran) is it a failure.
+                    Ok(MigrationProgress::Unknown { reason }) => {
+                        self.source_gone(&key, m, entry.revision, &reason, now)
+                            .await
+                    }
                     Err(err) if err.is_not_found() => {
-                        self.fail(&key, m, entry.revision, "source instance is gone", now)
+                        let reason = format!("source instance {} is gone", m.source_instance);
+                        self.source_gone(&key, m, entry.revision, &reason, now)
                             .await
                     }
                     Err(err) => {
@@ -207,17 +234,31 @@ impl MigrationController {
             // settles a migration whose source node was lost mid-way.
             MigrationPhase::TargetReady | MigrationPhase::Running if m.target_node == me => {
                 match self.hv.info(&m.target_instance).await {
+                    // Only a target started by a Keel that let targets run
+                    // on arrival: the handover happened.
                     Ok(info) if info.state == DomainState::Running => {
-                        m.status.phase = MigrationPhase::Succeeded;
-                        m.status.finished_at = Some(now);
-                        tracing::info!(
-                            vm = vm_name,
-                            migration = id,
-                            "migration succeeded (target runs)"
-                        );
-                        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
-                        self.observer.migration_finished(true, seconds);
-                        self.write(&key, &m, entry.revision, now).await
+                        self.succeed(&key, m, entry.revision, "target runs", now)
+                            .await
+                    }
+                    // The whole state is here, and the target waits. While
+                    // the source lives, its outcome decides; once it is
+                    // gone (seen gone by its agent, or its node lost and so
+                    // fenced) nothing else can run the guest.
+                    Ok(info) if info.state == DomainState::Paused => {
+                        if m.status.source_gone_at.is_some()
+                            || self.node_lost(&m.source_node).await?
+                        {
+                            self.succeed(
+                                &key,
+                                m,
+                                entry.revision,
+                                "the target holds the whole state and the source is gone",
+                                now,
+                            )
+                            .await
+                        } else {
+                            Ok(poll)
+                        }
                     }
                     Ok(info) if info.state.is_exited() => {
                         self.fail(
@@ -238,6 +279,102 @@ impl MigrationController {
             }
             // Waiting for the other side.
             _ => Ok(Some(now + self.cfg.poll_ms)),
+        }
+    }
+
+    /// Records the success; the target resumes only once it sees it.
+    async fn succeed(
+        &self,
+        key: &str,
+        mut m: Migration,
+        revision: u64,
+        how: &str,
+        now: Millis,
+    ) -> Result<Option<Millis>, StoreError> {
+        tracing::info!(vm = %m.vm, migration = %m.id, how, "migration succeeded");
+        let seconds = now.saturating_sub(m.created_at) as f64 / 1000.0;
+        self.observer.migration_finished(true, seconds);
+        m.status.phase = MigrationPhase::Succeeded;
+        m.status.finished_at = Some(now);
+        self.write(key, &m, revision, now).await
+    }
+
+    /// The source instance is gone without an outcome. If the target's node
+    /// is lost too, the target never ran (it runs only after a recorded
+    /// success) and is fenced: a failure. Otherwise the fact is recorded
+    /// for the target to settle.
+    async fn source_gone(
+        &self,
+        key: &str,
+        mut m: Migration,
+        revision: u64,
+        reason: &str,
+        now: Millis,
+    ) -> Result<Option<Millis>, StoreError> {
+        if self.node_lost(&m.target_node).await? {
+            let why = format!("{reason}, and target node {} is lost", m.target_node);
+            return self.fail(key, m, revision, &why, now).await;
+        }
+        if m.status.source_gone_at.is_some() {
+            return Ok(Some(now + self.cfg.poll_ms));
+        }
+        tracing::warn!(vm = %m.vm, migration = %m.id, reason, "source gone before the outcome; the target settles it");
+        m.status.source_gone_at = Some(now);
+        m.status.message = Some(format!("{reason}; the target's state settles it"));
+        self.write(key, &m, revision, now).await
+    }
+
+    /// Whether `node`'s lease has run out: it has fenced itself (or is
+    /// down), so nothing of it runs. A node without a record counts as not
+    /// lost: nothing is known.
+    async fn node_lost(&self, node: &str) -> Result<bool, StoreError> {
+        let Some(entry) = self.store.get::<Node>(&node_key(node)).await? else {
+            return Ok(false);
+        };
+        let now = self.clock.now_ms();
+        let mut liveness = self.liveness.lock().expect("liveness lock");
+        // Only this node is looked at here: keep the others' counts.
+        let mut seen = liveness.clone();
+        seen.observe(std::slice::from_ref(&entry.value), now);
+        let lost = seen.lost(None, now, &self.cfg).iter().any(|n| n == node);
+        liveness.merge(seen);
+        Ok(lost)
+    }
+
+    /// The target of a recorded success: it runs once the VM record names
+    /// it too (the handover is on the VM as well). While the record still
+    /// names the source, the handover is being written; if it names
+    /// neither, the VM moved on and garbage collection ends this target.
+    async fn resume_target(
+        &self,
+        m: &Migration,
+        vm: Option<&VirtualMachine>,
+        now: Millis,
+    ) -> Option<Millis> {
+        let poll = Some(now + 500);
+        match vm.and_then(|v| v.status.instance.as_ref()) {
+            Some(i) if i.id == m.target_instance => {}
+            Some(i) if i.id == m.source_instance => return poll,
+            _ => return None,
+        }
+        match self.hv.info(&m.target_instance).await {
+            Ok(info) if info.state == DomainState::Paused => {
+                match self.hv.resume_incoming(&m.target_instance).await {
+                    Ok(()) => {
+                        tracing::info!(vm = %m.vm, migration = %m.id, instance = %m.target_instance, "target resumed");
+                        None
+                    }
+                    Err(err) => {
+                        tracing::warn!(vm = %m.vm, migration = %m.id, %err, "resuming the target failed");
+                        Some(now + self.cfg.retry_ms)
+                    }
+                }
+            }
+            Ok(info) if info.state == DomainState::Starting => poll,
+            // Running already, or gone (the VM controller sees to that).
+            Ok(_) => None,
+            Err(err) if err.is_not_found() => None,
+            Err(_) => Some(now + self.cfg.retry_ms),
         }
     }
 

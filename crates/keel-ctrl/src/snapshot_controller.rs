@@ -1,6 +1,11 @@
 //! Takes and deletes snapshots. A snapshot is taken live (the running
 //! instance is paused for it) or offline (no instance); never while the VM
 //! is between the two, when a lookup failed, or while a restore is pending.
+//!
+//! Only the node that owns the VM ([`VirtualMachine::owner_node`], the same
+//! rule as the VM controller's) touches its disks: its disks are in that
+//! node's disk dir, and any other node would snapshot (or create) disks of
+//! its own. The others look again later, in case the VM moves to them.
 
 use std::sync::Arc;
 
@@ -77,9 +82,15 @@ impl SnapshotController {
             .map_err(err)?
             .map(|e| e.value);
 
+        let mine = vm
+            .as_ref()
+            .is_some_and(|vm| vm.owner_node() == Some(self.cfg.node.as_str()));
         if snap.deletion_requested_at.is_some() {
             // Without a VM record its disks, and the snapshot in them, are gone.
             if vm.is_some() {
+                if !mine {
+                    return Ok(Some(retry));
+                }
                 if let Err(e) = self
                     .hv
                     .delete_snapshot(vm_name, &snap.spec.disks, name)
@@ -105,6 +116,9 @@ impl SnapshotController {
                 .await
                 .map_err(err);
         };
+        if !mine {
+            return Ok(Some(retry));
+        }
         let instance = match self.access(&vm).await {
             Access::Live(id) => Some(id),
             Access::Offline => None,

@@ -11,8 +11,8 @@ use keel_store::{StoreError, TypedStore};
 
 use crate::cluster_controller::{self, ClusterState, Fence};
 use crate::keys::{
-    event_key, migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix,
-    vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
+    event_key, event_subject, migration_key, migrations_of_prefix, node_key, snapshot_key,
+    snapshots_of_prefix, vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
@@ -121,14 +121,15 @@ impl VmController {
     }
 
     /// Writes this node's heartbeat (creating its record on first call),
-    /// and marks a drain complete once no VM is owned by this node.
+    /// then marks a recorded drain complete once no VM is owned by this
+    /// node. The heartbeat reads nothing but this node's own record: no
+    /// other record, however broken, can keep it from being renewed.
     pub async fn heartbeat(
         &self,
         facts: Option<&keel_hv::NodeFacts>,
     ) -> Result<(), HeartbeatError> {
         let key = node_key(&self.cfg.node);
-        let mut owns_vms = None;
-        loop {
+        let drain_open = loop {
             let now = self.clock.now_ms();
             let current = self.store.get::<Node>(&key).await?;
             let mut node = current
@@ -153,27 +154,63 @@ impl VmController {
                 node.status.accelerator = Some(facts.accelerator);
                 node.status.hypervisor = Some(facts.hypervisor.clone());
             }
-            if let Some(drain) = node.drain.as_mut() {
-                if owns_vms.is_none() {
-                    let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
-                    owns_vms = Some(
-                        vms.iter()
-                            .any(|(_, v)| v.value.owner_node() == Some(self.cfg.node.as_str())),
-                    );
-                }
-                if drain.completed_at.is_none() && owns_vms == Some(false) {
-                    drain.completed_at = Some(now);
-                    tracing::info!(node = %self.cfg.node, "drain complete: no VM left on the node");
-                }
-            }
             let result = match &current {
                 Some(e) => self.store.update(&key, &node, e.revision).await,
                 None => self.store.create(&key, &node).await,
             };
             match result {
-                Ok(_) => return Ok(()),
+                Ok(_) => {
+                    break node
+                        .drain
+                        .as_ref()
+                        .is_some_and(|d| d.completed_at.is_none())
+                }
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
+            }
+        };
+        if drain_open {
+            if let Err(err) = self.complete_drain().await {
+                tracing::warn!(node = %self.cfg.node, %err, "cannot check whether the drain is complete");
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the drain as complete if no VM is left on this node. A VM
+    /// record that cannot be decoded might be one of this node's: the
+    /// drain stays open until it is repaired or removed.
+    async fn complete_drain(&self) -> Result<(), StoreError> {
+        let vms = self
+            .store
+            .list_with_skipped::<VirtualMachine>(VMS_PREFIX)
+            .await?;
+        if let Some(bad) = vms.skipped.first() {
+            tracing::warn!(node = %self.cfg.node, key = %bad.key,
+                "drain not recorded complete: a VM record cannot be decoded");
+            return Ok(());
+        }
+        let me = Some(self.cfg.node.as_str());
+        if vms.entries.iter().any(|(_, v)| v.value.owner_node() == me) {
+            return Ok(());
+        }
+        let key = node_key(&self.cfg.node);
+        loop {
+            let Some(current) = self.store.get::<Node>(&key).await? else {
+                return Ok(());
+            };
+            let mut node = current.value;
+            let Some(drain) = node.drain.as_mut().filter(|d| d.completed_at.is_none()) else {
+                return Ok(());
+            };
+            drain.completed_at = Some(self.clock.now_ms());
+            match self.store.update(&key, &node, current.revision).await {
+                Ok(_) => {
+                    tracing::info!(node = %self.cfg.node, "drain complete: no VM left on the node");
+                    return Ok(());
+                }
+                Err(StoreError::Conflict { .. }) => continue,
+                Err(e) => return Err(e),
             }
         }
     }
@@ -243,6 +280,7 @@ impl VmController {
         if let Err(err) = self.collect_garbage().await {
             tracing::warn!(%err, "garbage collection failed");
         }
+        report_undecodable(&self.store, self.clock.now_ms(), Fence::Cas).await;
     }
 
     /// This agent cannot renew its lease: before it runs out and another
@@ -393,6 +431,7 @@ impl VmController {
                             from: vm.status.phase,
                             to: Phase::Deleting,
                             reason: "record deleted: instance gone, disks removed".into(),
+                            key: None,
                         };
                         self.put_event(&event, revision).await;
                         Ok(None)
@@ -577,11 +616,16 @@ impl VmController {
             if accounted {
                 continue;
             }
-            let (migrations, _) = self
+            let migrations = self
                 .store
-                .list::<Migration>(&migrations_of_prefix(&d.vm))
+                .list_with_skipped::<Migration>(&migrations_of_prefix(&d.vm))
                 .await
                 .map_err(store_err)?;
+            // An undecodable migration may be the one this domain serves.
+            if !migrations.skipped.is_empty() {
+                continue;
+            }
+            let migrations = migrations.entries;
             let recorded = record
                 .as_ref()
                 .and_then(|vm| vm.status.instance.as_ref())
@@ -749,6 +793,7 @@ pub(crate) async fn record_event(
         from: old.status.phase,
         to: new.status.phase,
         reason: change_reason(new),
+        key: None,
     };
     tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
     put_event(store, &event, revision, fence).await;
@@ -758,6 +803,37 @@ async fn put_event(store: &TypedStore, event: &Event, revision: u64, fence: Fenc
     let key = event_key(&event.vm, revision);
     if let Err(err) = fence.create(store, &key, event).await {
         tracing::warn!(vm = %event.vm, %err, "could not record event");
+    }
+}
+
+/// Records each record newly found undecodable as an event of the VM it
+/// belongs to (see [`event_subject`]), once per key and revision across the
+/// cluster: the event's key is derived from the record's revision, and
+/// whoever creates it first wins. Ones that could not be written are kept
+/// for the next call.
+pub(crate) async fn report_undecodable(store: &TypedStore, now: Millis, fence: Fence<'_>) {
+    for bad in store.undecodable().take_unreported() {
+        let event = Event {
+            at: now,
+            vm: event_subject(&bad.key).to_string(),
+            from: Phase::default(),
+            to: Phase::default(),
+            reason: format!(
+                "record {} (revision {}) cannot be decoded and is skipped: {}",
+                bad.key, bad.revision, bad.reason
+            ),
+            key: Some(bad.key.clone()),
+        };
+        match fence
+            .create(store, &event_key(&event.vm, bad.revision), &event)
+            .await
+        {
+            Ok(_) | Err(StoreError::Conflict { .. }) => {}
+            Err(err) => {
+                tracing::warn!(key = %bad.key, %err, "could not record the undecodable record");
+                store.undecodable().put_back(bad);
+            }
+        }
     }
 }
 

@@ -192,6 +192,17 @@ pub fn decide(
         }
     }
     match (&vm.status.instance, observed) {
+        // The source of a migration not yet settled is gone: it may have
+        // handed over to a target that now waits with the whole state. The
+        // migration settles first (Succeeded: the target is the instance;
+        // Failed: the instance is gone), never a guess here.
+        (Some(_), Observed::InstanceAbsent | Observed::Instance(DomainState::Exited(_)))
+            if migration_in_flight(vm, cluster) =>
+        {
+            Step::Wait {
+                requeue_at: now + cfg.retry_ms,
+            }
+        }
         (Some(_), Observed::Unknown(err)) => lookup_failed(vm, err, now, cfg),
         (Some(inst), Observed::InstanceAbsent) => instance_gone(vm, inst, None, now, cfg),
         (Some(inst), Observed::Instance(DomainState::Exited(cause))) => {

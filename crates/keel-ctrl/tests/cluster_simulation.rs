@@ -29,9 +29,12 @@ const SETTLE_MS: u64 = 300_000;
 
 async fn run_seed(seed: u64) -> Result<(), String> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // Its own stream, so the worlds of the other draws stay what they were.
+    let mut extra = ChaCha8Rng::seed_from_u64(seed ^ 0x6b65_656c);
     let faults = SimFaults {
         migration_fails: if rng.gen_bool(0.5) { 0.3 } else { 0.0 },
         cancel_too_late: if rng.gen_bool(0.5) { 0.5 } else { 0.0 },
+        handover_unconfirmed: if extra.gen_bool(0.5) { 0.3 } else { 0.0 },
         ..Default::default()
     };
     let mut c = Cluster::new(SimConfig {

@@ -384,3 +384,95 @@ async fn run_agent(w: &World, agent: &VmController, vm: &str) {
     }
     panic!("{vm} never ran: {:?}", w.vm(vm).await);
 }
+
+/// A VM record that cannot be decoded, a node record that is not JSON
+/// and a VM written by a newer Keel (fields this build lacks) do not stop
+/// the leader: it places, takes over, and reports the bad keys as events.
+#[tokio::test]
+async fn undecodable_records_stop_no_leader_pass() {
+    let w = World::new();
+    let a = w.control_plane("a");
+    round(&[a.election()]).await;
+    let n1 = w.agent("n1").await;
+    w.create_vm("vm").await;
+    let raw = w.store.raw();
+    raw.put(
+        "/vms/broken",
+        br#"{"name":"broken","spec":"?"}"#.to_vec(),
+        keel_store::Precondition::Absent,
+    )
+    .await
+    .unwrap();
+    raw.put("/nodes/zz", b"{".to_vec(), keel_store::Precondition::Absent)
+        .await
+        .unwrap();
+    let mut newer = serde_json::to_value(w.vm("vm").await).unwrap();
+    newer["name"] = "newer".into();
+    newer["added_in_v2"] = serde_json::json!([1, 2]);
+    newer["spec"]["added_in_v2"] = true.into();
+    raw.put(
+        &vm_key("newer"),
+        serde_json::to_vec(&newer).unwrap(),
+        keel_store::Precondition::Absent,
+    )
+    .await
+    .unwrap();
+
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!((report.placed, report.unplaced), (2, 0), "{report:?}");
+    run_agent(&w, &n1, "vm").await;
+    let (events, _) = w
+        .store
+        .list::<keel_api::Event>("/events/broken/")
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].1.value.key.as_deref(), Some("/vms/broken"));
+
+    // n1 goes silent; once its lease is out the leader takes its VMs over.
+    let n2 = w.agent("n2").await;
+    w.clock
+        .advance(LifecycleConfig::default().node_lease_ms + 1_000);
+    a.election().step().await.unwrap();
+    n2.heartbeat(None).await.unwrap();
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!(report.taken_over, 2, "{report:?}");
+    assert_eq!(w.vm("vm").await.status.node.as_deref(), Some("n2"));
+}
+
+/// A lost node's VM with a migration record that cannot be read is not
+/// taken over: the migration may be to a live target about to settle the
+/// VM. Once the record is readable (here: gone) it is.
+#[tokio::test]
+async fn takeover_waits_while_a_migration_of_the_vm_is_unreadable() {
+    let w = World::new();
+    let a = w.control_plane("a");
+    round(&[a.election()]).await;
+    let n1 = w.agent("n1").await;
+    w.create_vm("vm").await;
+    a.reconcile().await.unwrap().unwrap();
+    run_agent(&w, &n1, "vm").await;
+    let key = "/migrations/vm/vm-m1";
+    let rev = w
+        .store
+        .raw()
+        .put(
+            key,
+            b"{\"vm\":1}".to_vec(),
+            keel_store::Precondition::Absent,
+        )
+        .await
+        .unwrap();
+    let n2 = w.agent("n2").await;
+    w.clock
+        .advance(LifecycleConfig::default().node_lease_ms + 1_000);
+    a.election().step().await.unwrap();
+    n2.heartbeat(None).await.unwrap();
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!(report.taken_over, 0, "{report:?}");
+    assert_eq!(w.vm("vm").await.owner_node(), Some("n1"));
+
+    w.store.raw().delete(key, rev).await.unwrap();
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!(report.taken_over, 1, "{report:?}");
+}

@@ -108,6 +108,11 @@ async fn run(n: u64, memory_mib: u64) {
         let wall_ms = t.elapsed().as_millis() as u64;
         assert!(total_ms > 0, "completed without QEMU's figures");
 
+        // Targets wait paused until told to run (Keel: once recorded).
+        wait_for(to, &target.instance, STOP, |s| *s == DomainState::Paused).await;
+        to.resume_incoming(&target.instance)
+            .await
+            .expect("resume target");
         let state = wait_for(to, &target.instance, STOP, |s| *s == DomainState::Running).await;
         assert_eq!(state, DomainState::Running);
         ch = GuestChannel::connect(to.command_socket(&target.instance))

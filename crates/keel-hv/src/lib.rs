@@ -126,6 +126,12 @@ pub enum MigrationProgress {
     Failed {
         reason: String,
     },
+    /// The source instance is gone (exited, or forgotten) before any
+    /// outcome was seen: whether it handed over is not known here. Only the
+    /// target's state can tell; never read this as a failure.
+    Unknown {
+        reason: String,
+    },
 }
 
 /// Every variant names the domain (instance id) it is about.
@@ -237,9 +243,12 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported(vm, "restore", name))
     }
 
-    /// Starts an instance that waits for an incoming live migration (it
-    /// reports `Starting` until the migration completes) and returns the
-    /// URI the source is to send to.
+    /// Starts an instance that waits for an incoming live migration and
+    /// returns the URI the source is to send to. It reports `Starting`
+    /// while the state arrives and `Paused` once all of it has; its guest
+    /// runs only after [`Hypervisor::resume_incoming`], which Keel calls
+    /// once the migration's success is recorded (as libvirt does): a target
+    /// never runs beside a source that did not hand over.
     async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
         Err(unsupported_migration(
             &spec.instance,
@@ -267,6 +276,13 @@ pub trait Hypervisor: Send + Sync + 'static {
 
     async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
         Err(unsupported_migration(instance, "query migration"))
+    }
+
+    /// Lets the guest of an incoming instance whose state has fully
+    /// arrived (`Paused`) run. Running already is a success; an instance
+    /// still receiving, or gone, is an error.
+    async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
+        Err(unsupported_migration(instance, "resume incoming migration"))
     }
 
     /// Asks an active migration to stop; the source keeps running. A

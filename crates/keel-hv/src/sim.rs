@@ -65,6 +65,10 @@ pub struct SimFaults {
     pub cancel_too_late: f64,
     /// A started migration stops making progress half-way (until cancelled).
     pub migration_stalls: f64,
+    /// The target receives the whole state, but the source reports the
+    /// migration failed (the last acknowledgement was lost) and runs on:
+    /// a target that ran by itself would run beside it.
+    pub handover_unconfirmed: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -98,9 +102,14 @@ struct Outgoing {
     fails: bool,
     /// Stops progressing half-way and never completes.
     stalls: bool,
+    /// Fails from the source's view only: the target got everything.
+    unconfirmed: bool,
     cancelled: bool,
     abort: Arc<AtomicBool>,
     params: crate::MigrationParams,
+    /// A terminal outcome was reported while the source was alive; the
+    /// driver remembers it once the process is gone.
+    reported: bool,
 }
 
 impl SimDomain {
@@ -119,10 +128,9 @@ impl SimDomain {
     fn executing(&self) -> bool {
         !self.state.is_exited()
             && self.incoming.is_none()
-            && !self
-                .outgoing
-                .as_ref()
-                .is_some_and(|o| !o.fails && !o.cancelled && self.state == DomainState::Paused)
+            && !self.outgoing.as_ref().is_some_and(|o| {
+                !o.fails && !o.unconfirmed && !o.cancelled && self.state == DomainState::Paused
+            })
     }
 }
 
@@ -258,6 +266,13 @@ impl SimHypervisor {
         self.disks().contains_key(vm)
     }
 
+    /// Whether `vm`'s disks (as this node sees them) hold snapshot `name`.
+    pub fn has_snapshot(&self, vm: &str, name: &str) -> bool {
+        self.disks()
+            .get(vm)
+            .is_some_and(|d| d.snapshots.contains_key(name))
+    }
+
     /// The guest of `vm`'s live instance writes a record to its disk.
     /// Fails when no instance of the VM is live (no guest to write).
     pub fn guest_write(&self, vm: &str, slot: u32, text: &str) -> Result<(), String> {
@@ -374,19 +389,20 @@ impl SimState {
                 }
                 match inc.completes_at {
                     Some(at) if now >= at => {
-                        d.state = if inc.fails {
-                            DomainState::Exited(ExitCause::Crashed)
+                        if inc.fails {
+                            d.state = DomainState::Exited(ExitCause::Crashed);
+                            d.incoming = None;
                         } else {
-                            DomainState::Running
-                        };
-                        d.incoming = None;
+                            // Everything arrived: paused until resumed.
+                            d.state = DomainState::Paused;
+                        }
                     }
                     _ => {}
                 }
                 continue;
             }
             if let Some(out) = &d.outgoing {
-                if now >= out.completes_at && !out.fails && !out.cancelled {
+                if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
                     // Handed over: the source stays paused until told to quit.
                     d.state = DomainState::Paused;
                     continue;
@@ -732,6 +748,8 @@ impl Hypervisor for SimHypervisor {
             let fails = s.chance(fail_p);
             let stall_p = s.config.faults.migration_stalls;
             let stalls = s.chance(stall_p);
+            let unconfirmed_p = s.config.faults.handover_unconfirmed;
+            let unconfirmed = !fails && s.chance(unconfirmed_p);
             let completes_at = if stalls {
                 Millis::MAX
             } else {
@@ -758,9 +776,11 @@ impl Hypervisor for SimHypervisor {
                 completes_at,
                 fails,
                 stalls,
+                unconfirmed,
                 cancelled: false,
                 abort: abort.clone(),
                 params: params.clone(),
+                reported: false,
             });
             s.log.push(format!("t={now}: migrate {instance} -> {uri}"));
             (completes_at, fails, abort)
@@ -789,30 +809,74 @@ impl Hypervisor for SimHypervisor {
         let mut s = self.lock();
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(instance, "query migration", p)?;
-        let d = s.domains.get(instance).ok_or_else(|| HvError::NotFound {
-            instance: instance.to_string(),
-        })?;
-        Ok(match &d.outgoing {
-            None => MigrationProgress::None,
-            Some(o) if o.cancelled => MigrationProgress::Failed {
+        let migration_ms = s.config.migration_ms;
+        let d = s
+            .domains
+            .get_mut(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        let exited = d.state.is_exited();
+        let Some(o) = d.outgoing.as_mut() else {
+            return Ok(MigrationProgress::None);
+        };
+        let progress = if o.cancelled {
+            MigrationProgress::Failed {
                 reason: "cancelled".into(),
-            },
-            Some(o) if o.stalls => MigrationProgress::Active {
-                transferred_bytes: (now - o.started_at).min(s.config.migration_ms / 2) * 1000,
-                total_bytes: s.config.migration_ms * 1000,
-            },
-            Some(o) if now < o.completes_at => MigrationProgress::Active {
+            }
+        } else if o.stalls && !exited {
+            return Ok(MigrationProgress::Active {
+                transferred_bytes: (now - o.started_at).min(migration_ms / 2) * 1000,
+                total_bytes: migration_ms * 1000,
+            });
+        } else if now < o.completes_at && !exited {
+            return Ok(MigrationProgress::Active {
                 transferred_bytes: (now - o.started_at) * 1000,
                 total_bytes: (o.completes_at - o.started_at) * 1000,
-            },
-            Some(o) if o.fails => MigrationProgress::Failed {
+            });
+        } else if o.fails || o.unconfirmed {
+            MigrationProgress::Failed {
                 reason: "injected migration failure".into(),
-            },
-            Some(o) => MigrationProgress::Completed {
+            }
+        } else {
+            MigrationProgress::Completed {
                 total_ms: o.completes_at - o.started_at,
                 downtime_ms: Some(50),
-            },
-        })
+            }
+        };
+        // As the qemu driver: an outcome is known once it was seen while
+        // the source lived; a source that died first leaves it unknown.
+        if exited && !o.reported {
+            return Ok(MigrationProgress::Unknown {
+                reason: format!("source instance {instance} exited before the outcome was seen"),
+            });
+        }
+        o.reported = true;
+        Ok(progress)
+    }
+
+    async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let p = s.config.faults.op_unavailable;
+        s.maybe_unavailable(instance, "resume incoming", p)?;
+        let d = s.domain_mut(instance)?;
+        match (&d.incoming, d.state) {
+            (None, DomainState::Running) => return Ok(()),
+            (Some(inc), DomainState::Paused) if inc.completes_at.is_some_and(|at| now >= at) => {
+                d.incoming = None;
+                d.state = DomainState::Running;
+            }
+            (_, state) => {
+                return Err(HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "resume incoming",
+                    reason: format!("not an arrived incoming instance ({state:?})"),
+                })
+            }
+        }
+        s.log.push(format!("t={now}: resume incoming {instance}"));
+        Ok(())
     }
 
     async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {

@@ -39,9 +39,9 @@ async fn wait_migration(hv: &QemuDriver, instance: &str) -> (MigrationProgress, 
         match &progress {
             MigrationProgress::Active { .. } => seen_active = true,
             MigrationProgress::None => panic!("{instance}: no migration reported"),
-            MigrationProgress::Completed { .. } | MigrationProgress::Failed { .. } => {
-                return (progress, seen_active)
-            }
+            MigrationProgress::Completed { .. }
+            | MigrationProgress::Failed { .. }
+            | MigrationProgress::Unknown { .. } => return (progress, seen_active),
         }
         assert!(
             Instant::now() < deadline,
@@ -136,8 +136,21 @@ async fn migrate_and_check(
         from.info(&source.instance).await.unwrap().state,
         DomainState::Paused
     );
+    // The target has the whole state and waits, paused, until told to run
+    // (Keel does once the success is recorded).
+    let state = wait_for(to, &target.instance, STOP, |s| *s == DomainState::Paused).await;
+    assert_eq!(state, DomainState::Paused);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        to.info(&target.instance).await.unwrap().state,
+        DomainState::Paused,
+        "the target ran by itself"
+    );
+    to.resume_incoming(&target.instance).await.unwrap();
     let state = wait_for(to, &target.instance, STOP, |s| *s == DomainState::Running).await;
     assert_eq!(state, DomainState::Running);
+    // Repeating it is a success.
+    to.resume_incoming(&target.instance).await.unwrap();
     let ch = same_guest_on(to, &target.instance, before).await;
 
     from.kill(&source.instance).await.unwrap();
@@ -303,5 +316,48 @@ async fn tcp_migration_and_refusals() {
     let mut ch = migrate_and_check(&a, &web1, &b, "web-2", &before).await;
     assert_eq!(ch.get(3).await.unwrap(), "over-tcp");
     b.kill("web-2").await.unwrap();
+    b.cleanup("web-2").await.unwrap();
+}
+
+/// A source killed mid-stream, before any outcome was seen, reports the
+/// outcome as unknown (never as failed: only the target can tell), and the
+/// target, which did not get the whole state, ends without ever running.
+#[tokio::test]
+async fn a_source_killed_mid_migration_leaves_the_outcome_unknown() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let a = cluster
+        .node_with("a", |mut c| {
+            c.migration_max_bandwidth = Some(1 << 20);
+            c
+        })
+        .await;
+    let b = cluster.node("b").await;
+    let web1 = spec("web", "web-1");
+    boot(&a, &web1).await;
+    let uri = b
+        .prepare_incoming(&target_spec(&web1, "web-2"))
+        .await
+        .unwrap();
+    a.migrate("web-1", &uri).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !matches!(
+        a.migration_status("web-1").await.unwrap(),
+        MigrationProgress::Active { transferred_bytes, .. } if transferred_bytes > 0
+    ) {
+        assert!(Instant::now() < deadline, "migration never got going");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    a.kill("web-1").await.unwrap();
+    let progress = a.migration_status("web-1").await.unwrap();
+    assert!(
+        matches!(progress, MigrationProgress::Unknown { .. }),
+        "{progress:?}"
+    );
+    let state = wait_for(&b, "web-2", STOP, |s| s.is_exited()).await;
+    assert!(state.is_exited(), "{state:?}");
+    assert!(b.resume_incoming("web-2").await.is_err());
+    a.cleanup("web-1").await.unwrap();
     b.cleanup("web-2").await.unwrap();
 }

@@ -11,7 +11,7 @@ pub mod sqlite;
 mod typed;
 
 pub use error::StoreError;
-pub use typed::{TypedEntry, TypedStore};
+pub use typed::{Listing, TypedEntry, TypedStore, Undecodable, UndecodableLog};
 
 use async_trait::async_trait;
 

@@ -127,6 +127,16 @@ impl From<OpenError> for StoreError {
     }
 }
 
+/// What [`SqliteStore::durability`] reports: a file store runs with
+/// `synchronous` `FULL` and `journal_mode` `wal`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Durability {
+    /// `OFF`, `NORMAL`, `FULL` or `EXTRA`.
+    pub synchronous: String,
+    /// As SQLite names it, lower case: `wal`, `delete`, `memory`, ...
+    pub journal_mode: String,
+}
+
 /// Durable [`Store`] in a SQLite file. Cloning shares the same database
 /// thread; it stops once every clone and watch is dropped.
 #[derive(Clone)]
@@ -196,6 +206,15 @@ impl SqliteStore {
     /// The database path (`:memory:` for in-memory stores).
     pub fn path(&self) -> &str {
         &self.path
+    }
+
+    /// The durability settings in force on the store's own connection, as
+    /// SQLite reports them (`PRAGMA synchronous`, `PRAGMA journal_mode`).
+    pub async fn durability(&self) -> Result<Durability, StoreError> {
+        match self.call(Op::Durability).await? {
+            Outcome::Durability(d) => Ok(d),
+            other => Err(unexpected("durability", &other)),
+        }
     }
 
     /// Expires due leases now, deleting their keys; returns how many
@@ -497,6 +516,7 @@ enum Op {
         lease: LeaseId,
     },
     Expire,
+    Durability,
 }
 
 impl Op {
@@ -508,6 +528,7 @@ impl Op {
             Op::Grant { .. } => "lease (grant)".into(),
             Op::KeepAlive { lease } | Op::Revoke { lease } => format!("lease {lease}"),
             Op::Expire => "leases (expiry)".into(),
+            Op::Durability => "durability".into(),
         }
     }
 }
@@ -520,6 +541,7 @@ enum Outcome {
     Lease(LeaseId),
     Done,
     Expired(usize),
+    Durability(Durability),
 }
 
 impl Outcome {
@@ -532,6 +554,7 @@ impl Outcome {
             Outcome::Lease(_) => "lease",
             Outcome::Done => "done",
             Outcome::Expired(_) => "expired",
+            Outcome::Durability(_) => "durability",
         }
     }
 }
@@ -652,6 +675,7 @@ fn apply(
             Op::KeepAlive { lease } => keep_alive(&tx, now, *lease),
             Op::Revoke { lease } => revoke(&tx, *lease, events),
             Op::Expire => Ok(Ok(Outcome::Expired(std::mem::take(&mut expired)))),
+            Op::Durability => durability(&tx).map(|d| Ok(Outcome::Durability(d))),
         }?;
         outcomes.push(outcome);
     }
@@ -659,6 +683,22 @@ fn apply(
         compact(&tx, history_limit)?;
     }
     tx.commit()
+}
+
+fn durability(tx: &Transaction<'_>) -> Sql<Durability> {
+    let level: i64 = tx.query_row("PRAGMA synchronous", [], |row| row.get(0))?;
+    let journal_mode: String = tx.query_row("PRAGMA journal_mode", [], |row| row.get(0))?;
+    let synchronous = match level {
+        0 => "OFF".to_string(),
+        1 => "NORMAL".to_string(),
+        2 => "FULL".to_string(),
+        3 => "EXTRA".to_string(),
+        other => format!("unknown ({other})"),
+    };
+    Ok(Durability {
+        synchronous,
+        journal_mode: journal_mode.to_ascii_lowercase(),
+    })
 }
 
 fn get(tx: &Transaction<'_>, key: &str) -> Applied<Option<Entry>> {

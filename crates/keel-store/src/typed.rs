@@ -1,6 +1,15 @@
 //! JSON-typed access on top of any [`Store`].
+//!
+//! Stored records are read leniently (fields this build does not know are
+//! ignored: a newer Keel may have written them) and every record written
+//! carries [`keel_api::SCHEMA_VERSION`] in a top-level `schema_version`
+//! field. A record that cannot be decoded at all (a hand edit, a type change)
+//! never fails a whole list: it is skipped, logged once per revision naming
+//! its key, and kept in the store's [`UndecodableLog`] for the agents to
+//! record as an event and for the metrics.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use serde::{de::DeserializeOwned, Serialize};
 
@@ -12,30 +21,146 @@ pub struct TypedEntry<T> {
     pub revision: Revision,
 }
 
+/// A stored record that could not be decoded as the type it was read as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Undecodable {
+    pub key: String,
+    /// The record's `mod_revision`: a rewrite is reported anew.
+    pub revision: Revision,
+    pub reason: String,
+}
+
+/// A list that skipped what it could not decode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Listing<T> {
+    pub entries: Vec<(String, TypedEntry<T>)>,
+    /// Entries under the prefix that were left out, undecodable.
+    pub skipped: Vec<Undecodable>,
+    /// The store revision the list is consistent with.
+    pub revision: Revision,
+}
+
+/// The undecodable records this process has seen, shared by every clone
+/// of a [`TypedStore`].
+#[derive(Debug, Default)]
+pub struct UndecodableLog {
+    inner: Mutex<LogState>,
+}
+
+#[derive(Debug, Default)]
+struct LogState {
+    /// Undecodable now, as far as the last read of each key knows.
+    current: BTreeMap<String, Undecodable>,
+    /// Seen, not yet taken by [`UndecodableLog::take_unreported`].
+    unreported: Vec<Undecodable>,
+    /// (key, revision) pairs ever seen undecodable: reported only once.
+    seen: std::collections::BTreeSet<(String, Revision)>,
+    skipped_total: u64,
+}
+
+impl UndecodableLog {
+    fn found(&self, bad: &Undecodable) {
+        let mut s = self.inner.lock().expect("log lock");
+        s.skipped_total += 1;
+        s.current.insert(bad.key.clone(), bad.clone());
+        if s.seen.insert((bad.key.clone(), bad.revision)) {
+            tracing::warn!(key = %bad.key, revision = bad.revision, reason = %bad.reason,
+                "stored record cannot be decoded; skipped");
+            s.unreported.push(bad.clone());
+        }
+    }
+
+    fn decoded(&self, key: &str) {
+        let mut s = self.inner.lock().expect("log lock");
+        s.current.remove(key);
+    }
+
+    /// Keys under `prefix` the list just read did not find undecodable
+    /// (deleted or repaired) are no longer current.
+    fn listed(&self, prefix: &str, bad: &[Undecodable]) {
+        let mut s = self.inner.lock().expect("log lock");
+        s.current
+            .retain(|k, _| !k.starts_with(prefix) || bad.iter().any(|b| &b.key == k));
+    }
+
+    /// The records undecodable at their last read, in key order.
+    pub fn current(&self) -> Vec<Undecodable> {
+        let s = self.inner.lock().expect("log lock");
+        s.current.values().cloned().collect()
+    }
+
+    /// How many times a record was skipped or refused as undecodable.
+    pub fn skipped_total(&self) -> u64 {
+        self.inner.lock().expect("log lock").skipped_total
+    }
+
+    /// Records newly found undecodable (each key and revision once) since
+    /// the last call, for recording as events.
+    pub fn take_unreported(&self) -> Vec<Undecodable> {
+        std::mem::take(&mut self.inner.lock().expect("log lock").unreported)
+    }
+
+    /// Puts back what could not be recorded, to try again later.
+    pub fn put_back(&self, bad: Undecodable) {
+        self.inner.lock().expect("log lock").unreported.push(bad);
+    }
+}
+
 #[derive(Clone)]
 pub struct TypedStore {
     inner: Arc<dyn Store>,
+    undecodable: Arc<UndecodableLog>,
 }
 
 impl TypedStore {
     pub fn new(inner: Arc<dyn Store>) -> Self {
-        Self { inner }
+        Self {
+            inner,
+            undecodable: Arc::default(),
+        }
     }
 
     pub fn raw(&self) -> &Arc<dyn Store> {
         &self.inner
     }
 
+    /// What this store has found undecodable.
+    pub fn undecodable(&self) -> &Arc<UndecodableLog> {
+        &self.undecodable
+    }
+
+    /// An undecodable record is an error here (`Corrupt`, naming the key),
+    /// and is reported like a skipped one.
     pub async fn get<T: DeserializeOwned>(
         &self,
         key: &str,
     ) -> Result<Option<TypedEntry<T>>, StoreError> {
         match self.inner.get(key).await? {
-            None => Ok(None),
-            Some(e) => Ok(Some(TypedEntry {
-                value: decode(key, &e.value)?,
-                revision: e.mod_revision,
-            })),
+            None => {
+                self.undecodable.decoded(key);
+                Ok(None)
+            }
+            Some(e) => match decode(&e.value) {
+                Ok(value) => {
+                    self.undecodable.decoded(key);
+                    Ok(Some(TypedEntry {
+                        value,
+                        revision: e.mod_revision,
+                    }))
+                }
+                Err(reason) => {
+                    let bad = Undecodable {
+                        key: key.to_string(),
+                        revision: e.mod_revision,
+                        reason: reason.clone(),
+                    };
+                    self.undecodable.found(&bad);
+                    Err(StoreError::Corrupt {
+                        key: key.to_string(),
+                        reason,
+                    })
+                }
+            },
         }
     }
 
@@ -96,33 +221,68 @@ impl TypedStore {
         self.inner.delete_guarded(key, revision, guard).await
     }
 
+    /// Every entry under `prefix` that decodes; the undecodable ones are
+    /// skipped (and reported). For callers to whom a missing entry only
+    /// means less to go on; where an absent record would lead to acting
+    /// (ending a domain, taking a VM over), use [`TypedStore::list_with_skipped`].
     pub async fn list<T: DeserializeOwned>(
         &self,
         prefix: &str,
     ) -> Result<(Vec<(String, TypedEntry<T>)>, Revision), StoreError> {
-        let (entries, rev) = self.inner.list(prefix).await?;
+        let listing = self.list_with_skipped(prefix).await?;
+        Ok((listing.entries, listing.revision))
+    }
+
+    /// Every entry under `prefix`, and apart from them the ones that could
+    /// not be decoded (also reported to [`TypedStore::undecodable`]).
+    pub async fn list_with_skipped<T: DeserializeOwned>(
+        &self,
+        prefix: &str,
+    ) -> Result<Listing<T>, StoreError> {
+        let (entries, revision) = self.inner.list(prefix).await?;
         let mut out = Vec::with_capacity(entries.len());
+        let mut skipped = Vec::new();
         for e in entries {
-            let value = decode(&e.key, &e.value)?;
-            out.push((
-                e.key,
-                TypedEntry {
-                    value,
-                    revision: e.mod_revision,
-                },
-            ));
+            match decode(&e.value) {
+                Ok(value) => out.push((
+                    e.key,
+                    TypedEntry {
+                        value,
+                        revision: e.mod_revision,
+                    },
+                )),
+                Err(reason) => {
+                    let bad = Undecodable {
+                        key: e.key,
+                        revision: e.mod_revision,
+                        reason,
+                    };
+                    self.undecodable.found(&bad);
+                    skipped.push(bad);
+                }
+            }
         }
-        Ok((out, rev))
+        self.undecodable.listed(prefix, &skipped);
+        Ok(Listing {
+            entries: out,
+            skipped,
+            revision,
+        })
     }
 }
 
+/// JSON, with `schema_version` set at the top level of an object.
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
-    serde_json::to_vec(value).expect("resource types always serialize")
+    let mut json = serde_json::to_value(value).expect("resource types always serialize");
+    if let serde_json::Value::Object(map) = &mut json {
+        map.insert(
+            keel_api::SCHEMA_VERSION_FIELD.to_string(),
+            keel_api::SCHEMA_VERSION.into(),
+        );
+    }
+    serde_json::to_vec(&json).expect("a JSON value always serializes")
 }
 
-fn decode<T: DeserializeOwned>(key: &str, bytes: &[u8]) -> Result<T, StoreError> {
-    serde_json::from_slice(bytes).map_err(|e| StoreError::Corrupt {
-        key: key.to_string(),
-        reason: e.to_string(),
-    })
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
+    serde_json::from_slice(bytes).map_err(|e| e.to_string())
 }

@@ -121,9 +121,34 @@ async fn lease_deadline_survives_reopen() {
     );
 }
 
-/// A crash leaves whatever is in the database and WAL files; copying them
-/// while the store is still open is that crash. Every acknowledged write
-/// must be in the copy.
+/// The settings that make an acknowledged write survive a crash or power
+/// loss, read from the store's own connection: every commit fsynced
+/// (`synchronous=FULL`) into a write-ahead log (`journal_mode=WAL`). The
+/// copy test below cannot tell: a copy sees the page cache, fsynced or not.
+#[tokio::test]
+async fn the_store_connection_runs_synchronous_full_in_wal_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = SqliteStore::open(dir.path().join("keel.db")).unwrap();
+    s.put("/k", b"v".to_vec(), Precondition::Absent)
+        .await
+        .unwrap();
+    let d = s.durability().await.unwrap();
+    assert_eq!(d.synchronous, "FULL", "{d:?}");
+    assert_eq!(d.journal_mode, "wal", "{d:?}");
+    // Reopened, the settings are applied again (synchronous is per connection).
+    drop(s);
+    let s = SqliteStore::open(dir.path().join("keel.db")).unwrap();
+    let d = s.durability().await.unwrap();
+    assert_eq!(
+        (d.synchronous.as_str(), d.journal_mode.as_str()),
+        ("FULL", "wal")
+    );
+}
+
+/// A crash of the process leaves whatever is in the database and WAL
+/// files; copying them while the store is still open is that crash. Every
+/// acknowledged write must be in the copy. (Power loss is what
+/// `synchronous=FULL` is for; see the test above.)
 #[tokio::test]
 async fn acknowledged_writes_are_on_disk_before_close() {
     let dir = tempfile::tempdir().unwrap();

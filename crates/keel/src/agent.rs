@@ -236,11 +236,14 @@ impl RunningAgent {
 }
 
 /// Connects to the store, starts the driver and the agent.
+/// The data dir is made private and locked before the driver starts, as
+/// in `keel serve`: the driver adopts instances and records exits there.
 pub async fn start(cfg: AgentConfig) -> anyhow::Result<RunningAgent> {
     check(&cfg)?;
+    let lock = own_data_dir(&cfg)?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
-    start_with_hypervisor(cfg, hv).await
+    start_locked(cfg, hv, lock).await
 }
 
 /// Like [`start`], with a driver the caller made (tests: sim nodes that
@@ -250,9 +253,21 @@ pub async fn start_with_hypervisor(
     hv: Arc<dyn Hypervisor>,
 ) -> anyhow::Result<RunningAgent> {
     check(&cfg)?;
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let lock = own_data_dir(&cfg)?;
+    start_locked(cfg, hv, lock).await
+}
+
+fn own_data_dir(cfg: &AgentConfig) -> anyhow::Result<std::fs::File> {
     serve::create_private_dir(&cfg.data_dir)?;
-    let lock = serve::lock_data_dir(&cfg.data_dir)?;
+    serve::lock_data_dir(&cfg.data_dir)
+}
+
+async fn start_locked(
+    cfg: AgentConfig,
+    hv: Arc<dyn Hypervisor>,
+    lock: std::fs::File,
+) -> anyhow::Result<RunningAgent> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let raw = cfg
         .store
         .connect_etcd()

@@ -34,6 +34,7 @@ pub struct Metrics {
     operations: Family<Labels, Histogram>,
     unrequested_exits: Family<Labels, Counter>,
     migrations_finished: Family<Labels, Histogram>,
+    undecodable: Gauge,
 }
 
 impl Default for Metrics {
@@ -88,7 +89,14 @@ impl Metrics {
             "Live migrations that ended, by result, from creation to the end",
             migrations_finished.clone(),
         );
+        let undecodable = Gauge::default();
+        registry.register(
+            "undecodable_records",
+            "Stored records that could not be decoded when last read: lists skip them; each is logged and recorded as an event naming its key",
+            undecodable.clone(),
+        );
         Self {
+            undecodable,
             registry,
             vms,
             migrations,
@@ -137,6 +145,8 @@ impl Metrics {
                 .get_or_create(&vec![("phase", format!("{phase:?}"))])
                 .set(count as i64);
         }
+        self.undecodable
+            .set(store.undecodable().current().len() as i64);
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         Ok(out)
@@ -256,5 +266,24 @@ mod tests {
         ] {
             assert!(text.contains(needle), "{needle} missing in:\n{text}");
         }
+    }
+
+    #[tokio::test]
+    async fn counts_undecodable_records() {
+        use keel_store::Precondition;
+        let store = TypedStore::new(Arc::new(keel_store::memory::MemoryStore::new()));
+        let m = Metrics::new();
+        let text = m.render(&store).await.unwrap();
+        assert!(text.contains("keel_undecodable_records 0"), "{text}");
+        store
+            .raw()
+            .put("/vms/broken", b"[]".to_vec(), Precondition::Absent)
+            .await
+            .unwrap();
+        let text = m
+            .render(&store)
+            .await
+            .expect("a bad record fails no scrape");
+        assert!(text.contains("keel_undecodable_records 1"), "{text}");
     }
 }

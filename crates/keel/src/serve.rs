@@ -13,7 +13,7 @@
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -274,9 +274,12 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         bail!("--agent is for control planes on an etcd store; with SQLite, keel serve is the node agent");
     }
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
+    // The data dir is ours (private, locked) before the driver looks into
+    // it: a driver adopts instances and records exits there, which a
+    // second server on the same dir must never do.
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
+    let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
     let token = auth::load_or_create(&cfg.data_dir)?;
     let db = cfg.data_dir.join(DB_FILE);
     let store = TypedStore::new(Arc::new(SqliteStore::open(&db)?));
@@ -562,15 +565,24 @@ fn hostname() -> Option<String> {
     String::from_utf8(buf[..end].to_vec()).ok()
 }
 
-/// Creates the data directory (mode 0700) if it is missing.
+/// Creates the data directory with mode 0700 if it is missing, and makes
+/// an existing one private (0700): it holds the token and the store. Call
+/// it, and [`lock_data_dir`], before anything else uses the directory.
 pub(crate) fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
     DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
         .with_context(|| format!("creating data directory {}", dir.display()))?;
-    if !fs::metadata(dir)?.is_dir() {
+    let meta = fs::metadata(dir)?;
+    if !meta.is_dir() {
         bail!("{} is not a directory", dir.display());
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode != 0o700 {
+        tracing::warn!(dir = %dir.display(), mode = format!("{mode:o}"), "data directory was not private; making it 0700");
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("making data directory {} private", dir.display()))?;
     }
     Ok(())
 }

@@ -42,6 +42,75 @@ fn a_second_server_on_the_same_data_dir_is_refused() {
     assert!(err.contains("another keel server"), "{err}");
 }
 
+/// The lock is taken before the hypervisor driver starts: a second
+/// server on a locked data dir must not get as far as the qemu driver,
+/// which would create `node/instances/` and adopt (and record exits of)
+/// the first server's instances there.
+#[test]
+fn a_second_server_is_refused_before_its_driver_touches_the_data_dir() {
+    let server = TestServer::start();
+    // The first server runs the sim driver, which keeps nothing on disk.
+    assert!(!server.dir.path().join("node").exists());
+    let mut cfg = common::fast_config(server.dir.path());
+    cfg.hypervisor = keel::args::HypervisorKind::Qemu;
+    let err = server
+        .rt
+        .block_on(keel::serve::start(cfg))
+        .err()
+        .expect("second server refused")
+        .to_string();
+    assert!(err.contains("another keel server"), "{err}");
+    assert!(
+        !server.dir.path().join("node").exists(),
+        "the qemu driver started before the data dir was locked"
+    );
+
+    // `keel agent` the same: refused before its driver or the store.
+    let cfg = keel::agent::AgentConfig::new(
+        "etcd://127.0.0.1:1".parse().unwrap(),
+        server.dir.path().to_path_buf(),
+        "second".into(),
+        keel::args::HypervisorKind::Qemu,
+    );
+    let err = server
+        .rt
+        .block_on(keel::agent::start(cfg))
+        .err()
+        .expect("agent refused")
+        .to_string();
+    assert!(err.contains("another keel server"), "{err}");
+    assert!(
+        !server.dir.path().join("node").exists(),
+        "the agent's qemu driver started before the data dir was locked"
+    );
+}
+
+/// A data dir the server creates is 0700 from the start, also when the
+/// qemu driver keeps its instances inside it; one that exists with a
+/// looser mode is made private.
+#[test]
+fn the_data_dir_is_private() {
+    let server = TestServer::start_with(|cfg| {
+        cfg.data_dir = cfg.data_dir.join("fresh");
+        cfg.hypervisor = keel::args::HypervisorKind::Qemu;
+    });
+    let dir = server.dir.path().join("fresh");
+    assert!(dir.join("node").join("instances").is_dir());
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{mode:o}");
+    drop(server);
+
+    let loose = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(loose.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let server = TestServer::start_in(loose);
+    let mode = std::fs::metadata(server.dir.path())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o700, "{mode:o}");
+}
+
 #[test]
 fn requests_without_the_token_are_refused_and_change_nothing() {
     let server = TestServer::start();
@@ -1008,4 +1077,49 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
         r.text
     );
     assert!(r.text.contains("status=\"201\""), "{}", r.text);
+}
+
+/// Stored records are read leniently: one written by a newer Keel (a field
+/// this build lacks) is served; one that cannot be decoded is left out of
+/// lists, never failing them, and reported: an event naming its key and
+/// the `keel_undecodable_records` metric.
+#[test]
+fn newer_records_are_served_and_undecodable_ones_reported() {
+    let server = TestServer::start();
+    server.create_vm(
+        "a",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.put_raw("/vms/broken", &json!({"name": "broken", "spec": "?"}));
+    server.put_raw(
+        "/vms/newer",
+        &json!({"name": "newer", "schema_version": 2, "added_in_v2": {"x": 1},
+                "spec": {"cpus": 1, "memory_mib": 64, "power": "Stopped", "added_in_v2": 1}}),
+    );
+    let r = server.get("/api/v1/vms");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let names: Vec<String> = r.json()["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["vm"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["a", "newer"]);
+    server.wait_vm("newer", "settle stopped", |v| phase(v) == "Stopped");
+
+    let start = std::time::Instant::now();
+    let events = loop {
+        let events = server.get("/api/v1/events?vm=broken").json()["items"].clone();
+        if !events.as_array().unwrap().is_empty() {
+            break events;
+        }
+        assert!(
+            start.elapsed() < common::DEADLINE,
+            "no event for /vms/broken"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(events[0]["event"]["key"], "/vms/broken", "{events}");
+    let metrics = server.get("/metrics").text;
+    assert!(metrics.contains("keel_undecodable_records 1"), "{metrics}");
 }

@@ -432,6 +432,11 @@ impl LaunchPlan {
             // taken, nothing read or written) and listens only once told
             // where over QMP, so the URI is chosen after QMP is up.
             push(&["-incoming", "defer"]);
+            // `-S`: once the state has arrived the guest stays paused until
+            // Keel says `cont`, which it does only after the migration's
+            // success is recorded: a target never runs beside a source
+            // that did not hand over.
+            push(&["-S"]);
         }
         for (i, disk) in self.disks.iter().enumerate() {
             // cache=writeback: the guest sees a volatile write cache, so its
@@ -532,6 +537,7 @@ mod tests {
         };
         let joined = incoming.args().join(" ");
         assert!(joined.contains("-incoming defer"), "{joined}");
+        assert!(incoming.args().iter().any(|a| a == "-S"), "{joined}");
     }
 
     #[test]

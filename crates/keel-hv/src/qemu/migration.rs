@@ -33,7 +33,11 @@
 //! `migrate` is sent), and QEMU's status is read as the source's progress
 //! only when that record exists. The record also keeps the final outcome,
 //! which still answers once the source process is gone (the controller kills
-//! it after a completed migration).
+//! it after a completed migration). A source that is gone before any
+//! outcome was seen reports `Unknown`, not a failure: it may have sent
+//! everything. The target, started with `-S`, then waits paused with the
+//! whole state (or exits, if the stream broke), and Keel settles the
+//! migration by that; `resume_incoming` (`cont`) lets it run.
 //!
 //! Reading `completed` (QEMU 7.2, `migration/migration.c`): the sending side
 //! reports `total-time` and `downtime` with it, the receiving side never
@@ -381,9 +385,11 @@ impl QemuDriver {
         let Some(mut rec) = read_outgoing(&domain.paths, instance, OP)? else {
             return Ok(MigrationProgress::None);
         };
+        // Gone without an outcome seen: it may have handed over or not.
+        // Only the target can tell (paused with the whole state, or exited).
         let gone = |rec: &OutgoingMigration| {
-            rec.outcome.clone().unwrap_or(MigrationProgress::Failed {
-                reason: "source instance exited during the migration".into(),
+            rec.outcome.clone().unwrap_or(MigrationProgress::Unknown {
+                reason: "source instance exited before the migration's outcome was seen".into(),
             })
         };
         let pid = match domain.phase() {
@@ -424,6 +430,39 @@ impl QemuDriver {
             }
         }
         Ok(progress)
+    }
+
+    /// `cont` for an incoming instance whose state has arrived (QEMU runs
+    /// it with `-S`, so it waits in `paused`).
+    pub(super) async fn resume_arrived(&self, instance: &str) -> Result<(), HvError> {
+        const OP: &str = "resume incoming migration";
+        let domain = self.existing(instance, OP)?;
+        if !matches!(domain.phase(), Phase::Live { .. }) {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: OP,
+                reason: "the instance is not running".into(),
+            });
+        }
+        let client = domain
+            .qmp()
+            .await
+            .map_err(|e| unavailable(instance, OP, e))?;
+        let qmp_err = |e| qmp_error(instance, OP, e);
+        let status = client.query_status().await.map_err(qmp_err)?;
+        match status.status.as_str() {
+            "running" => Ok(()),
+            "paused" => {
+                client.execute("cont", None).await.map_err(qmp_err)?;
+                tracing::info!(instance, "incoming migration arrived; resumed");
+                Ok(())
+            }
+            other => Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: OP,
+                reason: format!("not an arrived incoming instance (QEMU status {other})"),
+            }),
+        }
     }
 
     pub(super) async fn cancel_outgoing(&self, instance: &str) -> Result<(), HvError> {

@@ -1017,6 +1017,10 @@ impl Hypervisor for QemuDriver {
         self.cancel_outgoing(instance).await
     }
 
+    async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
+        self.resume_arrived(instance).await
+    }
+
     async fn snapshot_disks(
         &self,
         vm: &str,

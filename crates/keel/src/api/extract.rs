@@ -66,8 +66,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for OptJsonBody<T> {
     }
 }
 
-/// Parses JSON strictly (the types deny unknown fields; trailing data is
-/// refused). Errors are 400 and name the JSON path of the problem, e.g.
+/// Parses JSON strictly (request types deny unknown fields, see
+/// [`super::strict`]; trailing data is refused). Errors are 400 and name the JSON path of the problem, e.g.
 /// `spec.memory_mib`, or `body` for the document as a whole.
 pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     // serde would also read a struct from a positional array; a body is
@@ -255,6 +255,7 @@ mod tests {
     #[serde(deny_unknown_fields)]
     #[allow(dead_code)]
     struct Wrapper {
+        #[serde(deserialize_with = "crate::api::strict::vm_spec")]
         spec: VmSpec,
     }
 

@@ -12,6 +12,7 @@ pub mod migrations;
 pub mod nodes;
 pub mod openapi;
 pub mod snapshots;
+pub mod strict;
 pub mod vms;
 mod write;
 

@@ -18,6 +18,8 @@ use super::{parse_json, ApiError, AppState};
 #[serde(deny_unknown_fields)]
 pub struct CreateVmRequest {
     pub name: String,
+    /// Strict: the stored `VmSpec` ignores unknown fields, a request does not.
+    #[serde(deserialize_with = "super::strict::vm_spec")]
     pub spec: VmSpec,
 }
 
@@ -25,6 +27,7 @@ pub struct CreateVmRequest {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplaceSpecRequest {
+    #[serde(deserialize_with = "super::strict::vm_spec")]
     pub spec: VmSpec,
     /// The revision the client read; alternatively `If-Match` or `?revision=`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1,0 +1,274 @@
+//! The handover of a live migration, with the source killed at each step.
+//! A target waits paused once the whole state has arrived and runs only
+//! after the migration's success is recorded (and the VM record names it).
+//! A source gone before any outcome was seen is "unknown", settled by the
+//! target's state: never a guess. The harness checks at every tick that no
+//! VM executes twice and that what executes is what the record names.
+
+mod cluster;
+
+use cluster::Cluster;
+use keel_api::{Migration, MigrationPhase, Phase, RunPolicy};
+use keel_ctrl::LifecycleConfig;
+use keel_hv::sim::SimFaults;
+use keel_hv::{DomainState, Hypervisor};
+
+const DATA: &str = "written before the drain";
+
+/// VM `vm` on node a with data on its disk, node b empty, a draining.
+async fn draining() -> Cluster {
+    let c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOn).await;
+    c.agent("a").hv.guest_write("vm", 1, DATA).unwrap();
+    c.drain("a").await;
+    c
+}
+
+async fn migration(c: &Cluster) -> Option<Migration> {
+    c.migrations_of("vm").await.into_iter().last()
+}
+
+/// Ticks until the VM's (latest) migration satisfies `pred`.
+async fn until(c: &mut Cluster, what: &str, pred: impl Fn(&Migration) -> bool) -> Migration {
+    for _ in 0..100 {
+        if let Some(m) = migration(c).await.filter(|m| pred(m)) {
+            return m;
+        }
+        c.tick().await;
+    }
+    panic!("never {what}: {:?}", migration(c).await);
+}
+
+async fn target_state(c: &Cluster, m: &Migration) -> Option<DomainState> {
+    c.agent("b")
+        .hv
+        .info(&m.target_instance)
+        .await
+        .ok()
+        .map(|i| i.state)
+}
+
+/// The migration failed and the VM came back from its disk: running once,
+/// its data there.
+async fn failed_and_restarted(c: &mut Cluster, id: &str) {
+    c.run(60_000).await;
+    let m = c
+        .migrations_of("vm")
+        .await
+        .into_iter()
+        .find(|m| m.id == id)
+        .unwrap();
+    assert_eq!(m.status.phase, MigrationPhase::Failed, "{m:?}");
+    let vm = c.vm("vm").await;
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    let node = vm.status.instance.as_ref().unwrap().node.clone();
+    assert!(c.executing_on(&node, "vm"));
+    assert_eq!(
+        c.agent(&node).hv.disk_record("vm", 1).as_deref(),
+        Some(DATA)
+    );
+    // The target of the failed attempt never ran and is gone.
+    assert!(!c
+        .agent("b")
+        .hv
+        .executing_instances("vm")
+        .contains(&m.target_instance));
+}
+
+/// The migration succeeded and the target runs the guest: no restart.
+async fn handed_over(c: &mut Cluster, id: &str) -> Migration {
+    c.run(10_000).await;
+    let m = c
+        .migrations_of("vm")
+        .await
+        .into_iter()
+        .find(|m| m.id == id)
+        .unwrap();
+    assert_eq!(m.status.phase, MigrationPhase::Succeeded, "{m:?}");
+    let vm = c.vm("vm").await;
+    let inst = vm.status.instance.clone().unwrap();
+    assert_eq!(
+        (inst.node.as_str(), inst.id.as_str()),
+        ("b", m.target_instance.as_str())
+    );
+    assert_eq!(vm.status.phase, Phase::Running, "{vm:?}");
+    assert!(
+        vm.status.last_exit.is_none(),
+        "restarted, not handed over: {vm:?}"
+    );
+    assert_eq!(target_state(c, &m).await, Some(DomainState::Running));
+    assert!(c.executing_on("b", "vm"));
+    assert_eq!(c.agent("b").hv.disk_record("vm", 1).as_deref(), Some(DATA));
+    m
+}
+
+#[tokio::test]
+async fn source_killed_before_the_target_starts() {
+    let mut c = draining().await;
+    let b = c.agents.iter().position(|a| a.name == "b").unwrap();
+    c.agents[b].migrations_stuck = true;
+    let m = until(&mut c, "created", |m| {
+        m.status.phase == MigrationPhase::Pending
+    })
+    .await;
+    c.agent("a").hv.crash(&m.source_instance);
+    c.agents[b].migrations_stuck = false;
+    failed_and_restarted(&mut c, &m.id).await;
+}
+
+#[tokio::test]
+async fn source_killed_while_the_target_listens() {
+    let mut c = draining().await;
+    let a = c.agents.iter().position(|a| a.name == "a").unwrap();
+    c.agents[a].migrations_stuck = true;
+    let m = until(&mut c, "target ready", |m| {
+        m.status.phase == MigrationPhase::TargetReady
+    })
+    .await;
+    c.agent("a").hv.crash(&m.source_instance);
+    c.agents[a].migrations_stuck = false;
+    failed_and_restarted(&mut c, &m.id).await;
+}
+
+#[tokio::test]
+async fn source_killed_mid_stream() {
+    let mut c = draining().await;
+    let m = until(&mut c, "sending", |m| {
+        m.status.phase == MigrationPhase::Running
+    })
+    .await;
+    assert_eq!(target_state(&c, &m).await, Some(DomainState::Starting));
+    c.agent("a").hv.crash(&m.source_instance);
+    failed_and_restarted(&mut c, &m.id).await;
+}
+
+/// Everything arrived, the source's agent has not yet seen the outcome,
+/// and the source dies: unknown from the source, settled by the target,
+/// which holds the whole state.
+#[tokio::test]
+async fn source_killed_after_the_state_arrived_before_the_outcome_was_seen() {
+    let mut c = draining().await;
+    let a = c.agents.iter().position(|a| a.name == "a").unwrap();
+    let m = until(&mut c, "sending", |m| {
+        m.status.phase == MigrationPhase::Running
+    })
+    .await;
+    c.agents[a].migrations_stuck = true;
+    for _ in 0..20 {
+        if target_state(&c, &m).await == Some(DomainState::Paused) {
+            break;
+        }
+        c.tick().await;
+    }
+    assert_eq!(
+        target_state(&c, &m).await,
+        Some(DomainState::Paused),
+        "arrived, waiting"
+    );
+    c.run(2_000).await;
+    assert_eq!(
+        target_state(&c, &m).await,
+        Some(DomainState::Paused),
+        "the target ran before the outcome was recorded"
+    );
+    c.agent("a").hv.crash(&m.source_instance);
+    c.agents[a].migrations_stuck = false;
+    let m = handed_over(&mut c, &m.id).await;
+    assert!(m.status.source_gone_at.is_some(), "{m:?}");
+}
+
+/// As above, but the source's whole node loses power: nobody reports the
+/// source gone; once its lease is out (it is fenced), the target settles.
+#[tokio::test]
+async fn source_node_lost_after_the_state_arrived() {
+    let mut c = draining().await;
+    let a = c.agents.iter().position(|a| a.name == "a").unwrap();
+    let m = until(&mut c, "sending", |m| {
+        m.status.phase == MigrationPhase::Running
+    })
+    .await;
+    c.agents[a].migrations_stuck = true;
+    for _ in 0..20 {
+        if target_state(&c, &m).await == Some(DomainState::Paused) {
+            break;
+        }
+        c.tick().await;
+    }
+    c.agents[a].running = false;
+    c.agents[a].hv.power_failure();
+    let lease = LifecycleConfig::default().node_lease_ms;
+    c.run(lease / 2).await;
+    let now = migration(&c).await.unwrap();
+    assert_eq!(
+        now.status.phase,
+        MigrationPhase::Running,
+        "settled by a guess: {now:?}"
+    );
+    assert_eq!(target_state(&c, &m).await, Some(DomainState::Paused));
+    c.run(lease).await;
+    handed_over(&mut c, &m.id).await;
+}
+
+/// The success is recorded, the VM record still names the source, and the
+/// source dies: the recorded success is honoured, the target resumes.
+#[tokio::test]
+async fn source_killed_after_the_success_was_recorded() {
+    let mut c = draining().await;
+    let m = until(&mut c, "succeeded", |m| {
+        m.status.phase == MigrationPhase::Succeeded
+    })
+    .await;
+    let vm = c.vm("vm").await;
+    assert_eq!(
+        vm.status.instance.unwrap().id,
+        m.source_instance,
+        "handover not yet on the VM"
+    );
+    assert_eq!(target_state(&c, &m).await, Some(DomainState::Paused));
+    c.agent("a").hv.crash(&m.source_instance);
+    handed_over(&mut c, &m.id).await;
+}
+
+/// The target gets the whole state but the source reports a failure and
+/// runs on. A target that ran on arrival would run beside it; this one
+/// never runs and is ended.
+#[tokio::test]
+async fn an_unconfirmed_handover_never_runs_the_target() {
+    let mut c = draining().await;
+    c.agent("a").hv.set_faults(SimFaults {
+        handover_unconfirmed: 1.0,
+        ..Default::default()
+    });
+    until(&mut c, "sending", |m| {
+        m.status.phase == MigrationPhase::Running
+    })
+    .await;
+    // b's agent pauses, so nothing on b (garbage collection) can hide a
+    // target that ran by itself.
+    let b = c.agents.iter().position(|a| a.name == "b").unwrap();
+    c.agents[b].running = false;
+    let m = until(&mut c, "failed", |m| {
+        m.status.phase == MigrationPhase::Failed
+    })
+    .await;
+    assert!(c.executing_on("a", "vm"), "the source runs on");
+    assert_eq!(
+        target_state(&c, &m).await,
+        Some(DomainState::Paused),
+        "arrived"
+    );
+    assert!(!c
+        .agent("b")
+        .hv
+        .executing_instances("vm")
+        .contains(&m.target_instance));
+    c.agents[b].running = true;
+    c.run(5_000).await;
+    assert!(
+        c.agent("b")
+            .hv
+            .live_instances("vm")
+            .iter()
+            .all(|i| i != &m.target_instance),
+        "the abandoned target is ended"
+    );
+}
