@@ -164,19 +164,6 @@ pub(crate) async fn take_over(
             continue;
         };
         let owner = owner.to_string();
-        // An instance the node created after the heartbeat we judged it
-        // by (both the node's own clock) proves it was alive after all: it
-        // came back between our read of the nodes and of this VM.
-        let last_heard = state
-            .nodes
-            .iter()
-            .find(|n| n.name == owner)
-            .map(|n| n.status.last_heartbeat);
-        if let (Some(inst), Some(heard)) = (&vm.status.instance, last_heard) {
-            if inst.node == owner && inst.created_at > heard {
-                continue;
-            }
-        }
         let migrations = store
             .list_with_skipped::<Migration>(&migrations_of_prefix(&vm.name))
             .await?;
@@ -279,12 +266,12 @@ impl ClusterController {
         let fence = Fence::Guard(guard);
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let liveness = {
+        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
+        state.liveness = {
             let mut liveness = self.liveness.lock().expect("liveness lock");
-            liveness.observe(&nodes, now);
+            liveness.observe(&state.nodes, &state.vms, now);
             liveness.clone()
         };
-        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
         let mut report = PassReport {
             next_at: now + MAX_IDLE_MS,
             placed: 0,
@@ -295,6 +282,7 @@ impl ClusterController {
             report.next_at = report.next_at.min(at);
         }
         let lost = state.liveness.lost(None, now, &self.cfg);
+        tracing::trace!(?lost, liveness = ?state.liveness, "nodes judged");
         if !lost.is_empty() {
             report.taken_over = take_over(&self.store, &mut state, &lost, now, fence).await?;
         }

@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 
-use keel_api::{Millis, Node};
+use keel_api::{Millis, Node, VirtualMachine};
 
 use crate::vm_decide::LifecycleConfig;
 
@@ -25,6 +25,10 @@ pub struct Liveness {
 #[derive(Debug, Clone, Copy)]
 struct Heard {
     heartbeat: Millis,
+    /// The newest instance seen recorded on the node (its `created_at`).
+    /// Only a newer one is a sign of life; one that went away (taken over,
+    /// cleaned up) is not.
+    newest_instance: Millis,
     /// Observer time when this heartbeat value was first seen.
     since: Millis,
     /// The value has been seen to change at least once.
@@ -32,15 +36,29 @@ struct Heard {
 }
 
 impl Liveness {
-    /// Takes in the nodes' records as read at observer time `now`.
-    pub fn observe(&mut self, nodes: &[Node], now: Millis) {
+    /// Takes in the nodes' records, and the VMs read after them, at
+    /// observer time `now`. A node's sign of life is its heartbeat, or an
+    /// instance it recorded later (both on its own clock): a node back from
+    /// the dead between the read of the nodes and of the VMs has started
+    /// something, and is not judged by a heartbeat older than that.
+    pub fn observe(&mut self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) {
         for node in nodes {
+            // Any change of the heartbeat counts (a clock set back still
+            // wrote it); an instance only if newer than any seen before.
             let heartbeat = node.status.last_heartbeat;
+            let newest = vms
+                .iter()
+                .filter_map(|v| v.status.instance.as_ref())
+                .filter(|i| i.node == node.name)
+                .map(|i| i.created_at)
+                .max()
+                .unwrap_or(0);
             match self.nodes.get_mut(&node.name) {
-                Some(h) if h.heartbeat == heartbeat => {}
+                Some(h) if h.heartbeat == heartbeat && newest <= h.newest_instance => {}
                 Some(h) => {
                     *h = Heard {
                         heartbeat,
+                        newest_instance: newest.max(h.newest_instance),
                         since: now,
                         changed: true,
                     }
@@ -50,6 +68,7 @@ impl Liveness {
                         node.name.clone(),
                         Heard {
                             heartbeat,
+                            newest_instance: newest,
                             since: now,
                             changed: false,
                         },
@@ -121,6 +140,31 @@ mod tests {
     /// A node whose clock is an hour behind keeps its guests as long as its
     /// heartbeat keeps changing; one whose clock is an hour ahead is lost
     /// once it stops, after a lease of the observer's time, not before.
+    /// A node seen starting an instance after its last heartbeat is alive
+    /// (it came back between the reads); the instance going away again
+    /// (taken over) is no sign of life.
+    #[test]
+    fn a_newer_instance_is_a_sign_of_life_and_its_removal_is_not() {
+        let cfg = LifecycleConfig::default();
+        let mut l = Liveness::default();
+        let n = node("a", 1_000);
+        let mut vm = VirtualMachine::new(
+            "v",
+            serde_json::from_str(r#"{"cpus":1,"memory_mib":64}"#).unwrap(),
+        );
+        l.observe(std::slice::from_ref(&n), &[], 0);
+        vm.status.instance = Some(keel_api::Instance::new("v-1", "a", 2_000));
+        l.observe(std::slice::from_ref(&n), std::slice::from_ref(&vm), 30_000);
+        assert!(
+            l.lost(None, 60_000, &cfg).is_empty(),
+            "counted from the new instance"
+        );
+        assert_eq!(l.lost(None, 70_001, &cfg), ["a"]);
+        vm.status.instance = None;
+        l.observe(std::slice::from_ref(&n), std::slice::from_ref(&vm), 70_002);
+        assert_eq!(l.lost(None, 70_003, &cfg), ["a"], "a takeover revived it");
+    }
+
     #[test]
     fn skewed_clocks_neither_lose_a_live_node_nor_hide_a_dead_one() {
         let cfg = LifecycleConfig::default();
@@ -138,7 +182,7 @@ mod tests {
                     t0 + 5_000 + hour
                 },
             );
-            l.observe(&[behind.clone(), ahead.clone()], now);
+            l.observe(&[behind.clone(), ahead.clone()], &[], now);
             assert!(!l.lost(None, now, &cfg).contains(&"behind".to_string()));
             if step >= 2 {
                 assert!(l.ready(&behind, now, &cfg), "step {step}");
@@ -153,7 +197,7 @@ mod tests {
         // A new observer counts from its own first look.
         let mut fresh = Liveness::default();
         let now = t0 + 100_000;
-        fresh.observe(&[node("ahead", t0 + 5_000 + hour)], now);
+        fresh.observe(&[node("ahead", t0 + 5_000 + hour)], &[], now);
         assert!(fresh.lost(None, now + cfg.node_lease_ms, &cfg).is_empty());
         assert_eq!(
             fresh.lost(None, now + cfg.node_lease_ms + 1, &cfg),

@@ -335,7 +335,7 @@ impl MigrationController {
         let mut liveness = self.liveness.lock().expect("liveness lock");
         // Only this node is looked at here: keep the others' counts.
         let mut seen = liveness.clone();
-        seen.observe(std::slice::from_ref(&entry.value), now);
+        seen.observe(std::slice::from_ref(&entry.value), &[], now);
         let lost = seen.lost(None, now, &self.cfg).iter().any(|n| n == node);
         liveness.merge(seen);
         Ok(lost)

@@ -78,10 +78,11 @@ impl VmController {
         }
     }
 
-    /// `nodes` taken into this agent's liveness view at `now`; the view.
-    fn observe_nodes(&self, nodes: &[Node], now: Millis) -> Liveness {
+    /// `nodes` (and the VMs read after them) taken into this agent's
+    /// liveness view at `now`; the view.
+    fn observe_nodes(&self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) -> Liveness {
         let mut liveness = self.liveness.lock().expect("liveness lock");
-        liveness.observe(nodes, now);
+        liveness.observe(nodes, vms, now);
         liveness.clone()
     }
 
@@ -305,12 +306,12 @@ impl VmController {
     pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let liveness = self.observe_nodes(&nodes, now);
-        let lost = liveness.lost(Some(&self.cfg.node), now, &self.cfg);
+        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
+        state.liveness = self.observe_nodes(&state.nodes, &state.vms, now);
+        let lost = state.liveness.lost(Some(&self.cfg.node), now, &self.cfg);
         if lost.is_empty() {
             return Ok(());
         }
-        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
         cluster_controller::take_over(&self.store, &mut state, &lost, now, Fence::Cas).await?;
         Ok(())
     }
@@ -453,8 +454,8 @@ impl VmController {
     ) -> Result<Option<Millis>, StoreError> {
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
-        let liveness = self.observe_nodes(&nodes, now);
-        let mut state = ClusterState::read(&self.store, nodes, liveness).await?;
+        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
+        state.liveness = self.observe_nodes(&state.nodes, &state.vms, now);
         cluster_controller::place(
             &self.store,
             &mut state,
@@ -498,7 +499,7 @@ impl VmController {
         let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
         let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
         let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
-        let liveness = self.observe_nodes(&nodes, now);
+        let liveness = self.observe_nodes(&nodes, &vms, now);
         let targets = candidate_nodes(
             vm,
             &nodes,

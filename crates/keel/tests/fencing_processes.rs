@@ -208,6 +208,9 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
         killed_at.elapsed(),
         vm["status"]["message"]
     );
+    if let Ok(path) = std::env::var("KEEL_TEST_LOG_FILE") {
+        std::fs::write(path, cp.log()).unwrap();
+    }
     // A little longer: nothing may start on the other node meanwhile.
     tokio::time::sleep(Duration::from_secs(5)).await;
     assert!(qemus_of(&root, "web").is_empty(), "a second instance runs");

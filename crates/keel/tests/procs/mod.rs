@@ -22,7 +22,10 @@ impl Keel {
     pub fn spawn(name: &str, args: &[&str]) -> Keel {
         let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
             .args(args)
-            .env("RUST_LOG", "info")
+            .env(
+                "RUST_LOG",
+                std::env::var("KEEL_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env_remove("KEEL_DATA_DIR")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
