@@ -429,7 +429,10 @@ async fn undecodable_records_stop_no_leader_pass() {
     assert_eq!(events.len(), 1, "{events:?}");
     assert_eq!(events[0].1.value.key.as_deref(), Some("/vms/broken"));
 
-    // n1 goes silent; once its lease is out the leader takes its VMs over.
+    // The leader sees n1's instance (a sign of life: the lease counts
+    // from here). Then n1 goes silent; once its lease is out the leader
+    // takes its VMs over.
+    a.reconcile().await.unwrap().expect("a leads");
     let n2 = w.agent("n2").await;
     w.clock
         .advance(LifecycleConfig::default().node_lease_ms + 1_000);
@@ -452,6 +455,8 @@ async fn takeover_waits_while_a_migration_of_the_vm_is_unreadable() {
     w.create_vm("vm").await;
     a.reconcile().await.unwrap().unwrap();
     run_agent(&w, &n1, "vm").await;
+    // The leader sees n1's instance: its lease counts from here.
+    a.reconcile().await.unwrap().unwrap();
     let key = "/migrations/vm/vm-m1";
     let rev = w
         .store
