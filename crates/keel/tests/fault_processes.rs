@@ -13,6 +13,8 @@
 //! `KEEL_FAULT_SEED=<n>` replays a run's fault schedule,
 //! `KEEL_FAULT_SECONDS=<n>` sets the chaos time (default 150).
 //! Needs the etcd of `scripts/start-etcd`, QEMU and the test guest.
+//! `scripts/test` runs it (`cargo test -p keel --test fault_processes --
+//! --ignored --nocapture`).
 
 mod procs;
 
@@ -75,6 +77,9 @@ fn seconds_env(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+// Ignored by a plain `cargo test` (it takes minutes); `scripts/test` runs
+// it with `--ignored --nocapture`, so that its figures are printed.
+#[ignore = "minutes long: scripts/test runs it with --ignored --nocapture"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     if skipped() {
