@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use procs::{cli, qemus_of, skipped, store_spec, vm_json, Keel, KillAll};
+use procs::{cli, qemus_of, skipped, store_spec, test_guest, vm_json, Keel, KillAll};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -85,11 +85,7 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     if skipped() {
         return;
     }
-    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
-    assert!(
-        guest.join("vmlinuz").is_file(),
-        "run scripts/build-test-guest"
-    );
+    let guest = test_guest();
     let seed = seconds_env("KEEL_FAULT_SEED", rand::random::<u16>() as u64);
     let chaos = Duration::from_secs(seconds_env("KEEL_FAULT_SECONDS", 150));
     eprintln!("fault test: seed {seed} (replay with KEEL_FAULT_SEED={seed}), chaos {chaos:?}");

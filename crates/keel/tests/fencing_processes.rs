@@ -16,13 +16,13 @@
 
 mod procs;
 
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keel_hv::guest::GuestChannel;
-use procs::{cli, qemus_of, skipped, store_spec, vm_json, Keel, KillAll};
+use procs::{
+    cli, guest_channel, qemus_of, skipped, store_spec, test_guest, vm_json, Keel, KillAll,
+};
 use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -30,11 +30,7 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
     if skipped() {
         return;
     }
-    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
-    assert!(
-        guest.join("vmlinuz").is_file(),
-        "run scripts/build-test-guest"
-    );
+    let guest = test_guest();
     let store = store_spec("fencing");
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().canonicalize().unwrap();
@@ -143,20 +139,11 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let other = if owner == "n1" { "n2" } else { "n1" };
-    let instance_dir = root.join(&owner).join("node/instances").join(&instance);
-    let spec: Value =
-        serde_json::from_slice(&std::fs::read(instance_dir.join("spec.json")).unwrap()).unwrap();
-    let sockets = PathBuf::from(spec["socket_dir"].as_str().unwrap());
-    GuestChannel::wait_ready(&instance_dir.join("console.log"), Duration::from_secs(90))
+    guest_channel(&root.join(&owner), &instance)
+        .await
+        .put(5, "written before the fault")
         .await
         .unwrap();
-    {
-        let mut ch = GuestChannel::connect(sockets.join("cmd.sock"))
-            .await
-            .unwrap();
-        ch.sync(Duration::from_secs(30)).await.unwrap();
-        ch.put(5, "written before the fault").await.unwrap();
-    }
 
     // The process table, sampled throughout.
     let max_seen = Arc::new(AtomicUsize::new(0));
@@ -242,17 +229,7 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     assert_eq!(node, owner, "ran elsewhere than where its disks are");
-    let instance_dir = root.join(&owner).join("node/instances").join(&instance);
-    let spec: Value =
-        serde_json::from_slice(&std::fs::read(instance_dir.join("spec.json")).unwrap()).unwrap();
-    let sockets = PathBuf::from(spec["socket_dir"].as_str().unwrap());
-    GuestChannel::wait_ready(&instance_dir.join("console.log"), Duration::from_secs(90))
-        .await
-        .unwrap();
-    let mut ch = GuestChannel::connect(sockets.join("cmd.sock"))
-        .await
-        .unwrap();
-    ch.sync(Duration::from_secs(30)).await.unwrap();
+    let mut ch = guest_channel(&root.join(&owner), &instance).await;
     assert_eq!(ch.get(5).await.unwrap(), "written before the fault");
 
     stop_sampling.store(true, Ordering::Relaxed);

@@ -1271,51 +1271,41 @@ fn unavailable(instance: &str, op: &'static str, reason: String) -> HvError {
 /// Spawns QEMU from an argument vector (no shell) in a new session, with
 /// stdout/stderr appended to `qemu.log`. The caller owns the child.
 fn spawn_qemu(binary: &Path, plan: &LaunchPlan) -> io::Result<tokio::process::Child> {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&plan.paths.qemu_log)?;
     let mut cmd = tokio::process::Command::new(binary);
-    cmd.args(plan.args())
-        .current_dir(&plan.paths.dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        // The guest must outlive this Keel process.
-        .kill_on_drop(false);
-    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
-    unsafe {
-        cmd.pre_exec(|| {
-            // Own session and process group: no controlling terminal, so
-            // neither a Ctrl-C nor a hangup aimed at Keel reaches QEMU.
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.spawn()
+    cmd.args(plan.args());
+    spawn_in_own_session(cmd, plan)
 }
 
 /// Spawns a fence keeper for the instance (which then starts QEMU from the
-/// instance's `spec.json`) in a new session, with its output and QEMU's
-/// appended to `qemu.log`. The caller owns the keeper child.
+/// instance's `spec.json`), like [`spawn_qemu`]: its output and QEMU's go
+/// to `qemu.log`. The caller owns the keeper child.
 fn spawn_keeper(
     keeper: &keeper::KeeperCommand,
     lease: &keeper::FenceLease,
+    plan: &LaunchPlan,
+) -> io::Result<tokio::process::Child> {
+    let mut cmd = tokio::process::Command::new(&keeper.program);
+    cmd.args(&keeper.args)
+        .arg("--instance-dir")
+        .arg(&plan.paths.dir)
+        .arg("--lease")
+        .arg(lease.path());
+    spawn_in_own_session(cmd, plan)
+}
+
+/// Runs `cmd` in the instance dir, output appended to `qemu.log`, in a new
+/// session and process group of its own: no controlling terminal, so
+/// neither a Ctrl-C nor a hangup aimed at Keel reaches it, and it outlives
+/// this process.
+fn spawn_in_own_session(
+    mut cmd: tokio::process::Command,
     plan: &LaunchPlan,
 ) -> io::Result<tokio::process::Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(&plan.paths.qemu_log)?;
-    let mut cmd = tokio::process::Command::new(&keeper.program);
-    cmd.args(&keeper.args)
-        .arg("--instance-dir")
-        .arg(&plan.paths.dir)
-        .arg("--lease")
-        .arg(lease.path())
-        .current_dir(&plan.paths.dir)
+    cmd.current_dir(&plan.paths.dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -1323,8 +1313,6 @@ fn spawn_keeper(
     // SAFETY: setsid is async-signal-safe and touches no memory of ours.
     unsafe {
         cmd.pre_exec(|| {
-            // Its own session, like QEMU's without a keeper: a signal aimed
-            // at the agent's process group does not reach it.
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }

@@ -143,3 +143,33 @@ pub fn store_spec(test: &str) -> String {
         std::process::id()
     )
 }
+
+/// The command channel of `instance`'s guest on the agent with data dir
+/// `agent_dir`, once the guest is ready. The socket dir is where the
+/// instance's launch record says.
+pub async fn guest_channel(agent_dir: &Path, instance: &str) -> keel_hv::guest::GuestChannel {
+    use keel_hv::guest::GuestChannel;
+    use std::time::Duration;
+    let instance_dir = agent_dir.join("node/instances").join(instance);
+    let spec: Value =
+        serde_json::from_slice(&std::fs::read(instance_dir.join("spec.json")).unwrap()).unwrap();
+    let sockets = std::path::PathBuf::from(spec["socket_dir"].as_str().unwrap());
+    GuestChannel::wait_ready(&instance_dir.join("console.log"), Duration::from_secs(90))
+        .await
+        .unwrap();
+    let mut ch = GuestChannel::connect(sockets.join("cmd.sock"))
+        .await
+        .unwrap();
+    ch.sync(Duration::from_secs(30)).await.unwrap();
+    ch
+}
+
+/// The test guest built by `scripts/build-test-guest`.
+pub fn test_guest() -> std::path::PathBuf {
+    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
+    assert!(
+        guest.join("vmlinuz").is_file(),
+        "run scripts/build-test-guest"
+    );
+    guest
+}
