@@ -256,22 +256,23 @@ pub trait Hypervisor: Send + Sync + 'static {
         ))
     }
 
-    /// Starts sending running `instance` to `uri`; returns once under way.
+    /// Starts sending running `instance` to `uri` with the default
+    /// tuning; returns once under way.
     async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
-        let _ = uri;
-        Err(unsupported_migration(instance, "migrate"))
+        self.migrate_tuned(instance, uri, &MigrationParams::default())
+            .await
     }
 
-    /// [`Hypervisor::migrate`], tuned. A driver that cannot tune a
-    /// migration starts it untuned.
+    /// [`Hypervisor::migrate`], tuned: what a driver that migrates
+    /// implements.
     async fn migrate_tuned(
         &self,
         instance: &str,
         uri: &str,
         params: &MigrationParams,
     ) -> Result<(), HvError> {
-        let _ = params;
-        self.migrate(instance, uri).await
+        let _ = (uri, params);
+        Err(unsupported_migration(instance, "migrate"))
     }
 
     async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {

@@ -708,11 +708,6 @@ impl Hypervisor for SimHypervisor {
         Ok(uri)
     }
 
-    async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
-        self.migrate_tuned(instance, uri, &crate::MigrationParams::default())
-            .await
-    }
-
     async fn migrate_tuned(
         &self,
         instance: &str,

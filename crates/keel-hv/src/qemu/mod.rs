@@ -995,11 +995,6 @@ impl Hypervisor for QemuDriver {
         })
     }
 
-    async fn migrate(&self, instance: &str, uri: &str) -> Result<(), HvError> {
-        self.migrate_out(instance, uri, &crate::MigrationParams::default())
-            .await
-    }
-
     async fn migrate_tuned(
         &self,
         instance: &str,
