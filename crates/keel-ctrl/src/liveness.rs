@@ -43,9 +43,6 @@ impl Liveness {
     /// something, and is not judged by a heartbeat older than that.
     pub fn observe(&mut self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) {
         for node in nodes {
-            // Any change of the heartbeat counts (a clock set back still
-            // wrote it); an instance only if newer than any seen before.
-            let heartbeat = node.status.last_heartbeat;
             let newest = vms
                 .iter()
                 .filter_map(|v| v.status.instance.as_ref())
@@ -53,45 +50,40 @@ impl Liveness {
                 .map(|i| i.created_at)
                 .max()
                 .unwrap_or(0);
-            match self.nodes.get_mut(&node.name) {
-                Some(h) if h.heartbeat == heartbeat && newest <= h.newest_instance => {}
-                Some(h) => {
-                    *h = Heard {
-                        heartbeat,
-                        newest_instance: newest.max(h.newest_instance),
-                        since: now,
-                        changed: true,
-                    }
-                }
-                None => {
-                    self.nodes.insert(
-                        node.name.clone(),
-                        Heard {
-                            heartbeat,
-                            newest_instance: newest,
-                            since: now,
-                            changed: false,
-                        },
-                    );
-                }
-            }
+            self.observe_node(node, newest, now);
         }
         self.nodes
             .retain(|name, _| nodes.iter().any(|n| n.name == *name));
     }
 
-    /// Takes the counts of `other` (a view that observed a subset of the
-    /// nodes) for the nodes it knows.
-    pub fn merge(&mut self, other: Liveness) {
-        self.nodes.extend(other.nodes);
-    }
-
-    /// For how long (observer time) the node's heartbeat has not changed;
-    /// 0 for a node never observed.
-    pub fn silent_for(&self, node: &str, now: Millis) -> Millis {
-        self.nodes
-            .get(node)
-            .map_or(0, |h| now.saturating_sub(h.since))
+    /// Takes in one node's record (and the newest instance it recorded, 0
+    /// for none), leaving the other nodes' counts as they are.
+    pub fn observe_node(&mut self, node: &Node, newest_instance: Millis, now: Millis) {
+        // Any change of the heartbeat counts (a clock set back still wrote
+        // it); an instance only if newer than any seen before.
+        let heartbeat = node.status.last_heartbeat;
+        match self.nodes.get_mut(&node.name) {
+            Some(h) if h.heartbeat == heartbeat && newest_instance <= h.newest_instance => {}
+            Some(h) => {
+                *h = Heard {
+                    heartbeat,
+                    newest_instance: newest_instance.max(h.newest_instance),
+                    since: now,
+                    changed: true,
+                }
+            }
+            None => {
+                self.nodes.insert(
+                    node.name.clone(),
+                    Heard {
+                        heartbeat,
+                        newest_instance,
+                        since: now,
+                        changed: false,
+                    },
+                );
+            }
+        }
     }
 
     /// Ready: heard from within `node_ready_ms`. Until its heartbeat has
@@ -109,11 +101,18 @@ impl Liveness {
     /// VMs go back to the scheduler.
     pub fn lost(&self, me: Option<&str>, now: Millis, cfg: &LifecycleConfig) -> Vec<String> {
         self.nodes
-            .iter()
-            .filter(|(name, _)| Some(name.as_str()) != me)
-            .filter(|(_, h)| now.saturating_sub(h.since) > cfg.node_lease_ms)
-            .map(|(name, _)| name.clone())
+            .keys()
+            .filter(|name| Some(name.as_str()) != me && self.is_lost(name, now, cfg))
+            .cloned()
             .collect()
+    }
+
+    /// Whether `node` has been silent for longer than `node_lease_ms`; a
+    /// node never observed is not.
+    pub fn is_lost(&self, node: &str, now: Millis, cfg: &LifecycleConfig) -> bool {
+        self.nodes
+            .get(node)
+            .is_some_and(|h| now.saturating_sub(h.since) > cfg.node_lease_ms)
     }
 
     /// The earliest moment a node not lost yet would be, if it sent no

@@ -333,12 +333,8 @@ impl MigrationController {
         };
         let now = self.clock.now_ms();
         let mut liveness = self.liveness.lock().expect("liveness lock");
-        // Only this node is looked at here: keep the others' counts.
-        let mut seen = liveness.clone();
-        seen.observe(std::slice::from_ref(&entry.value), &[], now);
-        let lost = seen.lost(None, now, &self.cfg).iter().any(|n| n == node);
-        liveness.merge(seen);
-        Ok(lost)
+        liveness.observe_node(&entry.value, 0, now);
+        Ok(liveness.is_lost(node, now, &self.cfg))
     }
 
     /// The target of a recorded success: it runs once the VM record names
