@@ -315,6 +315,7 @@ fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
 /// `keel agent`: runs until SIGINT or SIGTERM.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     serve::init_logging();
+    serve::private_umask();
     let node = match args.node {
         Some(node) => node,
         None => serve::default_node_name()?,

@@ -44,10 +44,61 @@ pub enum Command {
     Restore(RestoreArgs),
     /// List live migrations (made by node drains).
     Migration(MigrationCommand),
+    /// Check this host for running Keel: QEMU, KVM, disk space, the store.
+    Doctor(DoctorArgs),
+    /// Create the API token file (e.g. /etc/keel/token shared with group keel).
+    Token(TokenCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write man pages (keel.1, keel-serve.1, …) into a directory.
+    #[command(hide = true)]
+    Man { dir: PathBuf },
     /// Internal: runs one QEMU under the node's fence lease (started by a
     /// node agent's QEMU driver; see keel_hv::qemu::keeper).
     #[command(hide = true)]
     Keeper(KeeperArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TokenCommand {
+    #[command(subcommand)]
+    pub verb: TokenVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokenVerb {
+    /// Write a new random token to FILE, unless it already holds one.
+    Create {
+        file: PathBuf,
+        /// Share it with this group (mode 0640, owner unchanged); else 0600.
+        #[arg(long)]
+        group: Option<String>,
+        /// Replace a token that is already there (servers using it must restart).
+        #[arg(long)]
+        rotate: bool,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Data directory to check (disk space, permissions).
+    #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// Where VM disks live, if not under the data directory.
+    #[arg(long, env = "KEEL_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
+    /// The store to check: `sqlite` or `etcd://…` (reachability, clock offset).
+    #[arg(long, env = "KEEL_STORE", default_value = "sqlite")]
+    pub store: StoreSpec,
+    /// QEMU binary to check.
+    #[arg(long, env = "KEEL_QEMU", default_value = "qemu-system-x86_64")]
+    pub qemu: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -78,6 +129,11 @@ pub struct ServeArgs {
     /// Directory for the store (keel.db) and the API token (token).
     #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
+    /// The API token's file (default DATA_DIR/token, mode 0600). Elsewhere
+    /// it may be shared with its group (mode 0640), e.g. /etc/keel/token
+    /// for the members of group keel.
+    #[arg(long, env = "KEEL_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
     /// Address to listen on. Loopback by default: expose it deliberately.
     #[arg(long, env = "KEEL_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
@@ -85,7 +141,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
     pub hypervisor: HypervisorKind,
     /// This node's name (default: the host name, lowercased, first label).
-    #[arg(long)]
+    #[arg(long, env = "KEEL_NODE")]
     pub node: Option<String>,
     /// Directory with the default guest kernel and initrd (vmlinuz,
     /// initramfs.cpio.gz) for VMs whose spec names none; default
@@ -125,7 +181,7 @@ pub struct AgentArgs {
     #[arg(long, env = "KEEL_STORE")]
     pub store: StoreSpec,
     /// This node's name (default: the host name, lowercased, first label).
-    #[arg(long)]
+    #[arg(long, env = "KEEL_NODE")]
     pub node: Option<String>,
     /// Directory for this node's instances (DATA_DIR/node) and lock.
     #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
@@ -162,9 +218,13 @@ pub struct ClientArgs {
     /// Keel server URL.
     #[arg(long, env = "KEEL_SERVER", default_value = DEFAULT_SERVER, global = true)]
     pub server: String,
-    /// API token (prefer $KEEL_TOKEN: flags are visible in `ps`). Default: read DATA_DIR/token.
+    /// API token (prefer $KEEL_TOKEN: flags are visible in `ps`). Default:
+    /// read --token-file, else DATA_DIR/token.
     #[arg(long, env = "KEEL_TOKEN", hide_env_values = true, global = true)]
     pub token: Option<String>,
+    /// The API token's file (default DATA_DIR/token).
+    #[arg(long, env = "KEEL_TOKEN_FILE", global = true)]
+    pub token_file: Option<PathBuf>,
     /// Where to find the token file when no token is given.
     #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR, global = true)]
     pub data_dir: PathBuf,

@@ -1,5 +1,8 @@
-//! The API's bearer token: generated once into `DATA_DIR/token` (mode 0600),
-//! checked in constant time on every request except `/healthz`.
+//! The API's bearer token: generated once into its token file (default
+//! `DATA_DIR/token`, mode 0600), checked in constant time on every request
+//! except `/healthz`. A token file elsewhere (`--token-file`, as the package
+//! sets up in `/etc/keel/token`, mode 0640 group keel) may be readable by its
+//! group, so the group's members use the CLI without root; never by others.
 
 use std::fs::{self, OpenOptions};
 use std::io::{ErrorKind, Write};
@@ -63,17 +66,22 @@ pub fn token_path(data_dir: &Path) -> PathBuf {
     data_dir.join(TOKEN_FILE)
 }
 
-/// Reads the token, generating it on first start. The file is written
+/// Reads the token in `data_dir/token`, generating it on first start.
+pub fn load_or_create(data_dir: &Path) -> anyhow::Result<Token> {
+    load_or_create_at(&token_path(data_dir))
+}
+
+/// Reads the token file, generating it on first start. The file is written
 /// under a temporary name created with mode 0600 and hard-linked into
 /// place, so it is never readable by others nor seen half-written, and two
 /// servers starting at once agree on one token.
-pub fn load_or_create(data_dir: &Path) -> anyhow::Result<Token> {
-    let path = token_path(data_dir);
+pub fn load_or_create_at(path: &Path) -> anyhow::Result<Token> {
+    let path = path.to_path_buf();
     if let Some(token) = read_existing(&path)? {
         return Ok(token);
     }
     let hex = generate_secret();
-    let tmp = data_dir.join(format!(".{TOKEN_FILE}.{}.tmp", std::process::id()));
+    let tmp = sibling_tmp(&path);
     let _ = fs::remove_file(&tmp);
     let mut file = OpenOptions::new()
         .write(true)
@@ -106,36 +114,52 @@ pub fn generate_secret() -> String {
     secret.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The token in `data_dir/token`, if there is one (refused if others can
-/// read it).
-pub fn read_local(data_dir: &Path) -> anyhow::Result<Option<Token>> {
-    read_existing(&token_path(data_dir))
+/// The token in `path`, if there is one (refused if others can read it).
+pub fn read_local(path: &Path) -> anyhow::Result<Option<Token>> {
+    read_existing(path)
 }
 
-/// Writes `token` to `data_dir/token` (mode 0600 from creation), replacing
-/// whatever is there atomically: for control planes whose token comes from
-/// the cluster store, so the CLI on this host finds it.
-pub fn write_local(data_dir: &Path, token: &Token) -> anyhow::Result<()> {
-    let path = token_path(data_dir);
-    if fs::read_to_string(&path).is_ok_and(|t| t.trim() == token.secret()) {
-        let mode = fs::metadata(&path)?.permissions().mode() & 0o777;
-        if mode & 0o077 == 0 {
+/// A temporary name beside `path`, in the same directory so that a rename
+/// or link into place is atomic.
+fn sibling_tmp(path: &Path) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| TOKEN_FILE.to_string());
+    path.with_file_name(format!(".{name}.{}.tmp", std::process::id()))
+}
+
+/// Writes `token` to `path` (mode 0600 from creation, or `mode` if given:
+/// 0640 for a token file shared with a group), replacing whatever is there
+/// atomically: for control planes whose token comes from the cluster
+/// store, so the CLI on this host finds it, and for `keel token create`.
+pub fn write_local(path: &Path, token: &Token) -> anyhow::Result<()> {
+    write_token_file(path, token, 0o600)
+}
+
+pub fn write_token_file(path: &Path, token: &Token, mode: u32) -> anyhow::Result<()> {
+    if fs::read_to_string(path).is_ok_and(|t| t.trim() == token.secret()) {
+        let have = fs::metadata(path)?.permissions().mode() & 0o777;
+        if have & !mode & 0o777 == 0 {
             return Ok(());
         }
     }
-    let tmp = data_dir.join(format!(".{TOKEN_FILE}.{}.tmp", std::process::id()));
+    let tmp = sibling_tmp(path);
     let _ = fs::remove_file(&tmp);
     let mut file = OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o600)
+        .mode(mode)
         .open(&tmp)
         .with_context(|| format!("creating {}", tmp.display()))?;
     let written = file
         .write_all(format!("{}\n", token.secret()).as_bytes())
+        // The creation mode is filtered by the umask; the file must have
+        // exactly the mode asked for.
+        .and_then(|()| file.set_permissions(fs::Permissions::from_mode(mode)))
         .and_then(|()| file.sync_all());
     drop(file);
-    let renamed = written.and_then(|()| fs::rename(&tmp, &path));
+    let renamed = written.and_then(|()| fs::rename(&tmp, path));
     if renamed.is_err() {
         let _ = fs::remove_file(&tmp);
     }
@@ -149,9 +173,11 @@ fn read_existing(path: &Path) -> anyhow::Result<Option<Token>> {
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
     let mode = meta.permissions().mode() & 0o777;
-    if mode & 0o077 != 0 {
+    // Group read is allowed (a token file shared with the keel group);
+    // group write and any access by others are not.
+    if mode & 0o037 != 0 {
         bail!(
-            "token file {} has mode {mode:04o}, readable by others; run `chmod 600 {}` (or delete it to generate a new token)",
+            "token file {} has mode {mode:04o}, open to others; run `chmod 600 {}` (or 640 to share it with its group; or delete it to generate a new token)",
             path.display(),
             path.display()
         );
@@ -229,5 +255,21 @@ mod tests {
         fs::set_permissions(token_path(dir.path()), fs::Permissions::from_mode(0o644)).unwrap();
         let err = load_or_create(dir.path()).unwrap_err().to_string();
         assert!(err.contains("chmod 600"), "{err}");
+        // Shared with its group is allowed; group write is not.
+        fs::set_permissions(token_path(dir.path()), fs::Permissions::from_mode(0o640)).unwrap();
+        assert_eq!(load_or_create(dir.path()).unwrap().secret(), a.secret());
+        fs::set_permissions(token_path(dir.path()), fs::Permissions::from_mode(0o660)).unwrap();
+        assert!(load_or_create(dir.path()).is_err());
+    }
+
+    #[test]
+    fn a_shared_token_file_gets_exactly_its_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("etc-keel-token");
+        let token = Token::new(generate_secret());
+        write_token_file(&path, &token, 0o640).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o640);
+        assert_eq!(load_or_create_at(&path).unwrap().secret(), token.secret());
     }
 }

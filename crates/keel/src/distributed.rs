@@ -122,7 +122,7 @@ impl fmt::Display for StoreSpec {
 /// (mode 0600) for the CLI on this host. A first control plane that already
 /// has a local token publishes that one, so existing CLI setups keep
 /// working.
-pub async fn shared_token(store: &dyn Store, data_dir: &Path) -> anyhow::Result<Token> {
+pub async fn shared_token(store: &dyn Store, token_file: &Path) -> anyhow::Result<Token> {
     for _ in 0..3 {
         if let Some(entry) = store.get(API_TOKEN_KEY).await? {
             let secret = String::from_utf8(entry.value)
@@ -131,10 +131,10 @@ pub async fn shared_token(store: &dyn Store, data_dir: &Path) -> anyhow::Result<
                 .filter(|s| !s.is_empty())
                 .with_context(|| format!("the store's {API_TOKEN_KEY} is empty or not UTF-8"))?;
             let token = Token::new(secret);
-            auth::write_local(data_dir, &token)?;
+            auth::write_local(token_file, &token)?;
             return Ok(token);
         }
-        let secret = match auth::read_local(data_dir)? {
+        let secret = match auth::read_local(token_file)? {
             Some(local) => local.secret().to_string(),
             None => auth::generate_secret(),
         };
@@ -149,7 +149,7 @@ pub async fn shared_token(store: &dyn Store, data_dir: &Path) -> anyhow::Result<
             Ok(_) => {
                 tracing::info!(key = API_TOKEN_KEY, "published the cluster's API token");
                 let token = Token::new(secret);
-                auth::write_local(data_dir, &token)?;
+                auth::write_local(token_file, &token)?;
                 return Ok(token);
             }
             // Another control plane published first: use its token.
@@ -200,23 +200,28 @@ mod tests {
     async fn control_planes_agree_on_one_token() {
         let store: Arc<dyn Store> = Arc::new(keel_store::memory::MemoryStore::new());
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let (ta, tb) = tokio::join!(
-            shared_token(&*store, a.path()),
-            shared_token(&*store, b.path())
-        );
+        let (pa, pb) = (auth::token_path(a.path()), auth::token_path(b.path()));
+        let (ta, tb) = tokio::join!(shared_token(&*store, &pa), shared_token(&*store, &pb));
         let (ta, tb) = (ta.unwrap(), tb.unwrap());
         assert_eq!(ta.secret(), tb.secret());
         for dir in [&a, &b] {
-            let local = auth::read_local(dir.path()).unwrap().expect("token file");
+            let local = auth::read_local(&auth::token_path(dir.path()))
+                .unwrap()
+                .expect("token file");
             assert_eq!(local.secret(), ta.secret());
         }
         // A later control plane with a different local token adopts the cluster's.
         let c = tempfile::tempdir().unwrap();
         auth::load_or_create(c.path()).unwrap();
-        let tc = shared_token(&*store, c.path()).await.unwrap();
+        let tc = shared_token(&*store, &auth::token_path(c.path()))
+            .await
+            .unwrap();
         assert_eq!(tc.secret(), ta.secret());
         assert_eq!(
-            auth::read_local(c.path()).unwrap().unwrap().secret(),
+            auth::read_local(&auth::token_path(c.path()))
+                .unwrap()
+                .unwrap()
+                .secret(),
             ta.secret()
         );
     }

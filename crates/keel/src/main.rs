@@ -2,10 +2,16 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use keel::args::{Cli, Command};
 
 fn main() -> ExitCode {
+    // Before parsing: the file fills in KEEL_* variables the environment
+    // lacks, so flags > environment > file > defaults.
+    if let Err(err) = keel::config_file::apply(&Cli::command()) {
+        eprintln!("error: {err:#}");
+        return ExitCode::from(2);
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => keel::serve::main(args),
@@ -16,6 +22,12 @@ fn main() -> ExitCode {
         Command::Snapshot(cmd) => keel::cli::snapshot(cmd),
         Command::Restore(args) => keel::cli::restore(args),
         Command::Migration(cmd) => keel::cli::migration(cmd),
+        Command::Doctor(args) => keel::doctor::main(args),
+        Command::Token(cmd) => keel::host_tools::token(cmd),
+        Command::Completions { shell } => {
+            keel::host_tools::completions(shell, &mut Cli::command(), &mut std::io::stdout())
+        }
+        Command::Man { dir } => keel::host_tools::man_pages(Cli::command(), &dir),
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

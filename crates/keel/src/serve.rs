@@ -49,6 +49,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
     pub data_dir: PathBuf,
+    /// The API token's file; default `<data_dir>/token`.
+    pub token_file: Option<PathBuf>,
     pub listen: SocketAddr,
     pub hypervisor: HypervisorKind,
     pub node: String,
@@ -86,6 +88,7 @@ impl ServeConfig {
     ) -> Self {
         Self {
             data_dir,
+            token_file: None,
             listen,
             hypervisor,
             node,
@@ -101,6 +104,12 @@ impl ServeConfig {
             agent: false,
             election: ElectionConfig::default(),
         }
+    }
+
+    pub fn token_path(&self) -> PathBuf {
+        self.token_file
+            .clone()
+            .unwrap_or_else(|| auth::token_path(&self.data_dir))
     }
 
     pub fn hypervisor_options(&self) -> HypervisorOptions {
@@ -280,7 +289,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
     let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
-    let token = auth::load_or_create(&cfg.data_dir)?;
+    let token = auth::load_or_create_at(&cfg.token_path())?;
     let db = cfg.data_dir.join(DB_FILE);
     let store = TypedStore::new(Arc::new(SqliteStore::open(&db)?));
     let facts = hv.facts().await;
@@ -369,7 +378,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let lock = lock_data_dir(&cfg.data_dir)?;
     let raw = cfg.store.connect_etcd().await?.expect("an etcd store spec");
     let store = TypedStore::new(raw.clone());
-    let token = distributed::shared_token(&*raw, &cfg.data_dir).await?;
+    let token = distributed::shared_token(&*raw, &cfg.token_path()).await?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
@@ -485,11 +494,13 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
 /// `keel serve`: runs until SIGINT or SIGTERM.
 pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     init_logging();
+    private_umask();
     let node = match args.node {
         Some(node) => node,
         None => default_node_name()?,
     };
     let mut cfg = ServeConfig::new(args.data_dir, args.listen, args.hypervisor, node);
+    cfg.token_file = args.token_file;
     cfg.guest_dir = args.guest_dir.or_else(|| {
         let built = PathBuf::from("target/guest");
         built.join("vmlinuz").is_file().then_some(built)
@@ -516,6 +527,14 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         );
         server.shutdown().await
     })
+}
+
+/// Everything Keel and its QEMUs create — disks, images, sockets, records —
+/// is private to the user it runs as (0600/0700), whatever umask it was
+/// started with: VM disks hold guests' data.
+pub(crate) fn private_umask() {
+    // SAFETY: umask only sets the process's file creation mask.
+    unsafe { libc::umask(0o077) };
 }
 
 pub(crate) fn init_logging() {

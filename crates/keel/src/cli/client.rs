@@ -76,10 +76,13 @@ impl Client {
         let token = match &args.token {
             Some(t) => t.clone(),
             None => {
-                let path = token_path(&args.data_dir);
+                let path = args
+                    .token_file
+                    .clone()
+                    .unwrap_or_else(|| token_path(&args.data_dir));
                 read_token_file(&path).with_context(|| {
                     format!(
-                        "no API token: pass --token or $KEEL_TOKEN, or --data-dir / $KEEL_DATA_DIR of the server (looked in {})",
+                        "no API token: pass --token or $KEEL_TOKEN, --token-file, or --data-dir / $KEEL_DATA_DIR of the server (looked in {})",
                         path.display()
                     )
                 })?

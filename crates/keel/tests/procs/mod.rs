@@ -20,8 +20,14 @@ pub struct Keel {
 
 impl Keel {
     pub fn spawn(name: &str, args: &[&str]) -> Keel {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
-            .args(args)
+        Self::spawn_with(name, Command::new(env!("CARGO_BIN_EXE_keel")).args(args))
+    }
+
+    /// `command` (a `keel`, or something that execs one), with the test's
+    /// environment: no host config file, no inherited data dir.
+    pub fn spawn_with(name: &str, command: &mut Command) -> Keel {
+        let mut child = command
+            .env("KEEL_CONFIG", "")
             .env(
                 "RUST_LOG",
                 std::env::var("KEEL_TEST_LOG").unwrap_or_else(|_| "info".into()),
@@ -110,6 +116,7 @@ pub fn cli(root: &Path, server: &str, args: &[&str]) -> std::process::Output {
         .args(args)
         .env("KEEL_SERVER", server)
         .env("KEEL_DATA_DIR", root.join("cp"))
+        .env("KEEL_CONFIG", "")
         .env_remove("KEEL_TOKEN")
         .output()
         .unwrap()

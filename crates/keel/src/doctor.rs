@@ -1,0 +1,479 @@
+//! `keel doctor`: checks a host for running Keel and prints each check with
+//! what to do about it. Read-only: it starts no server and changes nothing,
+//! so it is safe beside a running Keel.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use serde::Serialize;
+
+use crate::args::DoctorArgs;
+use crate::distributed::StoreSpec;
+
+/// The QEMU release Keel is tested with (Debian 12's); older ones lack
+/// QMP commands the driver uses.
+const MIN_QEMU: (u32, u32) = (7, 2);
+/// Below this free space a data or disk directory is reported as failing:
+/// qcow2 overlays grow on guest writes, and a full disk pauses guests.
+const MIN_FREE_BYTES: u64 = 2 << 30;
+const LOW_FREE_BYTES: u64 = 10 << 30;
+/// Wall clocks further apart than this are reported. Liveness does not
+/// depend on them (it is judged on the observer's clock), but event times,
+/// certificates and logs read across nodes do.
+const MAX_CLOCK_OFFSET: Duration = Duration::from_secs(2);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Warn,
+    Fail,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+    /// What to do; empty when nothing is to be done.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub fix: String,
+}
+
+impl Check {
+    fn ok(name: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            name,
+            status: Status::Ok,
+            detail: detail.into(),
+            fix: String::new(),
+        }
+    }
+    fn warn(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self {
+            name,
+            status: Status::Warn,
+            detail: detail.into(),
+            fix: fix.into(),
+        }
+    }
+    fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
+        Self {
+            name,
+            status: Status::Fail,
+            detail: detail.into(),
+            fix: fix.into(),
+        }
+    }
+}
+
+pub fn main(args: DoctorArgs) -> anyhow::Result<()> {
+    let checks = run(&args);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&checks)?);
+    } else {
+        for c in &checks {
+            let tag = match c.status {
+                Status::Ok => "ok  ",
+                Status::Warn => "warn",
+                Status::Fail => "FAIL",
+            };
+            println!("[{tag}] {:<12} {}", c.name, c.detail);
+            if !c.fix.is_empty() {
+                println!("       {:<12} fix: {}", "", c.fix);
+            }
+        }
+    }
+    let failed = checks.iter().filter(|c| c.status == Status::Fail).count();
+    if failed > 0 {
+        anyhow::bail!("{failed} check(s) failed");
+    }
+    Ok(())
+}
+
+pub fn run(args: &DoctorArgs) -> Vec<Check> {
+    let mut checks = Vec::new();
+    let qemu = check_qemu(&args.qemu);
+    let qemu_version = qemu.1;
+    checks.push(qemu.0);
+    checks.push(check_qemu_img(qemu_version));
+    checks.push(check_kvm(&args.qemu));
+    checks.push(check_firmware());
+    checks.push(check_data_dir(&args.data_dir));
+    let disk_dir = args
+        .disk_dir
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join("node").join("disks"));
+    checks.push(check_space("disk dir", &disk_dir));
+    checks.push(check_space(
+        "image store",
+        &args.data_dir.join("node").join("images"),
+    ));
+    checks.extend(check_store(&args.store));
+    checks
+}
+
+/// `QEMU emulator version 7.2.22 (…)` → (7, 2, 22).
+pub fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    let rest = text.split("version ").nth(1)?;
+    let mut parts = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|p| !p.is_empty())
+        .map(|p| p.parse::<u32>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
+fn version_of(binary: &Path) -> Result<(String, (u32, u32, u32)), String> {
+    let out = Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("{}: {e}", binary.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let first = text.lines().next().unwrap_or("").trim().to_string();
+    let version = parse_version(&first).ok_or_else(|| format!("unrecognised version {first:?}"))?;
+    Ok((first, version))
+}
+
+fn check_qemu(binary: &Path) -> (Check, Option<(u32, u32, u32)>) {
+    match version_of(binary) {
+        Err(e) => (
+            Check::fail(
+                "qemu",
+                format!("cannot run {}: {e}", binary.display()),
+                "apt-get install qemu-system-x86 (or set KEEL_QEMU to its path)",
+            ),
+            None,
+        ),
+        Ok((line, v)) if (v.0, v.1) < MIN_QEMU => (
+            Check::fail(
+                "qemu",
+                format!("{line}: older than {}.{}", MIN_QEMU.0, MIN_QEMU.1),
+                "install QEMU 7.2 or newer (Debian 12's qemu-system-x86)",
+            ),
+            Some(v),
+        ),
+        Ok((line, v)) => (Check::ok("qemu", line), Some(v)),
+    }
+}
+
+fn check_qemu_img(qemu: Option<(u32, u32, u32)>) -> Check {
+    match version_of(Path::new("qemu-img")) {
+        Err(e) => Check::fail(
+            "qemu-img",
+            format!("cannot run qemu-img: {e}"),
+            "apt-get install qemu-utils",
+        ),
+        Ok((line, v)) => match qemu {
+            Some(q) if (q.0, q.1) != (v.0, v.1) => Check::warn(
+                "qemu-img",
+                format!("{line}: not the QEMU release ({}.{})", q.0, q.1),
+                "install qemu-utils at qemu-system-x86's version (scripts/setup pins both)",
+            ),
+            _ => Check::ok("qemu-img", line),
+        },
+    }
+}
+
+/// Opens /dev/kvm and starts QEMU paused with `-accel kvm -cpu host`: vCPU
+/// creation is where nested KVM fails (an MSR QEMU cannot set aborts it),
+/// and with `-S` no guest code runs, so this takes about a second.
+fn check_kvm(qemu: &Path) -> Check {
+    const NAME: &str = "kvm";
+    let kvm = Path::new("/dev/kvm");
+    if !kvm.exists() {
+        return Check::warn(
+            NAME,
+            "/dev/kvm not present: guests will run under TCG (software emulation, about 10x slower)",
+            "load kvm_intel or kvm_amd, enable virtualisation in the firmware, or nested virtualisation on the host's hypervisor",
+        );
+    }
+    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open(kvm) {
+        return Check::warn(
+            NAME,
+            format!("/dev/kvm not usable by this user ({e}): guests will run under TCG"),
+            "add the user Keel runs as to group kvm (the package's keel user is), then log in again",
+        );
+    }
+    let child = Command::new(qemu)
+        .args([
+            "-accel",
+            "kvm",
+            "-cpu",
+            "host",
+            "-machine",
+            "q35",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-S",
+            "-m",
+            "64",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match child {
+        Ok(c) => c,
+        Err(e) => {
+            return Check::warn(
+                NAME,
+                format!("could not start {} to probe KVM: {e}", qemu.display()),
+                "fix the qemu check first",
+            )
+        }
+    };
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(3) {
+        if let Ok(Some(_)) = child.try_wait() {
+            let mut err = String::new();
+            if let Some(mut stderr) = child.stderr.take() {
+                use std::io::Read;
+                let _ = stderr.read_to_string(&mut err);
+            }
+            let why = err
+                .lines()
+                .find(|l| l.contains("error"))
+                .or_else(|| err.lines().next())
+                .unwrap_or("no message")
+                .trim()
+                .to_string();
+            return Check::warn(
+                NAME,
+                format!("QEMU cannot use KVM here ({why}); Keel's driver probes the same and falls back to TCG"),
+                "on nested virtualisation, update the outer hypervisor or run Keel on bare metal; KEEL_ACCEL=tcg skips the probe",
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    Check::ok(
+        NAME,
+        "/dev/kvm usable and QEMU creates a KVM vCPU with -cpu host",
+    )
+}
+
+fn check_firmware() -> Check {
+    let bios = Path::new("/usr/share/seabios/bios-256k.bin");
+    let ovmf = Path::new("/usr/share/OVMF/OVMF_CODE_4M.fd");
+    match (bios.is_file(), ovmf.is_file()) {
+        (true, true) => Check::ok("firmware", "SeaBIOS and OVMF (UEFI) present"),
+        (true, false) => Check::warn(
+            "firmware",
+            "SeaBIOS present, OVMF missing: VMs asking for UEFI will not start",
+            "apt-get install ovmf",
+        ),
+        (false, _) => Check::fail(
+            "firmware",
+            format!("{} missing", bios.display()),
+            "apt-get install seabios (it comes with qemu-system-x86)",
+        ),
+    }
+}
+
+fn check_data_dir(dir: &Path) -> Check {
+    const NAME: &str = "data dir";
+    let meta = match std::fs::metadata(dir) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Check::warn(
+                NAME,
+                format!(
+                    "{} does not exist yet (made 0700 at the first start)",
+                    dir.display()
+                ),
+                "",
+            )
+        }
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                format!("{}: {e}", dir.display()),
+                "run doctor as the user Keel runs as (e.g. sudo -u keel keel doctor)",
+            )
+        }
+    };
+    let mode = meta.permissions().mode() & 0o777;
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Check::warn(
+            NAME,
+            format!(
+                "{} is owned by uid {}, not by this user (uid {me})",
+                dir.display(),
+                meta.uid()
+            ),
+            "run doctor as the user Keel runs as (e.g. sudo -u keel keel doctor)",
+        );
+    }
+    if mode != 0o700 {
+        return Check::warn(
+            NAME,
+            format!(
+                "{} has mode {mode:04o}; it holds the store and the token",
+                dir.display()
+            ),
+            format!("chmod 700 {} (Keel also does so at start)", dir.display()),
+        );
+    }
+    let space = check_space(NAME, dir);
+    if space.status != Status::Ok {
+        return space;
+    }
+    Check::ok(
+        NAME,
+        format!("{} (mode 0700); {}", dir.display(), space.detail),
+    )
+}
+
+/// Free space of the filesystem holding `dir` (or its nearest existing
+/// parent, since Keel makes the directory on first use).
+fn check_space(name: &'static str, dir: &Path) -> Check {
+    let mut probe: PathBuf = dir.to_path_buf();
+    while !probe.exists() {
+        match probe.parent() {
+            Some(p) => probe = p.to_path_buf(),
+            None => break,
+        }
+    }
+    let free = match free_bytes(&probe) {
+        Ok(f) => f,
+        Err(e) => return Check::fail(name, format!("{}: {e}", probe.display()), "check the mount"),
+    };
+    let gib = free as f64 / (1u64 << 30) as f64;
+    let detail = format!("{}: {gib:.1} GiB free", dir.display());
+    if free < MIN_FREE_BYTES {
+        Check::fail(
+            name,
+            detail,
+            "free space or move the directory (--data-dir / --disk-dir): a full disk pauses guests on their next write",
+        )
+    } else if free < LOW_FREE_BYTES {
+        Check::warn(
+            name,
+            detail,
+            "keep more room for disks that grow on guest writes",
+        )
+    } else {
+        Check::ok(name, detail)
+    }
+}
+
+fn free_bytes(path: &Path) -> std::io::Result<u64> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a statvfs that outlives the call.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn check_store(store: &StoreSpec) -> Vec<Check> {
+    let StoreSpec::Etcd { endpoints, .. } = store else {
+        return vec![Check::ok("store", "sqlite in the data dir")];
+    };
+    endpoints.iter().map(|e| check_etcd(e)).collect()
+}
+
+/// Reachability through etcd's `/health`, and the clock offset from the
+/// `Date` header of its answer (one-second resolution, taken against the
+/// midpoint of the round trip).
+fn check_etcd(endpoint: &str) -> Check {
+    const NAME: &str = "etcd";
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .timeout_global(Some(Duration::from_secs(5)))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let sent = SystemTime::now();
+    let began = Instant::now();
+    let url = format!("{}/health", endpoint.trim_end_matches('/'));
+    let mut resp = match agent.get(&url).call() {
+        Ok(r) => r,
+        Err(e) => {
+            return Check::fail(
+                NAME,
+                format!("{endpoint} unreachable: {e}"),
+                "start etcd (scripts/start-etcd for a local one) or fix --store",
+            )
+        }
+    };
+    let rtt = began.elapsed();
+    let body = resp.body_mut().read_to_string().unwrap_or_default();
+    if !body.contains("\"true\"") {
+        return Check::fail(
+            NAME,
+            format!("{endpoint} answers but is not healthy: {}", body.trim()),
+            "check etcd's log; a member without quorum answers health=false",
+        );
+    }
+    let date = resp
+        .headers()
+        .get("date")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| httpdate::parse_http_date(s).ok());
+    let Some(date) = date else {
+        return Check::ok(
+            NAME,
+            format!(
+                "{endpoint} healthy ({} ms); no Date header to compare clocks",
+                rtt.as_millis()
+            ),
+        );
+    };
+    let local = sent + rtt / 2;
+    let (offset, ahead) = match date.duration_since(local) {
+        Ok(d) => (d, "ahead of"),
+        Err(e) => (e.duration(), "behind"),
+    };
+    // The header has one-second resolution: anything under it is noise.
+    let offset = offset.saturating_sub(Duration::from_secs(1));
+    let detail = format!(
+        "{endpoint} healthy ({} ms); its clock is {:.1} s {ahead} this host's",
+        rtt.as_millis(),
+        offset.as_secs_f64()
+    );
+    if offset > MAX_CLOCK_OFFSET {
+        Check::warn(
+            NAME,
+            detail,
+            "run NTP (systemd-timesyncd or chrony) on every node and etcd member",
+        )
+    } else {
+        Check::ok(NAME, detail)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qemu_versions_parse() {
+        assert_eq!(
+            parse_version("QEMU emulator version 7.2.22 (Debian 1:7.2+dfsg-7+deb12u18+b3)"),
+            Some((7, 2, 22))
+        );
+        assert_eq!(
+            parse_version("qemu-img version 10.0.2 (Debian)"),
+            Some((10, 0, 2))
+        );
+        assert_eq!(parse_version("QEMU emulator version 8.1"), Some((8, 1, 0)));
+        assert_eq!(parse_version("nonsense"), None);
+    }
+}
