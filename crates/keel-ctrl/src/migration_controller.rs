@@ -32,6 +32,9 @@ pub struct MigrationController {
     observer: Arc<dyn LifecycleObserver>,
     /// Source nodes' heartbeats as seen here, on this controller's clock.
     liveness: std::sync::Mutex<Liveness>,
+    /// This node's own lease, shared with its VM controller: no incoming
+    /// instance is started while it is stale.
+    lease: Option<Arc<crate::node_lease::NodeLease>>,
 }
 
 impl MigrationController {
@@ -48,7 +51,13 @@ impl MigrationController {
             cfg,
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
+            lease: None,
         }
+    }
+
+    pub fn with_lease(mut self, lease: Arc<crate::node_lease::NodeLease>) -> Self {
+        self.lease = Some(lease);
+        self
     }
 
     pub fn with_observer(mut self, observer: Arc<dyn LifecycleObserver>) -> Self {
@@ -105,6 +114,18 @@ impl MigrationController {
                         )
                         .await;
                 };
+                if self
+                    .lease
+                    .as_ref()
+                    .is_some_and(|l| !l.fresh(now, &self.cfg))
+                {
+                    tracing::warn!(
+                        vm = vm_name,
+                        migration = id,
+                        "not starting the incoming instance: this node's lease is stale"
+                    );
+                    return Ok(Some(now + self.cfg.retry_ms));
+                }
                 let spec = DomainSpec {
                     vm: vm.name.clone(),
                     instance: m.target_instance.clone(),

@@ -50,7 +50,7 @@ async fn a_guest_is_fenced_once_nobody_renews_the_lease() {
         return;
     };
     // Renewed every second for 4 s, as the agent does after each heartbeat
-    // (always "now + the same window"; the keeper never shortens a lease).
+    // (always "now + the same window").
     const LEASE: Duration = Duration::from_secs(4);
     let renewer = {
         let hv = fx.hv().clone();

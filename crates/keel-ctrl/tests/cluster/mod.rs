@@ -193,6 +193,26 @@ impl Cluster {
         }
     }
 
+    /// One agent process restarts (same host, guests and hypervisor):
+    /// new controllers, nothing carried over in memory.
+    pub fn restart_agent(&mut self, name: &str) {
+        let i = self.agents.iter().position(|a| a.name == name).unwrap();
+        let (hv, partitioned) = (
+            self.agents[i].hv.clone(),
+            self.agents[i].partitioned.clone(),
+        );
+        let (vms, migrations) = self.controllers(name, &hv, &partitioned);
+        let a = &mut self.agents[i];
+        a.vms = vms;
+        a.migrations = migrations;
+        a.running = true;
+        a.last_heartbeat_ok = self.clock.now_ms();
+    }
+
+    pub fn agent_index(&self, name: &str) -> usize {
+        self.agents.iter().position(|a| a.name == name).unwrap()
+    }
+
     pub fn agent(&self, name: &str) -> &Agent {
         self.agents.iter().find(|a| a.name == name).unwrap()
     }
