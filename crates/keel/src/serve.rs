@@ -455,7 +455,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
     if store.get::<VirtualMachine>(&key).await?.is_some() {
         return Ok(());
     }
-    let vm = VirtualMachine::new(
+    let mut vm = VirtualMachine::new(
         DEMO_VM,
         VmSpec {
             cpus: 1,
@@ -472,6 +472,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             node: None,
         },
     );
+    vm.uid = crate::api::vms::new_vm_uid();
     vm.validate()?;
     match store.create(&key, &vm).await {
         Ok(_) | Err(keel_store::StoreError::Conflict { .. }) => {

@@ -50,6 +50,8 @@ pub struct Cluster {
     /// How far each node's wall clock is off (ms, either way). The
     /// controllers see it; the store and the simulated hosts keep true time.
     pub skew_ms: BTreeMap<String, i64>,
+    /// VMs created so far: each gets a uid of its own, as from the API.
+    pub created: u64,
 }
 
 /// A node's wall clock: true time plus a fixed offset.
@@ -105,6 +107,7 @@ impl Cluster {
             sim,
             local_disks: false,
             skew_ms: BTreeMap::new(),
+            created: 0,
         }
     }
 
@@ -218,8 +221,15 @@ impl Cluster {
     }
 
     pub async fn create(&mut self, name: &str, policy: RunPolicy) {
-        let vm = VirtualMachine::new(name, spec(policy));
-        self.store.create(&vm_key(name), &vm).await.unwrap();
+        assert!(self.try_create(name, policy).await, "VM {name} exists");
+    }
+
+    /// Creates the VM unless one of that name exists; whether it did.
+    pub async fn try_create(&mut self, name: &str, policy: RunPolicy) -> bool {
+        self.created += 1;
+        let mut vm = VirtualMachine::new(name, spec(policy));
+        vm.uid = format!("{:016x}", self.created);
+        self.store.create(&vm_key(name), &vm).await.is_ok()
     }
 
     pub async fn vm(&self, name: &str) -> VirtualMachine {

@@ -294,6 +294,7 @@ fn schemas() -> Value {
         "Phase": {"type": "string", "enum": ["Pending", "Starting", "Running", "Stopping", "Stopped", "BackOff", "Deleting"]},
         "VirtualMachine": {"type": "object", "required": ["name", "spec"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
+            "uid": {"type": "string", "description": "Set at creation; tells this VM from an earlier or later one of the same name"},
             "generation": {"type": "integer"},
             "spec": {"$ref": "#/components/schemas/VmSpec"},
             "power_intent": {"$ref": "#/components/schemas/PowerIntent"},
@@ -450,8 +451,9 @@ fn schemas() -> Value {
             "items": {"type": "array", "items": {"$ref": "#/components/schemas/SnapshotResponse"}}
         }},
         "Migration": {"type": "object", "required": ["id", "vm", "source_node", "source_instance", "target_node", "target_instance", "created_at"], "properties": {
-            "id": {"type": "string"},
+            "id": {"type": "string", "description": "m<seq>-<vm uid>: unique across deletes and re-creations of the VM"},
             "vm": {"$ref": "#/components/schemas/Name"},
+            "vm_uid": {"type": "string"},
             "source_node": {"type": "string"},
             "source_instance": {"type": "string"},
             "target_node": {"type": "string"},
