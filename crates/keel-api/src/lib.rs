@@ -14,7 +14,7 @@ pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
 pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
-pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
+pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;
 pub use vm::*;

@@ -102,8 +102,14 @@ impl MigrationTuning {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Migration {
+    /// `m<seq>-<vm uid>`, unique across deletes and re-creations of the VM
+    /// (`<vm>-m<seq>` for VMs from before uids).
     pub id: String,
     pub vm: String,
+    /// The uid of the VM this migration was made for (empty: from before
+    /// uids). A VM of the same name created later never adopts it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub vm_uid: String,
     pub source_node: String,
     pub source_instance: String,
     pub target_node: String,
@@ -114,6 +120,39 @@ pub struct Migration {
     pub tuning: MigrationTuning,
     #[serde(default)]
     pub status: MigrationStatus,
+}
+
+/// A migration that has not started sending by then is given up (Failed,
+/// with the reason): counted from its creation, if the record names no
+/// deadline of its own.
+pub const DEFAULT_MIGRATION_START_MS: Millis = 150_000;
+
+impl Migration {
+    /// The id of attempt `seq` of the VM named `vm` with uid `uid`.
+    pub fn id_for(vm: &str, uid: &str, seq: u64) -> String {
+        if uid.is_empty() {
+            format!("{vm}-m{seq}")
+        } else {
+            format!("m{seq}-{uid}")
+        }
+    }
+
+    /// Whether this migration was made for `vm` (this VM, not an earlier
+    /// one of the same name) from its current instance: the only one it
+    /// may hand over.
+    pub fn is_from(&self, vm: &crate::VirtualMachine) -> bool {
+        (self.vm_uid.is_empty() || self.vm_uid == vm.uid)
+            && self.vm == vm.name
+            && vm.status.instance.as_ref().map(|i| i.id.as_str())
+                == Some(self.source_instance.as_str())
+    }
+
+    /// When it must have started sending, or be given up.
+    pub fn start_deadline(&self) -> Millis {
+        self.status
+            .start_deadline
+            .unwrap_or(self.created_at.saturating_add(DEFAULT_MIGRATION_START_MS))
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -160,6 +199,10 @@ pub struct MigrationStatus {
     /// own state (paused with the whole state: Succeeded; exited: Failed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_gone_at: Option<Millis>,
+    /// A migration not sending by then is given up (the source's clock;
+    /// see [`Migration::start_deadline`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_deadline: Option<Millis>,
 }
 
 #[cfg(test)]

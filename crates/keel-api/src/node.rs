@@ -27,8 +27,43 @@ pub struct Node {
     pub cordoned_by_keel: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain: Option<Drain>,
+    /// A bounded pause of takeover (a planned agent restart): see [`NodeFreeze`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freeze: Option<NodeFreeze>,
     #[serde(default)]
     pub status: NodeStatus,
+}
+
+/// The longest freeze Keel accepts: a freeze keeps guests running with no
+/// agent looking after them, so it must stay short.
+pub const MAX_FREEZE_MS: Millis = 60 * 60 * 1000;
+
+/// A bounded freeze of a node, for a planned agent restart (an upgrade):
+/// while it lasts, the node's VMs are not taken over even though its agent
+/// is silent, and its guests keep running; the agent extends the node's
+/// fence lease to the freeze's end before it exits, so the guests are
+/// fenced if it has not returned by then, and the cluster takes over only
+/// after that end plus the usual margin. The agent clears it when it is
+/// back, or once the freeze is over.
+///
+/// The freeze is judged on each observer's own clock, as liveness is: its
+/// end is `duration_ms` after the observer first saw it, never a wall-clock
+/// time of another host, so a skewed clock cannot stretch or shorten it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeFreeze {
+    /// When it was asked for, on the asker's wall clock: shown to users
+    /// and, with the duration, it tells one freeze from the next.
+    pub requested_at: Millis,
+    pub duration_ms: Millis,
+    /// Who asked and why, e.g. `agent restart (SIGTERM)`.
+    pub reason: String,
+}
+
+impl NodeFreeze {
+    /// What tells this freeze from another: a replacement has a new one.
+    pub fn key(&self) -> (Millis, Millis) {
+        (self.requested_at, self.duration_ms)
+    }
 }
 
 /// A request to move every VM off the node: live migration first, then
@@ -93,6 +128,7 @@ impl Node {
             cordoned: false,
             cordoned_by_keel: false,
             drain: None,
+            freeze: None,
             status: NodeStatus::default(),
         }
     }
@@ -152,6 +188,44 @@ impl Node {
             .unwrap_or_else(|| crate::DiskHome::Node(self.name.clone()))
     }
 
+    /// Freezes the node for `duration_ms` (see [`NodeFreeze`]). A freeze in
+    /// force is replaced only by one at least as long: its guests' fence
+    /// lease may already have been extended by the old one's length, and a
+    /// shorter freeze would let the cluster take over before they are
+    /// fenced. Only the node's agent ends a freeze.
+    pub fn request_freeze(
+        &mut self,
+        now: Millis,
+        duration_ms: Millis,
+        reason: impl Into<String>,
+    ) -> Result<(), crate::ValidationError> {
+        if duration_ms == 0 || duration_ms > MAX_FREEZE_MS {
+            return Err(crate::ValidationError::new(
+                "for",
+                format!(
+                    "{duration_ms} ms is out of range 1..={MAX_FREEZE_MS} ms (at most an hour)"
+                ),
+            ));
+        }
+        if let Some(old) = &self.freeze {
+            if duration_ms < old.duration_ms {
+                return Err(crate::ValidationError::new(
+                    "for",
+                    format!(
+                        "node {} is frozen for {} ms already; a freeze can be replaced only by one at least as long",
+                        self.name, old.duration_ms
+                    ),
+                ));
+            }
+        }
+        self.freeze = Some(NodeFreeze {
+            requested_at: now,
+            duration_ms,
+            reason: reason.into(),
+        });
+        Ok(())
+    }
+
     pub fn draining(&self) -> Option<&Drain> {
         self.drain.as_ref().filter(|d| d.completed_at.is_none())
     }
@@ -175,6 +249,18 @@ mod tests {
         assert!(!n.cordoned_by_keel);
         assert!(!n.uncordon_by_keel());
         assert!(n.cordoned, "an operator's cordon stays");
+    }
+
+    #[test]
+    fn a_freeze_is_bounded_and_replaced_only_by_a_longer_one() {
+        let mut n = Node::new("a");
+        assert_eq!(n.request_freeze(1, 0, "x").unwrap_err().field, "for");
+        assert!(n.request_freeze(1, MAX_FREEZE_MS + 1, "x").is_err());
+        n.request_freeze(1, 60_000, "first").unwrap();
+        assert!(n.request_freeze(2, 59_999, "shorter").is_err());
+        assert_eq!(n.freeze.as_ref().unwrap().reason, "first");
+        n.request_freeze(3, 60_000, "again").unwrap();
+        assert_eq!(n.freeze.as_ref().unwrap().key(), (3, 60_000));
     }
 
     #[test]

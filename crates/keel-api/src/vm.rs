@@ -26,6 +26,12 @@ pub const MAX_DISK_SIZE_MIB: u64 = 16 << 20;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VirtualMachine {
     pub name: String,
+    /// Tells this VM from an earlier or later one of the same name: set
+    /// when it is created, never changed, never reused. Migration ids
+    /// include it, and a migration is adopted only by the VM it was made
+    /// for. Empty on records written before uids existed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
     /// Bumped by every spec change, so the controller can tell which spec
     /// its status describes (`status.observed_generation`).
     #[serde(default)]
@@ -398,6 +404,7 @@ impl VirtualMachine {
     pub fn new(name: impl Into<String>, spec: VmSpec) -> Self {
         Self {
             name: name.into(),
+            uid: String::new(),
             generation: 1,
             spec,
             power_intent: None,

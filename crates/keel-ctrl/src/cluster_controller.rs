@@ -178,7 +178,7 @@ pub(crate) async fn take_over(
             .into_iter()
             .map(|(_, e)| e.value)
             .collect();
-        let Some(next) = take_over_from_lost_node(vm, &owner, &migrations, now) else {
+        let Some(next) = take_over_from_lost_node(vm, &owner, &migrations, lost, now) else {
             // A migration from the lost node is still being settled by its target.
             continue;
         };

@@ -60,7 +60,7 @@ pub(crate) fn decide_eviction(
         .as_ref()
         .filter(|m| ev.migration.as_deref() == Some(m.id.as_str()));
     if let Some(m) = migration {
-        if m.status.phase == MigrationPhase::Succeeded {
+        if m.status.phase == MigrationPhase::Succeeded && m.is_from(vm) {
             return Some(adopt_target(vm, m, now));
         }
     }
@@ -292,7 +292,7 @@ fn reserve_and_create(
         None => {
             next.status.migration_seq += 1;
             next.status.instance_seq += 1;
-            let id = format!("{}-m{}", vm.name, next.status.migration_seq);
+            let id = Migration::id_for(&vm.name, &vm.uid, next.status.migration_seq);
             next.status
                 .eviction
                 .as_mut()
@@ -304,13 +304,18 @@ fn reserve_and_create(
     let migration = Migration {
         id,
         vm: vm.name.clone(),
+        vm_uid: vm.uid.clone(),
         source_node: inst.node.clone(),
         source_instance: inst.id.clone(),
         target_node: target.to_string(),
         target_instance,
         created_at: now,
         tuning: cluster.drain.as_ref().map(|d| d.tuning).unwrap_or_default(),
-        status: MigrationStatus::default(),
+        status: MigrationStatus {
+            // Within the eviction's submission window, which bounds it anyway.
+            start_deadline: vm.status.eviction.as_ref().and_then(|e| e.submit_deadline),
+            ..MigrationStatus::default()
+        },
     };
     let create = HvAction::CreateMigration(Box::new(migration));
     persist_if_changed(vm, next, Some(create), now + 500)
@@ -365,6 +370,7 @@ mod tests {
     fn migration(seq: u64, phase: MigrationPhase, source: &str) -> Migration {
         Migration {
             id: format!("vm-m{seq}"),
+            vm_uid: String::new(),
             vm: "vm".into(),
             source_node: "a".into(),
             source_instance: source.into(),

@@ -9,6 +9,7 @@ pub mod evict_decide;
 pub mod keys;
 pub mod liveness;
 pub mod migration_controller;
+pub mod node_lease;
 pub mod observe;
 pub mod queue;
 pub mod runtime;

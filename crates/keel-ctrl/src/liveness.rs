@@ -10,6 +10,14 @@
 //! new observer (a freshly elected leader, a restarted agent) starts every
 //! count at its first look, so it takes over nothing before a full lease
 //! of its own has passed: later, never earlier.
+//!
+//! A frozen node ([`keel_api::NodeFreeze`], a planned agent restart) is
+//! judged the same way: the freeze lasts its duration from the moment this
+//! observer first saw it, and the node is lost only once that end, plus the
+//! margin a lost node gets between its fence and the takeover, has passed.
+//! The agent extends its guests' fence lease by at most the same duration,
+//! counted from before anything it wrote could have been seen, so the
+//! guests are fenced before any observer's count ends.
 
 use std::collections::BTreeMap;
 
@@ -33,6 +41,16 @@ struct Heard {
     since: Millis,
     /// The value has been seen to change at least once.
     changed: bool,
+    /// The node's freeze as first seen, if its record carries one.
+    freeze: Option<SeenFreeze>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SeenFreeze {
+    key: (Millis, Millis),
+    duration_ms: Millis,
+    /// Observer time when this freeze was first seen.
+    seen_at: Millis,
 }
 
 impl Liveness {
@@ -62,26 +80,55 @@ impl Liveness {
         // Any change of the heartbeat counts (a clock set back still wrote
         // it); an instance only if newer than any seen before.
         let heartbeat = node.status.last_heartbeat;
-        match self.nodes.get_mut(&node.name) {
-            Some(h) if h.heartbeat == heartbeat && newest_instance <= h.newest_instance => {}
+        let h = match self.nodes.get_mut(&node.name) {
+            Some(h) if h.heartbeat == heartbeat && newest_instance <= h.newest_instance => h,
             Some(h) => {
                 *h = Heard {
                     heartbeat,
                     newest_instance: newest_instance.max(h.newest_instance),
                     since: now,
                     changed: true,
-                }
+                    freeze: h.freeze,
+                };
+                h
             }
-            None => {
-                self.nodes.insert(
-                    node.name.clone(),
-                    Heard {
-                        heartbeat,
-                        newest_instance,
-                        since: now,
-                        changed: false,
-                    },
-                );
+            None => self.nodes.entry(node.name.clone()).or_insert(Heard {
+                heartbeat,
+                newest_instance,
+                since: now,
+                changed: false,
+                freeze: None,
+            }),
+        };
+        h.freeze = match (&node.freeze, h.freeze) {
+            (None, _) => None,
+            (Some(f), Some(seen)) if seen.key == f.key() => Some(seen),
+            (Some(f), _) => Some(SeenFreeze {
+                key: f.key(),
+                duration_ms: f.duration_ms,
+                seen_at: now,
+            }),
+        };
+    }
+
+    /// Whether `node`'s record carries a freeze (as last observed).
+    pub fn is_frozen(&self, node: &str) -> bool {
+        self.nodes.get(node).is_some_and(|h| h.freeze.is_some())
+    }
+
+    /// The earliest observer time at which `node` may be taken over: a
+    /// lease of silence after its last sign of life and, while frozen, the
+    /// freeze's end (its duration after it was first seen here; the agent
+    /// counts it from before it could have been seen) plus the margin
+    /// between a lost node's fence and its takeover.
+    fn loss_at(h: &Heard, cfg: &LifecycleConfig) -> Millis {
+        let silent = h.since.saturating_add(cfg.node_lease_ms) + 1;
+        match h.freeze {
+            None => silent,
+            Some(f) => {
+                let margin = cfg.node_lease_ms.saturating_sub(cfg.self_fence_ms).max(1);
+                let end = f.seen_at.saturating_add(f.duration_ms);
+                silent.max(end.saturating_add(margin) + 1)
             }
         }
     }
@@ -90,7 +137,11 @@ impl Liveness {
     /// been seen to change, the node's own timestamp is the only hint; it
     /// is used for readiness only (a wrong answer delays or misplaces a
     /// start, it never starts a second instance), never for loss.
+    /// A frozen node is not ready: its agent is about to go away, or gone.
     pub fn ready(&self, node: &Node, now: Millis, cfg: &LifecycleConfig) -> bool {
+        if node.freeze.is_some() {
+            return false;
+        }
         match self.nodes.get(&node.name) {
             Some(h) if h.changed => now.saturating_sub(h.since) <= cfg.node_ready_ms,
             _ => now.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms,
@@ -107,12 +158,13 @@ impl Liveness {
             .collect()
     }
 
-    /// Whether `node` has been silent for longer than `node_lease_ms`; a
-    /// node never observed is not.
+    /// Whether `node` has been silent for longer than `node_lease_ms` (and,
+    /// if frozen, is past its freeze and the margin); a node never observed
+    /// is not.
     pub fn is_lost(&self, node: &str, now: Millis, cfg: &LifecycleConfig) -> bool {
         self.nodes
             .get(node)
-            .is_some_and(|h| now.saturating_sub(h.since) > cfg.node_lease_ms)
+            .is_some_and(|h| now >= Self::loss_at(h, cfg))
     }
 
     /// The earliest moment a node not lost yet would be, if it sent no
@@ -120,7 +172,7 @@ impl Liveness {
     pub fn next_loss(&self, now: Millis, cfg: &LifecycleConfig) -> Option<Millis> {
         self.nodes
             .values()
-            .map(|h| h.since.saturating_add(cfg.node_lease_ms) + 1)
+            .map(|h| Self::loss_at(h, cfg))
             .filter(|at| *at > now)
             .min()
     }

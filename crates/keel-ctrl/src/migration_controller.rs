@@ -32,6 +32,9 @@ pub struct MigrationController {
     observer: Arc<dyn LifecycleObserver>,
     /// Source nodes' heartbeats as seen here, on this controller's clock.
     liveness: std::sync::Mutex<Liveness>,
+    /// This node's own lease, shared with its VM controller: no incoming
+    /// instance is started while it is stale.
+    lease: Option<Arc<crate::node_lease::NodeLease>>,
 }
 
 impl MigrationController {
@@ -48,7 +51,13 @@ impl MigrationController {
             cfg,
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
+            lease: None,
         }
+    }
+
+    pub fn with_lease(mut self, lease: Arc<crate::node_lease::NodeLease>) -> Self {
+        self.lease = Some(lease);
+        self
     }
 
     pub fn with_observer(mut self, observer: Arc<dyn LifecycleObserver>) -> Self {
@@ -83,17 +92,25 @@ impl MigrationController {
         }
         // Still wanted: the VM's eviction names it and has not given up, and
         // nobody asked for the VM to stop, restart or go away meanwhile.
+        // (The VM, not an earlier one of the same name, from its current
+        // instance.)
         let wanted = vm.as_ref().is_some_and(|vm| {
             vm.status.eviction.as_ref().is_some_and(|e| {
                 e.migration.as_deref() == Some(id) && e.phase != EvictionPhase::Fallback
-            }) && vm.status.instance.as_ref().map(|i| i.id.as_str())
-                == Some(m.source_instance.as_str())
+            }) && m.is_from(vm)
                 && vm.wants_running()
                 && !vm.restart_pending()
         });
         let poll = Some(now + 500);
         match m.status.phase {
             MigrationPhase::Pending if m.target_node == me => {
+                if self.node_lost(&m.source_node).await? {
+                    let why = format!(
+                        "source node {} lost before the migration started",
+                        m.source_node
+                    );
+                    return self.fail(&key, m, entry.revision, &why, now).await;
+                }
                 let Some(vm) = vm.filter(|_| wanted) else {
                     return self
                         .fail(
@@ -105,6 +122,18 @@ impl MigrationController {
                         )
                         .await;
                 };
+                if self
+                    .lease
+                    .as_ref()
+                    .is_some_and(|l| !l.fresh(now, &self.cfg))
+                {
+                    tracing::warn!(
+                        vm = vm_name,
+                        migration = id,
+                        "not starting the incoming instance: this node's lease is stale"
+                    );
+                    return Ok(Some(now + self.cfg.retry_ms));
+                }
                 let spec = DomainSpec {
                     vm: vm.name.clone(),
                     instance: m.target_instance.clone(),
@@ -132,6 +161,18 @@ impl MigrationController {
             {
                 self.fail(&key, m, entry.revision, "cancelled before it was sent", now)
                     .await
+            }
+            // Never started: given up at its deadline, so the VM is not
+            // held by a migration that will not happen (a target that never
+            // got ready, a handoff cut short).
+            MigrationPhase::Pending | MigrationPhase::TargetReady
+                if m.source_node == me && now >= m.start_deadline() =>
+            {
+                let why = format!(
+                    "not started by its deadline ({}s after it was created)",
+                    m.start_deadline().saturating_sub(m.created_at) / 1000
+                );
+                self.fail(&key, m, entry.revision, &why, now).await
             }
             MigrationPhase::TargetReady if m.source_node == me => {
                 let uri = m.status.target_uri.clone().unwrap_or_default();
@@ -273,6 +314,26 @@ impl MigrationController {
                     Err(err) if err.is_not_found() => {
                         self.fail(&key, m, entry.revision, "target instance is gone", now)
                             .await
+                    }
+                    // Still waiting for the state, and the source's node is
+                    // lost (fenced): the rest will never come, and this
+                    // target never ran.
+                    Ok(_) if self.node_lost(&m.source_node).await? => {
+                        // Ended first: a waiting target must never be
+                        // taken for the VM's instance once the VM moves on.
+                        match self.hv.kill(&m.target_instance).await {
+                            Ok(()) => {}
+                            Err(err) if err.is_not_found() => {}
+                            Err(err) => {
+                                tracing::warn!(vm = vm_name, migration = id, %err, "cannot end the waiting target");
+                                return Ok(Some(now + self.cfg.retry_ms));
+                            }
+                        }
+                        let why = format!(
+                            "source node {} lost before the whole state arrived",
+                            m.source_node
+                        );
+                        self.fail(&key, m, entry.revision, &why, now).await
                     }
                     _ => Ok(Some(now + 500)),
                 }
@@ -462,6 +523,7 @@ mod tests {
         let t0 = 1_000_000;
         let m = |progress: Option<(u64, Millis)>| Migration {
             id: "vm-m1".into(),
+            vm_uid: String::new(),
             vm: "vm".into(),
             source_node: "a".into(),
             source_instance: "vm-1".into(),

@@ -67,8 +67,7 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
             heartbeat_ok_at.store(last_heartbeat_ok, Ordering::Relaxed);
             if outcome.is_err() {
                 tracing::warn!("heartbeat timed out");
-                let now = clock.now_ms();
-                if now.saturating_sub(last_heartbeat_ok) >= vms.config().self_fence_ms {
+                if vms.self_fence_due(last_heartbeat_ok) {
                     vms.self_fence().await;
                 }
             }

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, Event, Migration, MigrationPhase, Millis, Node, Phase, Snapshot, StopReason,
+    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot, StopReason,
     VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
@@ -15,6 +15,7 @@ use crate::keys::{
     snapshots_of_prefix, vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
+use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::candidate_nodes;
 use crate::vm_decide::{
@@ -49,6 +50,10 @@ pub enum HeartbeatError {
         theirs: String,
         ours: String,
     },
+    /// The record was written, but the local fence lease could not be
+    /// extended to match it.
+    #[error("cannot extend the local fence lease: {0}")]
+    Fence(#[source] HvError),
 }
 
 pub struct VmController {
@@ -59,6 +64,8 @@ pub struct VmController {
     observer: Arc<dyn LifecycleObserver>,
     /// Other nodes' heartbeats as this agent has seen them, on its clock.
     liveness: std::sync::Mutex<Liveness>,
+    /// This node's own lease and freeze, as this agent counts them.
+    lease: Arc<NodeLease>,
 }
 
 impl VmController {
@@ -75,7 +82,13 @@ impl VmController {
             cfg,
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
+            lease: Default::default(),
         }
+    }
+
+    /// This node's lease as this agent counts it.
+    pub fn lease(&self) -> &Arc<NodeLease> {
+        &self.lease
     }
 
     /// `nodes` (and the VMs read after them) taken into this agent's
@@ -119,6 +132,7 @@ impl VmController {
             self.cfg.clone(),
         )
         .with_observer(self.observer.clone())
+        .with_lease(self.lease.clone())
     }
 
     /// Writes this node's heartbeat (creating its record on first call),
@@ -129,8 +143,45 @@ impl VmController {
         &self,
         facts: Option<&keel_hv::NodeFacts>,
     ) -> Result<(), HeartbeatError> {
+        self.heartbeat_planned(facts).await.map(|_| ())
+    }
+
+    /// [`Self::heartbeat`], returning how the local lease is to be renewed.
+    async fn heartbeat_planned(
+        &self,
+        facts: Option<&keel_hv::NodeFacts>,
+    ) -> Result<LeasePlan, HeartbeatError> {
+        let sent_at = self.clock.now_ms();
+        let node = self
+            .update_own_record(|node, now| {
+                node.status.last_heartbeat = now;
+                node.status.disk_home = Some(self.cfg.disk_home());
+                if let Some(facts) = facts {
+                    node.status.accelerator = Some(facts.accelerator);
+                    node.status.hypervisor = Some(facts.hypervisor.clone());
+                }
+            })
+            .await?;
+        let plan = self
+            .lease
+            .heartbeat_ok(sent_at, node.freeze.as_ref(), &self.cfg);
+        if node.draining().is_some() {
+            if let Err(err) = self.complete_drain().await {
+                tracing::warn!(node = %self.cfg.node, %err, "cannot check whether the drain is complete");
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Changes this node's own record (creating it if absent) by
+    /// compare-and-swap, refusing if another incarnation holds the name.
+    /// Returns the record as written.
+    async fn update_own_record(
+        &self,
+        mut change: impl FnMut(&mut Node, Millis),
+    ) -> Result<Node, HeartbeatError> {
         let key = node_key(&self.cfg.node);
-        let drain_open = loop {
+        loop {
             let now = self.clock.now_ms();
             let current = self.store.get::<Node>(&key).await?;
             let mut node = current
@@ -149,31 +200,68 @@ impl VmController {
             if self.cfg.incarnation.is_some() {
                 node.status.incarnation = self.cfg.incarnation.clone();
             }
-            node.status.last_heartbeat = now;
-            node.status.disk_home = Some(self.cfg.disk_home());
-            if let Some(facts) = facts {
-                node.status.accelerator = Some(facts.accelerator);
-                node.status.hypervisor = Some(facts.hypervisor.clone());
-            }
+            change(&mut node, now);
             let result = match &current {
                 Some(e) => self.store.update(&key, &node, e.revision).await,
                 None => self.store.create(&key, &node).await,
             };
             match result {
-                Ok(_) => {
-                    break node
-                        .drain
-                        .as_ref()
-                        .is_some_and(|d| d.completed_at.is_none())
-                }
+                Ok(_) => return Ok(node),
                 Err(StoreError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
-        };
-        if drain_open {
-            if let Err(err) = self.complete_drain().await {
-                tracing::warn!(node = %self.cfg.node, %err, "cannot check whether the drain is complete");
+        }
+    }
+
+    /// A planned restart: freezes this node for `wanted_ms` (longer if a
+    /// freeze in force ends later), so the cluster takes over none of its
+    /// VMs meanwhile, and extends the local fence lease to the freeze's
+    /// end, so the guests keep running without the agent and are fenced
+    /// if it has not returned by then. Written together with a heartbeat.
+    /// Returns the freeze's end on this agent's clock.
+    pub async fn freeze_for_restart(
+        &self,
+        wanted_ms: Millis,
+        reason: &str,
+    ) -> Result<Millis, HeartbeatError> {
+        let sent_at = self.clock.now_ms();
+        let node = self
+            .update_own_record(|node, now| {
+                let duration_ms =
+                    self.lease
+                        .own_freeze_ms(sent_at, wanted_ms, node.freeze.as_ref());
+                node.freeze = Some(NodeFreeze {
+                    requested_at: sent_at,
+                    duration_ms,
+                    reason: reason.to_string(),
+                });
+                node.status.last_heartbeat = now;
+            })
+            .await?;
+        let freeze = node.freeze.expect("written above");
+        let end = self.lease.froze(sent_at, &freeze);
+        let left = end.saturating_sub(self.clock.now_ms());
+        self.hv
+            .renew_fence(std::time::Duration::from_millis(left))
+            .await
+            .map_err(HeartbeatError::Fence)?;
+        tracing::warn!(node = %self.cfg.node, duration_ms = freeze.duration_ms, reason,
+            "node frozen: its guests keep running until the agent returns, and are fenced at the freeze's end");
+        Ok(end)
+    }
+
+    /// Removes the freeze `key` from this node's record (not a newer one).
+    async fn clear_freeze(&self, key: (Millis, Millis)) -> Result<(), HeartbeatError> {
+        let mut cleared = false;
+        self.update_own_record(|node, _| {
+            if node.freeze.as_ref().is_some_and(|f| f.key() == key) {
+                node.freeze = None;
+                cleared = true;
             }
+        })
+        .await?;
+        if cleared {
+            tracing::info!(node = %self.cfg.node, "freeze ended: the agent is back, or the freeze is over");
         }
         Ok(())
     }
@@ -220,14 +308,18 @@ impl VmController {
     /// node's local fence lease (which the QEMU driver's keepers enforce
     /// even if this process dies) with what is left of `self_fence_ms`,
     /// counted from before the write was sent.
+    ///
+    /// Under a freeze the lease reaches to the freeze's end. A freeze that
+    /// is over, or that this agent finds on its first heartbeat (it is
+    /// back), is removed from the record, and only after the lease was cut
+    /// back to the normal window: the cluster then counts the normal lease
+    /// again, and the guests must not outlive it.
     pub async fn heartbeat_and_renew(
         &self,
         facts: Option<&keel_hv::NodeFacts>,
     ) -> Result<(), HeartbeatError> {
-        let sent_at = self.clock.now_ms();
-        self.heartbeat(facts).await?;
-        let elapsed = self.clock.now_ms().saturating_sub(sent_at);
-        let left = self.cfg.self_fence_ms.saturating_sub(elapsed);
+        let plan = self.heartbeat_planned(facts).await?;
+        let left = plan.renew_until.saturating_sub(self.clock.now_ms());
         if let Err(err) = self
             .hv
             .renew_fence(std::time::Duration::from_millis(left))
@@ -236,8 +328,21 @@ impl VmController {
             // The guests will be fenced when the lease lapses: loud, but
             // nothing else to do than try again at the next heartbeat.
             tracing::error!(node = %self.cfg.node, %err, "cannot renew the local fence lease");
+            return Ok(());
+        }
+        if let Some(key) = plan.clear_freeze {
+            if let Err(err) = self.clear_freeze(key).await {
+                tracing::warn!(node = %self.cfg.node, %err, "cannot clear the node's freeze; trying again at the next heartbeat");
+            }
         }
         Ok(())
+    }
+
+    /// Whether this agent must end its guests now, its last good heartbeat
+    /// having been at `last_ok` (see [`NodeLease::self_fence_due`]).
+    pub fn self_fence_due(&self, last_ok: Millis) -> bool {
+        self.lease
+            .self_fence_due(last_ok, self.clock.now_ms(), &self.cfg)
     }
 
     /// The lease half of housekeeping: heartbeat and fence-lease renewal,
@@ -254,7 +359,10 @@ impl VmController {
             }
             Err(err) => {
                 tracing::warn!(node = %self.cfg.node, %err, "heartbeat failed");
-                if now.saturating_sub(*last_heartbeat_ok) >= self.cfg.self_fence_ms {
+                if self
+                    .lease
+                    .self_fence_due(*last_heartbeat_ok, now, &self.cfg)
+                {
                     self.self_fence().await;
                 }
                 false
@@ -357,6 +465,16 @@ impl VmController {
         match decide(&vm, &observed, &cluster, now, &self.cfg) {
             Step::Wait { requeue_at } => Ok(Some(requeue_at)),
             Step::Persist {
+                then: Some(HvAction::Start),
+                ..
+            } if !self.lease.fresh(now, &self.cfg) => {
+                // No heartbeat got through within the lease: the cluster
+                // may be about to start this node's VMs elsewhere.
+                tracing::warn!(vm = name, node = %self.cfg.node,
+                    "not starting: this node's lease is stale (no heartbeat got through within it)");
+                Ok(Some(now + self.cfg.retry_ms))
+            }
+            Step::Persist {
                 vm: next,
                 then,
                 requeue_at,
@@ -411,6 +529,19 @@ impl VmController {
                         vm: name.to_string(),
                         source,
                     })?;
+                // Its migrations go with it: a VM created later under the
+                // same name must not find them.
+                let (migrations, _) = self
+                    .store
+                    .list::<Migration>(&migrations_of_prefix(name))
+                    .await
+                    .map_err(store_err)?;
+                for (key, m) in migrations {
+                    match self.store.delete(&key, m.revision).await {
+                        Ok(_) | Err(StoreError::Conflict { .. }) => {}
+                        Err(source) => return Err(store_err(source)),
+                    }
+                }
                 // The snapshots lived in the disks just removed.
                 let (snapshots, _) = self
                     .store

@@ -183,7 +183,10 @@ pub fn decide(
     // unreachable) and whether or not the drain still lasts: the target is
     // the instance.
     if let (Some(inst), Some(m)) = (&vm.status.instance, &cluster.migration) {
-        if m.status.phase == MigrationPhase::Succeeded && m.source_instance == inst.id {
+        if m.status.phase == MigrationPhase::Succeeded
+            && m.source_instance == inst.id
+            && m.is_from(vm)
+        {
             return Step::Persist {
                 vm: Box::new(crate::evict_decide::migrated(vm, m, now)),
                 then: None,
@@ -578,15 +581,16 @@ fn unrequested_exit_message(
 /// A migration from the recorded instance changes that: if it succeeded,
 /// the target runs the guest and becomes the instance; if it is still in
 /// flight, nothing is decided until the target's agent settles it (`None`),
-/// since the target may already be running the guest.
+/// since the target may already be running the guest, unless the
+/// target's node is in `lost` too (fenced: it runs nothing).
 pub fn take_over_from_lost_node(
     vm: &VirtualMachine,
     node: &str,
     migrations: &[Migration],
+    lost: &[String],
     now: Millis,
 ) -> Option<VirtualMachine> {
-    let recorded = vm.status.instance.as_ref().map(|i| i.id.as_str());
-    let from_recorded = |m: &&Migration| Some(m.source_instance.as_str()) == recorded;
+    let from_recorded = |m: &&Migration| m.is_from(vm);
     if let Some(m) = migrations
         .iter()
         .filter(from_recorded)
@@ -597,7 +601,7 @@ pub fn take_over_from_lost_node(
     if migrations
         .iter()
         .filter(from_recorded)
-        .any(|m| !m.status.phase.is_final())
+        .any(|m| !m.status.phase.is_final() && !lost.contains(&m.target_node))
     {
         return None;
     }
@@ -961,7 +965,7 @@ mod tests {
                 running_since: ran.then_some(0),
                 ..Instance::new("web-1", "n1", 0)
             });
-            let next = take_over_from_lost_node(&v, "n1", &[], 100_000).unwrap();
+            let next = take_over_from_lost_node(&v, "n1", &[], &[], 100_000).unwrap();
             assert!(next.status.instance.is_none());
             assert_eq!(next.wants_running(), keeps_running, "{policy:?} ran: {ran}");
         }

@@ -1,19 +1,26 @@
 //! Seeded simulation of a three-node cluster: random user requests,
 //! drains and uncordons, network partitions of one agent, host power
 //! failures, migration failures and late successes, controller restarts.
-//! Each node's wall clock is off by up to a minute either way.
+//! Each node's wall clock is off by up to a minute either way. VMs are
+//! deleted and created again under the same name (a new uid), a node may
+//! lose power and never return, and some worlds have no shared storage.
 //! At every tick no VM executes twice anywhere and every executing
 //! instance is the recorded one (or the target of a handover from it);
-//! once the chaos stops, every VM reaches the state its record asks for.
+//! without shared storage a VM (by uid) executes only on the node holding
+//! its disks: never a boot on blank disks. Once the chaos stops, every VM
+//! reaches the state its record asks for, except that one whose disks
+//! are on a node that never returned waits, stopped, saying why.
 //!
 //! A failure names its seed: `KEEL_CLUSTER_SEED=<n> cargo test -p keel-ctrl
-//! --test cluster_simulation`; `KEEL_CLUSTER_SEEDS=<n>` runs more (default 60).
+//! --test cluster_simulation`; `KEEL_CLUSTER_SEEDS=<n>` sets how many (default 200).
 
 mod cluster;
 #[path = "support/seeds.rs"]
 mod seeds;
 
 use std::sync::atomic::Ordering;
+
+use std::collections::BTreeMap;
 
 use cluster::{Cluster, TICK_MS};
 use keel_api::{EvictionWindows, RunPolicy, VirtualMachine};
@@ -37,12 +44,21 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         handover_unconfirmed: if extra.gen_bool(0.5) { 0.3 } else { 0.0 },
         ..Default::default()
     };
-    let mut c = Cluster::new(SimConfig {
+    let sim = SimConfig {
         boot_ms: rng.gen_range(200..3_000),
         graceful_shutdown_ms: rng.gen_range(100..5_000),
         migration_ms: rng.gen_range(500..20_000),
         faults,
-    });
+    };
+    // A third stream for the draws added with deletes, lost nodes and
+    // node-local disks.
+    let mut more = ChaCha8Rng::seed_from_u64(seed ^ 0x7569_6473);
+    let local_disks = more.gen_bool(0.3);
+    let mut c = if local_disks {
+        Cluster::with_local_disks(sim)
+    } else {
+        Cluster::new(sim)
+    };
     // Wall clocks up to a minute apart: liveness and takeover must not
     // depend on them.
     for node in NODES {
@@ -67,10 +83,42 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         c.create(vm, policy).await;
     }
     let mut powered_off: Vec<usize> = Vec::new();
-    let mut trace = vec![format!("clock skews {:?}", c.skew_ms)];
+    // Lost for good: never powered on again.
+    let mut dead: Option<usize> = None;
+    // Deleted, to be created again (same name, new uid) once gone.
+    let mut recreate: Vec<&str> = Vec::new();
+    // Without shared storage: where each VM's (uid's) disks are.
+    let mut homes: BTreeMap<String, String> = BTreeMap::new();
+    let mut trace = vec![format!(
+        "clock skews {:?}, local disks {local_disks}",
+        c.skew_ms
+    )];
     for tick in 0..CHAOS_TICKS {
         let roll = rng.gen_range(0..100);
+        let more_roll = more.gen_range(0..100);
         let what = match roll {
+            _ if more_roll < 2 => {
+                let vm = *VMS.choose(&mut more).unwrap();
+                if recreate.contains(&vm) {
+                    "tick".to_string()
+                } else {
+                    let now = c.now();
+                    c.update_vm(vm, move |v: &mut VirtualMachine| {
+                        v.deletion_requested_at.get_or_insert(now);
+                    })
+                    .await;
+                    recreate.push(vm);
+                    format!("delete {vm} (to be created again)")
+                }
+            }
+            _ if more_roll == 2 && dead.is_none() && more.gen_bool(0.3) => {
+                let i = more.gen_range(0..NODES.len());
+                c.agents[i].running = false;
+                c.agents[i].hv.power_failure();
+                powered_off.retain(|p| *p != i);
+                dead = Some(i);
+                format!("power failure {}, for good", NODES[i])
+            }
             0..=7 => {
                 let vm = *VMS.choose(&mut rng).unwrap();
                 let op = rng.gen_range(0..3);
@@ -112,7 +160,9 @@ async fn run_seed(seed: u64) -> Result<(), String> {
             }
             16 => {
                 let i = rng.gen_range(0..NODES.len());
-                if powered_off.contains(&i) {
+                if dead == Some(i) {
+                    "tick".to_string()
+                } else if powered_off.contains(&i) {
                     c.agents[i].running = true;
                     powered_off.retain(|p| *p != i);
                     format!("power on {}", NODES[i])
@@ -134,10 +184,15 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         if let Err(e) = futures_catch(caught).await {
             return Err(report(seed, &trace, &e));
         }
+        if let Err(e) = after_tick(&mut c, &mut recreate, &mut homes, local_disks, &mut more).await
+        {
+            return Err(report(seed, &trace, &e));
+        }
     }
-    // The chaos stops: every host up, every link back, no drain or cordon.
-    for a in &mut c.agents {
-        a.running = true;
+    // The chaos stops: every host up but the dead one, every link back, no
+    // drain or cordon.
+    for (i, a) in c.agents.iter_mut().enumerate() {
+        a.running = dead != Some(i);
         a.partitioned.store(false, Ordering::SeqCst);
     }
     for node in NODES {
@@ -148,16 +203,30 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     }
     c.restart_controllers();
     let mut waited = 0;
+    let dead = dead.map(|i| NODES[i]);
     while waited < SETTLE_MS {
         if let Err(e) = futures_catch(std::panic::AssertUnwindSafe(c.tick())).await {
             return Err(report(seed, &trace, &e));
         }
+        if let Err(e) = after_tick(&mut c, &mut recreate, &mut homes, local_disks, &mut more).await
+        {
+            return Err(report(seed, &trace, &e));
+        }
         waited += TICK_MS;
-        if converged(&c).await.is_ok() {
+        if stranded_only(&c, &recreate, dead).await && converged(&c, dead).await.is_ok() {
             return Ok(());
         }
     }
-    let why = converged(&c).await.unwrap_err();
+    let why = match converged(&c, dead).await {
+        Err(why) => why,
+        Ok(()) => {
+            let mut why = format!("deleted VMs {recreate:?} never went away");
+            for vm in &recreate {
+                why.push_str(&format!("\n{}", c.explain(vm).await));
+            }
+            why
+        }
+    };
     Err(report(
         seed,
         &trace,
@@ -165,9 +234,118 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     ))
 }
 
-async fn converged(c: &Cluster) -> Result<(), String> {
+/// After each tick: deleted VMs that are gone are created again (a new
+/// uid, a random policy); without shared storage, every executing
+/// instance is on the node that holds its VM's disks.
+async fn after_tick(
+    c: &mut Cluster,
+    recreate: &mut Vec<&str>,
+    homes: &mut BTreeMap<String, String>,
+    local_disks: bool,
+    rng: &mut ChaCha8Rng,
+) -> Result<(), String> {
+    let mut i = 0;
+    while i < recreate.len() {
+        let vm = recreate[i];
+        let gone = c
+            .store
+            .get::<VirtualMachine>(&keel_ctrl::keys::vm_key(vm))
+            .await
+            .map_err(|e| e.to_string())?
+            .is_none();
+        if gone {
+            let executing: Vec<String> = c
+                .agents
+                .iter()
+                .flat_map(|a| a.hv.executing_instances(vm))
+                .collect();
+            if !executing.is_empty() {
+                return Err(format!("{vm} deleted while {executing:?} execute"));
+            }
+            let policy = *POLICIES.choose(rng).unwrap();
+            c.create(vm, policy).await;
+            recreate.remove(i);
+        } else {
+            i += 1;
+        }
+    }
+    if local_disks {
+        for vm in VMS {
+            let Some(record) = c
+                .store
+                .get::<VirtualMachine>(&keel_ctrl::keys::vm_key(vm))
+                .await
+                .map_err(|e| e.to_string())?
+            else {
+                continue;
+            };
+            for a in &c.agents {
+                if a.hv.executing_instances(vm).is_empty() {
+                    continue;
+                }
+                let home = homes
+                    .entry(record.value.uid.clone())
+                    .or_insert_with(|| a.name.clone());
+                if *home != a.name {
+                    return Err(format!(
+                        "{vm} (uid {}) executes on {} but its disks are on {home}: a boot on blank disks",
+                        record.value.uid, a.name
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+const POLICIES: [RunPolicy; 5] = [
+    RunPolicy::AlwaysOn,
+    RunPolicy::Manual,
+    RunPolicy::AlwaysOnUnlessStoppedManually,
+    RunPolicy::RerunOnFailure,
+    RunPolicy::Once,
+];
+
+/// Whether every VM still to be deleted has its disks on the lost node:
+/// it cannot be deleted before they are (and waits, saying why).
+async fn stranded_only(c: &Cluster, recreate: &[&str], dead: Option<&str>) -> bool {
+    for vm in recreate {
+        let record = c.vm(vm).await;
+        let on_dead = dead.is_some_and(|d| {
+            record.status.disk_home == Some(keel_api::DiskHome::Node(d.to_string()))
+        });
+        if !on_dead {
+            return false;
+        }
+    }
+    true
+}
+
+/// Every VM in the state its record asks for; one whose disks are only on
+/// `dead` (a node that never returns) instead waits with no instance and
+/// the reason on its record.
+async fn converged(c: &Cluster, dead: Option<&str>) -> Result<(), String> {
     for vm in VMS {
         let record = c.vm(vm).await;
+        let stranded = dead.is_some_and(|d| {
+            record.status.disk_home == Some(keel_api::DiskHome::Node(d.to_string()))
+        });
+        if stranded && record.wants_running() {
+            let waits = record.status.instance.is_none()
+                && record
+                    .status
+                    .message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("where its disks are"));
+            if !waits {
+                return Err(format!(
+                    "{vm} has its disks on lost node {}: {:?}",
+                    dead.unwrap_or_default(),
+                    record.status
+                ));
+            }
+            continue;
+        }
         let executing: Vec<(String, String)> = c
             .agents
             .iter()
@@ -221,6 +399,6 @@ fn report(seed: u64, trace: &[String], err: &str) -> String {
 
 #[tokio::test(flavor = "current_thread")]
 async fn seeded_cluster_simulation() {
-    let seeds = seeds::seeds("KEEL_CLUSTER_SEED", "KEEL_CLUSTER_SEEDS", 60);
+    let seeds = seeds::seeds("KEEL_CLUSTER_SEED", "KEEL_CLUSTER_SEEDS", 200);
     seeds::run_seeds("cluster simulation", &seeds, run_seed).await;
 }

@@ -320,7 +320,7 @@ async fn a_reserved_migration_is_created_under_its_reserved_id() {
     let ms = c.migrations_of("vm").await;
     assert_eq!(
         ms.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(),
-        ["vm-m1"]
+        [keel_api::Migration::id_for("vm", &c.vm("vm").await.uid, 1)]
     );
     assert_eq!(c.vm("vm").await.status.migration_seq, 1);
 }
@@ -523,7 +523,8 @@ async fn failed_attempts_back_off_and_old_migrations_are_collected() {
         ms.len() <= KEEP_FINAL_MIGRATIONS,
         "only the last {KEEP_FINAL_MIGRATIONS} are kept: {ms:?}"
     );
-    let newest = format!("vm-m{}", c.vm("vm").await.status.migration_seq);
+    let vm = c.vm("vm").await;
+    let newest = keel_api::Migration::id_for("vm", &vm.uid, vm.status.migration_seq);
     assert!(
         ms.iter().any(|m| m.id == newest),
         "the newest is kept: {ms:?}"

@@ -163,6 +163,10 @@ struct SimState {
     failing_starts: BTreeMap<String, (u32, String)>,
     violations: Vec<String>,
     log: Vec<String>,
+    /// The node's fence lease, as the QEMU driver's keepers enforce it:
+    /// set by the first `renew_fence` (a node without one has no keepers).
+    /// Once it has passed, every guest is killed and nothing starts.
+    fence_deadline: Option<Millis>,
 }
 
 #[derive(Clone)]
@@ -200,6 +204,7 @@ impl SimHypervisor {
                 failing_starts: BTreeMap::new(),
                 violations: Vec::new(),
                 log: Vec::new(),
+                fence_deadline: None,
             })),
         }
     }
@@ -312,6 +317,7 @@ impl SimHypervisor {
             }
         }
         s.domains.clear();
+        s.fence_deadline = None;
         s.log.push("power failure".into());
     }
 
@@ -375,6 +381,17 @@ impl SimState {
     /// Moves every domain forward to `now`: boots finish, powered-down
     /// guests exit, scheduled crashes happen.
     fn advance(&mut self, now: Millis) {
+        if let Some(deadline) = self.fence_deadline.filter(|d| now >= *d) {
+            let mut fenced = Vec::new();
+            for d in self.domains.values_mut().filter(|d| !d.state.is_exited()) {
+                d.exit(ExitCause::Killed, deadline);
+                fenced.push(d.spec.instance.clone());
+            }
+            if !fenced.is_empty() {
+                self.log
+                    .push(format!("fence lease lapsed: killed {fenced:?}"));
+            }
+        }
         let boot_ms = self.config.boot_ms;
         let shutdown_ms = self.config.graceful_shutdown_ms;
         for d in self.domains.values_mut() {
@@ -459,6 +476,20 @@ impl SimState {
         Ok(())
     }
 
+    /// A keeper refuses to start QEMU under a lapsed lease.
+    fn refuse_if_fenced(&mut self, instance: &str, now: Millis) -> Result<(), HvError> {
+        match self.fence_deadline {
+            Some(deadline) if now >= deadline => {
+                self.log
+                    .push(format!("{instance}: start refused, fence lease lapsed"));
+                Err(HvError::Fence {
+                    reason: "the node's fence lease has lapsed; not starting".into(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn maybe_unavailable(
         &mut self,
         instance: &str,
@@ -512,11 +543,18 @@ impl Hypervisor for SimHypervisor {
         }
     }
 
+    async fn renew_fence(&self, valid_for: std::time::Duration) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        self.lock().fence_deadline = Some(now + valid_for.as_millis() as Millis);
+        Ok(())
+    }
+
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
         let now = self.clock.now_ms();
         let mut s = self.lock();
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(&spec.instance, "start", p)?;
+        s.refuse_if_fenced(&spec.instance, now)?;
         if s.domains.contains_key(&spec.instance) {
             return Err(HvError::AlreadyExists {
                 instance: spec.instance.clone(),
@@ -675,6 +713,7 @@ impl Hypervisor for SimHypervisor {
             let mut s = self.lock();
             let p = s.config.faults.op_unavailable;
             s.maybe_unavailable(&spec.instance, "prepare incoming", p)?;
+            s.refuse_if_fenced(&spec.instance, now)?;
             if s.domains.contains_key(&spec.instance) {
                 return Err(HvError::AlreadyExists {
                     instance: spec.instance.clone(),

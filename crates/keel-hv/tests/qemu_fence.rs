@@ -50,7 +50,7 @@ async fn a_guest_is_fenced_once_nobody_renews_the_lease() {
         return;
     };
     // Renewed every second for 4 s, as the agent does after each heartbeat
-    // (always "now + the same window"; the keeper never shortens a lease).
+    // (always "now + the same window").
     const LEASE: Duration = Duration::from_secs(4);
     let renewer = {
         let hv = fx.hv().clone();
@@ -112,7 +112,10 @@ async fn an_agent_back_within_the_lease_readopts_without_a_reboot() {
     let Some(mut fx) = fenced_fixture().await else {
         return;
     };
-    fx.hv().renew_fence(Duration::from_secs(5)).await.unwrap();
+    // Room for a slow TCG boot; then the agent's last renewal, which cuts
+    // the lease back (the keeper takes the file as written): the new
+    // driver must be back within those 5 s.
+    fx.hv().renew_fence(Duration::from_secs(120)).await.unwrap();
     let mut ch = fx.boot("web", "web-1").await;
     let before = ch.ticks().await.unwrap();
     drop(ch);
@@ -174,4 +177,24 @@ async fn nothing_starts_under_a_lapsed_lease() {
     );
     assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
     assert!(fx.hv().list().await.unwrap().is_empty());
+}
+
+/// A renewal may shorten the lease (an agent back from a planned restart
+/// cuts a freeze's long lease back to the normal window before the
+/// cluster counts the normal lease again): the keeper goes by the file as
+/// written, and fences at the shorter deadline.
+#[tokio::test]
+async fn a_shortened_lease_fences_at_the_shorter_deadline() {
+    let Some(fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::from_secs(300)).await.unwrap();
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    fx.hv().renew_fence(Duration::from_secs(1)).await.unwrap();
+    let gone = wait_gone(pid, Duration::from_secs(10)).await;
+    assert!(
+        gone.is_some_and(|d| d >= Duration::from_millis(500)),
+        "not fenced at the shortened deadline: {gone:?}"
+    );
 }

@@ -28,6 +28,7 @@ use crate::serve::{self, make_hypervisor, HypervisorOptions};
 /// A node agent's controllers, running on a store.
 pub struct NodeAgent {
     node: String,
+    ctrl: Arc<VmController>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -54,9 +55,14 @@ impl NodeAgent {
             .await
             .with_context(|| format!("registering node {node}"))?;
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(run_vm_controller(ctrl, clock, stop_rx));
+        let task = tokio::spawn(run_vm_controller(ctrl.clone(), clock, stop_rx));
         tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = ?facts.accelerator, "node agent running");
-        Ok(Self { node, stop, task })
+        Ok(Self {
+            node,
+            ctrl,
+            stop,
+            task,
+        })
     }
 
     pub fn node(&self) -> &str {
@@ -67,6 +73,28 @@ impl NodeAgent {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         let _ = self.stop.send(true);
         self.task.await.context("node agent task")
+    }
+
+    /// A planned restart: stops the controllers, then freezes the node for
+    /// `freeze_ms` (see `VmController::freeze_for_restart`), so its guests
+    /// keep running and nothing is taken over until the agent is back or
+    /// the freeze is over. If the freeze cannot be written, the guests are
+    /// fenced once the normal lease lapses, and the error says so.
+    pub async fn freeze_and_shutdown(self, freeze_ms: u64) -> anyhow::Result<()> {
+        let _ = self.stop.send(true);
+        self.task.await.context("node agent task")?;
+        let end = self
+            .ctrl
+            .freeze_for_restart(freeze_ms, "agent restart (SIGTERM)")
+            .await
+            .with_context(|| {
+                format!(
+                    "freezing node {} for the restart; its guests will be fenced when its lease lapses",
+                    self.node
+                )
+            })?;
+        tracing::info!(node = %self.node, until_ms = end, "node frozen for the restart");
+        Ok(())
     }
 
     /// Ends the controllers at once, as if the process were killed.
@@ -166,6 +194,8 @@ pub struct AgentConfig {
     pub keeper: Option<KeeperCommand>,
     /// Controller timings; `node` and `cluster_duties` are overwritten.
     pub lifecycle: LifecycleConfig,
+    /// How long SIGTERM freezes the node for (0: no freeze).
+    pub restart_freeze_ms: u64,
 }
 
 impl AgentConfig {
@@ -187,6 +217,7 @@ impl AgentConfig {
             runtime_dir: None,
             keeper: None,
             lifecycle: LifecycleConfig::default(),
+            restart_freeze_ms: 5 * 60 * 1000,
         }
     }
 
@@ -207,6 +238,7 @@ impl AgentConfig {
 /// A started `keel agent`: its controllers and its data dir lock.
 pub struct RunningAgent {
     agent: NodeAgent,
+    restart_freeze_ms: u64,
     hv: Arc<dyn Hypervisor>,
     store: TypedStore,
     _lock: File,
@@ -227,6 +259,16 @@ impl RunningAgent {
 
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.agent.shutdown().await
+    }
+
+    /// A planned stop (SIGTERM): with a restart freeze configured, the
+    /// node is frozen for it before the agent exits (guests keep running);
+    /// without, as [`Self::shutdown`].
+    pub async fn stop_for_restart(self) -> anyhow::Result<()> {
+        match self.restart_freeze_ms {
+            0 => self.agent.shutdown().await,
+            ms => self.agent.freeze_and_shutdown(ms).await,
+        }
     }
 
     /// As if the process were killed: its guests keep running, unmanaged.
@@ -295,6 +337,7 @@ async fn start_locked(
     tracing::info!(node = %cfg.node, store = %cfg.store, data_dir = %cfg.data_dir.display(), "keel agent running");
     Ok(RunningAgent {
         agent,
+        restart_freeze_ms: cfg.restart_freeze_ms,
         hv,
         store,
         _lock: lock,
@@ -303,6 +346,13 @@ async fn start_locked(
 
 fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
     validate_name("node", &cfg.node).map_err(|e| anyhow!("--node: {e}"))?;
+    if cfg.restart_freeze_ms > keel_api::MAX_FREEZE_MS {
+        bail!(
+            "--restart-freeze: {} s is longer than the longest freeze, {} s",
+            cfg.restart_freeze_ms / 1000,
+            keel_api::MAX_FREEZE_MS / 1000
+        );
+    }
     if !cfg.store.is_etcd() {
         bail!(
             "keel agent needs the cluster's etcd store (--store etcd://HOST:PORT[/NAMESPACE]); \
@@ -328,6 +378,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.accel = args.accel;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    cfg.restart_freeze_ms = args.restart_freeze * 1000;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }
@@ -340,8 +391,9 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         let signal = serve::wait_for_signal().await?;
         tracing::info!(
             signal,
-            "shutting down; guests keep running and are re-adopted on the next start"
+            freeze_s = agent.restart_freeze_ms / 1000,
+            "shutting down for a restart; guests keep running and are re-adopted on the next start"
         );
-        agent.shutdown().await
+        agent.stop_for_restart().await
     })
 }

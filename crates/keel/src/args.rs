@@ -203,6 +203,13 @@ pub struct AgentArgs {
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// On SIGTERM (a planned restart, an upgrade): freeze the node for this
+    /// long and exit without stopping the guests. Nothing of the node is
+    /// taken over meanwhile; an agent back within it re-adopts the guests,
+    /// else they are fenced at its end. 0s: no freeze (guests are fenced
+    /// once the lease lapses, about 20 s). At most 1h.
+    #[arg(long, value_parser = parse_window, default_value = "5m")]
+    pub restart_freeze: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -336,6 +343,21 @@ pub enum NodeVerb {
     /// Move every VM off a node: live migration first, else stop here and
     /// start elsewhere, each phase bounded by its window. Cordons the node.
     Drain(DrainArgs),
+    /// Freeze a node for a planned agent restart: its VMs are not taken
+    /// over until the freeze ends, its guests keep running (and are fenced
+    /// at its end if the agent has not returned). The agent ends it.
+    Freeze(FreezeArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct FreezeArgs {
+    pub name: String,
+    /// How long (e.g. 90s, 5m; at most 1h).
+    #[arg(long = "for", value_parser = parse_window)]
+    pub for_s: u64,
+    /// Shown on the node.
+    #[arg(long)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -464,7 +464,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
     if store.get::<VirtualMachine>(&key).await?.is_some() {
         return Ok(());
     }
-    let vm = VirtualMachine::new(
+    let mut vm = VirtualMachine::new(
         DEMO_VM,
         VmSpec {
             cpus: 1,
@@ -481,6 +481,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             node: None,
         },
     );
+    vm.uid = crate::api::vms::new_vm_uid();
     vm.validate()?;
     match store.create(&key, &vm).await {
         Ok(_) | Err(keel_store::StoreError::Conflict { .. }) => {

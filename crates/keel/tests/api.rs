@@ -1023,6 +1023,7 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
         ("/api/v1/nodes/{name}/cordon", vec!["post"]),
         ("/api/v1/nodes/{name}/uncordon", vec!["post"]),
         ("/api/v1/nodes/{name}/drain", vec!["post"]),
+        ("/api/v1/nodes/{name}/freeze", vec!["post"]),
         ("/api/v1/vms/{name}/restore", vec!["post"]),
         ("/api/v1/vms/{name}/snapshots", vec!["get", "post"]),
         ("/api/v1/vms/{name}/snapshots/{snap}", vec!["get", "delete"]),

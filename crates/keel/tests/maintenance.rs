@@ -826,3 +826,52 @@ fn drain_completes_with_a_stopped_vm_on_the_node() {
     assert_eq!(phase(&idle), "Stopped", "{idle}");
     assert_eq!(vm_field(&idle, &["spec", "power"]), "Stopped");
 }
+
+/// `POST /nodes/{name}/freeze`: bounded, never shortened, refused with the
+/// field named and nothing stored; a live agent keeps the freeze (only its
+/// return from a restart, or the freeze's end, removes it).
+#[test]
+fn a_freeze_is_bounded_never_shortened_and_kept_by_a_live_agent() {
+    let server = TestServer::start();
+    let before_hb = node(&server)["node"]["status"]["last_heartbeat"].clone();
+    let freeze = "/api/v1/nodes/test-node/freeze";
+    let r = post_node(&server, "freeze", r#"{"for_s":600,"reason":"upgrade"}"#);
+    assert_eq!(r["node"]["freeze"]["duration_ms"], 600_000);
+    assert_eq!(r["node"]["freeze"]["reason"], "upgrade");
+    let before = server.store_state();
+    let cases = [
+        (freeze, r#"{"for_s":60}"#, 409, Some("for_s")),
+        (freeze, r#"{"for_s":0}"#, 422, Some("for_s")),
+        (freeze, r#"{"for_s":3601}"#, 422, Some("for_s")),
+        (freeze, r#"{"for_s":"5m"}"#, 400, Some("for_s")),
+        (freeze, r#"{"for_s":600,"until":1}"#, 400, Some("until")),
+        (
+            freeze,
+            r#"{"for_s":600,"reason":"a\nb"}"#,
+            422,
+            Some("reason"),
+        ),
+        (freeze, "", 400, Some("body")),
+        (
+            "/api/v1/nodes/ghost/freeze",
+            r#"{"for_s":60}"#,
+            404,
+            Some("name"),
+        ),
+    ];
+    for (path, body, status, field) in &cases {
+        let r = server.send("POST", path, body);
+        let what = format!("POST {path} {body}");
+        assert_eq!(r.status, *status, "{what}: {}", r.text);
+        assert_eq!(r.json()["field"].as_str(), *field, "{what}: {}", r.text);
+        assert_eq!(server.store_state(), before, "{what} changed the store");
+    }
+    let n = server.wait_node("test-node", "a heartbeat after the freeze", |n| {
+        n["node"]["status"]["last_heartbeat"] != before_hb
+            && n["node"]["status"]["last_heartbeat"].as_u64()
+                > r["node"]["status"]["last_heartbeat"].as_u64()
+    });
+    assert_eq!(n["node"]["freeze"]["duration_ms"], 600_000, "{n}");
+    let out = post_node(&server, "freeze", r#"{"for_s":900}"#);
+    assert_eq!(out["node"]["freeze"]["duration_ms"], 900_000);
+}

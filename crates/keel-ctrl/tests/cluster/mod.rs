@@ -50,6 +50,8 @@ pub struct Cluster {
     /// How far each node's wall clock is off (ms, either way). The
     /// controllers see it; the store and the simulated hosts keep true time.
     pub skew_ms: BTreeMap<String, i64>,
+    /// VMs created so far: each gets a uid of its own, as from the API.
+    pub created: u64,
 }
 
 /// A node's wall clock: true time plus a fixed offset.
@@ -105,6 +107,7 @@ impl Cluster {
             sim,
             local_disks: false,
             skew_ms: BTreeMap::new(),
+            created: 0,
         }
     }
 
@@ -193,13 +196,40 @@ impl Cluster {
         }
     }
 
+    /// One agent process restarts (same host, guests and hypervisor):
+    /// new controllers, nothing carried over in memory.
+    pub fn restart_agent(&mut self, name: &str) {
+        let i = self.agents.iter().position(|a| a.name == name).unwrap();
+        let (hv, partitioned) = (
+            self.agents[i].hv.clone(),
+            self.agents[i].partitioned.clone(),
+        );
+        let (vms, migrations) = self.controllers(name, &hv, &partitioned);
+        let a = &mut self.agents[i];
+        a.vms = vms;
+        a.migrations = migrations;
+        a.running = true;
+        a.last_heartbeat_ok = self.clock.now_ms();
+    }
+
+    pub fn agent_index(&self, name: &str) -> usize {
+        self.agents.iter().position(|a| a.name == name).unwrap()
+    }
+
     pub fn agent(&self, name: &str) -> &Agent {
         self.agents.iter().find(|a| a.name == name).unwrap()
     }
 
     pub async fn create(&mut self, name: &str, policy: RunPolicy) {
-        let vm = VirtualMachine::new(name, spec(policy));
-        self.store.create(&vm_key(name), &vm).await.unwrap();
+        assert!(self.try_create(name, policy).await, "VM {name} exists");
+    }
+
+    /// Creates the VM unless one of that name exists; whether it did.
+    pub async fn try_create(&mut self, name: &str, policy: RunPolicy) -> bool {
+        self.created += 1;
+        let mut vm = VirtualMachine::new(name, spec(policy));
+        vm.uid = format!("{:016x}", self.created);
+        self.store.create(&vm_key(name), &vm).await.is_ok()
     }
 
     pub async fn vm(&self, name: &str) -> VirtualMachine {

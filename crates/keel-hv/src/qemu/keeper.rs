@@ -22,8 +22,11 @@
 //!   (if the keeper dies, for any reason, QEMU dies with it), and checks
 //!   the lease every [`CHECK_EVERY`]. Once the deadline has passed it writes
 //!   the kill marker and `fenced.json`, SIGKILLs QEMU, reaps it and exits.
-//! - A deadline is only ever extended by a successful read of the file; an
-//!   unreadable or missing file leaves the last one in force, so it lapses.
+//! - The deadline in force is the one the file held at its last successful
+//!   read; an unreadable or missing file leaves the last one in force, so
+//!   it lapses. A renewal may shorten it: an agent back from a planned
+//!   restart cuts the freeze's long lease back to the normal window before
+//!   it lets the cluster count the normal lease again.
 //! - The keeper's own command line does not carry QEMU's identity marker, so
 //!   the driver's process scans find QEMU, never the keeper.
 //!
@@ -192,9 +195,9 @@ pub fn run(instance_dir: &Path, lease: &FenceLease) -> io::Result<i32> {
         if let Some(status) = qemu.try_wait()? {
             return Ok(status.code().unwrap_or(128 + status_signal(&status)));
         }
-        // Only a successful read extends the deadline.
+        // Only a successful read changes the deadline (either way).
         if let Ok(Some(renewed)) = lease.deadline() {
-            deadline = deadline.max(renewed);
+            deadline = renewed;
         }
         let now = boottime_ms();
         if now >= deadline {

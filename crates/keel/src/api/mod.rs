@@ -8,6 +8,7 @@
 mod error;
 pub mod events;
 mod extract;
+pub mod freeze;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
@@ -72,6 +73,7 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/nodes/{name}/cordon", post(nodes::cordon))
         .route("/api/v1/nodes/{name}/uncordon", post(nodes::uncordon))
         .route("/api/v1/nodes/{name}/drain", post(nodes::drain))
+        .route("/api/v1/nodes/{name}/freeze", post(freeze::freeze))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -1,5 +1,6 @@
 //! `/api/v1/nodes`: the hosts that run VMs, with what their heartbeat last
-//! reported, and the operator's verbs on them: cordon, uncordon, drain.
+//! reported, and the operator's verbs on them: cordon, uncordon, drain
+//! (and freeze, in `freeze.rs`).
 //!
 //! Keel lifts only the cordons it set itself (for a drain); an operator's
 //! cordon is lifted only by `uncordon` with `{"operator": true}`.
@@ -228,6 +229,15 @@ pub async fn drain(
     Ok(node_response(StatusCode::ACCEPTED, node, revision))
 }
 
+pub(crate) async fn mutate_node(
+    state: &AppState,
+    name: &str,
+    expected: Option<Revision>,
+    change: impl FnMut(&mut Node) -> Result<(), ApiError>,
+) -> Result<(Node, Revision), ApiError> {
+    mutate(state, name, expected, change).await
+}
+
 async fn mutate(
     state: &AppState,
     name: &str,
@@ -249,6 +259,6 @@ fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!("node {name} not found")).with_field("name")
 }
 
-fn node_response(status: StatusCode, node: Node, revision: Revision) -> Response {
+pub(crate) fn node_response(status: StatusCode, node: Node, revision: Revision) -> Response {
     with_etag(status, NodeResponse { revision, node }, revision)
 }

@@ -220,6 +220,13 @@ pub fn spec() -> Value {
                 "requestBody": {"required": false, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DrainRequest"}}}},
                 "responses": with(node_ok("202", "Drain recorded; drain.completed_at is set once no VM is left on the node", "NodeResponse"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
             }},
+            "/api/v1/nodes/{name}/freeze": {"post": {
+                "summary": "Freeze the node for a planned agent restart: its VMs are not taken over until the freeze ends (counted by each observer from when it first sees it), its guests keep running, and they are fenced at its end if the agent has not returned. Only the node's agent ends a freeze; one in force is replaced only by one at least as long.",
+                "operationId": "freezeNode",
+                "parameters": [name_param, revision_query, if_match],
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/FreezeRequest"}}}},
+                "responses": with(node_ok("200", "Frozen", "NodeResponse"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
+            }},
             "/api/v1/migrations": {"get": {
                 "summary": "Live migration attempts, oldest first", "operationId": "listMigrations",
                 "parameters": [
@@ -287,6 +294,7 @@ fn schemas() -> Value {
         "Phase": {"type": "string", "enum": ["Pending", "Starting", "Running", "Stopping", "Stopped", "BackOff", "Deleting"]},
         "VirtualMachine": {"type": "object", "required": ["name", "spec"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
+            "uid": {"type": "string", "description": "Set at creation; tells this VM from an earlier or later one of the same name"},
             "generation": {"type": "integer"},
             "spec": {"$ref": "#/components/schemas/VmSpec"},
             "power_intent": {"$ref": "#/components/schemas/PowerIntent"},
@@ -364,6 +372,11 @@ fn schemas() -> Value {
                 "tuning": {"$ref": "#/components/schemas/MigrationTuning"},
                 "completed_at": {"type": "integer", "minimum": 0, "description": "Set when no VM is left on the node"}
             }},
+            "freeze": {"type": "object", "description": "A planned agent restart: no takeover until it ends", "properties": {
+                "requested_at": millis,
+                "duration_ms": {"type": "integer", "minimum": 1},
+                "reason": {"type": "string"}
+            }},
             "status": {"type": "object", "properties": {
                 "accelerator": {"type": "string", "enum": ["Kvm", "Tcg", "Sim"]},
                 "hypervisor": {"type": "string"},
@@ -389,6 +402,10 @@ fn schemas() -> Value {
             "node": {"$ref": "#/components/schemas/Node"},
             "schedulable": {"type": "boolean"},
             "operator_cordon": {"type": "boolean", "description": "An operator's cordon remains"}
+        }},
+        "FreezeRequest": {"type": "object", "additionalProperties": false, "required": ["for_s"], "properties": {
+            "for_s": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_FREEZE_MS / 1000},
+            "reason": {"type": "string", "maxLength": crate::api::freeze::MAX_REASON_BYTES}
         }},
         "DrainRequest": {"type": "object", "additionalProperties": false, "properties": {
             "submit_window_s": window.clone(),
@@ -434,8 +451,9 @@ fn schemas() -> Value {
             "items": {"type": "array", "items": {"$ref": "#/components/schemas/SnapshotResponse"}}
         }},
         "Migration": {"type": "object", "required": ["id", "vm", "source_node", "source_instance", "target_node", "target_instance", "created_at"], "properties": {
-            "id": {"type": "string"},
+            "id": {"type": "string", "description": "m<seq>-<vm uid>: unique across deletes and re-creations of the VM"},
             "vm": {"$ref": "#/components/schemas/Name"},
+            "vm_uid": {"type": "string"},
             "source_node": {"type": "string"},
             "source_instance": {"type": "string"},
             "target_node": {"type": "string"},

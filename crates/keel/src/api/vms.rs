@@ -51,6 +51,12 @@ pub struct VmList {
 /// Parses and validates a create request body: a VM ready to store, or a
 /// 4xx error naming the field (400 for malformed or mistyped JSON, 422 for
 /// values out of range).
+/// A fresh VM uid (`VirtualMachine::uid`): 64 random bits, so a VM
+/// deleted and created again under its name is never taken for the old one.
+pub fn new_vm_uid() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
 pub fn parse_create(body: &[u8]) -> Result<VirtualMachine, ApiError> {
     let req: CreateVmRequest = parse_json(body)?;
     let vm = VirtualMachine::new(req.name, req.spec);
@@ -80,7 +86,8 @@ pub async fn create(
     BodyBytes(body): BodyBytes,
 ) -> Result<Response, ApiError> {
     query.finish()?;
-    let vm = parse_create(&body)?;
+    let mut vm = parse_create(&body)?;
+    vm.uid = new_vm_uid();
     let key = vm_key(&vm.name);
     match state.store.create(&key, &vm).await {
         Ok(revision) => {

@@ -3,6 +3,7 @@
 
 mod client;
 mod events;
+mod freeze;
 mod migration;
 mod node;
 pub mod output;

@@ -1,4 +1,4 @@
-//! `keel node list|info|cordon|uncordon|drain`.
+//! `keel node list|info|cordon|uncordon|drain|freeze`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -96,6 +96,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     ),
                     ("cordoned", cordon_text(n)),
                     ("drain", drain_text(n, now)),
+                    ("freeze", super::freeze::freeze_text(n)),
                     (
                         "migrations",
                         n.drain
@@ -115,6 +116,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
         }
         NodeVerb::Uncordon(args) => uncordon(&client, out, args),
         NodeVerb::Drain(args) => drain(&client, out, args),
+        NodeVerb::Freeze(args) => super::freeze::freeze(&client, out, args),
     }
 }
 
