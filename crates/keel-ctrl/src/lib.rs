@@ -11,6 +11,7 @@ pub mod liveness;
 pub mod migration_controller;
 pub mod observe;
 pub mod queue;
+pub mod readiness;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;
