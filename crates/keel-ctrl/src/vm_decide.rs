@@ -376,12 +376,7 @@ fn instance_alive(
     let agent_at = agent_shutdown_at(stop.requested_at, grace_end);
     if stop.agent_shutdown_at.is_none() && now >= agent_at {
         progress.agent_shutdown_at = Some(now);
-        let backoff = backoff(
-            cfg.stop_backoff_initial_ms,
-            cfg.stop_backoff_max_ms,
-            stop.attempts,
-        );
-        progress.next_check_at = (now + backoff).min(grace_end);
+        progress.next_check_at = after_agent_shutdown(now, now, cfg).min(grace_end);
         let requeue_at = progress.next_check_at;
         return Step::Persist {
             vm: Box::new(next),
@@ -397,16 +392,31 @@ fn instance_alive(
         stop.attempts,
     );
     progress.attempts += 1;
-    progress.next_check_at = (now + backoff).min(grace_end);
-    if stop.agent_shutdown_at.is_none() && agent_at > now {
-        progress.next_check_at = progress.next_check_at.min(agent_at);
+    progress.next_check_at = match stop.agent_shutdown_at {
+        // The agent's power-off takes a few seconds: look again soon after
+        // it, backing off anew from there.
+        Some(asked) => after_agent_shutdown(asked, now, cfg),
+        None => (now + backoff).min(agent_at.max(now + 1)),
     }
+    .min(grace_end);
     let requeue_at = progress.next_check_at;
     Step::Persist {
         vm: Box::new(next),
         then: Some(HvAction::Shutdown(inst.id.clone())),
         requeue_at,
     }
+}
+
+/// The first check after `now` on the schedule that restarts at the agent
+/// shutdown `asked`: `asked` + 1, 3, 7, 15 … s (steps doubling, capped).
+fn after_agent_shutdown(asked: Millis, now: Millis, cfg: &LifecycleConfig) -> Millis {
+    let mut step = cfg.stop_backoff_initial_ms.max(1);
+    let mut at = asked + step;
+    while at <= now {
+        step = step.saturating_mul(2).min(cfg.stop_backoff_max_ms.max(1));
+        at += step;
+    }
+    at
 }
 
 /// When a stop begun at `requested_at` falls back to the guest agent: half
@@ -1152,13 +1162,20 @@ mod tests {
         }
         let times: Vec<_> = checks.iter().map(|(t, _)| *t).collect();
         // The power button at 0, 1, 3, 7, 15 s; the guest agent at half
-        // the grace period; the kill at its end.
-        assert_eq!(times, [0, 1000, 3000, 7000, 15000, 30000, 60000]);
-        assert!(checks[..5]
-            .iter()
-            .all(|(_, a)| matches!(a, Some(HvAction::Shutdown(_)))));
+        // the grace period, re-checked 1, 3, 7, 15 s after it (pressing
+        // again); the kill at the end of the grace period.
+        assert_eq!(
+            times,
+            [0, 1000, 3000, 7000, 15000, 30000, 31000, 33000, 37000, 45000, 60000]
+        );
+        let presses = |r: std::ops::Range<usize>| {
+            checks[r]
+                .iter()
+                .all(|(_, a)| matches!(a, Some(HvAction::Shutdown(_))))
+        };
+        assert!(presses(0..5) && presses(6..10));
         assert_eq!(checks[5].1, Some(HvAction::GuestShutdown("web-1".into())));
-        assert!(matches!(checks[6].1, Some(HvAction::Kill(_))));
+        assert!(matches!(checks[10].1, Some(HvAction::Kill(_))));
         assert_eq!(
             v.status.stop.as_ref().unwrap().agent_shutdown_at,
             Some(130_000)

@@ -353,8 +353,18 @@ impl SimHypervisor {
             .insert(vm.to_string(), (count, reason.to_string()));
     }
 
-    /// Makes one instance ignore ACPI power-down from now on.
+    /// Hangs one guest from now on: it ignores ACPI power-down, and its
+    /// guest agent does not answer either.
     pub fn hang_guest(&self, instance: &str) {
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            d.ignores_powerdown = true;
+            d.guest.agent_silent = true;
+        }
+    }
+
+    /// Makes one guest ignore the ACPI power button (its agent still
+    /// answers), like a guest with the button masked.
+    pub fn ignore_acpi(&self, instance: &str) {
         if let Some(d) = self.lock().domains.get_mut(instance) {
             d.ignores_powerdown = true;
         }
