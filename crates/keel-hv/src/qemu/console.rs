@@ -62,9 +62,11 @@ impl QemuDriver {
                 Err(e) => return Err(e),
             };
             let len = file.metadata()?.len();
-            file.seek(SeekFrom::Start(len.saturating_sub(max)))?;
+            let start = len.saturating_sub(max);
+            file.seek(SeekFrom::Start(start))?;
             let mut buf = Vec::new();
-            file.take(max).read_to_end(&mut buf)?;
+            // Up to the length reported, though the guest may print on.
+            file.take(len - start).read_to_end(&mut buf)?;
             Ok((buf, len))
         })
         .await
