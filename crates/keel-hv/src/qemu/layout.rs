@@ -367,6 +367,7 @@ pub struct LaunchPlan {
     pub machine: String,
     pub cpus: u32,
     pub memory_mib: u64,
+    /// Empty with `firmware_boot`.
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
     pub cmdline: String,
@@ -375,6 +376,9 @@ pub struct LaunchPlan {
     /// Wait for an incoming live migration instead of booting
     /// (`-incoming defer`; the listening URI is given over QMP).
     pub incoming: bool,
+    /// Boot through the firmware (SeaBIOS) from the first disk, not a
+    /// kernel file (`QemuConfig::firmware_boot`).
+    pub firmware_boot: bool,
 }
 
 impl LaunchPlan {
@@ -451,11 +455,13 @@ impl LaunchPlan {
             "-device",
             "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
         ]);
-        push(&["-kernel", &self.kernel.to_string_lossy()]);
-        if let Some(initrd) = &self.initrd {
-            push(&["-initrd", &initrd.to_string_lossy()]);
+        if !self.firmware_boot {
+            push(&["-kernel", &self.kernel.to_string_lossy()]);
+            if let Some(initrd) = &self.initrd {
+                push(&["-initrd", &initrd.to_string_lossy()]);
+            }
+            push(&["-append", &self.cmdline]);
         }
-        push(&["-append", &self.cmdline]);
         if self.incoming {
             // `defer`: QEMU starts with its images inactive (no image locks
             // taken, nothing read or written) and listens only once told
@@ -528,6 +534,7 @@ mod tests {
             cmdline: "console=ttyS0 quiet".into(),
             disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
             incoming: false,
+            firmware_boot: false,
         };
         let args = plan.args();
         let joined = args.join(" ");

@@ -93,6 +93,10 @@ pub struct QemuConfig {
     pub qmp_timeout: Duration,
     /// How long `start` waits for a new QEMU's QMP to answer.
     pub launch_timeout: Duration,
+    /// Boot every VM through the firmware from its first disk instead of a
+    /// kernel file. For tests that boot a whole disk image (the Debian
+    /// test image) until images are part of the spec.
+    pub firmware_boot: bool,
     /// Bounds each guest-agent conversation (connect, sync, one command):
     /// a silent or hung agent costs at most this.
     pub agent_timeout: Duration,
@@ -125,6 +129,7 @@ impl QemuConfig {
             machine: "q35".into(),
             qmp_timeout: Duration::from_secs(5),
             launch_timeout: Duration::from_secs(30),
+            firmware_boot: false,
             agent_timeout: Duration::from_secs(2),
             freeze_timeout: Duration::from_secs(10),
             keeper: None,
@@ -291,6 +296,11 @@ impl QemuDriver {
     /// The guest command channel (ttyS1); see [`crate::guest::GuestChannel`].
     pub fn command_socket(&self, instance: &str) -> PathBuf {
         self.launched_paths(instance).cmd
+    }
+
+    /// The guest agent's channel (virtio-serial `org.qemu.guest_agent.0`).
+    pub fn agent_socket(&self, instance: &str) -> PathBuf {
+        self.launched_paths(instance).qga
     }
 
     /// The QMP socket of a launched instance.
@@ -591,6 +601,22 @@ impl QemuDriver {
             reason,
         };
         let config = &self.inner.config;
+        if config.firmware_boot {
+            return Ok(LaunchPlan {
+                instance: spec.instance.clone(),
+                paths: self.inner.layout.new_instance(&spec.instance),
+                accelerator: self.inner.accelerator,
+                machine: config.machine.clone(),
+                cpus: spec.cpus,
+                memory_mib: spec.memory_mib,
+                kernel: PathBuf::new(),
+                initrd: None,
+                cmdline: String::new(),
+                disks,
+                incoming: false,
+                firmware_boot: true,
+            });
+        }
         let kernel = spec
             .boot
             .kernel
@@ -637,6 +663,7 @@ impl QemuDriver {
                 .unwrap_or_else(|| config.default_cmdline.clone()),
             disks,
             incoming: false,
+            firmware_boot: false,
         })
     }
 
