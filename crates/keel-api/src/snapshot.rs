@@ -34,6 +34,13 @@ pub struct SnapshotStatus {
     /// Whether the guest was running (paused while the snapshot was taken).
     #[serde(default)]
     pub live: bool,
+    /// Whether the guest's filesystems were frozen by its agent while the
+    /// snapshot was taken (a live snapshot without it is crash-consistent).
+    #[serde(default)]
+    pub quiesced: bool,
+    /// Why a live snapshot was not quiesced, or a thaw that failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quiesce_note: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
 }

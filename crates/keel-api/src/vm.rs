@@ -14,7 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{validate_name, Millis, ValidationError};
+use crate::{validate_name, InstanceReadiness, Millis, Readiness, ValidationError};
 
 pub const DEFAULT_STOP_GRACE_PERIOD_S: u64 = 60;
 pub const MIN_MEMORY_MIB: u64 = 16;
@@ -77,6 +77,11 @@ pub struct VmSpec {
     /// Node the VM must run on; `None` lets Keel place it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// When the guest counts as up (`status.instance.readiness`). Records
+    /// stored before this field existed mean `none` (ready once running);
+    /// the API's default for new VMs is `agent`.
+    #[serde(default = "Readiness::legacy")]
+    pub readiness: Readiness,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -338,6 +343,10 @@ pub struct Instance {
     /// call does not prove that nothing runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_error: Option<String>,
+    /// Whether the guest is up, and what its agent said; probed on the
+    /// instance's node while it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub readiness: Option<InstanceReadiness>,
 }
 
 impl Instance {
@@ -349,6 +358,7 @@ impl Instance {
             created_at,
             running_since: None,
             start_error: None,
+            readiness: None,
         }
     }
 }
@@ -375,6 +385,10 @@ pub struct StopProgress {
     pub next_check_at: Millis,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub forced_at: Option<Millis>,
+    /// When the guest agent was asked to power off (the fallback for a
+    /// guest that ignores the power button, at half the grace period).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_shutdown_at: Option<Millis>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -478,6 +492,19 @@ impl VirtualMachine {
         }
         self.set_power(PowerState::Stopped);
         Ok(())
+    }
+
+    /// When the guest of the current instance became ready, if it is ready
+    /// now: the VM is Running and its guest is up per `spec.readiness`.
+    pub fn ready_since(&self) -> Option<Millis> {
+        if self.status.phase != Phase::Running {
+            return None;
+        }
+        let inst = self.status.instance.as_ref()?;
+        match self.spec.readiness {
+            Readiness::None => inst.running_since,
+            _ => inst.readiness.as_ref()?.ready_at,
+        }
     }
 
     /// The user asks for a restart: the old instance is stopped and observed
@@ -628,12 +655,16 @@ impl VmSpec {
             restart_generation: _,
             stop_grace_period_s: _,
             node: _,
+            readiness,
         } = snapshot.clone();
+        // Readiness describes the guest on the disks (does it run an
+        // agent?), so it comes back with them.
         VmSpec {
             cpus,
             memory_mib,
             disks,
             boot,
+            readiness,
             ..self.clone()
         }
     }
@@ -700,6 +731,7 @@ impl VmSpec {
         if let Some(node) = &self.node {
             validate_name("spec.node", node)?;
         }
+        self.readiness.validate()?;
         Ok(())
     }
 }
@@ -736,7 +768,27 @@ mod tests {
             restart_generation: 0,
             stop_grace_period_s: 60,
             node: None,
+            readiness: Readiness::Agent,
         }
+    }
+
+    #[test]
+    fn records_without_readiness_mean_ready_when_running() {
+        let json = r#"{"name":"a","spec":{"cpus":1,"memory_mib":64},
+            "status":{"phase":"Running","instance":{"id":"a-1","node":"n1","created_at":5,"running_since":6}}}"#;
+        let vm: VirtualMachine = serde_json::from_str(json).unwrap();
+        assert_eq!(vm.spec.readiness, Readiness::None);
+        assert_eq!(vm.ready_since(), Some(6));
+        let mut agent = vm.clone();
+        agent.spec.readiness = Readiness::Agent;
+        assert_eq!(agent.ready_since(), None);
+        agent.status.instance.as_mut().unwrap().readiness = Some(InstanceReadiness {
+            ready_at: Some(9),
+            ..Default::default()
+        });
+        assert_eq!(agent.ready_since(), Some(9));
+        agent.status.phase = Phase::Stopping;
+        assert_eq!(agent.ready_since(), None, "a stopping guest is not ready");
     }
 
     #[test]

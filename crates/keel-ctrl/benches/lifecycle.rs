@@ -479,6 +479,7 @@ impl Bench {
             restart_generation: 0,
             stop_grace_period_s: 30,
             node: None,
+            readiness: keel_api::Readiness::Agent,
         }
     }
 

@@ -158,8 +158,18 @@ fn adopt_target(vm: &VirtualMachine, m: &Migration, now: Millis) -> Step {
 /// `vm` after migration `m` handed it over: the target is its instance.
 pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> VirtualMachine {
     let mut next = vm.clone();
+    // The guest moved, it did not boot again: it is as ready as it was
+    // (its console log, which a console readiness check reads, stayed
+    // with the source).
+    let readiness = vm
+        .status
+        .instance
+        .as_ref()
+        .filter(|i| i.id == m.source_instance)
+        .and_then(|i| i.readiness.clone());
     next.status.instance = Some(Instance {
         running_since: Some(now),
+        readiness,
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
@@ -400,6 +410,7 @@ mod tests {
                 restart_generation: 0,
                 stop_grace_period_s: 60,
                 node: None,
+                readiness: keel_api::Readiness::Agent,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

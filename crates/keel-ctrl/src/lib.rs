@@ -12,6 +12,7 @@ pub mod migration_controller;
 pub mod node_lease;
 pub mod observe;
 pub mod queue;
+pub mod readiness;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;

@@ -108,6 +108,7 @@ mod tests {
             attempts: 1,
             next_check_at: 11_000,
             forced_at: None,
+            agent_shutdown_at: None,
         });
         let mut gone = vm();
         gone.status.last_exit = Some(ExitRecord {

@@ -98,6 +98,7 @@ mod tests {
                 restart_generation: 0,
                 stop_grace_period_s: 60,
                 node: None,
+                readiness: keel_api::Readiness::Agent,
             },
         );
         v.status.node = node.map(str::to_string);

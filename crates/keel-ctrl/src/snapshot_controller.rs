@@ -130,15 +130,48 @@ impl SnapshotController {
                 return Ok(Some(retry));
             }
         };
-        match self
-            .hv
-            .snapshot_disks(vm_name, &snap.spec.disks, instance.as_deref(), name)
-            .await
-        {
+        let (taken, quiesce) = match &instance {
+            Some(id) => {
+                // Last look said the agent is silent: skip the freeze
+                // rather than spend its timeouts (twice) on every attempt.
+                let agent_seen = vm
+                    .status
+                    .instance
+                    .as_ref()
+                    .and_then(|i| i.readiness.as_ref())
+                    .is_none_or(|r| r.agent);
+                if agent_seen {
+                    quiesced_snapshot(self.hv.clone(), vm_name, &snap.spec.disks, id, name).await
+                } else {
+                    let taken = self
+                        .hv
+                        .snapshot_disks(vm_name, &snap.spec.disks, Some(id), name)
+                        .await;
+                    (
+                        taken,
+                        Quiesce {
+                            quiesced: false,
+                            note: Some(
+                                "guest agent not answering at the last look: not quiesced".into(),
+                            ),
+                        },
+                    )
+                }
+            }
+            None => (
+                self.hv
+                    .snapshot_disks(vm_name, &snap.spec.disks, None, name)
+                    .await,
+                Quiesce::default(),
+            ),
+        };
+        match taken {
             Ok(()) => {
                 snap.status.phase = SnapshotPhase::Ready;
                 snap.status.taken_at = Some(self.clock.now_ms());
                 snap.status.live = instance.is_some();
+                snap.status.quiesced = quiesce.quiesced;
+                snap.status.quiesce_note = quiesce.note;
                 snap.status.message = None;
             }
             Err(e @ HvError::Storage { .. }) => {
@@ -193,5 +226,83 @@ impl SnapshotController {
             Err(StoreError::Conflict { .. }) => Ok(Some(now)),
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Whether (and how) a live snapshot was quiesced.
+#[derive(Debug, Default)]
+struct Quiesce {
+    quiesced: bool,
+    note: Option<String>,
+}
+
+/// Freeze, snapshot, thaw. In a task of its own, so that the thaw runs
+/// even if the caller stops waiting; the thaw is sent whatever the freeze
+/// or the snapshot did (a freeze that timed out here may still have
+/// happened in the guest), and retried a few times. Every agent call is
+/// bounded by the driver.
+async fn quiesced_snapshot(
+    hv: Arc<dyn Hypervisor>,
+    vm: &str,
+    disks: &[keel_api::DiskSpec],
+    instance: &str,
+    name: &str,
+) -> (Result<(), HvError>, Quiesce) {
+    let (vm, disks, instance, name) = (
+        vm.to_string(),
+        disks.to_vec(),
+        instance.to_string(),
+        name.to_string(),
+    );
+    let task = tokio::spawn(async move {
+        let frozen = hv.fs_freeze(&instance).await;
+        let taken = hv.snapshot_disks(&vm, &disks, Some(&instance), &name).await;
+        let mut thaw_error = None;
+        for attempt in 0..3u64 {
+            match hv.fs_thaw(&instance).await {
+                Ok(_) | Err(HvError::NotFound { .. }) => {
+                    thaw_error = None;
+                    break;
+                }
+                Err(e) => {
+                    thaw_error = Some(e.to_string());
+                    if frozen.is_err() {
+                        // Nothing was frozen by us as far as we know; one
+                        // try is enough.
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(200 * (attempt + 1))).await;
+                }
+            }
+        }
+        let quiesce = match (&frozen, thaw_error) {
+            (Ok(_), None) => Quiesce {
+                quiesced: true,
+                note: None,
+            },
+            (Ok(_), Some(e)) => {
+                tracing::error!(%vm, %instance, "thaw after snapshot failed: {e}");
+                Quiesce {
+                    quiesced: true,
+                    note: Some(format!("thaw after the snapshot failed: {e}")),
+                }
+            }
+            (Err(e), _) => Quiesce {
+                quiesced: false,
+                note: Some(format!("not quiesced: {e}")),
+            },
+        };
+        (taken, quiesce)
+    });
+    match task.await {
+        Ok(done) => done,
+        Err(e) => (
+            Err(HvError::Failed {
+                instance: String::new(),
+                op: "snapshot",
+                reason: format!("snapshot task failed: {e}"),
+            }),
+            Quiesce::default(),
+        ),
     }
 }

@@ -66,6 +66,8 @@ pub struct VmController {
     liveness: std::sync::Mutex<Liveness>,
     /// This node's own lease and freeze, as this agent counts them.
     lease: Arc<NodeLease>,
+    /// Readiness probes of this node's guests.
+    probes: crate::readiness::GuestProbes,
 }
 
 impl VmController {
@@ -75,6 +77,9 @@ impl VmController {
         clock: Arc<dyn Clock>,
         cfg: LifecycleConfig,
     ) -> Self {
+        let mut probes = crate::readiness::GuestProbes::new(hv.clone(), clock.clone());
+        probes.interval_ms = cfg.readiness_probe_ms;
+        probes.ready_interval_ms = cfg.readiness_refresh_ms;
         Self {
             store,
             hv,
@@ -83,6 +88,7 @@ impl VmController {
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
             lease: Default::default(),
+            probes,
         }
     }
 
@@ -462,7 +468,9 @@ impl VmController {
         let cluster = self.cluster_view(&vm).await.map_err(store_err)?;
         let observed = self.observe(&vm).await;
         let now = self.clock.now_ms();
-        match decide(&vm, &observed, &cluster, now, &self.cfg) {
+        let step = decide(&vm, &observed, &cluster, now, &self.cfg);
+        let step = self.with_readiness(&vm, &observed, step, now).await;
+        match step {
             Step::Wait { requeue_at } => Ok(Some(requeue_at)),
             Step::Persist {
                 then: Some(HvAction::Start),
@@ -573,6 +581,70 @@ impl VmController {
                 }
             }
         }
+    }
+
+    /// `step` with the instance's readiness brought up to date, for an
+    /// instance that is alive and stays recorded: a probe result that
+    /// changes it is written along with the step (or as a step of its own
+    /// instead of a wait), and a guest not ready yet is looked at again
+    /// within the probe interval.
+    async fn with_readiness(
+        &self,
+        vm: &VirtualMachine,
+        observed: &Observed,
+        step: Step,
+        now: Millis,
+    ) -> Step {
+        let Some(inst) = &vm.status.instance else {
+            self.probes.forget_others(&vm.name, None);
+            return step;
+        };
+        self.probes.forget_others(&vm.name, Some(&inst.id));
+        if !matches!(
+            observed,
+            Observed::Instance(keel_hv::DomainState::Running | keel_hv::DomainState::Paused)
+        ) {
+            return step;
+        }
+        let (mut next, then, requeue_at) = match step {
+            Step::Wait { requeue_at } => (vm.clone(), None, requeue_at),
+            Step::Persist {
+                vm: next,
+                then: None,
+                requeue_at,
+            } if next.status.instance.as_ref().map(|i| &i.id) == Some(&inst.id) => {
+                (*next, None, requeue_at)
+            }
+            other => return other,
+        };
+        let phase = next.status.phase;
+        if !matches!(phase, Phase::Running | Phase::Starting) {
+            return Step::Persist {
+                vm: Box::new(next),
+                then,
+                requeue_at,
+            }
+            .unless_unchanged(vm);
+        }
+        let probe = if phase == Phase::Running {
+            self.probes.latest(vm, inst).await
+        } else {
+            None
+        };
+        let current = next.status.instance.as_mut().expect("checked above");
+        let readiness = crate::readiness::next_readiness(vm, current, phase, probe.as_ref(), now);
+        let requeue_at = if readiness.ready_at.is_none() {
+            requeue_at.min(now + self.cfg.readiness_probe_ms)
+        } else {
+            requeue_at
+        };
+        current.readiness = Some(readiness);
+        Step::Persist {
+            vm: Box::new(next),
+            then,
+            requeue_at,
+        }
+        .unless_unchanged(vm)
     }
 
     /// Chooses the node for a VM that has none (single-process mode).
@@ -864,6 +936,7 @@ impl VmController {
                     .await
             }
             HvAction::Shutdown(id) => absent_is_ok(self.hv.shutdown(id).await),
+            HvAction::GuestShutdown(id) => absent_is_ok(self.hv.guest_shutdown(id).await),
             HvAction::Kill(id) => absent_is_ok(self.hv.kill(id).await),
             HvAction::Cleanup(id) => absent_is_ok(self.hv.cleanup(id).await),
             HvAction::DeleteDisks => self.hv.delete_disks(&vm.name).await,

@@ -62,6 +62,10 @@ pub struct LifecycleConfig {
     /// This agent's incarnation (see `NodeStatus::incarnation`); `None`
     /// claims none and checks none (tests, single host).
     pub incarnation: Option<String>,
+    /// How often a running guest that is not ready yet is probed.
+    pub readiness_probe_ms: Millis,
+    /// How often a ready guest's agent is asked again (its addresses).
+    pub readiness_refresh_ms: Millis,
 }
 
 impl LifecycleConfig {
@@ -92,6 +96,8 @@ impl Default for LifecycleConfig {
             cluster_duties: true,
             shared_disk_dir: None,
             incarnation: None,
+            readiness_probe_ms: 1_000,
+            readiness_refresh_ms: 30_000,
         }
     }
 }
@@ -142,6 +148,8 @@ pub struct ClusterView {
 pub enum HvAction {
     Start,
     Shutdown(String),
+    /// Ask the guest agent to power off (for guests that ignore ACPI).
+    GuestShutdown(String),
     Kill(String),
     Cleanup(String),
     DeleteDisks,
@@ -169,6 +177,21 @@ pub enum Step {
     },
     /// Delete the VM's disks, then the record: the VM is gone for good.
     DeleteRecord,
+}
+
+impl Step {
+    /// A `Persist` of a record equal to `old` with nothing to do after is
+    /// a wait.
+    pub fn unless_unchanged(self, old: &VirtualMachine) -> Step {
+        match self {
+            Step::Persist {
+                vm,
+                then: None,
+                requeue_at,
+            } if *vm == *old => Step::Wait { requeue_at },
+            other => other,
+        }
+    }
 }
 
 pub fn decide(
@@ -350,6 +373,20 @@ fn instance_alive(
             requeue_at: now + cfg.kill_recheck_ms,
         };
     }
+    // Half-way through the grace period a guest that still runs has
+    // ignored the power button so far: ask its agent (if it has one) to
+    // power off, once, before the forced kill at the end.
+    let agent_at = agent_shutdown_at(stop.requested_at, grace_end);
+    if stop.agent_shutdown_at.is_none() && now >= agent_at {
+        progress.agent_shutdown_at = Some(now);
+        progress.next_check_at = after_agent_shutdown(now, now, cfg).min(grace_end);
+        let requeue_at = progress.next_check_at;
+        return Step::Persist {
+            vm: Box::new(next),
+            then: Some(HvAction::GuestShutdown(inst.id.clone())),
+            requeue_at,
+        };
+    }
     // Still within the grace period: press again (a guest that was still
     // booting may have missed the first press) and back off.
     let backoff = backoff(
@@ -358,13 +395,37 @@ fn instance_alive(
         stop.attempts,
     );
     progress.attempts += 1;
-    progress.next_check_at = (now + backoff).min(grace_end);
+    progress.next_check_at = match stop.agent_shutdown_at {
+        // The agent's power-off takes a few seconds: look again soon after
+        // it, backing off anew from there.
+        Some(asked) => after_agent_shutdown(asked, now, cfg),
+        None => (now + backoff).min(agent_at.max(now + 1)),
+    }
+    .min(grace_end);
     let requeue_at = progress.next_check_at;
     Step::Persist {
         vm: Box::new(next),
         then: Some(HvAction::Shutdown(inst.id.clone())),
         requeue_at,
     }
+}
+
+/// The first check after `now` on the schedule that restarts at the agent
+/// shutdown `asked`: `asked` + 1, 3, 7, 15 … s (steps doubling, capped).
+fn after_agent_shutdown(asked: Millis, now: Millis, cfg: &LifecycleConfig) -> Millis {
+    let mut step = cfg.stop_backoff_initial_ms.max(1);
+    let mut at = asked + step;
+    while at <= now {
+        step = step.saturating_mul(2).min(cfg.stop_backoff_max_ms.max(1));
+        at += step;
+    }
+    at
+}
+
+/// When a stop begun at `requested_at` falls back to the guest agent: half
+/// the grace period (the agent's power-off then has the other half).
+fn agent_shutdown_at(requested_at: Millis, grace_end: Millis) -> Millis {
+    requested_at + grace_end.saturating_sub(requested_at) / 2
 }
 
 /// Whether a live migration from the recorded instance is still under way.
@@ -389,13 +450,17 @@ pub(crate) fn begin_stop(
     } else {
         Phase::Stopping
     };
-    let first_check = (now + cfg.stop_backoff_initial_ms).min(grace_end(&next, now).max(now + 1));
+    let end = grace_end(&next, now);
+    let first_check = (now + cfg.stop_backoff_initial_ms)
+        .min(end.max(now + 1))
+        .min(agent_shutdown_at(now, end).max(now + 1));
     next.status.stop = Some(StopProgress {
         reason,
         requested_at: now,
         attempts: 1,
         next_check_at: first_check,
         forced_at: None,
+        agent_shutdown_at: None,
     });
     Step::Persist {
         vm: Box::new(next),
@@ -873,6 +938,7 @@ mod tests {
                 restart_generation: 0,
                 stop_grace_period_s: 60,
                 node: None,
+                readiness: keel_api::Readiness::Agent,
             },
         )
     }
@@ -995,6 +1061,7 @@ mod tests {
                 attempts: 3,
                 next_check_at,
                 forced_at: None,
+                agent_shutdown_at: None,
             });
             let observed = Observed::Unknown("unavailable".into());
             let requeue_at = match decide(&v, &observed, &ClusterView::default(), now, &cfg) {
@@ -1098,10 +1165,24 @@ mod tests {
             }
         }
         let times: Vec<_> = checks.iter().map(|(t, _)| *t).collect();
-        assert_eq!(times, [0, 1000, 3000, 7000, 15000, 31000, 60000]);
-        assert!(checks[..6]
-            .iter()
-            .all(|(_, a)| matches!(a, Some(HvAction::Shutdown(_)))));
-        assert!(matches!(checks[6].1, Some(HvAction::Kill(_))));
+        // The power button at 0, 1, 3, 7, 15 s; the guest agent at half
+        // the grace period, re-checked 1, 3, 7, 15 s after it (pressing
+        // again); the kill at the end of the grace period.
+        assert_eq!(
+            times,
+            [0, 1000, 3000, 7000, 15000, 30000, 31000, 33000, 37000, 45000, 60000]
+        );
+        let presses = |r: std::ops::Range<usize>| {
+            checks[r]
+                .iter()
+                .all(|(_, a)| matches!(a, Some(HvAction::Shutdown(_))))
+        };
+        assert!(presses(0..5) && presses(6..10));
+        assert_eq!(checks[5].1, Some(HvAction::GuestShutdown("web-1".into())));
+        assert!(matches!(checks[10].1, Some(HvAction::Kill(_))));
+        assert_eq!(
+            v.status.stop.as_ref().unwrap().agent_shutdown_at,
+            Some(130_000)
+        );
     }
 }

@@ -48,6 +48,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         boot_ms: rng.gen_range(200..3_000),
         graceful_shutdown_ms: rng.gen_range(100..5_000),
         migration_ms: rng.gen_range(500..20_000),
+        agent_ready_ms: 0,
         faults,
     };
     // A third stream for the draws added with deletes, lost nodes and

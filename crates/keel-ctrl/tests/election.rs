@@ -101,6 +101,7 @@ impl World {
                 restart_generation: 0,
                 stop_grace_period_s: 10,
                 node: None,
+                readiness: keel_api::Readiness::Agent,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

@@ -96,6 +96,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         restart_generation: 0,
         stop_grace_period_s: 10,
         node: Some("a".into()),
+        readiness: keel_api::Readiness::Agent,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -10,8 +10,11 @@
 //! - `shutdown` asks the guest to power off (ACPI) and returns at once.
 
 pub mod guest;
+pub mod guest_info;
 pub mod qemu;
 pub mod sim;
+
+pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
 
 use async_trait::async_trait;
 use keel_api::{Accelerator, Millis};
@@ -292,6 +295,62 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported_migration(instance, "cancel migration"))
     }
 
+    /// The last `max_bytes` of the instance's serial console log (ttyS0),
+    /// and the log's total length.
+    async fn console_tail(
+        &self,
+        instance: &str,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, u64), HvError> {
+        let _ = max_bytes;
+        Err(unsupported_guest(instance, "read console log"))
+    }
+
+    /// Whether the console log of `instance` contains `text` (on any line,
+    /// from the start of the instance). Drivers scan incrementally, so a
+    /// repeated probe costs only what was written since the last one.
+    async fn console_contains(&self, instance: &str, text: &str) -> Result<bool, HvError> {
+        let _ = text;
+        Err(unsupported_guest(instance, "scan console log"))
+    }
+
+    /// Attaches to the serial console: bytes written go to the guest's
+    /// ttyS0, bytes read are what it prints. One session at a time: a
+    /// second attach fails (`Failed`, naming the session in use) until the
+    /// first stream is dropped.
+    async fn open_console(&self, instance: &str) -> Result<ConsoleStream, HvError> {
+        Err(unsupported_guest(instance, "attach console"))
+    }
+
+    /// Asks the guest agent what it knows (bounded in time: a silent or
+    /// absent agent is `AgentState::Silent`, never a hang). Errors only
+    /// when the instance itself cannot be looked at.
+    async fn guest_info(&self, instance: &str) -> Result<GuestInfo, HvError> {
+        Err(unsupported_guest(instance, "query guest agent"))
+    }
+
+    /// Freezes the guest's filesystems through its agent (bounded). Returns
+    /// how many were frozen. Whatever it returns, the caller thaws after.
+    async fn fs_freeze(&self, instance: &str) -> Result<u32, HvError> {
+        Err(unsupported_guest(instance, "freeze filesystems"))
+    }
+
+    /// Thaws the guest's filesystems (bounded); thawing a guest that is
+    /// not frozen is a success.
+    async fn fs_thaw(&self, instance: &str) -> Result<u32, HvError> {
+        Err(unsupported_guest(instance, "thaw filesystems"))
+    }
+
+    /// Asks the guest agent to power the guest off (`guest-shutdown`): for
+    /// guests that ignore the ACPI power button. Returns once the agent
+    /// took the request (or the call timed out), not when the guest is off.
+    async fn guest_shutdown(&self, instance: &str) -> Result<(), HvError> {
+        Err(unsupported_guest(
+            instance,
+            "shut down through the guest agent",
+        ))
+    }
+
     /// Removes snapshot `name` from the disks of `vm`; absent is success.
     async fn delete_snapshot(
         &self,
@@ -309,6 +368,14 @@ fn unsupported_migration(instance: &str, op: &'static str) -> HvError {
         instance: instance.to_string(),
         op,
         reason: "live migration not supported by this driver".into(),
+    }
+}
+
+fn unsupported_guest(instance: &str, op: &'static str) -> HvError {
+    HvError::Failed {
+        instance: instance.to_string(),
+        op,
+        reason: "not supported by this driver".into(),
     }
 }
 

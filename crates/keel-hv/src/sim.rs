@@ -28,6 +28,9 @@ pub struct SimConfig {
     pub graceful_shutdown_ms: Millis,
     /// From `migrate` until the target runs.
     pub migration_ms: Millis,
+    /// From boot until the guest agent answers (every sim guest has one,
+    /// unless [`SimHypervisor::silence_agent`] is used).
+    pub agent_ready_ms: Millis,
     pub faults: SimFaults,
 }
 
@@ -37,6 +40,7 @@ impl Default for SimConfig {
             boot_ms: 2_000,
             graceful_shutdown_ms: 3_000,
             migration_ms: 5_000,
+            agent_ready_ms: 0,
             faults: SimFaults::default(),
         }
     }
@@ -83,7 +87,27 @@ struct SimDomain {
     incoming: Option<Incoming>,
     /// Set on a source that started a migration.
     outgoing: Option<Outgoing>,
+    guest: SimGuest,
 }
+
+/// The guest's own side: agent, filesystems, console.
+#[derive(Debug, Clone, Default)]
+struct SimGuest {
+    agent_silent: bool,
+    /// The agent was asked to power off (works even when ACPI is ignored).
+    agent_shutdown_at: Option<Millis>,
+    frozen: bool,
+    freezes: u32,
+    thaws: u32,
+    /// What the guest typed back on its console after boot.
+    console_extra: Vec<u8>,
+}
+
+/// What the sim guest prints on its console once booted.
+pub const SIM_CONSOLE_BOOT: &str = "sim: booting\nKEEL-GUEST-READY boot_id=sim\n";
+/// The sim guest's addresses (as qemu-guest-agent would report them).
+pub const SIM_GUEST_IPS: [(&str, &str, u8); 2] =
+    [("lo", "127.0.0.1", 8), ("eth0", "10.0.2.15", 24)];
 
 #[derive(Debug, Clone)]
 struct Incoming {
@@ -175,6 +199,7 @@ pub struct SimHypervisor {
     node: String,
     state: Arc<Mutex<SimState>>,
     fabric: SimFabric,
+    consoles: crate::guest_info::ConsoleSlots,
 }
 
 impl SimHypervisor {
@@ -195,6 +220,7 @@ impl SimHypervisor {
             clock,
             node: node.to_string(),
             fabric: fabric.clone(),
+            consoles: Default::default(),
             state: Arc::new(Mutex::new(SimState {
                 domains: BTreeMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
@@ -333,8 +359,18 @@ impl SimHypervisor {
             .insert(vm.to_string(), (count, reason.to_string()));
     }
 
-    /// Makes one instance ignore ACPI power-down from now on.
+    /// Hangs one guest from now on: it ignores ACPI power-down, and its
+    /// guest agent does not answer either.
     pub fn hang_guest(&self, instance: &str) {
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            d.ignores_powerdown = true;
+            d.guest.agent_silent = true;
+        }
+    }
+
+    /// Makes one guest ignore the ACPI power button (its agent still
+    /// answers), like a guest with the button masked.
+    pub fn ignore_acpi(&self, instance: &str) {
         if let Some(d) = self.lock().domains.get_mut(instance) {
             d.ignores_powerdown = true;
         }
@@ -361,6 +397,30 @@ impl SimHypervisor {
         }
     }
 
+    /// The instance's guest agent stops answering (or, with `false`,
+    /// answers again).
+    pub fn silence_agent(&self, instance: &str, silent: bool) {
+        if let Some(d) = self.lock().domains.get_mut(instance) {
+            d.guest.agent_silent = silent;
+        }
+    }
+
+    /// Whether the guest's filesystems are frozen now, and how many freezes
+    /// and thaws it was sent.
+    pub fn freeze_state(&self, instance: &str) -> Option<(bool, u32, u32)> {
+        let s = self.lock();
+        let g = &s.domains.get(instance)?.guest;
+        Some((g.frozen, g.freezes, g.thaws))
+    }
+
+    /// Whether the guest agent was asked to power the guest off.
+    pub fn agent_shutdown_requested(&self, instance: &str) -> bool {
+        self.lock()
+            .domains
+            .get(instance)
+            .is_some_and(|d| d.guest.agent_shutdown_at.is_some())
+    }
+
     /// What the driver did, for replaying a failing seed.
     /// How the last outgoing migration of `instance` was tuned.
     pub fn migration_params(&self, instance: &str) -> Option<crate::MigrationParams> {
@@ -377,7 +437,52 @@ impl SimHypervisor {
     }
 }
 
+fn sim_failed(instance: &str, op: &'static str, reason: impl Into<String>) -> HvError {
+    HvError::Failed {
+        instance: instance.to_string(),
+        op,
+        reason: reason.into(),
+    }
+}
+
+impl SimDomain {
+    /// Why the guest agent does not answer now, if it does not.
+    fn agent_silence(&self, now: Millis, ready_after_ms: Millis) -> Option<String> {
+        if self.state != DomainState::Running {
+            return Some(format!("guest is not running ({:?})", self.state));
+        }
+        if now < self.started_at + ready_after_ms {
+            return Some("guest agent not started yet".into());
+        }
+        if self.guest.agent_silent {
+            return Some("guest agent did not answer guest-sync-delimited".into());
+        }
+        None
+    }
+}
+
 impl SimState {
+    /// The console log of `instance`: the boot banner once it runs, then
+    /// what its console sessions produced.
+    fn console(&self, instance: &str) -> Result<Vec<u8>, HvError> {
+        let d = self
+            .domains
+            .get(instance)
+            .ok_or_else(|| HvError::NotFound {
+                instance: instance.to_string(),
+            })?;
+        let booted = d.state == DomainState::Running
+            || (d.state.is_exited()
+                && d.crash_at
+                    .is_none_or(|c| c > d.started_at + self.config.boot_ms));
+        let mut log = Vec::new();
+        if booted {
+            log.extend_from_slice(SIM_CONSOLE_BOOT.as_bytes());
+            log.extend_from_slice(&d.guest.console_extra);
+        }
+        Ok(log)
+    }
+
     /// Moves every domain forward to `now`: boots finish, powered-down
     /// guests exit, scheduled crashes happen.
     fn advance(&mut self, now: Millis) {
@@ -428,6 +533,12 @@ impl SimState {
             if let Some(at) = d.crash_at {
                 if now >= at {
                     d.exit(ExitCause::Crashed, at);
+                    continue;
+                }
+            }
+            if let Some(at) = d.guest.agent_shutdown_at {
+                if now >= at + shutdown_ms {
+                    d.exit(ExitCause::Poweroff, at + shutdown_ms);
                     continue;
                 }
             }
@@ -614,6 +725,7 @@ impl Hypervisor for SimHypervisor {
                 crash_at,
                 incoming: None,
                 outgoing: None,
+                guest: SimGuest::default(),
             },
         );
         s.log.push(format!("t={now}: start {}", spec.instance));
@@ -734,6 +846,7 @@ impl Hypervisor for SimHypervisor {
                         aborted: Arc::new(AtomicBool::new(false)),
                     }),
                     outgoing: None,
+                    guest: SimGuest::default(),
                 },
             );
             s.log
@@ -925,6 +1038,139 @@ impl Hypervisor for SimHypervisor {
                 o.abort.store(true, Ordering::SeqCst);
             }
         }
+        Ok(())
+    }
+
+    async fn console_tail(
+        &self,
+        instance: &str,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, u64), HvError> {
+        let log = self.lock().console(instance)?;
+        let len = log.len() as u64;
+        let start = log.len().saturating_sub(max_bytes.min(len) as usize);
+        Ok((log[start..].to_vec(), len))
+    }
+
+    async fn console_contains(&self, instance: &str, text: &str) -> Result<bool, HvError> {
+        let log = self.lock().console(instance)?;
+        let needle = text.as_bytes();
+        Ok(needle.is_empty() || log.windows(needle.len()).any(|w| w == needle))
+    }
+
+    async fn open_console(&self, instance: &str) -> Result<crate::ConsoleStream, HvError> {
+        let op = "attach console";
+        {
+            let mut s = self.lock();
+            let d = s.domain_mut(instance)?;
+            if d.state.is_exited() {
+                return Err(sim_failed(instance, op, "the instance has exited"));
+            }
+        }
+        let claim = self.consoles.claim(instance).ok_or_else(|| {
+            sim_failed(
+                instance,
+                op,
+                "another console session is attached; only one at a time",
+            )
+        })?;
+        // The guest side: a line-echoing shell, so tests can see their
+        // input arrive and an answer come back.
+        let (ours, guest) = tokio::io::duplex(4096);
+        let state = self.state.clone();
+        let instance_id = instance.to_string();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+            let (read, mut write) = tokio::io::split(guest);
+            let mut lines = tokio::io::BufReader::new(read).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let answer = format!("{line}\r\nsim: {}\r\n# ", line.trim());
+                if let Some(d) = state
+                    .lock()
+                    .expect("sim state poisoned")
+                    .domains
+                    .get_mut(&instance_id)
+                {
+                    d.guest.console_extra.extend_from_slice(answer.as_bytes());
+                }
+                if write.write_all(answer.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(crate::ConsoleStream::new(
+            Box::new(ours),
+            Some(Box::new(claim)),
+        ))
+    }
+
+    async fn guest_info(&self, instance: &str) -> Result<crate::GuestInfo, HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let p = s.config.faults.lookup_unavailable;
+        s.maybe_unavailable(instance, "query guest agent", p)?;
+        let agent_ready_ms = s.config.boot_ms + s.config.agent_ready_ms;
+        let d = s.domain_mut(instance)?;
+        if let Some(why) = d.agent_silence(now, agent_ready_ms) {
+            return Ok(crate::GuestInfo::silent(why));
+        }
+        Ok(crate::GuestInfo {
+            agent: crate::AgentState::Answering {
+                version: Some("sim".into()),
+            },
+            ips: SIM_GUEST_IPS
+                .iter()
+                .map(|(i, a, p)| crate::GuestIp {
+                    interface: i.to_string(),
+                    address: a.to_string(),
+                    prefix: *p,
+                })
+                .collect(),
+            hostname: Some(d.spec.vm.clone()),
+        })
+    }
+
+    async fn fs_freeze(&self, instance: &str) -> Result<u32, HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let agent_ready_ms = s.config.boot_ms + s.config.agent_ready_ms;
+        let d = s.domain_mut(instance)?;
+        d.guest.freezes += 1;
+        if let Some(why) = d.agent_silence(now, agent_ready_ms) {
+            return Err(sim_failed(instance, "freeze filesystems", why));
+        }
+        d.guest.frozen = true;
+        Ok(1)
+    }
+
+    async fn fs_thaw(&self, instance: &str) -> Result<u32, HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let agent_ready_ms = s.config.boot_ms + s.config.agent_ready_ms;
+        let d = s.domain_mut(instance)?;
+        d.guest.thaws += 1;
+        if let Some(why) = d.agent_silence(now, agent_ready_ms) {
+            return Err(sim_failed(instance, "thaw filesystems", why));
+        }
+        let was = d.guest.frozen;
+        d.guest.frozen = false;
+        Ok(u32::from(was))
+    }
+
+    async fn guest_shutdown(&self, instance: &str) -> Result<(), HvError> {
+        let now = self.clock.now_ms();
+        let mut s = self.lock();
+        let agent_ready_ms = s.config.boot_ms + s.config.agent_ready_ms;
+        let d = s.domain_mut(instance)?;
+        if let Some(why) = d.agent_silence(now, agent_ready_ms) {
+            return Err(sim_failed(
+                instance,
+                "shut down through the guest agent",
+                why,
+            ));
+        }
+        d.guest.agent_shutdown_at.get_or_insert(now);
+        s.log.push(format!("t={now}: guest-shutdown {instance}"));
         Ok(())
     }
 

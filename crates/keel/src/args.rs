@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use keel_api::{DiskSpec, RunPolicy};
+use keel_api::{DiskSpec, Readiness, RunPolicy};
 
 use crate::distributed::StoreSpec;
 
@@ -264,6 +264,19 @@ pub enum VmVerb {
     Restart(PowerArgs),
     /// Delete a VM (its instance is stopped and its disks removed first).
     Delete(PowerArgs),
+    /// Print the serial console log (ttyS0) of the VM's current instance.
+    Logs(LogsArgs),
+    /// Attach to the VM's serial console (like `virsh console`); Ctrl-]
+    /// detaches.
+    Console { name: String },
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    pub name: String,
+    /// Only the last N lines.
+    #[arg(long)]
+    pub tail: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -297,12 +310,29 @@ pub struct CreateArgs {
     /// Kernel command line.
     #[arg(long)]
     pub cmdline: Option<String>,
+    /// When the guest counts as ready: `agent` (qemu-guest-agent answers;
+    /// the default), `console:TEXT` (the serial console printed TEXT) or
+    /// `none` (as soon as it runs).
+    #[arg(long, value_parser = parse_readiness)]
+    pub readiness: Option<Readiness>,
+    /// Wait until the VM runs and its guest is ready.
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 300, requires = "wait")]
+    pub timeout: u64,
+}
+
+fn parse_readiness(s: &str) -> Result<Readiness, String> {
+    s.parse::<Readiness>()
+        .map_err(|e| format!("{}: {}", e.field, e.message))
 }
 
 #[derive(Debug, Args)]
 pub struct PowerArgs {
     pub name: String,
-    /// Wait until the change is done (Running / Stopped / a new instance Running / gone).
+    /// Wait until the change is done (Running and ready / Stopped / a new
+    /// instance Running and ready / gone).
     #[arg(long)]
     pub wait: bool,
     /// Seconds to wait with --wait.

@@ -319,7 +319,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
+    let console = Some(api::NodeAccess {
+        node: cfg.node.clone(),
+        hv: hv.clone(),
+    });
+    let http = serve_api(listener, &store, clock, &token, metrics, console, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -351,6 +355,7 @@ fn serve_api(
     clock: Arc<dyn Clock>,
     token: &Token,
     metrics: Arc<Metrics>,
+    node: Option<api::NodeAccess>,
     stop: watch::Receiver<bool>,
 ) -> JoinHandle<std::io::Result<()>> {
     let state = AppState {
@@ -358,6 +363,7 @@ fn serve_api(
         clock,
         metrics,
         shutdown: stop.clone(),
+        node,
     };
     let app = api::router(state, token.clone());
     let mut http_stop = stop;
@@ -429,7 +435,13 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         election.clone(),
     ));
     let controller = tokio::spawn(run_control_plane(cluster, stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
+    // The in-process agent's node is the only one whose consoles this
+    // control plane can reach.
+    let console = hypervisor.as_ref().map(|hv| api::NodeAccess {
+        node: cfg.node.clone(),
+        hv: hv.clone(),
+    });
+    let http = serve_api(listener, &store, clock, &token, metrics, console, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -479,6 +491,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             restart_generation: 0,
             stop_grace_period_s: 60,
             node: None,
+            readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

@@ -203,6 +203,7 @@ impl Cluster {
                 restart_generation: 0,
                 stop_grace_period_s: 30,
                 node: None,
+                readiness: keel_api::Readiness::Agent,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

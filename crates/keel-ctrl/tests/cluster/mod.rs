@@ -81,6 +81,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         restart_generation: 0,
         stop_grace_period_s: 30,
         node: None,
+        readiness: keel_api::Readiness::Agent,
     }
 }
 
@@ -403,6 +404,7 @@ pub fn sim() -> SimConfig {
         boot_ms: 1_000,
         graceful_shutdown_ms: 2_000,
         migration_ms: 3_000,
+        agent_ready_ms: 0,
         faults: SimFaults::default(),
     }
 }

@@ -181,6 +181,7 @@ impl Env {
             restart_generation: 0,
             stop_grace_period_s: grace_s,
             node: None,
+            readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
         }
     }
 

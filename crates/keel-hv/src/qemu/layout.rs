@@ -5,7 +5,7 @@
 //! data_dir/
 //!   instances/<instance>/   one per start, removed by cleanup
 //!     spec.json             LaunchRecord: the spec, start time, argv, socket dir
-//!     console.log           serial ttyS0
+//!     console.log           serial ttyS0, everything the guest printed (QEMU's logfile=)
 //!     qemu.log              QEMU's own stdout/stderr
 //!     qemu.pid              written by QEMU (-pidfile), removed by QEMU at exit
 //!     shutdown.json         last QMP SHUTDOWN event (why QEMU is exiting)
@@ -13,11 +13,14 @@
 //!     exit.json             ExitRecord, written once the process is gone
 //!     migration-out.json    OutgoingMigration: this instance was told to migrate
 //!     snapshot-paused       Keel paused the guest for a live snapshot; resume it
+//!     fs-frozen             Keel froze the guest's filesystems; thaw them
 //!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
 //!
 //! runtime_dir/<16 hex>/     the instance's sockets (a hash of its directory)
 //!   qmp.sock                QMP monitor (QEMU listens)
 //!   cmd.sock                guest command channel, serial ttyS1 (QEMU listens)
+//!   console.sock            serial console ttyS0, interactive (QEMU listens)
+//!   qga.sock                qemu-guest-agent, virtio-serial (QEMU listens)
 //!   migrate.sock            incoming live migration (QEMU listens; unix URIs)
 //! ```
 //!
@@ -136,6 +139,9 @@ pub struct InstancePaths {
     pub spec: PathBuf,
     pub qmp: PathBuf,
     pub cmd: PathBuf,
+    /// Interactive side of ttyS0; its output is also logged to `console`.
+    pub console_sock: PathBuf,
+    pub qga: PathBuf,
     pub console: PathBuf,
     pub qemu_log: PathBuf,
     pub pidfile: PathBuf,
@@ -145,6 +151,7 @@ pub struct InstancePaths {
     pub migrate_sock: PathBuf,
     pub migration_out: PathBuf,
     pub snapshot_paused: PathBuf,
+    pub fs_frozen: PathBuf,
 }
 
 impl InstancePaths {
@@ -153,6 +160,8 @@ impl InstancePaths {
             spec: dir.join("spec.json"),
             qmp: sockets.join("qmp.sock"),
             cmd: sockets.join("cmd.sock"),
+            console_sock: sockets.join("console.sock"),
+            qga: sockets.join("qga.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
@@ -162,6 +171,7 @@ impl InstancePaths {
             migrate_sock: sockets.join("migrate.sock"),
             migration_out: dir.join("migration-out.json"),
             snapshot_paused: dir.join("snapshot-paused"),
+            fs_frozen: dir.join("fs-frozen"),
             dir,
             sockets,
         }
@@ -357,6 +367,7 @@ pub struct LaunchPlan {
     pub machine: String,
     pub cpus: u32,
     pub memory_mib: u64,
+    /// Empty with `firmware_boot`.
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
     pub cmdline: String,
@@ -365,6 +376,9 @@ pub struct LaunchPlan {
     /// Wait for an incoming live migration instead of booting
     /// (`-incoming defer`; the listening URI is given over QMP).
     pub incoming: bool,
+    /// Boot through the firmware (SeaBIOS) from the first disk, not a
+    /// kernel file (`QemuConfig::firmware_boot`).
+    pub firmware_boot: bool,
 }
 
 impl LaunchPlan {
@@ -406,12 +420,18 @@ impl LaunchPlan {
             "-mon",
             "chardev=qmp,mode=control",
         ]);
-        // ttyS0: console to a file. ttyS1: the guest command channel; with
-        // wait=off QEMU drops its output while no client is connected, so
-        // the guest never blocks on it.
+        // ttyS0: the console, a socket for `keel vm console` whose output
+        // QEMU also appends to console.log (kept whether or not anyone is
+        // attached). ttyS1: the guest command channel. With wait=off QEMU
+        // drops a socket's output while no client is connected, so the
+        // guest never blocks on either.
         push(&[
             "-chardev",
-            &format!("file,id=console,path={}", opt_escape(&p.console)),
+            &format!(
+                "socket,id=console,path={},server=on,wait=off,logfile={},logappend=on",
+                opt_escape(&p.console_sock),
+                opt_escape(&p.console)
+            ),
             "-serial",
             "chardev:console",
             "-chardev",
@@ -422,11 +442,26 @@ impl LaunchPlan {
             "-serial",
             "chardev:cmd",
         ]);
-        push(&["-kernel", &self.kernel.to_string_lossy()]);
-        if let Some(initrd) = &self.initrd {
-            push(&["-initrd", &initrd.to_string_lossy()]);
+        // The guest agent's channel: virtio-serial port
+        // org.qemu.guest_agent.0, which qemu-guest-agent opens in the guest.
+        push(&[
+            "-device",
+            "virtio-serial-pci,id=vser0",
+            "-chardev",
+            &format!(
+                "socket,id=qga0,path={},server=on,wait=off",
+                opt_escape(&p.qga)
+            ),
+            "-device",
+            "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
+        ]);
+        if !self.firmware_boot {
+            push(&["-kernel", &self.kernel.to_string_lossy()]);
+            if let Some(initrd) = &self.initrd {
+                push(&["-initrd", &initrd.to_string_lossy()]);
+            }
+            push(&["-append", &self.cmdline]);
         }
-        push(&["-append", &self.cmdline]);
         if self.incoming {
             // `defer`: QEMU starts with its images inactive (no image locks
             // taken, nothing read or written) and listens only once told
@@ -499,6 +534,7 @@ mod tests {
             cmdline: "console=ttyS0 quiet".into(),
             disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
             incoming: false,
+            firmware_boot: false,
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -525,6 +561,12 @@ mod tests {
             .map(|w| w[1].as_str())
             .collect();
         assert_eq!(serials, ["chardev:console", "chardev:cmd"]);
+        assert!(joined.contains(
+            "socket,id=console,path=/run/k,,eel/0123/console.sock,server=on,wait=off,\
+             logfile=/data,,x/instances/web-1/console.log,logappend=on"
+        ));
+        assert!(joined.contains("name=org.qemu.guest_agent.0"), "{joined}");
+        assert!(joined.contains("socket,id=qga0,path=/run/k,,eel/0123/qga.sock,server=on"));
         assert!(
             !args.iter().any(|a| a == "-cpu"),
             "TCG keeps the default CPU"
@@ -550,7 +592,13 @@ mod tests {
             runtime: runtime.to_path_buf(),
         };
         let paths = layout.new_instance(&"i".repeat(keel_api::name::MAX_NAME_LEN));
-        for sock in [&paths.qmp, &paths.cmd, &paths.migrate_sock] {
+        for sock in [
+            &paths.qmp,
+            &paths.cmd,
+            &paths.migrate_sock,
+            &paths.console_sock,
+            &paths.qga,
+        ] {
             assert!(sock.starts_with(runtime), "{}", sock.display());
             assert!(
                 sock.as_os_str().len() <= runtime.as_os_str().len() + SOCKET_SUFFIX_LEN,

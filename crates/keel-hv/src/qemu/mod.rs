@@ -14,6 +14,8 @@
 //! on storage both nodes share (`QemuConfig::disk_dir`).
 
 mod accel;
+mod console;
+pub mod guest_agent;
 pub mod keeper;
 mod layout;
 mod migration;
@@ -91,6 +93,15 @@ pub struct QemuConfig {
     pub qmp_timeout: Duration,
     /// How long `start` waits for a new QEMU's QMP to answer.
     pub launch_timeout: Duration,
+    /// Boot every VM through the firmware from its first disk instead of a
+    /// kernel file. For tests that boot a whole disk image (the Debian
+    /// test image) until images are part of the spec.
+    pub firmware_boot: bool,
+    /// Bounds each guest-agent conversation (connect, sync, one command):
+    /// a silent or hung agent costs at most this.
+    pub agent_timeout: Duration,
+    /// Bounds a filesystem freeze or thaw (the guest flushes first).
+    pub freeze_timeout: Duration,
     /// Run each QEMU under a fence keeper ([`keeper`]) that kills it when
     /// the node's local lease (`data_dir/fence-lease`, renewed through
     /// [`Hypervisor::renew_fence`]) lapses. For cluster nodes, where another
@@ -118,6 +129,9 @@ impl QemuConfig {
             machine: "q35".into(),
             qmp_timeout: Duration::from_secs(5),
             launch_timeout: Duration::from_secs(30),
+            firmware_boot: false,
+            agent_timeout: Duration::from_secs(2),
+            freeze_timeout: Duration::from_secs(10),
             keeper: None,
         }
     }
@@ -170,6 +184,12 @@ struct Inner {
     exits: tokio::sync::broadcast::Sender<crate::DomainExit>,
     /// The node's local lease, read by the keepers.
     lease: keeper::FenceLease,
+    /// One attached console session per instance.
+    console_slots: crate::guest_info::ConsoleSlots,
+    /// How far each readiness pattern has been looked for in each console log.
+    console_scans: Mutex<BTreeMap<(String, String), crate::guest_info::LogScan>>,
+    /// One guest-agent conversation at a time per instance.
+    agent_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Drop for Inner {
@@ -258,6 +278,9 @@ impl QemuDriver {
                 vm_locks: Mutex::new(BTreeMap::new()),
                 exits: tokio::sync::broadcast::channel(256).0,
                 lease,
+                console_slots: Default::default(),
+                console_scans: Mutex::new(BTreeMap::new()),
+                agent_locks: Mutex::new(BTreeMap::new()),
             }),
         };
         driver.adopt_all();
@@ -273,6 +296,11 @@ impl QemuDriver {
     /// The guest command channel (ttyS1); see [`crate::guest::GuestChannel`].
     pub fn command_socket(&self, instance: &str) -> PathBuf {
         self.launched_paths(instance).cmd
+    }
+
+    /// The guest agent's channel (virtio-serial `org.qemu.guest_agent.0`).
+    pub fn agent_socket(&self, instance: &str) -> PathBuf {
+        self.launched_paths(instance).qga
     }
 
     /// The QMP socket of a launched instance.
@@ -420,6 +448,9 @@ impl QemuDriver {
                         domain.spawn_monitor(ProcessWatch::PidFd(fd), None);
                         if domain.paths.snapshot_paused.exists() {
                             snapshot::resume_left_paused(domain.clone());
+                        }
+                        if domain.paths.fs_frozen.exists() {
+                            console::thaw_left_frozen(self.clone(), instance.to_string());
                         }
                     }
                     // Gone while we looked, or never found: it exited while
@@ -570,6 +601,22 @@ impl QemuDriver {
             reason,
         };
         let config = &self.inner.config;
+        if config.firmware_boot {
+            return Ok(LaunchPlan {
+                instance: spec.instance.clone(),
+                paths: self.inner.layout.new_instance(&spec.instance),
+                accelerator: self.inner.accelerator,
+                machine: config.machine.clone(),
+                cpus: spec.cpus,
+                memory_mib: spec.memory_mib,
+                kernel: PathBuf::new(),
+                initrd: None,
+                cmdline: String::new(),
+                disks,
+                incoming: false,
+                firmware_boot: true,
+            });
+        }
         let kernel = spec
             .boot
             .kernel
@@ -616,6 +663,7 @@ impl QemuDriver {
                 .unwrap_or_else(|| config.default_cmdline.clone()),
             disks,
             incoming: false,
+            firmware_boot: false,
         })
     }
 
@@ -1044,6 +1092,38 @@ impl Hypervisor for QemuDriver {
         self.remove_snapshot(vm, disks, name).await
     }
 
+    async fn console_tail(
+        &self,
+        instance: &str,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, u64), HvError> {
+        self.read_console_log(instance, max_bytes).await
+    }
+
+    async fn console_contains(&self, instance: &str, text: &str) -> Result<bool, HvError> {
+        self.scan_console(instance, text).await
+    }
+
+    async fn open_console(&self, instance: &str) -> Result<crate::ConsoleStream, HvError> {
+        self.attach_console(instance).await
+    }
+
+    async fn guest_info(&self, instance: &str) -> Result<crate::GuestInfo, HvError> {
+        self.agent_info(instance).await
+    }
+
+    async fn fs_freeze(&self, instance: &str) -> Result<u32, HvError> {
+        self.agent_freeze(instance).await
+    }
+
+    async fn fs_thaw(&self, instance: &str) -> Result<u32, HvError> {
+        self.agent_thaw(instance).await
+    }
+
+    async fn guest_shutdown(&self, instance: &str) -> Result<(), HvError> {
+        self.agent_shutdown(instance).await
+    }
+
     async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
         let domain = self.existing(instance, "shutdown")?;
         let pid = match domain.phase() {
@@ -1171,6 +1251,7 @@ impl Hypervisor for QemuDriver {
             });
         }
         self.lock().remove(instance);
+        self.forget_guest(instance);
         tracing::info!(instance, "cleaned up");
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! of times on a conflict with another writer; a revision the client sent
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
+pub mod console;
 mod error;
 pub mod events;
 mod extract;
@@ -43,6 +44,16 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Turns true when the server shuts down; ends `follow` streams.
     pub shutdown: watch::Receiver<bool>,
+    /// The node this process runs guests on, if any: consoles and console
+    /// logs of VMs there are served from it.
+    pub node: Option<NodeAccess>,
+}
+
+/// A node whose hypervisor is in this process.
+#[derive(Clone)]
+pub struct NodeAccess {
+    pub node: String,
+    pub hv: Arc<dyn keel_hv::Hypervisor>,
 }
 
 pub fn router(state: AppState, token: Token) -> Router {
@@ -58,6 +69,8 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/vms/{name}/stop", post(vms::stop))
         .route("/api/v1/vms/{name}/restart", post(vms::restart))
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
+        .route("/api/v1/vms/{name}/console", get(console::attach))
+        .route("/api/v1/vms/{name}/console/log", get(console::log))
         .route(
             "/api/v1/vms/{name}/snapshots",
             get(snapshots::list).post(snapshots::create),

@@ -153,6 +153,18 @@ pub fn spec() -> Value {
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RestoreVmRequest"}}}},
                 "responses": with(vm_ok("202", "Restore recorded; `restore` is cleared when done, `power_intent` once the VM is back in that state"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
             }},
+            "/api/v1/vms/{name}/console": {"get": {
+                "summary": "Attach to the serial console: a WebSocket (Upgrade: websocket) carrying raw console bytes both ways in binary messages; one session per instance (409 while one is attached); 501 when the VM's node is not this server's",
+                "operationId": "attachConsole",
+                "parameters": [name_param],
+                "responses": with(json!({"101": {"description": "Switching to the WebSocket"}}), errors(&["400", "401", "404", "409", "501", "503"]))
+            }},
+            "/api/v1/vms/{name}/console/log": {"get": {
+                "summary": "The end (at most 1 MiB) of the current instance's console log, as text/plain; X-Keel-Instance names the instance",
+                "operationId": "consoleLog",
+                "parameters": [name_param, {"name": "tail", "in": "query", "required": false, "description": "Only the last N lines", "schema": {"type": "integer", "minimum": 0}}],
+                "responses": with(json!({"200": {"description": "Console log", "content": {"text/plain": {"schema": {"type": "string"}}}}}), errors(&["400", "401", "404", "409", "501", "503"]))
+            }},
             "/api/v1/vms/{name}/snapshots": {
                 "get": {
                     "summary": "List the VM's snapshots, oldest first", "operationId": "listSnapshots",

@@ -8,7 +8,9 @@
 //! struct literals both ways, so a field added to `VmSpec` does not compile
 //! until it is added here too.
 
-use keel_api::{BootSpec, DiskSpec, PowerState, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S};
+use keel_api::{
+    BootSpec, DiskSpec, PowerState, Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
+};
 use serde::{Deserialize, Deserializer};
 
 #[derive(Deserialize)]
@@ -30,6 +32,9 @@ struct StrictVmSpec {
     stop_grace_period_s: u64,
     #[serde(default)]
     node: Option<String>,
+    /// New VMs default to `agent` (stored records without it mean `none`).
+    #[serde(default)]
+    readiness: Readiness,
 }
 
 fn default_grace() -> u64 {
@@ -66,6 +71,7 @@ impl From<StrictVmSpec> for VmSpec {
             restart_generation,
             stop_grace_period_s,
             node,
+            readiness,
         } = s;
         let StrictBootSpec {
             kernel,
@@ -89,6 +95,7 @@ impl From<StrictVmSpec> for VmSpec {
             restart_generation,
             stop_grace_period_s,
             node,
+            readiness,
         }
     }
 }
@@ -107,6 +114,7 @@ fn covers_every_field(spec: VmSpec) {
         restart_generation: _,
         stop_grace_period_s: _,
         node: _,
+        readiness: _,
     } = spec;
     let BootSpec {
         kernel: _,
@@ -155,13 +163,25 @@ mod tests {
             restart_generation: 3,
             stop_grace_period_s: 7,
             node: Some("n1".into()),
+            readiness: Readiness::Console("login:".into()),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();
         assert_eq!(body.spec, spec);
         let minimal: Body = serde_json::from_str(r#"{"spec":{"cpus":1,"memory_mib":64}}"#).unwrap();
         let lenient: VmSpec = serde_json::from_str(r#"{"cpus":1,"memory_mib":64}"#).unwrap();
-        assert_eq!(minimal.spec, lenient, "same defaults as the stored type");
+        // Same defaults as the stored type, but for readiness: a stored
+        // record without it predates readiness (ready once running), a new
+        // VM waits for its guest agent.
+        assert_eq!(lenient.readiness, Readiness::None);
+        assert_eq!(minimal.spec.readiness, Readiness::Agent);
+        assert_eq!(
+            minimal.spec,
+            VmSpec {
+                readiness: Readiness::Agent,
+                ..lenient
+            }
+        );
     }
 
     #[test]

@@ -91,6 +91,32 @@ impl Client {
         Self::new(&args.server, &token)
     }
 
+    /// The server's base URL, e.g. `http://127.0.0.1:7280`.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// The `Authorization` header value every request carries.
+    pub fn authorization(&self) -> &str {
+        &self.authorization
+    }
+
+    /// A GET whose answer is not JSON (e.g. a console log): its bytes.
+    pub fn get_bytes(&self, path: &str) -> anyhow::Result<Vec<u8>> {
+        let mut resp = self.send(&self.agent, Method::GET, path, Vec::new())?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .with_config()
+            .limit(crate::api::console::MAX_LOG_BYTES + (64 << 10))
+            .read_to_vec()
+            .with_context(|| format!("reading the response to {path}"))?;
+        if !(200..300).contains(&status) {
+            return Err(failure(status, &bytes).into());
+        }
+        Ok(bytes)
+    }
+
     pub fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         self.call(Method::GET, path, None::<&()>)
     }

@@ -2,6 +2,7 @@
 //! `keel serve`. Errors carry the server's message and the field it names.
 
 mod client;
+mod console;
 mod events;
 mod freeze;
 mod migration;

@@ -9,7 +9,7 @@ use super::output::{self, fields, Table};
 use super::wait::{self, Goal};
 use super::{encode, Client};
 use crate::api::vms::{CreateVmRequest, VmList, VmResponse};
-use crate::args::{CreateArgs, OutputFormat, PowerArgs, VmCommand, VmVerb};
+use crate::args::{CreateArgs, LogsArgs, OutputFormat, PowerArgs, VmCommand, VmVerb};
 
 pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
     let client = Client::from_args(&cmd.client)?;
@@ -22,7 +22,22 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Stop(args) => power(&client, out, args, "stop"),
         VmVerb::Restart(args) => power(&client, out, args, "restart"),
         VmVerb::Delete(args) => delete(&client, out, args),
+        VmVerb::Logs(args) => logs(&client, args),
+        VmVerb::Console { name } => super::console::run(&client, &name),
     }
+}
+
+fn logs(client: &Client, args: LogsArgs) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut path = format!("/api/v1/vms/{}/console/log", encode(&args.name));
+    if let Some(n) = args.tail {
+        path.push_str(&format!("?tail={n}"));
+    }
+    let bytes = client.get_bytes(&path)?;
+    let mut stdout = std::io::stdout().lock();
+    stdout.write_all(&bytes)?;
+    stdout.flush()?;
+    Ok(())
 }
 
 /// The spec the flags describe. Validation is the server's: its errors
@@ -46,6 +61,7 @@ pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
         restart_generation: 0,
         stop_grace_period_s: args.grace,
         node: None,
+        readiness: args.readiness.clone().unwrap_or_default(),
     }
 }
 
@@ -55,6 +71,20 @@ fn create(client: &Client, out: OutputFormat, args: CreateArgs) -> anyhow::Resul
         spec: spec_from_args(&args),
     };
     let resp: VmResponse = client.call(Method::POST, "/api/v1/vms", Some(&req))?;
+    if args.wait {
+        let goal = Goal::Running {
+            generation: resp.vm.generation,
+        };
+        let done = wait::until(client, &args.name, &goal, Duration::from_secs(args.timeout))?
+            .expect("only Gone yields no VM");
+        return output::print(out, &done, || {
+            format!(
+                "vm {} created: {}\n",
+                done.vm.name,
+                readiness_summary(&done.vm)
+            )
+        });
+    }
     output::print(out, &resp, || {
         format!("vm {} created (revision {})\n", resp.vm.name, resp.revision)
     })
@@ -64,7 +94,8 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
     let resp: VmList = client.get("/api/v1/vms")?;
     output::print(out, &resp, || {
         let mut t = Table::new(&[
-            "NAME", "PHASE", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE", "REASON",
+            "NAME", "PHASE", "READY", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE",
+            "REASON",
         ]);
         for item in &resp.items {
             let vm = &item.vm;
@@ -72,6 +103,12 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
             t.row(vec![
                 vm.name.clone(),
                 format!("{:?}", vm.status.phase),
+                if vm.ready_since().is_some() {
+                    "yes"
+                } else {
+                    "no"
+                }
+                .into(),
                 format!("{:?}", vm.spec.power),
                 format!("{:?}", vm.spec.run_policy),
                 vm.spec.cpus.to_string(),
@@ -115,6 +152,7 @@ fn describe(resp: &VmResponse) -> String {
             },
         ),
         ("grace", format!("{}s", vm.spec.stop_grace_period_s)),
+        ("readiness", vm.spec.readiness.to_string()),
     ];
     for (k, v) in [
         ("kernel", &vm.spec.boot.kernel),
@@ -131,6 +169,31 @@ fn describe(resp: &VmResponse) -> String {
             pairs.push(("created", t(i.created_at)));
             if let Some(since) = i.running_since {
                 pairs.push(("running since", t(since)));
+            }
+            pairs.push(("ready", readiness_summary(vm)));
+            if let Some(r) = &i.readiness {
+                pairs.push((
+                    "guest agent",
+                    if r.agent {
+                        "answering"
+                    } else {
+                        "not answering"
+                    }
+                    .into(),
+                ));
+                if !r.addresses.is_empty() {
+                    pairs.push((
+                        "addresses",
+                        r.addresses
+                            .iter()
+                            .map(|a| format!("{} ({})", a.address, a.interface))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    ));
+                }
+                if let Some(h) = &r.hostname {
+                    pairs.push(("hostname", h.clone()));
+                }
             }
         }
         None => pairs.push(("instance", "-".into())),
@@ -162,6 +225,21 @@ fn describe(resp: &VmResponse) -> String {
     ));
     pairs.push(("revision", resp.revision.to_string()));
     fields(&pairs)
+}
+
+/// `yes, since …` or `no: <why>`.
+fn readiness_summary(vm: &VirtualMachine) -> String {
+    if let Some(at) = vm.ready_since() {
+        return format!("yes, since {}", crate::timefmt::rfc3339(at));
+    }
+    let why = vm
+        .status
+        .instance
+        .as_ref()
+        .and_then(|i| i.readiness.as_ref())
+        .and_then(|r| r.reason.clone())
+        .unwrap_or_else(|| format!("VM is {:?}", vm.status.phase));
+    format!("no: {why}")
 }
 
 fn power(client: &Client, out: OutputFormat, args: PowerArgs, verb: &str) -> anyhow::Result<()> {

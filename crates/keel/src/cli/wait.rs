@@ -36,7 +36,9 @@ impl Goal {
         let s = &vm.status;
         match self {
             Goal::Running { generation } => {
-                s.phase == Phase::Running && s.observed_generation >= *generation
+                s.phase == Phase::Running
+                    && s.observed_generation >= *generation
+                    && vm.ready_since().is_some()
             }
             Goal::Stopped { generation } => {
                 s.phase == Phase::Stopped
@@ -50,6 +52,7 @@ impl Goal {
                 s.phase == Phase::Running
                     && s.observed_restart_generation >= *restart_generation
                     && s.instance.as_ref().map(|i| &i.id) != old_instance.as_ref()
+                    && vm.ready_since().is_some()
             }
             Goal::Restored { power } => vm.restored_to(*power),
             Goal::Gone => false,
@@ -58,9 +61,9 @@ impl Goal {
 
     fn describe(&self) -> &'static str {
         match self {
-            Goal::Running { .. } => "be Running",
+            Goal::Running { .. } => "be Running and ready",
             Goal::Stopped { .. } => "be Stopped",
-            Goal::Restarted { .. } => "run a new instance",
+            Goal::Restarted { .. } => "run a new instance and be ready",
             Goal::Restored {
                 power: PowerState::Running,
             } => "be restored and Running",
@@ -103,8 +106,17 @@ pub fn until(
             return Ok(Some(resp));
         }
         if Instant::now() >= deadline {
+            let not_ready = resp
+                .vm
+                .status
+                .instance
+                .as_ref()
+                .and_then(|i| i.readiness.as_ref())
+                .and_then(|r| r.reason.as_ref())
+                .map(|r| format!("; not ready: {r}"))
+                .unwrap_or_default();
             bail!(
-                "timed out after {}s waiting for VM {name} to {} (it is {:?})",
+                "timed out after {}s waiting for VM {name} to {} (it is {:?}{not_ready})",
                 timeout.as_secs(),
                 goal.describe(),
                 resp.vm.status.phase
@@ -119,6 +131,16 @@ fn progress_line(name: &str, vm: &VirtualMachine) -> String {
     let mut line = format!("{name}: {:?}", s.phase);
     if let Some(inst) = &s.instance {
         line.push_str(&format!(" (instance {})", inst.id));
+        if s.phase == Phase::Running {
+            match (
+                vm.ready_since(),
+                inst.readiness.as_ref().and_then(|r| r.reason.as_ref()),
+            ) {
+                (Some(_), _) => line.push_str(" ready"),
+                (None, Some(why)) => line.push_str(&format!(" not ready: {why}")),
+                (None, None) => line.push_str(" not ready"),
+            }
+        }
     }
     if let Some(r) = &vm.restore {
         line.push_str(&format!(" [restoring from snapshot {}]", r.snapshot));
@@ -141,7 +163,10 @@ mod tests {
         let mut vm = VirtualMachine::new("web", spec);
         vm.status.phase = phase;
         vm.status.observed_generation = 1;
-        vm.status.instance = instance.map(|id| Instance::new(id, "n", 1));
+        vm.status.instance = instance.map(|id| Instance {
+            running_since: Some(1),
+            ..Instance::new(id, "n", 1)
+        });
         vm
     }
 
@@ -156,6 +181,17 @@ mod tests {
         assert!(!Goal::Running { generation: 2 }.reached(&vm(Phase::Running, Some("web-1"))));
         assert!(Goal::Running { generation: 1 }.reached(&vm(Phase::Running, Some("web-1"))));
         assert!(!Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, Some("web-1"))));
+        // Running is not enough when the guest must be up.
+        let mut waiting = vm(Phase::Running, Some("web-2"));
+        waiting.spec.readiness = keel_api::Readiness::Agent;
+        assert!(!Goal::Running { generation: 1 }.reached(&waiting));
+        assert!(!restarted.reached(&waiting));
+        waiting.status.instance.as_mut().unwrap().readiness = Some(keel_api::InstanceReadiness {
+            ready_at: Some(5),
+            ..Default::default()
+        });
+        assert!(Goal::Running { generation: 1 }.reached(&waiting));
+        assert!(restarted.reached(&waiting));
         assert!(Goal::Stopped { generation: 1 }.reached(&vm(Phase::Stopped, None)));
     }
 

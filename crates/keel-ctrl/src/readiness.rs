@@ -1,0 +1,316 @@
+//! Readiness of a running instance's guest: probed on the instance's node,
+//! decided by a pure function.
+//!
+//! Probes (the guest agent, the console log) run in tasks of their own: the
+//! controller's loop waits for one at most [`PROBE_BUDGET`] and otherwise
+//! takes its result at a later look, so a hung guest agent never holds up
+//! the other VMs (the driver bounds each agent call as well).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use keel_api::{
+    Clock, GuestAddress, Instance, InstanceReadiness, Millis, Phase, Readiness, VirtualMachine,
+};
+use keel_hv::{GuestInfo, Hypervisor};
+
+/// How long a look waits for a probe it started.
+pub const PROBE_BUDGET: Duration = Duration::from_millis(200);
+
+/// What one probe saw.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Probe {
+    pub at: Millis,
+    /// The agent's answer; `Err` if the instance could not be asked.
+    pub agent: Result<GuestInfo, String>,
+    /// Whether the console showed the readiness text (`None`: not looked).
+    pub console: Option<Result<bool, String>>,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    in_flight: bool,
+    started_at: Millis,
+    last: Option<Probe>,
+}
+
+/// Probe results per instance, and the probes in flight.
+pub struct GuestProbes {
+    hv: Arc<dyn Hypervisor>,
+    clock: Arc<dyn Clock>,
+    slots: Arc<Mutex<BTreeMap<String, Slot>>>,
+    /// Between probes while the guest is not ready yet.
+    pub interval_ms: Millis,
+    /// Between probes once it is (addresses may change).
+    pub ready_interval_ms: Millis,
+}
+
+impl GuestProbes {
+    pub fn new(hv: Arc<dyn Hypervisor>, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            hv,
+            clock,
+            slots: Default::default(),
+            interval_ms: 1_000,
+            ready_interval_ms: 30_000,
+        }
+    }
+
+    /// The latest probe of `inst`, starting a new one if due (and waiting
+    /// for it up to [`PROBE_BUDGET`]).
+    pub async fn latest(&self, vm: &VirtualMachine, inst: &Instance) -> Option<Probe> {
+        let now = self.clock.now_ms();
+        let ready = inst
+            .readiness
+            .as_ref()
+            .is_some_and(|r| r.ready_at.is_some());
+        let interval = if ready {
+            self.ready_interval_ms
+        } else {
+            self.interval_ms
+        };
+        let start = {
+            let mut slots = self.slots.lock().expect("probe slots");
+            // Only instances still recorded keep a slot.
+            let slot = slots.entry(inst.id.clone()).or_default();
+            let due = slot
+                .last
+                .as_ref()
+                .is_none_or(|p| now >= p.at.saturating_add(interval));
+            if !slot.in_flight && due {
+                slot.in_flight = true;
+                slot.started_at = now;
+                true
+            } else {
+                false
+            }
+        };
+        if start {
+            let hv = self.hv.clone();
+            let clock = self.clock.clone();
+            let slots = self.slots.clone();
+            let id = inst.id.clone();
+            let text = match &vm.spec.readiness {
+                Readiness::Console(text) => Some(text.clone()),
+                _ => None,
+            };
+            let task = tokio::spawn(async move {
+                let agent = hv.guest_info(&id).await.map_err(|e| e.to_string());
+                let console = match &text {
+                    Some(t) => Some(hv.console_contains(&id, t).await.map_err(|e| e.to_string())),
+                    None => None,
+                };
+                let probe = Probe {
+                    at: clock.now_ms(),
+                    agent,
+                    console,
+                };
+                let mut slots = slots.lock().expect("probe slots");
+                let slot = slots.entry(id).or_default();
+                slot.in_flight = false;
+                slot.last = Some(probe);
+            });
+            let _ = tokio::time::timeout(PROBE_BUDGET, task).await;
+        }
+        self.slots
+            .lock()
+            .expect("probe slots")
+            .get(&inst.id)
+            .and_then(|s| s.last.clone())
+    }
+
+    /// Forgets instances no longer recorded for `vm` (keeps `current`).
+    pub fn forget_others(&self, vm: &str, current: Option<&str>) {
+        let prefix = format!("{vm}-");
+        self.slots.lock().expect("probe slots").retain(|id, s| {
+            !id.starts_with(&prefix)
+                || Some(id.as_str()) == current
+                || s.in_flight
+                || !id[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
+        });
+    }
+}
+
+/// The instance's readiness after `probe`, for a VM whose instance is
+/// alive and about to be recorded in `phase`. Pure: same inputs, same
+/// answer. Once ready, an instance stays ready (a guest agent restarting
+/// inside a running guest does not make the VM un-ready); its addresses
+/// follow the latest answer.
+pub fn next_readiness(
+    vm: &VirtualMachine,
+    inst: &Instance,
+    phase: Phase,
+    probe: Option<&Probe>,
+    now: Millis,
+) -> InstanceReadiness {
+    let mut r = inst.readiness.clone().unwrap_or_default();
+    if let Some(Ok(info)) = probe.map(|p| &p.agent) {
+        r.agent = info.agent.is_answering();
+        if r.agent {
+            r.addresses = addresses(info);
+            r.hostname = info.hostname.clone();
+        }
+    }
+    if r.ready_at.is_some() {
+        r.reason = None;
+        return r;
+    }
+    if phase != Phase::Running {
+        r.reason = Some(format!("instance {} is {phase:?}", inst.id));
+        return r;
+    }
+    let not_probed = || format!("guest of instance {} not probed yet", inst.id);
+    match &vm.spec.readiness {
+        Readiness::None => {
+            r.ready_at = Some(inst.running_since.unwrap_or(now));
+        }
+        Readiness::Agent => match probe.map(|p| (&p.agent, p.at)) {
+            Some((Ok(info), at)) if info.agent.is_answering() => r.ready_at = Some(at),
+            Some((Ok(info), _)) => {
+                r.reason = Some(match &info.agent {
+                    keel_hv::AgentState::Silent { reason } => {
+                        format!("guest agent not answering: {reason}")
+                    }
+                    keel_hv::AgentState::Answering { .. } => unreachable!("matched above"),
+                })
+            }
+            Some((Err(e), _)) => r.reason = Some(format!("cannot ask the guest agent: {e}")),
+            None => r.reason = Some(not_probed()),
+        },
+        Readiness::Console(text) => match probe.map(|p| (&p.console, p.at)) {
+            Some((Some(Ok(true)), at)) => r.ready_at = Some(at),
+            Some((Some(Ok(false)), _)) => {
+                r.reason = Some(format!("console has not shown {text:?} yet"))
+            }
+            Some((Some(Err(e)), _)) => r.reason = Some(format!("cannot read the console: {e}")),
+            Some((None, _)) | None => r.reason = Some(not_probed()),
+        },
+    }
+    if r.ready_at.is_some() {
+        r.reason = None;
+    }
+    r
+}
+
+/// Non-loopback addresses, as `address/prefix`.
+fn addresses(info: &GuestInfo) -> Vec<GuestAddress> {
+    info.ips
+        .iter()
+        .filter(|ip| {
+            ip.address
+                .parse::<std::net::IpAddr>()
+                .map_or(true, |a| !a.is_loopback())
+        })
+        .map(|ip| GuestAddress {
+            interface: ip.interface.clone(),
+            address: format!("{}/{}", ip.address, ip.prefix),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{BootSpec, PowerState, RunPolicy, VmSpec};
+    use keel_hv::{AgentState, GuestIp};
+
+    fn vm(readiness: Readiness) -> (VirtualMachine, Instance) {
+        let vm = VirtualMachine::new(
+            "web",
+            VmSpec {
+                cpus: 1,
+                memory_mib: 128,
+                disks: vec![],
+                boot: BootSpec::default(),
+                run_policy: RunPolicy::Manual,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 60,
+                node: None,
+                readiness,
+            },
+        );
+        let inst = Instance {
+            running_since: Some(100),
+            ..Instance::new("web-1", "local", 50)
+        };
+        (vm, inst)
+    }
+
+    fn answering(at: Millis) -> Probe {
+        Probe {
+            at,
+            agent: Ok(GuestInfo {
+                agent: AgentState::Answering { version: None },
+                ips: vec![
+                    GuestIp {
+                        interface: "lo".into(),
+                        address: "127.0.0.1".into(),
+                        prefix: 8,
+                    },
+                    GuestIp {
+                        interface: "eth0".into(),
+                        address: "10.0.2.15".into(),
+                        prefix: 24,
+                    },
+                ],
+                hostname: Some("web".into()),
+            }),
+            console: None,
+        }
+    }
+
+    #[test]
+    fn agent_readiness_waits_for_an_answer_and_reports_addresses() {
+        let (v, inst) = vm(Readiness::Agent);
+        let silent = Probe {
+            at: 200,
+            agent: Ok(GuestInfo::silent("no answer within 2s")),
+            console: None,
+        };
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&silent), 210);
+        assert_eq!(r.ready_at, None);
+        assert!(r.reason.unwrap().contains("no answer within 2s"));
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&answering(300)), 310);
+        assert_eq!(r.ready_at, Some(300));
+        assert_eq!(r.reason, None);
+        assert!(r.agent);
+        assert_eq!(
+            r.addresses,
+            [GuestAddress {
+                interface: "eth0".into(),
+                address: "10.0.2.15/24".into()
+            }]
+        );
+        // Stays ready when the agent later goes silent.
+        let inst = Instance {
+            readiness: Some(r),
+            ..inst
+        };
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&silent), 400);
+        assert_eq!(r.ready_at, Some(300));
+        assert!(!r.agent);
+    }
+
+    #[test]
+    fn console_and_none_readiness() {
+        let (v, inst) = vm(Readiness::Console("KEEL-GUEST-READY".into()));
+        let seen = |yes| Probe {
+            at: 500,
+            agent: Ok(GuestInfo::silent("none")),
+            console: Some(Ok(yes)),
+        };
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&seen(false)), 510);
+        assert!(r.reason.unwrap().contains("KEEL-GUEST-READY"));
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&seen(true)), 510);
+        assert_eq!(r.ready_at, Some(500));
+        // Not while it is still starting.
+        let r = next_readiness(&v, &inst, Phase::Starting, Some(&seen(true)), 510);
+        assert_eq!(r.ready_at, None);
+
+        let (v, inst) = vm(Readiness::None);
+        let r = next_readiness(&v, &inst, Phase::Running, None, 510);
+        assert_eq!(r.ready_at, Some(100), "ready since it ran");
+    }
+}

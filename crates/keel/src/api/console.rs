@@ -1,0 +1,212 @@
+//! `/api/v1/vms/{name}/console` (a WebSocket to the serial console) and
+//! `/api/v1/vms/{name}/console/log` (what the console printed).
+//!
+//! Both need the VM's node: its hypervisor holds the console. This server
+//! serves them for the node it runs (`keel serve` on one host, or a
+//! control plane with `--agent` for its own node); for a VM on any other
+//! node the answer is 501, naming the node. (Proxying to node agents is
+//! not implemented.)
+//!
+//! The WebSocket carries raw console bytes both ways in binary messages
+//! (text messages from the client are taken as their UTF-8 bytes). One
+//! session per instance: a second attach is refused with 409 while the
+//! first lasts. The session ends when either side closes, the instance
+//! goes away, or the server shuts down.
+
+use std::sync::Arc;
+
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::{SinkExt, StreamExt};
+use keel_api::VirtualMachine;
+use keel_ctrl::keys::vm_key;
+use keel_hv::{ConsoleStream, HvError, Hypervisor};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::extract::{NameParam, QueryParams};
+use super::{ApiError, AppState};
+
+/// The most of a console log one request returns.
+pub const MAX_LOG_BYTES: u64 = 1 << 20;
+
+/// Sent as the header of every log response.
+pub const INSTANCE_HEADER: &str = "x-keel-instance";
+
+/// The VM's current instance and the hypervisor that runs it.
+async fn locate(state: &AppState, name: &str) -> Result<(Arc<dyn Hypervisor>, String), ApiError> {
+    let vm = state
+        .store
+        .get::<VirtualMachine>(&vm_key(name))
+        .await?
+        .ok_or_else(|| ApiError::not_found(format!("VM {name} not found")))?
+        .value;
+    let Some(inst) = vm.status.instance else {
+        return Err(ApiError::conflict(
+            "status.instance",
+            format!(
+                "VM {name} has no instance ({:?}): a console exists only while one does",
+                vm.status.phase
+            ),
+        ));
+    };
+    match &state.node {
+        Some(access) if access.node == inst.node => Ok((access.hv.clone(), inst.id)),
+        _ => Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "the console of VM {name} (instance {}) is on node {}, which this server does \
+                 not run; consoles are served by the server of the VM's own node (`keel serve`, \
+                 or a control plane with --agent), and proxying from other nodes is not \
+                 implemented",
+                inst.id, inst.node
+            ),
+        )
+        .with_field("status.instance.node")),
+    }
+}
+
+fn hv_error(err: HvError) -> ApiError {
+    match err {
+        HvError::NotFound { instance } => {
+            ApiError::conflict("status.instance", format!("instance {instance} is gone"))
+        }
+        HvError::Unavailable { .. } => {
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
+        }
+        other => ApiError::conflict("status.instance", other.to_string()),
+    }
+}
+
+/// `GET /api/v1/vms/{name}/console/log[?tail=LINES]`: `text/plain`, the
+/// end of the console log of the current instance (at most 1 MiB), the
+/// instance in `X-Keel-Instance`.
+pub async fn log(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    mut query: QueryParams,
+) -> Result<Response, ApiError> {
+    let tail = query.take_u64("tail")?;
+    query.finish()?;
+    let (hv, instance) = locate(&state, &name).await?;
+    let (bytes, _len) = hv
+        .console_tail(&instance, MAX_LOG_BYTES)
+        .await
+        .map_err(hv_error)?;
+    let bytes = match tail {
+        Some(lines) => last_lines(&bytes, lines).to_vec(),
+        None => bytes,
+    };
+    let mut resp = (StatusCode::OK, bytes).into_response();
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&instance) {
+        headers.insert(INSTANCE_HEADER, v);
+    }
+    Ok(resp)
+}
+
+/// The last `n` lines of `bytes` (a final line without a newline counts).
+pub fn last_lines(bytes: &[u8], n: u64) -> &[u8] {
+    if n == 0 {
+        return &[];
+    }
+    let body = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    let mut seen = 0;
+    for (i, b) in body.iter().enumerate().rev() {
+        if *b == b'\n' {
+            seen += 1;
+            if seen == n {
+                return &bytes[i + 1..];
+            }
+        }
+    }
+    bytes
+}
+
+/// `GET /api/v1/vms/{name}/console` with a WebSocket upgrade.
+pub async fn attach(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    query: QueryParams,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Result<Response, ApiError> {
+    query.finish()?;
+    let (hv, instance) = locate(&state, &name).await?;
+    let Ok(ws) = ws else {
+        return Err(ApiError::bad_request(
+            "upgrade",
+            "the console is a WebSocket: send GET with `Connection: Upgrade` and \
+             `Upgrade: websocket` (or use `keel vm console`)",
+        ));
+    };
+    // Claimed before the upgrade, so a second session gets its 409 here
+    // rather than a socket that closes at once.
+    let console = hv.open_console(&instance).await.map_err(hv_error)?;
+    tracing::info!(vm = %name, %instance, "console attached");
+    let shutdown = state.shutdown.clone();
+    Ok(ws.on_upgrade(move |socket| async move {
+        pump(socket, console, shutdown).await;
+        tracing::info!(vm = %name, %instance, "console detached");
+    }))
+}
+
+async fn pump(
+    socket: WebSocket,
+    console: ConsoleStream,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) {
+    let (mut to_client, mut from_client) = socket.split();
+    let (mut guest_out, mut guest_in) = tokio::io::split(console.io);
+    let mut buf = vec![0u8; 4096];
+    // The guard `wait_for` returns must not live across the loop's awaits.
+    let stop = async move {
+        let _ = shutdown.wait_for(|s| *s).await;
+    };
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            read = guest_out.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if to_client.send(Message::Binary(buf[..n].to_vec().into())).await.is_err() {
+                        break;
+                    }
+                }
+            },
+            msg = from_client.next() => {
+                let bytes = match msg {
+                    Some(Ok(Message::Binary(b))) => b.to_vec(),
+                    Some(Ok(Message::Text(t))) => t.as_bytes().to_vec(),
+                    Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+                    Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break,
+                };
+                if guest_in.write_all(&bytes).await.is_err() {
+                    break;
+                }
+            }
+            _ = &mut stop => break,
+        }
+    }
+    let _ = to_client.send(Message::Close(None)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_lines;
+
+    #[test]
+    fn tail_counts_lines_from_the_end() {
+        let log = b"a\nb\nc\n";
+        assert_eq!(last_lines(log, 1), b"c\n");
+        assert_eq!(last_lines(log, 2), b"b\nc\n");
+        assert_eq!(last_lines(log, 9), log);
+        assert_eq!(last_lines(b"a\nb", 1), b"b");
+        assert_eq!(last_lines(log, 0), b"");
+    }
+}

@@ -1,0 +1,260 @@
+//! The console over the real HTTP API of an in-process `keel serve` (sim
+//! driver): the WebSocket session (auth, one at a time, input reaches the
+//! guest and its answer comes back), the console log, readiness in the
+//! JSON status and the CLI's `logs`, `console` (without a terminal) and
+//! `create --wait`.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{phase, TestServer};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::json;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+
+fn keel(server: &TestServer, args: &[&str], stdin: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .env("KEEL_SERVER", &server.base)
+        .env("KEEL_DATA_DIR", server.dir.path())
+        .env_remove("KEEL_TOKEN")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run keel");
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn running_vm(server: &TestServer, name: &str) {
+    server.create_vm(
+        name,
+        json!({"cpus": 1, "memory_mib": 64, "readiness": "console:KEEL-GUEST-READY"}),
+    );
+    server.wait_vm(name, "ready", |v| {
+        phase(v) == "Running" && v["vm"]["status"]["instance"]["readiness"]["ready_at"].is_u64()
+    });
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn connect(server: &TestServer, name: &str, token: &str) -> Result<Ws, WsError> {
+    let url = format!(
+        "{}/api/v1/vms/{name}/console",
+        server.base.replace("http://", "ws://")
+    );
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+    );
+    tokio_tungstenite::connect_async(req)
+        .await
+        .map(|(ws, _)| ws)
+}
+
+fn status_of(err: WsError) -> u16 {
+    match err {
+        WsError::Http(resp) => resp.status().as_u16(),
+        other => panic!("expected an HTTP refusal, got {other}"),
+    }
+}
+
+/// Reads binary messages until `needle` has arrived (bounded).
+async fn read_until(ws: &mut Ws, needle: &str) -> String {
+    let mut seen = String::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !seen.contains(needle) {
+        let msg = tokio::time::timeout_at(deadline, ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("no {needle:?} in {seen:?}"))
+            .expect("session open")
+            .unwrap();
+        if let Message::Binary(b) = msg {
+            seen.push_str(&String::from_utf8_lossy(&b));
+        }
+    }
+    seen
+}
+
+#[test]
+fn console_session_log_and_readiness_over_the_api() {
+    let server = TestServer::start();
+    running_vm(&server, "web");
+    let vm = server.vm("web").unwrap();
+    let r = &vm["vm"]["status"]["instance"]["readiness"];
+    assert!(r["ready_at"].is_u64(), "{vm}");
+    assert_eq!(r["addresses"][0]["address"], "10.0.2.15/24", "{vm}");
+    assert_eq!(vm["vm"]["spec"]["readiness"], "console:KEEL-GUEST-READY");
+
+    // The log, whole and tailed.
+    let log = server.get("/api/v1/vms/web/console/log");
+    assert_eq!(log.status, 200);
+    assert!(log.text.contains("KEEL-GUEST-READY"), "{}", log.text);
+    assert!(log.header("x-keel-instance").unwrap().starts_with("web-"));
+    let tail = server.get("/api/v1/vms/web/console/log?tail=1");
+    assert_eq!(tail.text, "KEEL-GUEST-READY boot_id=sim\n");
+    let bad = server.get("/api/v1/vms/web/console/log?tail=x");
+    assert_eq!(
+        (bad.status, bad.json()["field"].clone()),
+        (400, json!("tail"))
+    );
+    assert_eq!(server.get("/api/v1/vms/nope/console/log").status, 404);
+    // Same auth as the rest of the API.
+    let anon = server.request("GET", "/api/v1/vms/web/console/log", None, None, &[]);
+    assert_eq!(anon.status, 401);
+    // A plain GET (no upgrade) is told what to do.
+    let plain = server.get("/api/v1/vms/web/console");
+    assert_eq!(plain.status, 400, "{}", plain.text);
+
+    let token = server.token.clone();
+    server.rt.block_on(async {
+        assert_eq!(
+            status_of(connect(&server, "web", "wrong").await.unwrap_err()),
+            401
+        );
+        let mut ws = connect(&server, "web", &token).await.unwrap();
+        // One session at a time.
+        assert_eq!(
+            status_of(connect(&server, "web", &token).await.unwrap_err()),
+            409
+        );
+        ws.send(Message::binary(b"uname -a\n".to_vec()))
+            .await
+            .unwrap();
+        let seen = read_until(&mut ws, "sim: uname -a").await;
+        assert!(seen.starts_with("uname -a"), "{seen:?}");
+        ws.close(None).await.unwrap();
+        drop(ws);
+        // Detached: the slot is free again.
+        let mut again = None;
+        for _ in 0..50 {
+            match connect(&server, "web", &token).await {
+                Ok(ws) => {
+                    again = Some(ws);
+                    break;
+                }
+                Err(e) => {
+                    assert_eq!(status_of(e), 409);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        assert!(
+            again.is_some(),
+            "the first session never released the console"
+        );
+    });
+    // What the session produced is in the log too.
+    let log = server.get("/api/v1/vms/web/console/log");
+    assert!(log.text.contains("sim: uname -a"), "{}", log.text);
+
+    // A VM without an instance has no console.
+    server.create_vm(
+        "off",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.wait_vm("off", "stopped", |v| phase(v) == "Stopped");
+    let r = server.get("/api/v1/vms/off/console/log");
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json()["field"], "status.instance");
+}
+
+#[test]
+fn cli_logs_console_and_create_wait() {
+    let server = TestServer::start();
+    let out = keel(
+        &server,
+        &[
+            "vm",
+            "create",
+            "app",
+            "--memory",
+            "64",
+            "--readiness",
+            "agent",
+            "--wait",
+            "--timeout",
+            "30",
+        ],
+        b"",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("vm app created: yes, since"), "{stdout}");
+
+    let out = keel(&server, &["vm", "get", "app"], b"");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("10.0.2.15/24 (eth0)"), "{stdout}");
+    assert!(
+        stdout.contains("guest agent") && stdout.contains("answering"),
+        "{stdout}"
+    );
+    let out = keel(&server, &["vm", "list"], b"");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("READY"));
+
+    let out = keel(&server, &["vm", "logs", "app", "--tail", "1"], b"");
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "KEEL-GUEST-READY boot_id=sim\n"
+    );
+
+    // No terminal: stdin goes to the guest as it is, the answer comes back.
+    let out = keel(&server, &["vm", "console", "app"], b"echo hi\n");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("sim: echo hi"), "{stdout}");
+
+    // Refusals carry the server's reason.
+    let out = keel(&server, &["vm", "console", "ghost"], b"");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("HTTP 404"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = keel(
+        &server,
+        &["vm", "create", "x", "--readiness", "sometimes"],
+        b"",
+    );
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("spec.readiness"));
+
+    // A guest whose agent never answers: --wait times out, saying why.
+    let out = keel(
+        &server,
+        &[
+            "vm",
+            "create",
+            "mute",
+            "--memory",
+            "64",
+            "--readiness",
+            "console:NEVER",
+            "--wait",
+            "--timeout",
+            "2",
+        ],
+        b"",
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("timed out") && err.contains("NEVER"), "{err}");
+}
