@@ -2,18 +2,22 @@
 //! validation that keeps bad input out of the store. Nothing here does I/O.
 
 pub mod clock;
+pub mod cloud_init;
 pub mod event;
 pub mod migration;
 pub mod name;
+pub mod network;
 pub mod node;
 pub mod snapshot;
 pub mod validation;
 pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use cloud_init::CloudInitSpec;
 pub use event::Event;
 pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
+pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
 pub use validation::ValidationError;

@@ -479,6 +479,8 @@ impl Bench {
             restart_generation: 0,
             stop_grace_period_s: 30,
             node: None,
+            network: Default::default(),
+            cloud_init: None,
         }
     }
 

@@ -394,6 +394,8 @@ mod tests {
                 restart_generation: 0,
                 stop_grace_period_s: 60,
                 node: None,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

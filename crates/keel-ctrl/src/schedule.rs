@@ -98,6 +98,8 @@ mod tests {
                 restart_generation: 0,
                 stop_grace_period_s: 60,
                 node: None,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         v.status.node = node.map(str::to_string);

@@ -101,6 +101,8 @@ impl World {
                 restart_generation: 0,
                 stop_grace_period_s: 10,
                 node: None,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

@@ -96,6 +96,8 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         restart_generation: 0,
         stop_grace_period_s: 10,
         node: Some("a".into()),
+        network: Default::default(),
+        cloud_init: None,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -230,6 +230,8 @@ pub struct CreateArgs {
     /// Kernel command line.
     #[arg(long)]
     pub cmdline: Option<String>,
+    #[command(flatten)]
+    pub net: Box<crate::cli::net::NetArgs>,
 }
 
 #[derive(Debug, Args)]

@@ -470,6 +470,8 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             restart_generation: 0,
             stop_grace_period_s: 60,
             node: None,
+            network: Default::default(),
+            cloud_init: None,
         },
     );
     vm.validate()?;

@@ -203,6 +203,8 @@ impl Cluster {
                 restart_generation: 0,
                 stop_grace_period_s: 30,
                 node: None,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

@@ -79,6 +79,8 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         restart_generation: 0,
         stop_grace_period_s: 30,
         node: None,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

@@ -38,6 +38,8 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         restart_generation: 0,
         stop_grace_period_s: grace_s,
         node: None,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

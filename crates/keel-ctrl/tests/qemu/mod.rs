@@ -181,6 +181,8 @@ impl Env {
             restart_generation: 0,
             stop_grace_period_s: grace_s,
             node: None,
+            network: Default::default(),
+            cloud_init: None,
         }
     }
 

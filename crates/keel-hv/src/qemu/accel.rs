@@ -138,6 +138,8 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Resul
         cmdline: config.default_cmdline.clone(),
         disks: vec![],
         incoming: false,
+        nic: None,
+        seed: None,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

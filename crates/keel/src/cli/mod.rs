@@ -4,6 +4,7 @@
 mod client;
 mod events;
 mod migration;
+pub mod net;
 mod node;
 pub mod output;
 mod snapshot;

@@ -25,10 +25,10 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
     }
 }
 
-/// The spec the flags describe. Validation is the server's: its errors
-/// name the field.
-pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
-    VmSpec {
+/// The spec the flags describe (reading the files they name). Validation
+/// is the server's: its errors name the field.
+pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
+    Ok(VmSpec {
         cpus: args.cpus,
         memory_mib: args.memory,
         disks: args.disks.clone(),
@@ -46,13 +46,15 @@ pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
         restart_generation: 0,
         stop_grace_period_s: args.grace,
         node: None,
-    }
+        network: args.net.network(),
+        cloud_init: args.net.cloud_init()?,
+    })
 }
 
 fn create(client: &Client, out: OutputFormat, args: CreateArgs) -> anyhow::Result<()> {
     let req = CreateVmRequest {
         name: args.name.clone(),
-        spec: spec_from_args(&args),
+        spec: spec_from_args(&args)?,
     };
     let resp: VmResponse = client.call(Method::POST, "/api/v1/vms", Some(&req))?;
     output::print(out, &resp, || {
@@ -116,6 +118,7 @@ fn describe(resp: &VmResponse) -> String {
         ),
         ("grace", format!("{}s", vm.spec.stop_grace_period_s)),
     ];
+    pairs.extend(super::net::describe(vm));
     for (k, v) in [
         ("kernel", &vm.spec.boot.kernel),
         ("initrd", &vm.spec.boot.initrd),
