@@ -138,7 +138,10 @@ async fn the_cloud_init_seed_is_readable_in_the_guest() {
 fn netns_possible() -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    root && Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success())
+    root && Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
         && std::path::Path::new("/dev/net/tun").exists()
 }
 
@@ -189,7 +192,9 @@ fn bridge_tap_in_a_network_namespace() {
     };
     inns(&["link", "set", "lo", "up"]);
     inns(&["link", "add", BRIDGE, "type", "bridge"]);
-    inns(&["link", "add", "veth-h", "type", "veth", "peer", "name", "veth-b"]);
+    inns(&[
+        "link", "add", "veth-h", "type", "veth", "peer", "name", "veth-b",
+    ]);
     inns(&["link", "set", "veth-b", "master", BRIDGE]);
     inns(&["addr", "add", "192.168.77.1/24", "dev", "veth-h"]);
     for dev in [BRIDGE, "veth-b", "veth-h"] {
@@ -199,7 +204,11 @@ fn bridge_tap_in_a_network_namespace() {
     let out = Command::new("ip")
         .args(["netns", "exec", &ns.0])
         .arg(&exe)
-        .args(["--exact", "bridge_tap_in_a_network_namespace", "--nocapture"])
+        .args([
+            "--exact",
+            "bridge_tap_in_a_network_namespace",
+            "--nocapture",
+        ])
         .env(CHILD_ENV, "1")
         .output()
         .unwrap();
