@@ -2,9 +2,11 @@
 //! validation that keeps bad input out of the store. Nothing here does I/O.
 
 pub mod clock;
+pub mod cloud_init;
 pub mod event;
 pub mod migration;
 pub mod name;
+pub mod network;
 pub mod node;
 pub mod readiness;
 pub mod snapshot;
@@ -12,9 +14,11 @@ pub mod validation;
 pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use cloud_init::CloudInitSpec;
 pub use event::Event;
 pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
+pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
 pub use readiness::{GuestAddress, InstanceReadiness, Readiness};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};

@@ -14,7 +14,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{validate_name, InstanceReadiness, Millis, Readiness, ValidationError};
+use crate::{
+    validate_name, CloudInitSpec, InstanceReadiness, MacAddr, Millis, NetworkSpec, Readiness,
+    ValidationError,
+};
 
 pub const DEFAULT_STOP_GRACE_PERIOD_S: u64 = 60;
 pub const MIN_MEMORY_MIB: u64 = 16;
@@ -82,6 +85,13 @@ pub struct VmSpec {
     /// the API's default for new VMs is `agent`.
     #[serde(default = "Readiness::legacy")]
     pub readiness: Readiness,
+    /// The VM's NIC. Records from before NICs existed decode to user-mode
+    /// networking with the MAC derived from the name ([`VirtualMachine::mac`]).
+    #[serde(default)]
+    pub network: NetworkSpec,
+    /// A cloud-init NoCloud seed for the guest, when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInitSpec>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -453,6 +463,24 @@ impl VirtualMachine {
         }
     }
 
+    /// The NIC's MAC: the one in the spec, or for a record from before MACs
+    /// were kept, one derived from the name (the same on every node and
+    /// every start).
+    pub fn mac(&self) -> MacAddr {
+        self.spec
+            .network
+            .mac_addr()
+            .unwrap_or_else(|| MacAddr::derived(&self.name))
+    }
+
+    /// The NIC as an instance gets it: the spec's, with [`Self::mac`].
+    pub fn nic(&self) -> NetworkSpec {
+        NetworkSpec {
+            mac: Some(self.mac().to_string()),
+            ..self.spec.network.clone()
+        }
+    }
+
     pub fn restart_pending(&self) -> bool {
         self.spec.restart_generation > self.status.observed_restart_generation
     }
@@ -595,6 +623,7 @@ impl VirtualMachine {
         self.refuse_if_busy()?;
         spec.validate()?;
         spec.restart_generation = spec.restart_generation.max(self.spec.restart_generation);
+        spec.inherit_identity(&self.spec, self.mac());
         if spec != self.spec {
             self.spec = spec;
             self.generation += 1;
@@ -656,6 +685,11 @@ impl VmSpec {
             stop_grace_period_s: _,
             node: _,
             readiness,
+            // The NIC (its MAC) and the cloud-init identity are the VM's,
+            // not its disks' content: a restore keeps today's, so the guest
+            // does not come back as a new machine.
+            network: _,
+            cloud_init: _,
         } = snapshot.clone();
         // Readiness describes the guest on the disks (does it run an
         // agent?), so it comes back with them.
@@ -732,7 +766,41 @@ impl VmSpec {
             validate_name("spec.node", node)?;
         }
         self.readiness.validate()?;
+        self.network.validate()?;
+        if let Some(cloud_init) = &self.cloud_init {
+            cloud_init.validate()?;
+        }
         Ok(())
+    }
+
+    /// Keeps what a replacement spec leaves out of the VM's identity: the
+    /// MAC (`mac`, the VM's current one) and cloud-init's instance-id. Ones
+    /// the new spec names explicitly win.
+    pub fn inherit_identity(&mut self, old: &VmSpec, mac: MacAddr) {
+        self.network.mac.get_or_insert_with(|| mac.to_string());
+        if let (Some(new), Some(old)) = (&mut self.cloud_init, &old.cloud_init) {
+            if new.instance_id.is_none() {
+                new.instance_id.clone_from(&old.instance_id);
+            }
+        }
+    }
+
+    /// Fills in what a new VM's identity still lacks, from the caller's
+    /// randomness (this crate does no I/O): the MAC and, with cloud-init,
+    /// the instance-id. A MAC given is kept, in canonical form.
+    pub fn assign_identity(&mut self, random: [u8; 12]) {
+        let mac = match self.network.mac_addr() {
+            Some(given) => given,
+            None if self.network.mac.is_some() => return, // invalid: validate names it
+            None => MacAddr::from_random([random[0], random[1], random[2], random[3]]),
+        };
+        self.network.mac = Some(mac.to_string());
+        if let Some(ci) = &mut self.cloud_init {
+            ci.instance_id.get_or_insert_with(|| {
+                let hex: String = random[4..].iter().map(|b| format!("{b:02x}")).collect();
+                format!("i-{hex}")
+            });
+        }
     }
 }
 
@@ -769,6 +837,8 @@ mod tests {
             stop_grace_period_s: 60,
             node: None,
             readiness: Readiness::Agent,
+            network: NetworkSpec::default(),
+            cloud_init: None,
         }
     }
 
@@ -821,8 +891,59 @@ mod tests {
     }
 
     #[test]
+    fn records_from_before_nics_get_a_mac_from_their_name() {
+        let json = r#"{"name":"old","spec":{"cpus":1,"memory_mib":64}}"#;
+        let vm: VirtualMachine = serde_json::from_str(json).unwrap();
+        assert_eq!(vm.spec.network, NetworkSpec::default());
+        assert_eq!(vm.mac(), MacAddr::derived("old"));
+        // A spec replaced without a MAC keeps the one the VM had.
+        let mut vm2 = vm.clone();
+        vm2.replace_spec(spec()).unwrap();
+        assert_eq!(vm2.mac(), MacAddr::derived("old"));
+        assert_eq!(
+            vm2.spec.network.mac,
+            Some(MacAddr::derived("old").to_string())
+        );
+    }
+
+    #[test]
+    fn identity_is_assigned_once_and_kept() {
+        let mut s = spec();
+        s.cloud_init = Some(CloudInitSpec {
+            user_data: Some("#cloud-config\n".into()),
+            ..Default::default()
+        });
+        s.assign_identity([7; 12]);
+        let mac = s.network.mac.clone().unwrap();
+        assert_eq!(mac, "52:54:07:07:07:07");
+        assert_eq!(
+            s.cloud_init.as_ref().unwrap().instance_id.as_deref(),
+            Some("i-0707070707070707")
+        );
+        let mut vm = VirtualMachine::new("a", s);
+        let mut replacement = spec();
+        replacement.cloud_init = Some(CloudInitSpec {
+            ssh_authorized_keys: vec![],
+            user_data: Some("#cloud-config\n".into()),
+            instance_id: None,
+        });
+        vm.replace_spec(replacement).unwrap();
+        assert_eq!(vm.spec.network.mac.as_deref(), Some(mac.as_str()));
+        assert_eq!(
+            vm.spec.cloud_init.as_ref().unwrap().instance_id.as_deref(),
+            Some("i-0707070707070707")
+        );
+        // A MAC the user gives is kept (canonical), not replaced.
+        let mut s = spec();
+        s.network.mac = Some("52:54:00:AA:BB:CC".into());
+        s.assign_identity([9; 12]);
+        assert_eq!(s.network.mac.as_deref(), Some("52:54:00:aa:bb:cc"));
+    }
+
+    #[test]
     fn spec_overwrite_keeps_power_intent_and_restart_counter() {
         let mut vm = VirtualMachine::new("a", spec());
+        vm.spec.network.mac = Some(vm.mac().to_string());
         vm.request_restart().unwrap();
         vm.power_intent = Some(PowerIntent {
             power: PowerState::Running,
@@ -849,6 +970,7 @@ mod tests {
         snap.restart_generation = 9;
         snap.stop_grace_period_s = 5;
         snap.node = Some("elsewhere".into());
+        snap.network.mac = Some("52:54:00:00:00:09".into());
         let restored = now.restored_from(&snap);
         assert_eq!(
             (
@@ -859,6 +981,7 @@ mod tests {
             ),
             (4, 512, &snap.disks, &snap.boot)
         );
+        assert_eq!(restored.network, now.network, "the NIC stays the VM's");
         assert_eq!(
             (
                 restored.run_policy,

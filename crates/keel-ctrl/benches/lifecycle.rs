@@ -480,6 +480,8 @@ impl Bench {
             stop_grace_period_s: 30,
             node: None,
             readiness: keel_api::Readiness::Agent,
+            network: Default::default(),
+            cloud_init: None,
         }
     }
 

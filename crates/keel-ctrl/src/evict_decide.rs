@@ -411,6 +411,8 @@ mod tests {
                 stop_grace_period_s: 60,
                 node: None,
                 readiness: keel_api::Readiness::Agent,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

@@ -143,6 +143,10 @@ impl MigrationController {
                     boot: vm.spec.boot.clone(),
                     // The source's disks, on storage both nodes share.
                     create_disks: false,
+                    // The same NIC (MAC) and seed: the guest's device
+                    // state arrives from the source and must fit them.
+                    network: vm.nic(),
+                    cloud_init: vm.spec.cloud_init.clone(),
                 };
                 match self.hv.prepare_incoming(&spec).await {
                     Ok(uri) => {

@@ -219,6 +219,8 @@ mod tests {
         let vm = VirtualMachine::new(
             "web",
             VmSpec {
+                network: Default::default(),
+                cloud_init: None,
                 cpus: 1,
                 memory_mib: 128,
                 disks: vec![],

@@ -99,6 +99,8 @@ mod tests {
                 stop_grace_period_s: 60,
                 node: None,
                 readiness: keel_api::Readiness::Agent,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         v.status.node = node.map(str::to_string);

@@ -932,6 +932,8 @@ impl VmController {
                         disks: vm.spec.disks.clone(),
                         boot: vm.spec.boot.clone(),
                         create_disks: vm.status.may_create_disks(),
+                        network: vm.nic(),
+                        cloud_init: vm.spec.cloud_init.clone(),
                     })
                     .await
             }

@@ -102,6 +102,8 @@ impl World {
                 stop_grace_period_s: 10,
                 node: None,
                 readiness: keel_api::Readiness::Agent,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

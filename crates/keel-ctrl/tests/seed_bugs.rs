@@ -162,6 +162,8 @@ async fn delete_waits_while_the_domain_lookup_fails() {
         disks: vec![],
         boot: Default::default(),
         create_disks: true,
+        network: Default::default(),
+        cloud_init: None,
     })
     .await
     .unwrap();

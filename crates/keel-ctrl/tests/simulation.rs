@@ -154,6 +154,8 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                         disks: vec![],
                         boot: Default::default(),
                         create_disks: true,
+                        network: Default::default(),
+                        cloud_init: None,
                     })
                     .await
                     .ok();

@@ -97,6 +97,8 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         stop_grace_period_s: 10,
         node: Some("a".into()),
         readiness: keel_api::Readiness::Agent,
+        network: Default::default(),
+        cloud_init: None,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -179,6 +179,8 @@ async fn garbage_collection_spares_a_domain_an_unreadable_migration_may_serve() 
         disks: vec![],
         boot: Default::default(),
         create_disks: true,
+        network: Default::default(),
+        cloud_init: None,
     })
     .await
     .unwrap();

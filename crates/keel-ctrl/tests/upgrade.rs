@@ -59,6 +59,8 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             }],
             boot: Default::default(),
             create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
         })
         .await
         .unwrap();

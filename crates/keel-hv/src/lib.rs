@@ -35,6 +35,14 @@ pub struct DomainSpec {
     /// the path in the reason: never a blank disk in place of the VM's own.
     #[serde(default = "create_disks_default")]
     pub create_disks: bool,
+    /// The NIC. The controller always sends the VM's MAC; a launch record
+    /// from before NICs decodes to user mode without one (the driver then
+    /// uses the MAC derived from the VM name, as the controller would).
+    #[serde(default)]
+    pub network: keel_api::NetworkSpec,
+    /// A cloud-init seed is built from this at every start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<keel_api::CloudInitSpec>,
 }
 
 /// Launch records written before `create_disks` existed came from starts

@@ -1253,6 +1253,8 @@ mod tests {
             disks: vec![],
             boot: Default::default(),
             create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
         }
     }
 

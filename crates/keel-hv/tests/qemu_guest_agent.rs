@@ -96,6 +96,9 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         disks: disks.clone(),
         boot: Default::default(),
         create_disks: false,
+        // With a NIC, the agent reports the guest's DHCP address too.
+        network: Default::default(),
+        cloud_init: None,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

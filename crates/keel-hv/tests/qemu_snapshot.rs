@@ -37,6 +37,8 @@ fn db_spec(instance: &str) -> DomainSpec {
         disks: disks(),
         boot: BootSpec::default(),
         create_disks: true,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

@@ -321,6 +321,8 @@ pub struct CreateArgs {
     /// Seconds to wait with --wait.
     #[arg(long, default_value_t = 300, requires = "wait")]
     pub timeout: u64,
+    #[command(flatten)]
+    pub net: Box<crate::cli::net::NetArgs>,
 }
 
 fn parse_readiness(s: &str) -> Result<Readiness, String> {

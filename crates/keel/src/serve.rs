@@ -492,6 +492,8 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             stop_grace_period_s: 60,
             node: None,
             readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
+            network: Default::default(),
+            cloud_init: None,
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

@@ -301,7 +301,7 @@ fn bad_input_is_refused_with_the_field_and_changes_nothing() {
     let create = |name: Value, spec: Value| json!({"name": name, "spec": spec}).to_string();
     let huge = format!(
         r#"{{"name":"big","spec":{{"cpus":1,"memory_mib":64,"boot":{{"cmdline":"{}"}}}}}}"#,
-        "x".repeat(70 * 1024)
+        "x".repeat(keel::api::MAX_BODY_BYTES + 1024)
     );
     let long_name = "a".repeat(64);
     // Fits a name (63), but not with the instance suffix Keel derives from it.

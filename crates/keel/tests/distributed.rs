@@ -204,6 +204,8 @@ impl Cluster {
                 stop_grace_period_s: 30,
                 node: None,
                 readiness: keel_api::Readiness::Agent,
+                network: Default::default(),
+                cloud_init: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

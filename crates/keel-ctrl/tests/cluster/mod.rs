@@ -82,6 +82,8 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         stop_grace_period_s: 30,
         node: None,
         readiness: keel_api::Readiness::Agent,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

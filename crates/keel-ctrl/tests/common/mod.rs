@@ -39,6 +39,8 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         stop_grace_period_s: grace_s,
         node: None,
         readiness: keel_api::Readiness::Agent,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

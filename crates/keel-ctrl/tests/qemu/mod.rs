@@ -182,6 +182,8 @@ impl Env {
             stop_grace_period_s: grace_s,
             node: None,
             readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
+            network: Default::default(),
+            cloud_init: None,
         }
     }
 

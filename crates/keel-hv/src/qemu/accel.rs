@@ -139,6 +139,8 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Resul
         disks: vec![],
         incoming: false,
         firmware_boot: false,
+        nic: None,
+        seed: None,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

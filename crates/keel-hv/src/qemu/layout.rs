@@ -14,6 +14,7 @@
 //!     migration-out.json    OutgoingMigration: this instance was told to migrate
 //!     snapshot-paused       Keel paused the guest for a live snapshot; resume it
 //!     fs-frozen             Keel froze the guest's filesystems; thaw them
+//!     cidata.img            cloud-init NoCloud seed, rebuilt at every start
 //!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
 //!
 //! runtime_dir/<16 hex>/     the instance's sockets (a hash of its directory)
@@ -152,6 +153,7 @@ pub struct InstancePaths {
     pub migration_out: PathBuf,
     pub snapshot_paused: PathBuf,
     pub fs_frozen: PathBuf,
+    pub seed: PathBuf,
 }
 
 impl InstancePaths {
@@ -172,6 +174,7 @@ impl InstancePaths {
             migration_out: dir.join("migration-out.json"),
             snapshot_paused: dir.join("snapshot-paused"),
             fs_frozen: dir.join("fs-frozen"),
+            seed: dir.join("cidata.img"),
             dir,
             sockets,
         }
@@ -379,6 +382,10 @@ pub struct LaunchPlan {
     /// Boot through the firmware (SeaBIOS) from the first disk, not a
     /// kernel file (`QemuConfig::firmware_boot`).
     pub firmware_boot: bool,
+    /// The VM's NIC (`None`: none, as for the KVM probe).
+    pub nic: Option<super::network::NicPlan>,
+    /// The cloud-init seed image, attached after the disks.
+    pub seed: Option<PathBuf>,
 }
 
 impl LaunchPlan {
@@ -484,6 +491,12 @@ impl LaunchPlan {
                 ),
             ]);
         }
+        if let Some(seed) = &self.seed {
+            push(&["-drive", &super::cloud_init::drive_arg(seed)]);
+        }
+        if let Some(nic) = &self.nic {
+            a.extend(nic.args());
+        }
         a
     }
 }
@@ -535,6 +548,18 @@ mod tests {
             disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
             incoming: false,
             firmware_boot: false,
+            nic: Some(
+                super::super::network::NicPlan::new(
+                    "web",
+                    "web-1",
+                    &keel_api::NetworkSpec {
+                        mac: Some("52:54:00:00:00:01".into()),
+                        ..Default::default()
+                    },
+                )
+                .unwrap(),
+            ),
+            seed: Some("/data,x/instances/web-1/cidata.img".into()),
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -549,9 +574,14 @@ mod tests {
             drives,
             [
                 "file=/d/a.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk0",
-                "file=/d/b,,c.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk1"
+                "file=/d/b,,c.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk1",
+                // The seed comes after the VM's own disks, read-only.
+                "file=/data,,x/instances/web-1/cidata.img,if=virtio,format=raw,readonly=on,id=cidata"
             ]
         );
+        assert!(joined.contains(
+            "-netdev user,id=net0,hostname=web -device virtio-net-pci,netdev=net0,mac=52:54:00:00:00:01,romfile="
+        ));
         // The cmdline stays one argument, spaces and all.
         assert!(args.iter().any(|a| a == "console=ttyS0 quiet"));
         // Console serial comes before the command channel: ttyS0, then ttyS1.
@@ -633,6 +663,8 @@ mod tests {
             disks: vec![],
             boot: Default::default(),
             create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
         };
         // As an older Keel wrote it: no socket_dir key at all.
         let mut old = serde_json::json!({

@@ -14,12 +14,14 @@
 //! on storage both nodes share (`QemuConfig::disk_dir`).
 
 mod accel;
+pub mod cloud_init;
 mod console;
 pub mod guest_agent;
 pub mod keeper;
 mod layout;
 mod migration;
 mod monitor;
+pub mod network;
 mod proc;
 mod qmp;
 mod snapshot;
@@ -601,6 +603,14 @@ impl QemuDriver {
             reason,
         };
         let config = &self.inner.config;
+        let nic = Some(
+            network::NicPlan::new(&spec.vm, &spec.instance, &spec.network)
+                .map_err(|e| failed(e.to_string()))?,
+        );
+        let seed = spec
+            .cloud_init
+            .as_ref()
+            .map(|_| self.inner.layout.new_instance(&spec.instance).seed);
         if config.firmware_boot {
             return Ok(LaunchPlan {
                 instance: spec.instance.clone(),
@@ -615,6 +625,8 @@ impl QemuDriver {
                 disks,
                 incoming: false,
                 firmware_boot: true,
+                nic,
+                seed,
             });
         }
         let kernel = spec
@@ -664,6 +676,8 @@ impl QemuDriver {
             disks,
             incoming: false,
             firmware_boot: false,
+            nic,
+            seed,
         })
     }
 
@@ -742,14 +756,14 @@ impl QemuDriver {
             .instances_dir()
             .join(format!(".staging-{instance}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&staging);
+        let staged = InstancePaths::new(staging.clone(), staging.clone());
         let prepared = std::fs::create_dir(&staging)
             .and_then(|()| plan.paths.prepare_sockets())
-            .and_then(|()| {
-                write_json_atomic(
-                    &InstancePaths::new(staging.clone(), staging.clone()).spec,
-                    &record,
-                )
-            });
+            .and_then(|()| match &spec.cloud_init {
+                Some(ci) => cloud_init::Seed::render(&spec.vm, ci).write_image(&staged.seed),
+                None => Ok(()),
+            })
+            .and_then(|()| write_json_atomic(&staged.spec, &record));
         if let Err(e) = prepared {
             let _ = std::fs::remove_dir_all(&staging);
             let _ = plan.paths.remove_sockets();
@@ -772,9 +786,20 @@ impl QemuDriver {
         }
 
         let remove_dir = || {
+            if let Err(e) = network::release(instance) {
+                tracing::warn!(instance = %instance, error = %e, "failed start: tap not removed");
+            }
             let _ = std::fs::remove_dir_all(&plan.paths.dir);
             let _ = plan.paths.remove_sockets();
         };
+        // After the directory is ours: a tap made for a start that lost the
+        // race for it would belong to nobody.
+        if let Some(nic) = &plan.nic {
+            if let Err(e) = nic.prepare() {
+                remove_dir();
+                return Err(failed(e.to_string()));
+            }
+        }
         let keeper = self.inner.config.keeper.as_ref();
         let spawned = match keeper {
             Some(k) => spawn_keeper(k, &self.inner.lease, &plan),
@@ -1235,6 +1260,15 @@ impl Hypervisor for QemuDriver {
             return Err(HvError::StillRunning {
                 instance: instance.to_string(),
                 state,
+            });
+        }
+        // The tap first: if it cannot go, the instance stays known and the
+        // next cleanup tries again.
+        if let Err(e) = network::release(instance) {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: e.to_string(),
             });
         }
         let removed = domain.paths.remove_sockets().and_then(|()| {

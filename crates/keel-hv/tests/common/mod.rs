@@ -202,6 +202,8 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         }],
         boot: BootSpec::default(),
         create_disks: true,
+        network: Default::default(),
+        cloud_init: None,
     }
 }
 

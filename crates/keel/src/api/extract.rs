@@ -11,8 +11,9 @@ use serde::de::DeserializeOwned;
 
 use super::ApiError;
 
-/// Request bodies larger than this are refused with 413.
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Request bodies larger than this are refused with 413. Room for a VM
+/// spec with the largest cloud-init user-data (64 KiB) JSON-escaped.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
 
 /// The raw request body, at most [`MAX_BODY_BYTES`] (else 413).
 pub struct BodyBytes(pub Bytes);

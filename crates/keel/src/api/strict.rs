@@ -9,7 +9,8 @@
 //! until it is added here too.
 
 use keel_api::{
-    BootSpec, DiskSpec, PowerState, Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
+    BootSpec, CloudInitSpec, DiskSpec, NetworkMode, NetworkSpec, PortForward, PowerState, Protocol,
+    Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
 };
 use serde::{Deserialize, Deserializer};
 
@@ -35,6 +36,45 @@ struct StrictVmSpec {
     /// New VMs default to `agent` (stored records without it mean `none`).
     #[serde(default)]
     readiness: Readiness,
+    #[serde(default)]
+    network: StrictNetworkSpec,
+    #[serde(default)]
+    cloud_init: Option<StrictCloudInitSpec>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictNetworkSpec {
+    #[serde(default)]
+    mac: Option<String>,
+    #[serde(default)]
+    mode: NetworkMode,
+    #[serde(default)]
+    bridge: Option<String>,
+    #[serde(default)]
+    publish: Vec<StrictPortForward>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictPortForward {
+    #[serde(default = "keel_api::network::default_host_address")]
+    host_address: String,
+    host_port: u16,
+    guest_port: u16,
+    #[serde(default)]
+    protocol: Protocol,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictCloudInitSpec {
+    #[serde(default)]
+    ssh_authorized_keys: Vec<String>,
+    #[serde(default)]
+    user_data: Option<String>,
+    #[serde(default)]
+    instance_id: Option<String>,
 }
 
 fn default_grace() -> u64 {
@@ -72,7 +112,15 @@ impl From<StrictVmSpec> for VmSpec {
             stop_grace_period_s,
             node,
             readiness,
+            network,
+            cloud_init,
         } = s;
+        let StrictNetworkSpec {
+            mac,
+            mode,
+            bridge,
+            publish,
+        } = network;
         let StrictBootSpec {
             kernel,
             initrd,
@@ -96,6 +144,38 @@ impl From<StrictVmSpec> for VmSpec {
             stop_grace_period_s,
             node,
             readiness,
+            network: NetworkSpec {
+                mac,
+                mode,
+                bridge,
+                publish: publish
+                    .into_iter()
+                    .map(
+                        |StrictPortForward {
+                             host_address,
+                             host_port,
+                             guest_port,
+                             protocol,
+                         }| PortForward {
+                            host_address,
+                            host_port,
+                            guest_port,
+                            protocol,
+                        },
+                    )
+                    .collect(),
+            },
+            cloud_init: cloud_init.map(
+                |StrictCloudInitSpec {
+                     ssh_authorized_keys,
+                     user_data,
+                     instance_id,
+                 }| CloudInitSpec {
+                    ssh_authorized_keys,
+                    user_data,
+                    instance_id,
+                },
+            ),
         }
     }
 }
@@ -115,7 +195,28 @@ fn covers_every_field(spec: VmSpec) {
         stop_grace_period_s: _,
         node: _,
         readiness: _,
+        network,
+        cloud_init,
     } = spec;
+    let NetworkSpec {
+        mac: _,
+        mode: _,
+        bridge: _,
+        publish,
+    } = network;
+    for PortForward {
+        host_address: _,
+        host_port: _,
+        guest_port: _,
+        protocol: _,
+    } in publish
+    {}
+    if let Some(CloudInitSpec {
+        ssh_authorized_keys: _,
+        user_data: _,
+        instance_id: _,
+    }) = cloud_init
+    {}
     let BootSpec {
         kernel: _,
         initrd: _,
@@ -164,6 +265,22 @@ mod tests {
             stop_grace_period_s: 7,
             node: Some("n1".into()),
             readiness: Readiness::Console("login:".into()),
+            network: NetworkSpec {
+                mac: Some("52:54:00:00:00:01".into()),
+                mode: NetworkMode::User,
+                bridge: None,
+                publish: vec![PortForward {
+                    host_address: "127.0.0.1".into(),
+                    host_port: 2222,
+                    guest_port: 22,
+                    protocol: Protocol::Udp,
+                }],
+            },
+            cloud_init: Some(CloudInitSpec {
+                ssh_authorized_keys: vec!["ssh-ed25519 AAAA".into()],
+                user_data: Some("#cloud-config\n".into()),
+                instance_id: Some("i-1".into()),
+            }),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();
@@ -190,6 +307,9 @@ mod tests {
             r#"{"spec":{"cpus":1,"memory_mib":64,"bogus":1}}"#,
             r#"{"spec":{"cpus":1,"memory_mib":64,"boot":{"bogus":1}}}"#,
             r#"{"spec":{"cpus":1,"memory_mib":64,"disks":[{"name":"a","size_mib":1,"bogus":1}]}}"#,
+            r#"{"spec":{"cpus":1,"memory_mib":64,"network":{"bogus":1}}}"#,
+            r#"{"spec":{"cpus":1,"memory_mib":64,"network":{"publish":[{"host_port":1,"guest_port":2,"bogus":1}]}}}"#,
+            r#"{"spec":{"cpus":1,"memory_mib":64,"cloud_init":{"bogus":1}}}"#,
         ] {
             let err = serde_json::from_str::<Body>(body).err().expect(body);
             assert!(err.to_string().contains("bogus"), "{body}: {err}");

@@ -59,7 +59,10 @@ pub fn new_vm_uid() -> String {
 
 pub fn parse_create(body: &[u8]) -> Result<VirtualMachine, ApiError> {
     let req: CreateVmRequest = parse_json(body)?;
-    let vm = VirtualMachine::new(req.name, req.spec);
+    let mut vm = VirtualMachine::new(req.name, req.spec);
+    // The MAC (and cloud-init's instance-id) are fixed here, once: the
+    // stored spec carries them for the VM's life.
+    vm.spec.assign_identity(rand::random());
     vm.validate().map_err(ApiError::invalid)?;
     Ok(vm)
 }
@@ -137,7 +140,10 @@ pub async fn replace_spec(
     })?;
     req.spec.validate().map_err(ApiError::invalid)?;
     let (vm, revision) = mutate(&state, &name, Some(expected), |vm| {
-        vm.replace_spec(req.spec.clone()).map_err(ApiError::refused)
+        let mut spec = req.spec.clone();
+        spec.inherit_identity(&vm.spec, vm.mac());
+        spec.assign_identity(rand::random());
+        vm.replace_spec(spec).map_err(ApiError::refused)
     })
     .await?;
     Ok(vm_response(StatusCode::OK, vm, revision))

@@ -6,6 +6,7 @@ mod console;
 mod events;
 mod freeze;
 mod migration;
+pub mod net;
 mod node;
 pub mod output;
 mod snapshot;

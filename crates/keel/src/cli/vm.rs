@@ -40,10 +40,10 @@ fn logs(client: &Client, args: LogsArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The spec the flags describe. Validation is the server's: its errors
-/// name the field.
-pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
-    VmSpec {
+/// The spec the flags describe (reading the files they name). Validation
+/// is the server's: its errors name the field.
+pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
+    Ok(VmSpec {
         cpus: args.cpus,
         memory_mib: args.memory,
         disks: args.disks.clone(),
@@ -62,13 +62,15 @@ pub fn spec_from_args(args: &CreateArgs) -> VmSpec {
         stop_grace_period_s: args.grace,
         node: None,
         readiness: args.readiness.clone().unwrap_or_default(),
-    }
+        network: args.net.network(),
+        cloud_init: args.net.cloud_init()?,
+    })
 }
 
 fn create(client: &Client, out: OutputFormat, args: CreateArgs) -> anyhow::Result<()> {
     let req = CreateVmRequest {
         name: args.name.clone(),
-        spec: spec_from_args(&args),
+        spec: spec_from_args(&args)?,
     };
     let resp: VmResponse = client.call(Method::POST, "/api/v1/vms", Some(&req))?;
     if args.wait {
@@ -154,6 +156,7 @@ fn describe(resp: &VmResponse) -> String {
         ("grace", format!("{}s", vm.spec.stop_grace_period_s)),
         ("readiness", vm.spec.readiness.to_string()),
     ];
+    pairs.extend(super::net::describe(vm));
     for (k, v) in [
         ("kernel", &vm.spec.boot.kernel),
         ("initrd", &vm.spec.boot.initrd),

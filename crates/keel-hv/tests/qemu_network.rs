@@ -1,0 +1,279 @@
+//! The NIC and the cloud-init seed against real QEMU and the test guest:
+//! DHCP from user-mode networking and a guest port reached through its
+//! published loopback port; the guest's MAC is the spec's, also after a
+//! restart; a bridge tap inside a network namespace the test creates; the
+//! seed read back inside the guest.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use base64::Engine as _;
+use common::{boot, spec, stop_and_cleanup, Fixture};
+use keel_api::{CloudInitSpec, NetworkMode, NetworkSpec, PortForward, Protocol};
+use keel_hv::guest::GuestChannel;
+use keel_hv::qemu::network;
+use keel_hv::Hypervisor;
+
+const MAC: &str = "52:54:00:4b:ee:01";
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+async fn ask(ch: &mut GuestChannel, command: &str, prefix: &str) -> String {
+    let answer = ch.command(command).await.unwrap();
+    assert!(
+        answer.starts_with(prefix),
+        "{command:?} answered {answer:?}"
+    );
+    answer[prefix.len()..].trim().to_string()
+}
+
+/// An HTTP GET through `port`, retried briefly: slirp accepts the host
+/// connection at once, the guest's httpd may still be starting.
+fn http_get(port: u16) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let attempt = (|| -> std::io::Result<String> {
+            let mut s = TcpStream::connect(("127.0.0.1", port))?;
+            s.set_read_timeout(Some(Duration::from_secs(10)))?;
+            s.write_all(b"GET / HTTP/1.0\r\nHost: guest\r\n\r\n")?;
+            let mut body = String::new();
+            s.read_to_string(&mut body)?;
+            Ok(body)
+        })();
+        match attempt {
+            Ok(body) if body.contains("200 OK") => return body,
+            other if Instant::now() >= deadline => panic!("GET via port {port}: {other:?}"),
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn user_mode_dhcp_published_port_and_a_stable_mac() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let port = free_port();
+    let mut s = spec("web", "web-1");
+    s.network = NetworkSpec {
+        mac: Some(MAC.into()),
+        publish: vec![PortForward {
+            host_address: "127.0.0.1".into(),
+            host_port: port,
+            guest_port: 8080,
+            protocol: Protocol::Tcp,
+        }],
+        ..Default::default()
+    };
+    let mut ch = boot(hv, &s).await;
+    assert_eq!(ask(&mut ch, "mac", "MAC ").await, MAC);
+    // udhcpc may try for 10 s.
+    let mut ch = ch.with_timeout(Duration::from_secs(40));
+    let t = Instant::now();
+    let ip = ask(&mut ch, "net dhcp", "IP ").await;
+    eprintln!("DHCP lease {ip} after {:?}", t.elapsed());
+    assert_eq!(ip, "10.0.2.15/24", "slirp's first lease");
+    ask(&mut ch, "serve 8080 hello-from-the-guest", "OK serve").await;
+    let t = Instant::now();
+    let body = http_get(port);
+    eprintln!("GET through 127.0.0.1:{port} in {:?}", t.elapsed());
+    assert!(body.contains("hello-from-the-guest"), "{body}");
+    drop(ch);
+    stop_and_cleanup(hv, "web-1").await;
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the forward outlived its instance"
+    );
+
+    // The next instance of the same VM has the same MAC.
+    s.instance = "web-2".into();
+    let mut ch = boot(hv, &s).await;
+    assert_eq!(ask(&mut ch, "mac", "MAC ").await, MAC, "after a restart");
+    drop(ch);
+    stop_and_cleanup(hv, "web-2").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cloud_init_seed_is_readable_in_the_guest() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBvQ4m8y8kJqkVv6Zl9m8oQb2F2k9eW4k2q0o1v2w3x4 tester@keel";
+    let mut s = spec("ci-vm", "ci-vm-1");
+    s.cloud_init = Some(CloudInitSpec {
+        ssh_authorized_keys: vec![key.into()],
+        user_data: None,
+        instance_id: Some("i-0123456789abcdef".into()),
+    });
+    let mut ch = boot(hv, &s).await;
+    let seed = ask(&mut ch, "seed", "SEED ").await;
+    let decode = |b: &str| {
+        String::from_utf8(base64::engine::general_purpose::STANDARD.decode(b).unwrap()).unwrap()
+    };
+    let (meta, user) = seed.split_once(' ').expect("two files");
+    let (meta, user) = (decode(meta), decode(user));
+    assert_eq!(
+        meta,
+        "instance-id: i-0123456789abcdef\nlocal-hostname: ci-vm\n"
+    );
+    assert!(user.starts_with("#cloud-config\n"), "{user}");
+    assert!(user.contains(&format!("\"{key}\"")), "{user}");
+    drop(ch);
+    stop_and_cleanup(hv, "ci-vm-1").await;
+}
+
+/// Root, `ip` and a kernel with bridges: a bridge test inside a namespace.
+fn netns_possible() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    root && Command::new("ip")
+        .arg("-V")
+        .output()
+        .is_ok_and(|o| o.status.success())
+        && std::path::Path::new("/dev/net/tun").exists()
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Deletes the namespace (and with it the bridge and veths) on drop.
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+const CHILD_ENV: &str = "KEEL_NETNS_CHILD";
+const BRIDGE: &str = "kbr0";
+
+/// The parent half creates a namespace with a bridge and a veth pair (one
+/// end on the bridge, the other with 192.168.77.1/24), then runs this
+/// same test again inside it (`ip netns exec`), so every frame stays in
+/// the namespace. The child half boots a guest on the bridge.
+#[test]
+fn bridge_tap_in_a_network_namespace() {
+    if std::env::var_os(CHILD_ENV).is_some() {
+        return bridge_child();
+    }
+    if common::guest_dir().is_none() {
+        return;
+    }
+    assert!(
+        netns_possible(),
+        "the bridge test needs root, iproute2 and /dev/net/tun"
+    );
+    let ns = Netns(format!("keel-t{}", std::process::id()));
+    ip(&["netns", "add", &ns.0]);
+    let inns = |args: &[&str]| {
+        let mut all = vec!["-n", ns.0.as_str()];
+        all.extend_from_slice(args);
+        ip(&all);
+    };
+    inns(&["link", "set", "lo", "up"]);
+    inns(&["link", "add", BRIDGE, "type", "bridge"]);
+    inns(&[
+        "link", "add", "veth-h", "type", "veth", "peer", "name", "veth-b",
+    ]);
+    inns(&["link", "set", "veth-b", "master", BRIDGE]);
+    inns(&["addr", "add", "192.168.77.1/24", "dev", "veth-h"]);
+    for dev in [BRIDGE, "veth-b", "veth-h"] {
+        inns(&["link", "set", dev, "up"]);
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.0])
+        .arg(&exe)
+        .args([
+            "--exact",
+            "bridge_tap_in_a_network_namespace",
+            "--nocapture",
+        ])
+        .env(CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("--- inside {} ---\n{text}", ns.0);
+    assert!(out.status.success(), "the namespaced half failed");
+    assert!(text.contains("1 passed"), "the namespaced half ran nothing");
+}
+
+fn bridge_child() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let fx = Fixture::new().await.expect("guest present in the child");
+        let hv = fx.hv();
+
+        // A bridge that is not there fails the start, naming it, and
+        // leaves no tap and no instance behind.
+        let mut missing = spec("br-vm", "br-vm-1");
+        missing.network = NetworkSpec {
+            mac: Some(MAC.into()),
+            mode: NetworkMode::Bridge,
+            bridge: Some("kbr-nope".into()),
+            publish: vec![],
+        };
+        let err = hv.start(&missing).await.unwrap_err().to_string();
+        assert!(err.contains("bridge kbr-nope not found"), "{err}");
+        assert!(!network::tap_exists("br-vm-1"));
+        assert!(hv.info("br-vm-1").await.unwrap_err().is_not_found());
+
+        let mut s = spec("br-vm", "br-vm-2");
+        s.network = NetworkSpec {
+            bridge: Some(BRIDGE.into()),
+            ..missing.network.clone()
+        };
+        let mut ch = boot(hv, &s).await;
+        let tap = network::tap_name("br-vm-2");
+        assert!(network::tap_exists("br-vm-2"), "tap {tap} made");
+        let master = std::fs::read_link(format!("/sys/class/net/{tap}/master")).unwrap();
+        assert!(master.ends_with(BRIDGE), "{tap} on {}", master.display());
+        assert_eq!(ask(&mut ch, "mac", "MAC ").await, MAC);
+        assert_eq!(
+            ask(&mut ch, "net addr 192.168.77.2/24", "IP ").await,
+            "192.168.77.2/24"
+        );
+        let t = Instant::now();
+        let ping = Command::new("busybox")
+            .args(["ping", "-c", "3", "-W", "10", "192.168.77.2"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&ping.stdout);
+        eprintln!("ping from the namespace ({:?}):\n{text}", t.elapsed());
+        assert!(ping.status.success(), "no answer from the guest: {text}");
+        drop(ch);
+        stop_and_cleanup(hv, "br-vm-2").await;
+        assert!(
+            !network::tap_exists("br-vm-2"),
+            "tap {tap} still there after cleanup"
+        );
+    });
+}
