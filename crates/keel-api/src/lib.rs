@@ -3,6 +3,7 @@
 
 pub mod clock;
 pub mod event;
+pub mod image;
 pub mod migration;
 pub mod name;
 pub mod node;
@@ -12,6 +13,7 @@ pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use event::Event;
+pub use image::{Image, ImageFormat, ImageKind};
 pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeStatus};

@@ -105,6 +105,7 @@ impl MigrationController {
                         )
                         .await;
                 };
+                let images = crate::images::records_for(&self.store, &vm.spec).await?;
                 let spec = DomainSpec {
                     vm: vm.name.clone(),
                     instance: m.target_instance.clone(),
@@ -114,6 +115,7 @@ impl MigrationController {
                     boot: vm.spec.boot.clone(),
                     // The source's disks, on storage both nodes share.
                     create_disks: false,
+                    images,
                 };
                 match self.hv.prepare_incoming(&spec).await {
                     Ok(uri) => {

@@ -720,6 +720,13 @@ impl VmController {
                     .instance
                     .as_ref()
                     .expect("decide records the instance before starting it");
+                let images = crate::images::records_for(&self.store, &vm.spec)
+                    .await
+                    .map_err(|e| HvError::Unavailable {
+                        instance: inst.id.clone(),
+                        op: "read image records",
+                        reason: e.to_string(),
+                    })?;
                 self.hv
                     .start(&DomainSpec {
                         vm: vm.name.clone(),
@@ -729,6 +736,7 @@ impl VmController {
                         disks: vm.spec.disks.clone(),
                         boot: vm.spec.boot.clone(),
                         create_disks: vm.status.may_create_disks(),
+                        images,
                     })
                     .await
             }

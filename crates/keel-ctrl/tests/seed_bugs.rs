@@ -162,6 +162,7 @@ async fn delete_waits_while_the_domain_lookup_fails() {
         disks: vec![],
         boot: Default::default(),
         create_disks: true,
+        images: vec![],
     })
     .await
     .unwrap();

@@ -154,6 +154,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                         disks: vec![],
                         boot: Default::default(),
                         create_disks: true,
+                        images: vec![],
                     })
                     .await
                     .ok();

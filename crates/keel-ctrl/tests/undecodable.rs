@@ -179,6 +179,7 @@ async fn garbage_collection_spares_a_domain_an_unreadable_migration_may_serve() 
         disks: vec![],
         boot: Default::default(),
         create_disks: true,
+        images: vec![],
     })
     .await
     .unwrap();

@@ -10,6 +10,7 @@
 //! - `shutdown` asks the guest to power off (ACPI) and returns at once.
 
 pub mod guest;
+pub mod images;
 pub mod qemu;
 pub mod sim;
 
@@ -32,6 +33,12 @@ pub struct DomainSpec {
     /// the path in the reason: never a blank disk in place of the VM's own.
     #[serde(default = "create_disks_default")]
     pub create_disks: bool,
+    /// The store's records of the images the spec names (disk images,
+    /// boot kernel and initrd), as the controller read them: the driver
+    /// checks each file against its record's checksum before using it. An
+    /// image the spec names but this list lacks fails the start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<keel_api::Image>,
 }
 
 /// Launch records written before `create_disks` existed came from starts

@@ -968,6 +968,7 @@ mod tests {
             disks: vec![],
             boot: Default::default(),
             create_disks: true,
+            images: vec![],
         }
     }
 

@@ -24,6 +24,7 @@ fn disks() -> Vec<DiskSpec> {
         .map(|name| DiskSpec {
             name: name.into(),
             size_mib: 32,
+            image: None,
         })
         .collect()
 }
@@ -37,6 +38,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         disks: disks(),
         boot: BootSpec::default(),
         create_disks: true,
+        images: vec![],
     }
 }
 

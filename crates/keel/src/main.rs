@@ -16,6 +16,7 @@ fn main() -> ExitCode {
         Command::Snapshot(cmd) => keel::cli::snapshot(cmd),
         Command::Restore(args) => keel::cli::restore(args),
         Command::Migration(cmd) => keel::cli::migration(cmd),
+        Command::Image(cmd) => keel::cli::image(cmd),
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

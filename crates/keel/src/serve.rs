@@ -24,6 +24,7 @@ use keel_ctrl::{
     run_control_plane, run_vm_controller, ClusterController, ElectionConfig, LeaderElection,
     LifecycleConfig, VmController,
 };
+use keel_hv::images::ImageStore;
 use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_hv::sim::{SimConfig, SimHypervisor};
@@ -67,6 +68,9 @@ pub struct ServeConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The image store; default `<data_dir>/images`. In a cluster, storage
+    /// every control plane and node mounts at the same path.
+    pub image_dir: Option<PathBuf>,
     /// With `agent`: the fence keeper QEMU runs under (`keel keeper`).
     pub keeper: Option<KeeperCommand>,
     /// SQLite in the data dir, or an etcd cluster (control-plane mode).
@@ -96,6 +100,7 @@ impl ServeConfig {
             demo: false,
             disk_dir: None,
             runtime_dir: None,
+            image_dir: None,
             keeper: None,
             store: StoreSpec::Sqlite,
             agent: false,
@@ -109,6 +114,7 @@ impl ServeConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            image_dir: image_dir(&self.data_dir, self.image_dir.as_deref()),
             // One host, one store: nobody else can start these VMs, so
             // guests may outlive the server for good. A control plane's
             // in-process agent is a cluster node and fences.
@@ -134,6 +140,8 @@ pub struct HypervisorOptions {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver keeps sockets; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The image store VMs boot from (see [`image_dir`]).
+    pub image_dir: PathBuf,
     /// Run each QEMU under this fence keeper (cluster nodes); see
     /// `keel_hv::qemu::keeper`.
     pub keeper: Option<KeeperCommand>,
@@ -154,6 +162,7 @@ pub async fn make_hypervisor(
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
             config.disk_dir = cfg.disk_dir.clone();
             config.runtime_dir = cfg.runtime_dir.clone();
+            config.image_dir = Some(cfg.image_dir.clone());
             config.keeper = cfg.keeper.clone();
             if let Some(dir) = &cfg.guest_dir {
                 // QEMU runs with its own working directory in mind: absolute paths only.
@@ -175,6 +184,19 @@ pub async fn make_hypervisor(
             Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
         }
     }
+}
+
+/// The image store's directory: `--image-dir`, else `<data_dir>/images`.
+pub fn image_dir(data_dir: &Path, configured: Option<&Path>) -> PathBuf {
+    configured.map_or_else(|| data_dir.join("images"), Path::to_path_buf)
+}
+
+/// The image store the API imports into.
+fn open_image_store(cfg: &ServeConfig) -> anyhow::Result<Arc<ImageStore>> {
+    let dir = image_dir(&cfg.data_dir, cfg.image_dir.as_deref());
+    let store = ImageStore::open(&dir, Path::new("qemu-img"), Duration::from_secs(300))
+        .with_context(|| format!("image dir {}", dir.display()))?;
+    Ok(Arc::new(store))
 }
 
 /// `--disk-dir` names storage the nodes share (mounted at the same path on
@@ -310,7 +332,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
+    let images = open_image_store(&cfg)?;
+    let http = serve_api(listener, &store, clock, &token, metrics, images, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -342,6 +365,7 @@ fn serve_api(
     clock: Arc<dyn Clock>,
     token: &Token,
     metrics: Arc<Metrics>,
+    images: Arc<ImageStore>,
     stop: watch::Receiver<bool>,
 ) -> JoinHandle<std::io::Result<()>> {
     let state = AppState {
@@ -349,6 +373,7 @@ fn serve_api(
         clock,
         metrics,
         shutdown: stop.clone(),
+        images,
     };
     let app = api::router(state, token.clone());
     let mut http_stop = stop;
@@ -420,7 +445,8 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         election.clone(),
     ));
     let controller = tokio::spawn(run_control_plane(cluster, stop_rx.clone()));
-    let http = serve_api(listener, &store, clock, &token, metrics, stop_rx);
+    let images = open_image_store(&cfg)?;
+    let http = serve_api(listener, &store, clock, &token, metrics, images, stop_rx);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -463,6 +489,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: BootSpec::default(),
             run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
@@ -500,6 +527,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    cfg.image_dir = args.image_dir;
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -199,9 +199,11 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         disks: vec![DiskSpec {
             name: "data".into(),
             size_mib: 64,
+            image: None,
         }],
         boot: BootSpec::default(),
         create_disks: true,
+        images: vec![],
     }
 }
 

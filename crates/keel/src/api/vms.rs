@@ -80,7 +80,10 @@ pub async fn create(
     BodyBytes(body): BodyBytes,
 ) -> Result<Response, ApiError> {
     query.finish()?;
-    let vm = parse_create(&body)?;
+    let req: CreateVmRequest = parse_json(&body)?;
+    let mut vm = VirtualMachine::new(req.name, req.spec);
+    super::images::resolve(&state, &mut vm.spec).await?;
+    vm.validate().map_err(ApiError::invalid)?;
     let key = vm_key(&vm.name);
     match state.store.create(&key, &vm).await {
         Ok(revision) => {
@@ -117,7 +120,7 @@ pub async fn replace_spec(
     NameParam(name): NameParam,
     headers: HeaderMap,
     mut query: QueryParams,
-    JsonBody(req): JsonBody<ReplaceSpecRequest>,
+    JsonBody(mut req): JsonBody<ReplaceSpecRequest>,
 ) -> Result<Response, ApiError> {
     let from_query = query.take_u64("revision")?;
     query.finish()?;
@@ -128,6 +131,7 @@ pub async fn replace_spec(
         )
         .with_field("revision")
     })?;
+    super::images::resolve(&state, &mut req.spec).await?;
     req.spec.validate().map_err(ApiError::invalid)?;
     let (vm, revision) = mutate(&state, &name, Some(expected), |vm| {
         vm.replace_spec(req.spec.clone()).map_err(ApiError::refused)

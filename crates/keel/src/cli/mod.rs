@@ -3,6 +3,7 @@
 
 mod client;
 mod events;
+mod image;
 mod migration;
 mod node;
 pub mod output;
@@ -13,7 +14,8 @@ mod wait;
 pub use client::{encode, ApiFailure, Client};
 
 use crate::args::{
-    EventsArgs, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand, VmCommand,
+    EventsArgs, ImageCommand, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand,
+    VmCommand,
 };
 
 pub fn vm(cmd: VmCommand) -> anyhow::Result<()> {
@@ -38,4 +40,8 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
 
 pub fn migration(cmd: MigrationCommand) -> anyhow::Result<()> {
     migration::run(cmd)
+}
+
+pub fn image(cmd: ImageCommand) -> anyhow::Result<()> {
+    image::run(cmd)
 }
