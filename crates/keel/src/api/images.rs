@@ -67,14 +67,16 @@ pub async fn import(
     };
     query.finish()?;
     let key = image_key(&name);
-    // Early, so a name in use does not cost a whole upload; the create
-    // below is what decides.
+    let mut stream = body.into_data_stream();
+    // Early, so a name in use costs no disk writes; the create below is
+    // what decides. The body is still read (and dropped): a client whose
+    // upload is cut off mid-send sees a broken pipe, not this answer.
     if state.store.get::<Image>(&key).await?.is_some() {
+        while let Some(Ok(_)) = stream.next().await {}
         return Err(exists(&name));
     }
     let store = &state.images;
     let mut upload = store.begin(&name).await.map_err(image_error)?;
-    let mut stream = body.into_data_stream();
     while let Some(chunk) = stream.next().await {
         // The upload's file goes with `upload` when this returns early.
         let chunk = chunk.map_err(|e| {
@@ -274,4 +276,76 @@ pub async fn resolve(state: &AppState, spec: &mut VmSpec) -> Result<(), ApiError
         }
     }
     Ok(())
+}
+
+/// Adds the image routes and types to the OpenAPI document.
+pub fn describe(doc: &mut serde_json::Value) {
+    use serde_json::json;
+    let error = |description: &str| json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
+    let name_param = json!({"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}});
+    let one = |code: &str, description: &str| json!({code: {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageResponse"}}}}});
+    let with = |mut ok: serde_json::Value, errs: &[(&str, &str)]| {
+        for (code, why) in errs {
+            ok[*code] = error(why);
+        }
+        ok
+    };
+    let paths = json!({
+        "/api/v1/images": {"get": {
+            "summary": "List images", "operationId": "listImages",
+            "responses": with(json!({"200": {"description": "Images", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageList"}}}}}), &[("401", "Missing or wrong bearer token"), ("503", "Store unavailable")])
+        }},
+        "/api/v1/images/{name}": {
+            "put": {
+                "summary": "Import a file as image NAME: the body is the file, streamed (no size limit). Disk images must be qcow2 or raw without a backing file, external data file or encryption; a kernel must be a Linux x86 boot image. The sha256 is recorded; a failed upload leaves nothing.",
+                "operationId": "importImage",
+                "parameters": [name_param.clone(), {"name": "kind", "in": "query", "required": false, "schema": {"type": "string", "enum": ["disk", "kernel", "initrd"], "default": "disk"}}],
+                "requestBody": {"required": true, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                "responses": with(one("201", "Imported"), &[("400", "Bad name or kind, or the upload broke off"), ("401", "Missing or wrong bearer token"), ("409", "An image of that name exists"), ("422", "Not an image Keel boots (the reason says why); field: file"), ("500", "The node could not store it")])
+            },
+            "get": {
+                "summary": "One image", "operationId": "getImage", "parameters": [name_param.clone()],
+                "responses": with(one("200", "The image"), &[("401", "Missing or wrong bearer token"), ("404", "No such image")])
+            },
+            "delete": {
+                "summary": "Delete an image and its file; refused while any VM's spec names it", "operationId": "deleteImage", "parameters": [name_param],
+                "responses": with(one("200", "Deleted"), &[("401", "Missing or wrong bearer token"), ("404", "No such image"), ("409", "Used by VMs (named in the message)"), ("503", "Store unavailable, or a VM record is unreadable")])
+            }
+        }
+    });
+    let schemas = json!({
+        "Image": {"type": "object", "required": ["name", "kind", "format", "size_bytes", "virtual_size_bytes", "sha256", "created_at"], "properties": {
+            "name": {"$ref": "#/components/schemas/Name"},
+            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd"]},
+            "format": {"type": "string", "enum": ["qcow2", "raw"]},
+            "size_bytes": {"type": "integer"},
+            "virtual_size_bytes": {"type": "integer", "description": "The disk size a guest sees"},
+            "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+            "created_at": {"type": "integer", "description": "Milliseconds since the Unix epoch"}
+        }},
+        "ImageResponse": {"type": "object", "required": ["revision", "image"], "properties": {
+            "revision": {"type": "integer"},
+            "image": {"$ref": "#/components/schemas/Image"}
+        }},
+        "ImageList": {"type": "object", "required": ["revision", "items"], "properties": {
+            "revision": {"type": "integer"},
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}}
+        }}
+    });
+    for (section, add) in [
+        ("paths", paths),
+        ("components", json!({"schemas": schemas})),
+    ] {
+        let target = &mut doc[section];
+        if section == "components" {
+            if let (Some(t), Some(a)) = (
+                target["schemas"].as_object_mut(),
+                add["schemas"].as_object(),
+            ) {
+                t.extend(a.clone());
+            }
+        } else if let (Some(t), Some(a)) = (target.as_object_mut(), add.as_object()) {
+            t.extend(a.clone());
+        }
+    }
 }

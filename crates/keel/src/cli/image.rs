@@ -85,5 +85,16 @@ fn import(client: &Client, args: &ImportArgs) -> anyhow::Result<ImageResponse> {
     if !file.metadata()?.is_file() {
         anyhow::bail!("{} is not a regular file", args.file.display());
     }
+    // Before sending a whole file for nothing (the server decides).
+    if client
+        .get_opt::<ImageResponse>(&path(&args.name))?
+        .is_some()
+    {
+        anyhow::bail!(
+            "image {} already exists (keel image delete {} first, or import under another name)",
+            args.name,
+            args.name
+        );
+    }
     client.upload(&format!("{}?kind={}", path(&args.name), args.kind), file)
 }
