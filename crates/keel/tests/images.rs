@@ -365,7 +365,7 @@ fn boot_files_are_images_of_the_store_never_host_paths() {
         "{}",
         r.text
     );
-    let vm = server.create_vm(
+    server.create_vm(
         "boot",
         json!({"cpus": 1, "memory_mib": 64, "power": "Stopped", "boot": {"kernel": "k", "initrd": "i"}}),
     );
