@@ -4,6 +4,7 @@
 pub mod clock;
 pub mod cloud_init;
 pub mod event;
+pub mod image;
 pub mod migration;
 pub mod name;
 pub mod network;
@@ -16,6 +17,7 @@ pub mod vm;
 pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use cloud_init::CloudInitSpec;
 pub use event::Event;
+pub use image::{Image, ImageFormat, ImageKind};
 pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
 pub use name::{validate_name, validate_vm_name};
 pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};

@@ -106,18 +106,68 @@ fn default_grace() -> u64 {
 pub struct DiskSpec {
     pub name: String,
     pub size_mib: u64,
+    /// A disk image of the image store this disk starts as: created once,
+    /// at the first start, as the VM's own qcow2 overlay on it. Fixed for
+    /// the disk's life (the overlay depends on the image), and the image
+    /// cannot be deleted while a VM names it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
-/// Direct kernel boot. Paths are on the node; `None` falls back to the
-/// node's default test guest.
+/// The name `keel vm create --image` gives the root disk it adds.
+pub const ROOT_DISK: &str = "root";
+
+/// How the VM boots. With `kernel` set: direct kernel boot of that kernel
+/// image (and `initrd` image) from the image store, never a host path.
+/// Without it, a VM whose first disk comes from an image, or that names a
+/// `firmware`, boots through firmware from its first disk; any other VM
+/// boots the node's default (test) guest kernel.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BootSpec {
+    /// The name of an image of kind `kernel`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<String>,
+    /// The name of an image of kind `initrd`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub initrd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cmdline: Option<String>,
+    /// `None`: SeaBIOS (QEMU's default BIOS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware: Option<Firmware>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Firmware {
+    /// SeaBIOS, which ships with QEMU.
+    #[default]
+    Bios,
+    /// OVMF (EDK II), with a writable variable store of the VM's own.
+    Uefi,
+}
+
+impl std::str::FromStr for Firmware {
+    type Err = ValidationError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "bios" => Ok(Firmware::Bios),
+            "uefi" => Ok(Firmware::Uefi),
+            _ => Err(ValidationError::new(
+                "spec.boot.firmware",
+                format!("{s:?} is not one of bios, uefi"),
+            )),
+        }
+    }
+}
+
+/// An image a spec names, and what for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageUse {
+    /// The spec field that names it (`spec.disks[0].image`).
+    pub field: String,
+    pub name: String,
+    pub kind: crate::ImageKind,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -622,6 +672,19 @@ impl VirtualMachine {
     pub fn replace_spec(&mut self, mut spec: VmSpec) -> Result<(), ValidationError> {
         self.refuse_if_busy()?;
         spec.validate()?;
+        for (i, disk) in spec.disks.iter().enumerate() {
+            let before = self.spec.disks.iter().find(|d| d.name == disk.name);
+            if let Some(before) = before.filter(|b| b.image != disk.image) {
+                return Err(ValidationError::new(
+                    format!("spec.disks[{i}].image"),
+                    format!(
+                        "disk {} was made from image {:?}; a disk's image cannot change \
+                         (add a new disk instead)",
+                        disk.name, before.image
+                    ),
+                ));
+            }
+        }
         spec.restart_generation = spec.restart_generation.max(self.spec.restart_generation);
         spec.inherit_identity(&self.spec, self.mac());
         if spec != self.spec {
@@ -740,13 +803,8 @@ impl VmSpec {
                 ));
             }
         }
-        for (field, path) in [
-            ("spec.boot.kernel", &self.boot.kernel),
-            ("spec.boot.initrd", &self.boot.initrd),
-        ] {
-            if let Some(path) = path {
-                validate_host_path(field, path)?;
-            }
+        for used in self.images() {
+            validate_image_ref(&used)?;
         }
         if let Some(cmdline) = &self.boot.cmdline {
             if cmdline.len() > 1024 || cmdline.contains(['\0', '\n']) {
@@ -804,18 +862,56 @@ impl VmSpec {
     }
 }
 
-/// Host paths are handed to QEMU as option values, where `,` is a separator.
-fn validate_host_path(field: &str, path: &str) -> Result<(), ValidationError> {
-    if !path.starts_with('/') {
-        return Err(ValidationError::new(field, "must be an absolute path"));
-    }
-    if path.contains(['\0', ',', '\n']) || path.split('/').any(|c| c == "..") {
+/// Boot files and disk images are images of the store, by name: a host
+/// path (QEMU runs as root, and would read any file into the guest) is
+/// refused, saying how to import the file instead.
+fn validate_image_ref(used: &ImageUse) -> Result<(), ValidationError> {
+    if used.name.contains('/') {
         return Err(ValidationError::new(
-            field,
-            "must not contain NUL, ',', newlines or '..'",
+            &used.field,
+            format!(
+                "{:?} is a host path; name an image of kind {} in the image store \
+                 (keel image import NAME FILE --kind {})",
+                used.name, used.kind, used.kind
+            ),
         ));
     }
-    Ok(())
+    validate_name(&used.field, &used.name)
+}
+
+impl VmSpec {
+    /// Every image the spec names, in disk order, then kernel and initrd.
+    pub fn images(&self) -> Vec<ImageUse> {
+        use crate::ImageKind;
+        let disks = self.disks.iter().enumerate().filter_map(|(i, d)| {
+            d.image.as_ref().map(|name| ImageUse {
+                field: format!("spec.disks[{i}].image"),
+                name: name.clone(),
+                kind: ImageKind::Disk,
+            })
+        });
+        let boot = [
+            ("spec.boot.kernel", &self.boot.kernel, ImageKind::Kernel),
+            ("spec.boot.initrd", &self.boot.initrd, ImageKind::Initrd),
+        ]
+        .into_iter()
+        .filter_map(|(field, name, kind)| {
+            name.as_ref().map(|name| ImageUse {
+                field: field.into(),
+                name: name.clone(),
+                kind,
+            })
+        });
+        disks.chain(boot).collect()
+    }
+
+    /// Whether the VM boots through firmware from its first disk rather
+    /// than a kernel handed to QEMU.
+    pub fn boots_from_disk(&self) -> bool {
+        self.boot.kernel.is_none()
+            && (self.boot.firmware.is_some()
+                || self.disks.first().is_some_and(|d| d.image.is_some()))
+    }
 }
 
 #[cfg(test)]
@@ -829,6 +925,7 @@ mod tests {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: BootSpec::default(),
             run_policy: RunPolicy::Manual,
@@ -872,6 +969,52 @@ mod tests {
         let mut s = spec();
         s.boot.kernel = Some("/a,b".into());
         assert_eq!(s.validate().unwrap_err().field, "spec.boot.kernel");
+        // Boot files are images of the store, never host paths.
+        let mut s = spec();
+        s.boot.initrd = Some("/etc/shadow".into());
+        let err = s.validate().unwrap_err();
+        assert_eq!(err.field, "spec.boot.initrd");
+        assert!(err.message.contains("host path"), "{}", err.message);
+        let mut s = spec();
+        s.boot.kernel = Some("vmlinuz".into());
+        s.boot.initrd = Some("initrd".into());
+        s.validate().unwrap();
+        let mut s = spec();
+        s.disks[0].image = Some("Debian".into());
+        assert_eq!(s.validate().unwrap_err().field, "spec.disks[0].image");
+    }
+
+    #[test]
+    fn a_disk_keeps_the_image_it_was_made_from() {
+        let mut with_image = spec();
+        with_image.disks[0].image = Some("debian".into());
+        let mut vm = VirtualMachine::new("a", with_image.clone());
+        let mut other = with_image.clone();
+        other.disks[0].image = Some("ubuntu".into());
+        assert_eq!(
+            vm.replace_spec(other).unwrap_err().field,
+            "spec.disks[0].image"
+        );
+        assert_eq!(
+            vm.replace_spec(spec()).unwrap_err().field,
+            "spec.disks[0].image"
+        );
+        let mut more = with_image.clone();
+        more.cpus = 2;
+        vm.replace_spec(more).unwrap();
+        assert!(vm.spec.boots_from_disk());
+        assert_eq!(vm.spec.images()[0].field, "spec.disks[0].image");
+    }
+
+    #[test]
+    fn old_records_with_host_paths_still_decode() {
+        // Written when boot files were host paths: readable, refused only
+        // when validated (and failed by the node at start).
+        let json = r#"{"name":"a","spec":{"cpus":1,"memory_mib":64,
+            "boot":{"kernel":"/boot/vmlinuz","initrd":"/etc/shadow"}}}"#;
+        let vm: VirtualMachine = serde_json::from_str(json).unwrap();
+        assert_eq!(vm.spec.boot.initrd.as_deref(), Some("/etc/shadow"));
+        assert_eq!(vm.validate().unwrap_err().field, "spec.boot.kernel");
     }
 
     #[test]

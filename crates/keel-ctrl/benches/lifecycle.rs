@@ -472,6 +472,7 @@ impl Bench {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: BootSpec::default(),
             run_policy: RunPolicy::Manual,

@@ -3,6 +3,7 @@
 pub const VMS_PREFIX: &str = "/vms/";
 pub const NODES_PREFIX: &str = "/nodes/";
 pub const SNAPSHOTS_PREFIX: &str = "/snapshots/";
+pub const IMAGES_PREFIX: &str = "/images/";
 
 /// The control planes' leader key: created under the leader's lease, so it
 /// disappears when the leader stops renewing it. Its `create_revision` is
@@ -14,6 +15,10 @@ pub const API_TOKEN_KEY: &str = "/config/api-token";
 
 pub fn vm_key(name: &str) -> String {
     format!("{VMS_PREFIX}{name}")
+}
+
+pub fn image_key(name: &str) -> String {
+    format!("{IMAGES_PREFIX}{name}")
 }
 
 pub fn node_key(name: &str) -> String {

@@ -6,6 +6,7 @@
 pub mod cluster_controller;
 pub mod election;
 pub mod evict_decide;
+pub mod images;
 pub mod keys;
 pub mod liveness;
 pub mod migration_controller;

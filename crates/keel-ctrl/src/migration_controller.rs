@@ -134,6 +134,7 @@ impl MigrationController {
                     );
                     return Ok(Some(now + self.cfg.retry_ms));
                 }
+                let images = crate::images::records_for(&self.store, &vm.spec).await?;
                 let spec = DomainSpec {
                     vm: vm.name.clone(),
                     instance: m.target_instance.clone(),
@@ -147,6 +148,7 @@ impl MigrationController {
                     // state arrives from the source and must fit them.
                     network: vm.nic(),
                     cloud_init: vm.spec.cloud_init.clone(),
+                    images,
                 };
                 match self.hv.prepare_incoming(&spec).await {
                     Ok(uri) => {

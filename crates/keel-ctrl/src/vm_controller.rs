@@ -923,6 +923,13 @@ impl VmController {
                     .instance
                     .as_ref()
                     .expect("decide records the instance before starting it");
+                let images = crate::images::records_for(&self.store, &vm.spec)
+                    .await
+                    .map_err(|e| HvError::Unavailable {
+                        instance: inst.id.clone(),
+                        op: "read image records",
+                        reason: e.to_string(),
+                    })?;
                 self.hv
                     .start(&DomainSpec {
                         vm: vm.name.clone(),
@@ -934,6 +941,7 @@ impl VmController {
                         create_disks: vm.status.may_create_disks(),
                         network: vm.nic(),
                         cloud_init: vm.spec.cloud_init.clone(),
+                        images,
                     })
                     .await
             }

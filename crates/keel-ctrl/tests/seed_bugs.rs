@@ -164,6 +164,7 @@ async fn delete_waits_while_the_domain_lookup_fails() {
         create_disks: true,
         network: Default::default(),
         cloud_init: None,
+        images: vec![],
     })
     .await
     .unwrap();

@@ -156,6 +156,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                         create_disks: true,
                         network: Default::default(),
                         cloud_init: None,
+                        images: vec![],
                     })
                     .await
                     .ok();

@@ -89,6 +89,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         disks: vec![DiskSpec {
             name: "root".into(),
             size_mib: 16,
+            image: None,
         }],
         boot: Default::default(),
         run_policy: RunPolicy::Manual,

@@ -181,6 +181,7 @@ async fn garbage_collection_spares_a_domain_an_unreadable_migration_may_serve() 
         create_disks: true,
         network: Default::default(),
         cloud_init: None,
+        images: vec![],
     })
     .await
     .unwrap();

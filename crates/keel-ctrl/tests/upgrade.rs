@@ -56,11 +56,13 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             disks: vec![keel_api::DiskSpec {
                 name: "root".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: Default::default(),
             create_disks: true,
             network: Default::default(),
             cloud_init: None,
+            images: vec![],
         })
         .await
         .unwrap();

@@ -11,6 +11,7 @@
 
 pub mod guest;
 pub mod guest_info;
+pub mod images;
 pub mod qemu;
 pub mod sim;
 
@@ -43,6 +44,12 @@ pub struct DomainSpec {
     /// A cloud-init seed is built from this at every start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<keel_api::CloudInitSpec>,
+    /// The store's records of the images the spec names (disk images,
+    /// boot kernel and initrd), as the controller read them: the driver
+    /// checks each file against its record's checksum before using it. An
+    /// image the spec names but this list lacks fails the start.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub images: Vec<keel_api::Image>,
 }
 
 /// Launch records written before `create_disks` existed came from starts

@@ -1255,6 +1255,7 @@ mod tests {
             create_disks: true,
             network: Default::default(),
             cloud_init: None,
+            images: vec![],
         }
     }
 

@@ -299,8 +299,27 @@ async fn failed_starts_leave_nothing_behind() {
     );
     assert!(hv.info("web-1").await.unwrap_err().is_not_found());
 
-    // QEMU itself refuses (not a kernel image): the start fails with its log.
-    bad.boot.kernel = Some("/etc/hostname".into());
+    assert!(err.to_string().contains("host path"), "{err}");
+
+    // QEMU itself refuses (a boot header and nothing else): the start
+    // fails with its log. The kernel is an image of the driver's store.
+    let images = keel_hv::images::ImageStore::open(
+        &fx.dir.path().join("images"),
+        std::path::Path::new("qemu-img"),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    let mut upload = images.begin("bad").await.unwrap();
+    let mut header = vec![0u8; 0x400];
+    header[0x202..0x206].copy_from_slice(b"HdrS");
+    upload.write(&header).await.unwrap();
+    let staged = images
+        .finish(upload, keel_api::ImageKind::Kernel, 1)
+        .await
+        .unwrap();
+    bad.images = vec![staged.image.clone()];
+    images.commit(staged).unwrap();
+    bad.boot.kernel = Some("bad".into());
     let err = hv.start(&bad).await.unwrap_err();
     assert!(err.to_string().contains("qemu"), "{err}");
     assert!(hv.info("web-1").await.unwrap_err().is_not_found());

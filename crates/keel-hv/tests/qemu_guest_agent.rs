@@ -1,7 +1,7 @@
 //! The guest agent against a real qemu-guest-agent: the Debian 12 image
-//! that `scripts/build-debian-image` builds (BIOS boot from its disk, so
-//! this test runs the driver with `QemuConfig::firmware_boot`). The VM's
-//! disk is a qcow2 overlay on the image, so the image stays untouched.
+//! that `scripts/build-debian-image` builds, booted through SeaBIOS from
+//! its disk (`firmware: bios`). The VM's disk is a qcow2 overlay on the
+//! image, so the image stays untouched.
 //!
 //! Skips, loudly, only when the image has not been built.
 
@@ -66,12 +66,7 @@ async fn guest_exec(session: &mut QgaSession, path: &str, args: &[&str]) -> i64 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
     let Some(image) = image() else { return };
-    let Some(fx) = Fixture::with(|mut c| {
-        c.firmware_boot = true;
-        c
-    })
-    .await
-    else {
+    let Some(fx) = Fixture::new().await else {
         return;
     };
     let hv = fx.hv();
@@ -87,6 +82,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
     let disks = vec![DiskSpec {
         name: "root".into(),
         size_mib: 2048,
+        image: None,
     }];
     let spec = DomainSpec {
         vm: "deb".into(),
@@ -94,8 +90,12 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         cpus: 1,
         memory_mib: 512,
         disks: disks.clone(),
-        boot: Default::default(),
+        boot: keel_api::BootSpec {
+            firmware: Some(keel_api::Firmware::Bios),
+            ..Default::default()
+        },
         create_disks: false,
+        images: vec![],
         // With a NIC, the agent reports the guest's DHCP address too.
         network: Default::default(),
         cloud_init: None,

@@ -24,6 +24,7 @@ fn disks() -> Vec<DiskSpec> {
         .map(|name| DiskSpec {
             name: name.into(),
             size_mib: 32,
+            image: None,
         })
         .collect()
 }
@@ -39,6 +40,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         create_disks: true,
         network: Default::default(),
         cloud_init: None,
+        images: vec![],
     }
 }
 

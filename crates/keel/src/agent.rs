@@ -189,6 +189,9 @@ pub struct AgentConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The image store; default `<data_dir>/images`. Must be the storage
+    /// the control planes import into, mounted at the same path.
+    pub image_dir: Option<PathBuf>,
     /// The fence keeper QEMU runs under (`keel keeper`); `None` only in
     /// tests that have no keel binary.
     pub keeper: Option<KeeperCommand>,
@@ -215,6 +218,7 @@ impl AgentConfig {
             accel: AccelChoice::Auto,
             disk_dir: None,
             runtime_dir: None,
+            image_dir: None,
             keeper: None,
             lifecycle: LifecycleConfig::default(),
             restart_freeze_ms: 5 * 60 * 1000,
@@ -227,6 +231,7 @@ impl AgentConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            image_dir: serve::image_dir(&self.data_dir, self.image_dir.as_deref()),
             keeper: self.keeper.clone(),
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
@@ -379,6 +384,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
     cfg.restart_freeze_ms = args.restart_freeze * 1000;
+    cfg.image_dir = args.image_dir;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

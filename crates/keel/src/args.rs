@@ -56,6 +56,8 @@ pub enum Command {
     /// Write man pages (keel.1, keel-serve.1, …) into a directory.
     #[command(hide = true)]
     Man { dir: PathBuf },
+    /// Import, list and delete images (disk images, boot kernels, initrds).
+    Image(ImageCommand),
     /// Internal: runs one QEMU under the node's fence lease (started by a
     /// node agent's QEMU driver; see keel_hv::qemu::keeper).
     #[command(hide = true)]
@@ -90,6 +92,9 @@ pub struct DoctorArgs {
     /// Where VM disks live, if not under the data directory.
     #[arg(long, env = "KEEL_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// The image store, if not DATA_DIR/images.
+    #[arg(long, env = "KEEL_IMAGE_DIR")]
+    pub image_dir: Option<PathBuf>,
     /// The store to check: `sqlite` or `etcd://…` (reachability, clock offset).
     #[arg(long, env = "KEEL_STORE", default_value = "sqlite")]
     pub store: StoreSpec,
@@ -168,6 +173,11 @@ pub struct ServeArgs {
     /// between nodes needs this on storage they share, at the same path.
     #[arg(long, env = "KEEL_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// The image store (default DATA_DIR/images). In a cluster, storage
+    /// the control planes (which import) and every node (which boot)
+    /// mount at the same path, like a shared --disk-dir.
+    #[arg(long, env = "KEEL_IMAGE_DIR")]
+    pub image_dir: Option<PathBuf>,
     /// Where QEMU's sockets live, which need short paths (default
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
@@ -199,6 +209,11 @@ pub struct AgentArgs {
     /// between nodes needs this on storage they share, at the same path.
     #[arg(long, env = "KEEL_DISK_DIR")]
     pub disk_dir: Option<PathBuf>,
+    /// The image store (default DATA_DIR/images). In a cluster, storage
+    /// the control planes (which import) and every node (which boot)
+    /// mount at the same path, like a shared --disk-dir.
+    #[arg(long, env = "KEEL_IMAGE_DIR")]
+    pub image_dir: Option<PathBuf>,
     /// Where QEMU's sockets live, which need short paths (default
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
@@ -210,6 +225,40 @@ pub struct AgentArgs {
     /// once the lease lapses, about 20 s). At most 1h.
     #[arg(long, value_parser = parse_window, default_value = "5m")]
     pub restart_freeze: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ImageCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    #[command(subcommand)]
+    pub verb: ImageVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImageVerb {
+    /// Upload FILE as image NAME. Disk images must be qcow2 or raw (no
+    /// backing file, no external data file); the checksum is recorded.
+    Import(ImportArgs),
+    /// List images.
+    List,
+    /// Show one image.
+    Get { name: String },
+    /// Delete an image (refused while a VM uses it).
+    Delete { name: String },
+}
+
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    pub name: String,
+    pub file: PathBuf,
+    /// disk, kernel or initrd.
+    #[arg(long, default_value = "disk", value_parser = parse_image_kind)]
+    pub kind: keel_api::ImageKind,
+}
+
+fn parse_image_kind(s: &str) -> Result<keel_api::ImageKind, String> {
+    s.parse().map_err(|e: keel_api::ValidationError| e.message)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -301,10 +350,23 @@ pub struct CreateArgs {
     /// Seconds a graceful stop may take before the guest is killed.
     #[arg(long, default_value_t = keel_api::DEFAULT_STOP_GRACE_PERIOD_S)]
     pub grace: u64,
-    /// Kernel for direct boot (a path on the node).
+    /// A disk image of the image store (`keel image import`): the VM gets
+    /// its own root disk on it, as its first disk, and boots from it
+    /// through firmware.
+    #[arg(long)]
+    pub image: Option<String>,
+    /// Size of the root disk made from --image, in MiB (at least the
+    /// image's virtual size, which is the default).
+    #[arg(long, requires = "image")]
+    pub disk_size: Option<u64>,
+    /// Firmware: bios (SeaBIOS, the default) or uefi (OVMF, with a
+    /// variable store of the VM's own).
+    #[arg(long, value_parser = parse_firmware)]
+    pub firmware: Option<keel_api::Firmware>,
+    /// Kernel for direct boot: an image of kind kernel in the image store.
     #[arg(long)]
     pub kernel: Option<String>,
-    /// Initrd for direct boot (a path on the node).
+    /// Initrd for direct boot: an image of kind initrd in the image store.
     #[arg(long)]
     pub initrd: Option<String>,
     /// Kernel command line.
@@ -543,6 +605,10 @@ pub fn parse_window(s: &str) -> Result<u64, String> {
     }
 }
 
+fn parse_firmware(s: &str) -> Result<keel_api::Firmware, String> {
+    s.parse().map_err(|e: keel_api::ValidationError| e.message)
+}
+
 fn parse_disk(s: &str) -> Result<DiskSpec, String> {
     let (name, size) = s
         .split_once(':')
@@ -553,6 +619,7 @@ fn parse_disk(s: &str) -> Result<DiskSpec, String> {
     Ok(DiskSpec {
         name: name.to_string(),
         size_mib,
+        image: None,
     })
 }
 

@@ -28,6 +28,7 @@ fn main() -> ExitCode {
             keel::host_tools::completions(shell, &mut Cli::command(), &mut std::io::stdout())
         }
         Command::Man { dir } => keel::host_tools::man_pages(Cli::command(), &dir),
+        Command::Image(cmd) => keel::cli::image(cmd),
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

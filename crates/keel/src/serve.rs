@@ -24,6 +24,7 @@ use keel_ctrl::{
     run_control_plane, run_vm_controller, ClusterController, ElectionConfig, LeaderElection,
     LifecycleConfig, VmController,
 };
+use keel_hv::images::ImageStore;
 use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_hv::sim::{SimConfig, SimHypervisor};
@@ -69,6 +70,9 @@ pub struct ServeConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The image store; default `<data_dir>/images`. In a cluster, storage
+    /// every control plane and node mounts at the same path.
+    pub image_dir: Option<PathBuf>,
     /// With `agent`: the fence keeper QEMU runs under (`keel keeper`).
     pub keeper: Option<KeeperCommand>,
     /// SQLite in the data dir, or an etcd cluster (control-plane mode).
@@ -99,6 +103,7 @@ impl ServeConfig {
             demo: false,
             disk_dir: None,
             runtime_dir: None,
+            image_dir: None,
             keeper: None,
             store: StoreSpec::Sqlite,
             agent: false,
@@ -118,6 +123,7 @@ impl ServeConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            image_dir: image_dir(&self.data_dir, self.image_dir.as_deref()),
             // One host, one store: nobody else can start these VMs, so
             // guests may outlive the server for good. A control plane's
             // in-process agent is a cluster node and fences.
@@ -143,6 +149,8 @@ pub struct HypervisorOptions {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver keeps sockets; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The image store VMs boot from (see [`image_dir`]).
+    pub image_dir: PathBuf,
     /// Run each QEMU under this fence keeper (cluster nodes); see
     /// `keel_hv::qemu::keeper`.
     pub keeper: Option<KeeperCommand>,
@@ -163,6 +171,7 @@ pub async fn make_hypervisor(
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
             config.disk_dir = cfg.disk_dir.clone();
             config.runtime_dir = cfg.runtime_dir.clone();
+            config.image_dir = Some(cfg.image_dir.clone());
             config.keeper = cfg.keeper.clone();
             if let Some(dir) = &cfg.guest_dir {
                 // QEMU runs with its own working directory in mind: absolute paths only.
@@ -184,6 +193,19 @@ pub async fn make_hypervisor(
             Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
         }
     }
+}
+
+/// The image store's directory: `--image-dir`, else `<data_dir>/images`.
+pub fn image_dir(data_dir: &Path, configured: Option<&Path>) -> PathBuf {
+    configured.map_or_else(|| data_dir.join("images"), Path::to_path_buf)
+}
+
+/// The image store the API imports into.
+fn open_image_store(cfg: &ServeConfig) -> anyhow::Result<Arc<ImageStore>> {
+    let dir = image_dir(&cfg.data_dir, cfg.image_dir.as_deref());
+    let store = ImageStore::open(&dir, Path::new("qemu-img"), Duration::from_secs(300))
+        .with_context(|| format!("image dir {}", dir.display()))?;
+    Ok(Arc::new(store))
 }
 
 /// `--disk-dir` names storage the nodes share (mounted at the same path on
@@ -323,7 +345,15 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         node: cfg.node.clone(),
         hv: hv.clone(),
     });
-    let http = serve_api(listener, &store, clock, &token, metrics, console, stop_rx);
+    let state = AppState {
+        store: store.clone(),
+        clock,
+        metrics,
+        shutdown: stop_rx,
+        node: console,
+        images: open_image_store(&cfg)?,
+    };
+    let http = serve_api(listener, state, &token);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -349,24 +379,14 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     })
 }
 
+/// Serves the API until `state.shutdown` turns true.
 fn serve_api(
     listener: tokio::net::TcpListener,
-    store: &TypedStore,
-    clock: Arc<dyn Clock>,
+    state: AppState,
     token: &Token,
-    metrics: Arc<Metrics>,
-    node: Option<api::NodeAccess>,
-    stop: watch::Receiver<bool>,
 ) -> JoinHandle<std::io::Result<()>> {
-    let state = AppState {
-        store: store.clone(),
-        clock,
-        metrics,
-        shutdown: stop.clone(),
-        node,
-    };
+    let mut http_stop = state.shutdown.clone();
     let app = api::router(state, token.clone());
-    let mut http_stop = stop;
     tokio::spawn(async move {
         axum::serve(listener, app)
             .with_graceful_shutdown(async move {
@@ -441,7 +461,15 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         node: cfg.node.clone(),
         hv: hv.clone(),
     });
-    let http = serve_api(listener, &store, clock, &token, metrics, console, stop_rx);
+    let state = AppState {
+        store: store.clone(),
+        clock,
+        metrics,
+        shutdown: stop_rx,
+        node: console,
+        images: open_image_store(&cfg)?,
+    };
+    let http = serve_api(listener, state, &token);
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -484,6 +512,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: BootSpec::default(),
             run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
@@ -527,6 +556,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    cfg.image_dir = args.image_dir;
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -74,6 +74,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         disks: vec![keel_api::DiskSpec {
             name: "root".into(),
             size_mib: 64,
+            image: None,
         }],
         boot: Default::default(),
         run_policy: policy,

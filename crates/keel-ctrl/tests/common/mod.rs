@@ -31,6 +31,7 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         disks: vec![DiskSpec {
             name: "root".into(),
             size_mib: 64,
+            image: None,
         }],
         boot: BootSpec::default(),
         run_policy: policy,

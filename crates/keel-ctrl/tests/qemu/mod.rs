@@ -174,6 +174,7 @@ impl Env {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: None,
             }],
             boot: BootSpec::default(),
             run_policy: policy,

@@ -133,12 +133,14 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Resul
         machine: config.machine.clone(),
         cpus: 1,
         memory_mib: 128,
-        kernel,
-        initrd: config.default_initrd.clone(),
-        cmdline: config.default_cmdline.clone(),
+        boot: super::boot::BootPlan::Kernel {
+            kernel,
+            initrd: config.default_initrd.clone(),
+            cmdline: config.default_cmdline.clone(),
+            uefi: None,
+        },
         disks: vec![],
         incoming: false,
-        firmware_boot: false,
         nic: None,
         seed: None,
     };

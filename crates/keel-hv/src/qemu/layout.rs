@@ -370,18 +370,13 @@ pub struct LaunchPlan {
     pub machine: String,
     pub cpus: u32,
     pub memory_mib: u64,
-    /// Empty with `firmware_boot`.
-    pub kernel: PathBuf,
-    pub initrd: Option<PathBuf>,
-    pub cmdline: String,
+    /// Kernel or firmware, see [`super::boot`].
+    pub boot: super::boot::BootPlan,
     /// In guest order: the first is /dev/vda.
     pub disks: Vec<PathBuf>,
     /// Wait for an incoming live migration instead of booting
     /// (`-incoming defer`; the listening URI is given over QMP).
     pub incoming: bool,
-    /// Boot through the firmware (SeaBIOS) from the first disk, not a
-    /// kernel file (`QemuConfig::firmware_boot`).
-    pub firmware_boot: bool,
     /// The VM's NIC (`None`: none, as for the KVM probe).
     pub nic: Option<super::network::NicPlan>,
     /// The cloud-init seed image, attached after the disks.
@@ -462,13 +457,8 @@ impl LaunchPlan {
             "-device",
             "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
         ]);
-        if !self.firmware_boot {
-            push(&["-kernel", &self.kernel.to_string_lossy()]);
-            if let Some(initrd) = &self.initrd {
-                push(&["-initrd", &initrd.to_string_lossy()]);
-            }
-            push(&["-append", &self.cmdline]);
-        }
+        let boot = self.boot.args();
+        push(&boot.iter().map(String::as_str).collect::<Vec<_>>());
         if self.incoming {
             // `defer`: QEMU starts with its images inactive (no image locks
             // taken, nothing read or written) and listens only once told
@@ -483,13 +473,22 @@ impl LaunchPlan {
         for (i, disk) in self.disks.iter().enumerate() {
             // cache=writeback: the guest sees a volatile write cache, so its
             // flushes reach QEMU and become fsync on the image file.
-            push(&[
-                "-drive",
-                &format!(
-                    "file={},if=virtio,format=qcow2,cache=writeback,id=disk{i}",
-                    opt_escape(disk)
-                ),
-            ]);
+            let drive = format!(
+                "file={},format=qcow2,cache=writeback,id=disk{i}",
+                opt_escape(disk)
+            );
+            if i == 0 && self.boot.boots_first_disk() {
+                // The firmware's boot disk: a device of its own, to carry
+                // the bootindex (-drive if=virtio cannot).
+                push(&[
+                    "-drive",
+                    &format!("{drive},if=none"),
+                    "-device",
+                    &format!("virtio-blk-pci,drive=disk{i},bootindex=0"),
+                ]);
+            } else {
+                push(&["-drive", &drive.replacen(",format", ",if=virtio,format", 1)]);
+            }
         }
         if let Some(seed) = &self.seed {
             push(&["-drive", &super::cloud_init::drive_arg(seed)]);
@@ -542,12 +541,14 @@ mod tests {
             machine: "q35".into(),
             cpus: 2,
             memory_mib: 256,
-            kernel: "/k".into(),
-            initrd: Some("/i".into()),
-            cmdline: "console=ttyS0 quiet".into(),
+            boot: super::super::boot::BootPlan::Kernel {
+                kernel: "/k".into(),
+                initrd: Some("/i".into()),
+                cmdline: "console=ttyS0 quiet".into(),
+                uefi: None,
+            },
             disks: vec!["/d/a.qcow2".into(), "/d/b,c.qcow2".into()],
             incoming: false,
-            firmware_boot: false,
             nic: Some(
                 super::super::network::NicPlan::new(
                     "web",
@@ -610,6 +611,33 @@ mod tests {
         let joined = incoming.args().join(" ");
         assert!(joined.contains("-incoming defer"), "{joined}");
         assert!(incoming.args().iter().any(|a| a == "-S"), "{joined}");
+
+        // Firmware boot: the first disk carries the bootindex, the others
+        // stay as they were; no kernel is handed to QEMU.
+        let from_disk = LaunchPlan {
+            boot: super::super::boot::BootPlan::Disk { uefi: None },
+            incoming: false,
+            ..incoming
+        };
+        let args = from_disk.args();
+        let joined = args.join(" ");
+        assert!(
+            joined.contains(
+                "-drive file=/d/a.qcow2,format=qcow2,cache=writeback,id=disk0,if=none \
+                 -device virtio-blk-pci,drive=disk0,bootindex=0"
+            ),
+            "{joined}"
+        );
+        assert!(
+            joined.contains(
+                "-drive file=/d/b,,c.qcow2,if=virtio,format=qcow2,cache=writeback,id=disk1"
+            ),
+            "{joined}"
+        );
+        assert!(
+            !args.iter().any(|a| a == "-kernel" || a == "-append"),
+            "{joined}"
+        );
     }
 
     #[test]
@@ -665,6 +693,7 @@ mod tests {
             create_disks: true,
             network: Default::default(),
             cloud_init: None,
+            images: vec![],
         };
         // As an older Keel wrote it: no socket_dir key at all.
         let mut old = serde_json::json!({

@@ -14,6 +14,7 @@
 //! on storage both nodes share (`QemuConfig::disk_dir`).
 
 mod accel;
+pub mod boot;
 pub mod cloud_init;
 mod console;
 pub mod guest_agent;
@@ -86,6 +87,14 @@ pub struct QemuConfig {
     pub default_kernel: Option<PathBuf>,
     pub default_initrd: Option<PathBuf>,
     pub default_cmdline: String,
+    /// The image store VMs' images come from; `None` means
+    /// `data_dir/images`. In a cluster: storage shared with the control
+    /// planes that import, at the same path on every node.
+    pub image_dir: Option<PathBuf>,
+    /// OVMF's code (read-only) and the template each UEFI VM's own
+    /// variable store is copied from (Debian's `ovmf` package).
+    pub ovmf_code: PathBuf,
+    pub ovmf_vars: PathBuf,
     pub accel: AccelChoice,
     /// How long the KVM probe guest may take to print its ready marker.
     pub probe_timeout: Duration,
@@ -95,10 +104,6 @@ pub struct QemuConfig {
     pub qmp_timeout: Duration,
     /// How long `start` waits for a new QEMU's QMP to answer.
     pub launch_timeout: Duration,
-    /// Boot every VM through the firmware from its first disk instead of a
-    /// kernel file. For tests that boot a whole disk image (the Debian
-    /// test image) until images are part of the spec.
-    pub firmware_boot: bool,
     /// Bounds each guest-agent conversation (connect, sync, one command):
     /// a silent or hung agent costs at most this.
     pub agent_timeout: Duration,
@@ -126,12 +131,14 @@ impl QemuConfig {
             default_kernel: None,
             default_initrd: None,
             default_cmdline: "console=ttyS0 panic=-1 quiet".into(),
+            image_dir: None,
+            ovmf_code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(),
+            ovmf_vars: "/usr/share/OVMF/OVMF_VARS_4M.fd".into(),
             accel: AccelChoice::Auto,
             probe_timeout: Duration::from_secs(20),
             machine: "q35".into(),
             qmp_timeout: Duration::from_secs(5),
             launch_timeout: Duration::from_secs(30),
-            firmware_boot: false,
             agent_timeout: Duration::from_secs(2),
             freeze_timeout: Duration::from_secs(10),
             keeper: None,
@@ -153,6 +160,8 @@ pub enum QemuInitError {
     DataDir { path: PathBuf, reason: String },
     #[error("qemu driver disk dir {path}: {reason}")]
     DiskDir { path: PathBuf, reason: String },
+    #[error("qemu driver: {0}")]
+    ImageDir(crate::images::ImageError),
     #[error("qemu driver runtime dir {path}: {reason}")]
     RuntimeDir { path: PathBuf, reason: String },
     #[error("{binary} does not run ({reason}); install qemu-system-x86 (scripts/setup)")]
@@ -192,6 +201,8 @@ struct Inner {
     console_scans: Mutex<BTreeMap<(String, String), crate::guest_info::LogScan>>,
     /// One guest-agent conversation at a time per instance.
     agent_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Image files, checked against their records before use.
+    images: crate::images::ImageStore,
 }
 
 impl Drop for Inner {
@@ -256,6 +267,15 @@ impl QemuDriver {
             disks,
             runtime,
         };
+        let images = crate::images::ImageStore::open(
+            &config
+                .image_dir
+                .clone()
+                .unwrap_or_else(|| root.join("images")),
+            &config.qemu_img,
+            config.storage_timeout,
+        )
+        .map_err(QemuInitError::ImageDir)?;
         let qemu_version = qemu_version(&config.qemu_binary).await?;
         let (accelerator, accelerator_note) =
             accel::choose(&config, &root.join(".kvm-probe"), &layout.runtime).await;
@@ -283,6 +303,7 @@ impl QemuDriver {
                 console_slots: Default::default(),
                 console_scans: Mutex::new(BTreeMap::new()),
                 agent_locks: Mutex::new(BTreeMap::new()),
+                images,
             }),
         };
         driver.adopt_all();
@@ -545,6 +566,7 @@ impl QemuDriver {
         vm: &str,
         disks: &[keel_api::DiskSpec],
         create: bool,
+        images: &[(keel_api::Image, PathBuf)],
     ) -> Result<Vec<PathBuf>, String> {
         let vm_dir = self.inner.layout.vm_disks(vm);
         tokio::fs::create_dir_all(&vm_dir)
@@ -565,8 +587,25 @@ impl QemuDriver {
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
                 let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
-                let out = tokio::process::Command::new(&self.inner.config.qemu_img)
-                    .args(["create", "-q", "-f", "qcow2"])
+                let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
+                cmd.args(["create", "-q", "-f", "qcow2"]);
+                if let Some(name) = &disk.image {
+                    // The VM's own overlay on the verified image: the image
+                    // is never written, the overlay holds every change.
+                    let (image, path) =
+                        images
+                            .iter()
+                            .find(|(i, _)| &i.name == name)
+                            .ok_or_else(|| {
+                                format!(
+                                    "disk {} of VM {vm} is made from image {name} at the VM's \
+                                 first start, which has not happened yet",
+                                    disk.name
+                                )
+                            })?;
+                    cmd.args(["-F", image.format.as_str(), "-b"]).arg(path);
+                }
+                let out = cmd
                     .arg(&tmp)
                     .arg(format!("{}M", disk.size_mib))
                     .stdin(Stdio::null())
@@ -596,7 +635,12 @@ impl QemuDriver {
         Ok(paths)
     }
 
-    fn plan(&self, spec: &DomainSpec, disks: Vec<PathBuf>) -> Result<LaunchPlan, HvError> {
+    fn plan(
+        &self,
+        spec: &DomainSpec,
+        disks: Vec<PathBuf>,
+        images: &[(keel_api::Image, PathBuf)],
+    ) -> Result<LaunchPlan, HvError> {
         let failed = |reason: String| HvError::Failed {
             instance: spec.instance.clone(),
             op: "start",
@@ -611,54 +655,14 @@ impl QemuDriver {
             .cloud_init
             .as_ref()
             .map(|_| self.inner.layout.new_instance(&spec.instance).seed);
-        if config.firmware_boot {
-            return Ok(LaunchPlan {
-                instance: spec.instance.clone(),
-                paths: self.inner.layout.new_instance(&spec.instance),
-                accelerator: self.inner.accelerator,
-                machine: config.machine.clone(),
-                cpus: spec.cpus,
-                memory_mib: spec.memory_mib,
-                kernel: PathBuf::new(),
-                initrd: None,
-                cmdline: String::new(),
-                disks,
-                incoming: false,
-                firmware_boot: true,
-                nic,
-                seed,
-            });
-        }
-        let kernel = spec
-            .boot
-            .kernel
-            .as_ref()
-            .map(PathBuf::from)
-            .or_else(|| config.default_kernel.clone())
-            .ok_or_else(|| {
-                failed(
-                    "no kernel: spec.boot.kernel is unset and no default kernel is configured"
-                        .into(),
-                )
-            })?;
-        let initrd = match &spec.boot.kernel {
-            // A spec that names its kernel gets only its own initrd.
-            Some(_) => spec.boot.initrd.as_ref().map(PathBuf::from),
-            None => spec
-                .boot
-                .initrd
-                .as_ref()
-                .map(PathBuf::from)
-                .or_else(|| config.default_initrd.clone()),
+        let defaults = boot::BootDefaults {
+            kernel: config.default_kernel.as_deref(),
+            initrd: config.default_initrd.as_deref(),
+            cmdline: &config.default_cmdline,
+            ovmf_code: &config.ovmf_code,
         };
-        for file in std::iter::once(&kernel).chain(initrd.as_ref()) {
-            if !file.is_file() {
-                return Err(failed(format!(
-                    "{} does not exist (for the test guest run scripts/build-test-guest)",
-                    file.display()
-                )));
-            }
-        }
+        let vars = self.inner.layout.vm_disks(&spec.vm).join(boot::UEFI_VARS);
+        let boot = boot::plan(spec, images, &defaults, &vars).map_err(failed)?;
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
             paths: self.inner.layout.new_instance(&spec.instance),
@@ -666,19 +670,54 @@ impl QemuDriver {
             machine: config.machine.clone(),
             cpus: spec.cpus,
             memory_mib: spec.memory_mib,
-            kernel,
-            initrd,
-            cmdline: spec
-                .boot
-                .cmdline
-                .clone()
-                .unwrap_or_else(|| config.default_cmdline.clone()),
+            boot,
             disks,
             incoming: false,
-            firmware_boot: false,
             nic,
             seed,
         })
+    }
+
+    /// The VM's own UEFI variable store beside its disks, copied from
+    /// OVMF's template when missing (first UEFI start). An incoming target
+    /// uses the source's and never makes one.
+    fn ensure_uefi_vars(&self, spec: &DomainSpec, incoming: bool) -> Result<(), String> {
+        if spec.boot.firmware != Some(keel_api::Firmware::Uefi) {
+            return Ok(());
+        }
+        let vm_dir = self.inner.layout.vm_disks(&spec.vm);
+        let vars = vm_dir.join(boot::UEFI_VARS);
+        if vars.is_file() {
+            return Ok(());
+        }
+        if incoming {
+            return Err(format!(
+                "UEFI variable store of VM {} not found at {}: live migration needs the disk \
+                 dir on storage shared with the source node",
+                spec.vm,
+                vars.display()
+            ));
+        }
+        let template = &self.inner.config.ovmf_vars;
+        let tmp = vm_dir.join(format!(".{}.{}.tmp", boot::UEFI_VARS, std::process::id()));
+        std::fs::create_dir_all(&vm_dir)
+            .and_then(|()| std::fs::copy(template, &tmp))
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                format!(
+                    "copy UEFI variable store template {} (Debian's ovmf package): {e}",
+                    template.display()
+                )
+            })?;
+        match rename_noreplace(&tmp, &vars) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let _ = std::fs::remove_file(&tmp);
+                Ok(())
+            }
+            Err(e) => Err(format!("{}: {e}", vars.display())),
+        }
     }
 
     /// The images of an incoming migration's target: they must exist, since
@@ -730,14 +769,20 @@ impl QemuDriver {
             op,
             reason,
         };
+        // Before anything is created: a missing or changed image fails the
+        // start with the reason, and nothing else boots in its place.
+        let images = boot::verified_images(&self.inner.images, spec)
+            .await
+            .map_err(&failed)?;
         let disks = if incoming {
             self.existing_disks(spec)?
         } else {
-            self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks)
+            self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks, &images)
                 .await
-                .map_err(failed)?
+                .map_err(&failed)?
         };
-        let mut plan = self.plan(spec, disks)?;
+        self.ensure_uefi_vars(spec, incoming).map_err(&failed)?;
+        let mut plan = self.plan(spec, disks, &images)?;
         plan.incoming = incoming;
         let args = plan.args();
         let record = LaunchRecord {

@@ -352,9 +352,11 @@ impl QemuDriver {
     ) -> Result<(), HvError> {
         const OP: &str = "snapshot";
         // A VM that never ran has no images yet; `start` would create them
-        // blank, and the snapshot of blank disks is what the VM holds.
+        // blank, and the snapshot of blank disks is what the VM holds. A
+        // disk made from an image is not made here: without the image's
+        // verified record that fails, naming it.
         let paths = self
-            .ensure_disks(vm, disks, true)
+            .ensure_disks(vm, disks, true, &[])
             .await
             .map_err(|e| storage(vm, OP, format!("snapshot {name}: {e}")))?;
         let what = |disk: &DiskSpec| format!("snapshot {name} of disk {}", disk.name);
@@ -782,6 +784,7 @@ mod tests {
         let disks = [DiskSpec {
             name: "data".into(),
             size_mib: 1,
+            image: None,
         }];
         assert!(validate("web", &disks, "s1", "snapshot").is_ok());
         for bad in ["-l", "", "S1", "a/b"] {

@@ -199,11 +199,13 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         disks: vec![DiskSpec {
             name: "data".into(),
             size_mib: 64,
+            image: None,
         }],
         boot: BootSpec::default(),
         create_disks: true,
         network: Default::default(),
         cloud_init: None,
+        images: vec![],
     }
 }
 

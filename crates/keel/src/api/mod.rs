@@ -10,6 +10,7 @@ mod error;
 pub mod events;
 mod extract;
 pub mod freeze;
+pub mod images;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
@@ -44,6 +45,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Turns true when the server shuts down; ends `follow` streams.
     pub shutdown: watch::Receiver<bool>,
+    /// Where imported images' files go.
+    pub images: Arc<keel_hv::images::ImageStore>,
     /// The node this process runs guests on, if any: consoles and console
     /// logs of VMs there are served from it.
     pub node: Option<NodeAccess>,
@@ -78,6 +81,15 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route(
             "/api/v1/vms/{name}/snapshots/{snap}",
             get(snapshots::get).delete(snapshots::delete),
+        )
+        .route("/api/v1/images", get(images::list))
+        .route(
+            "/api/v1/images/{name}",
+            // The upload streams to a file: no body limit applies.
+            put(images::import)
+                .layer(DefaultBodyLimit::disable())
+                .get(images::get)
+                .delete(images::delete),
         )
         .route("/api/v1/events", get(events::list))
         .route("/api/v1/migrations", get(migrations::list))

@@ -92,7 +92,7 @@ pub fn spec() -> Value {
         }})
     };
 
-    json!({
+    let mut doc = json!({
         "openapi": "3.1.0",
         "info": {
             "title": "Keel API",
@@ -251,7 +251,9 @@ pub fn spec() -> Value {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": schemas()
         }
-    })
+    });
+    super::images::describe(&mut doc);
+    doc
 }
 
 fn schemas() -> Value {
@@ -288,14 +290,16 @@ fn schemas() -> Value {
             "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
             "node": {"$ref": "#/components/schemas/Name"}
         }},
-        "DiskSpec": {"type": "object", "additionalProperties": false, "required": ["name", "size_mib"], "properties": {
+        "DiskSpec": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
-            "size_mib": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_DISK_SIZE_MIB}
+            "size_mib": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_DISK_SIZE_MIB, "description": "Required unless image is set; then at least the image's virtual size, which is the default"},
+            "image": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "A disk image of the image store: the disk is created at the first start as the VM's own qcow2 overlay on it. Fixed for the disk's life."}
         }},
         "BootSpec": {"type": "object", "additionalProperties": false, "properties": {
-            "kernel": {"type": "string", "description": "Absolute path on the node"},
-            "initrd": {"type": "string", "description": "Absolute path on the node"},
-            "cmdline": {"type": "string", "maxLength": 1024}
+            "kernel": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "Direct kernel boot: an image of kind kernel (never a host path)"},
+            "initrd": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "An image of kind initrd"},
+            "cmdline": {"type": "string", "maxLength": 1024},
+            "firmware": {"type": "string", "enum": ["bios", "uefi"], "description": "Firmware; a VM whose first disk is made from an image (or that names a firmware) and no kernel boots from that disk. Default bios (SeaBIOS); uefi is OVMF with a variable store of the VM's own"}
         }},
         "PowerState": {"type": "string", "enum": ["Running", "Stopped"]},
         "PowerIntent": {"type": "object", "required": ["power", "reason", "recorded_at"], "properties": {

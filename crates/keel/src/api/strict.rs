@@ -9,8 +9,8 @@
 //! until it is added here too.
 
 use keel_api::{
-    BootSpec, CloudInitSpec, DiskSpec, NetworkMode, NetworkSpec, PortForward, PowerState, Protocol,
-    Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
+    BootSpec, CloudInitSpec, DiskSpec, Firmware, NetworkMode, NetworkSpec, PortForward, PowerState,
+    Protocol, Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
 };
 use serde::{Deserialize, Deserializer};
 
@@ -85,7 +85,13 @@ fn default_grace() -> u64 {
 #[serde(deny_unknown_fields)]
 struct StrictDiskSpec {
     name: String,
+    /// May be left out for a disk made from an image: the API makes it the
+    /// image's virtual size (a 0 here is that "left out", and refused for
+    /// a disk without an image by validation, naming the field).
+    #[serde(default)]
     size_mib: u64,
+    #[serde(default)]
+    image: Option<String>,
 }
 
 #[derive(Default, Deserialize)]
@@ -97,6 +103,8 @@ struct StrictBootSpec {
     initrd: Option<String>,
     #[serde(default)]
     cmdline: Option<String>,
+    #[serde(default)]
+    firmware: Option<Firmware>,
 }
 
 impl From<StrictVmSpec> for VmSpec {
@@ -125,18 +133,30 @@ impl From<StrictVmSpec> for VmSpec {
             kernel,
             initrd,
             cmdline,
+            firmware,
         } = boot;
         VmSpec {
             cpus,
             memory_mib,
             disks: disks
                 .into_iter()
-                .map(|StrictDiskSpec { name, size_mib }| DiskSpec { name, size_mib })
+                .map(
+                    |StrictDiskSpec {
+                         name,
+                         size_mib,
+                         image,
+                     }| DiskSpec {
+                        name,
+                        size_mib,
+                        image,
+                    },
+                )
                 .collect(),
             boot: BootSpec {
                 kernel,
                 initrd,
                 cmdline,
+                firmware,
             },
             run_policy,
             power,
@@ -221,10 +241,12 @@ fn covers_every_field(spec: VmSpec) {
         kernel: _,
         initrd: _,
         cmdline: _,
+        firmware: _,
     } = boot;
     for DiskSpec {
         name: _,
         size_mib: _,
+        image: _,
     } in disks
     {}
 }
@@ -253,11 +275,13 @@ mod tests {
             disks: vec![DiskSpec {
                 name: "data".into(),
                 size_mib: 64,
+                image: Some("debian".into()),
             }],
             boot: BootSpec {
-                kernel: Some("/k".into()),
-                initrd: Some("/i".into()),
+                kernel: Some("k".into()),
+                initrd: Some("i".into()),
                 cmdline: Some("console=ttyS0".into()),
+                firmware: Some(Firmware::Uefi),
             },
             run_policy: RunPolicy::Manual,
             power: PowerState::Stopped,

@@ -58,12 +58,19 @@ pub fn new_vm_uid() -> String {
 }
 
 pub fn parse_create(body: &[u8]) -> Result<VirtualMachine, ApiError> {
+    let vm = parse_create_unchecked(body)?;
+    vm.validate().map_err(ApiError::invalid)?;
+    Ok(vm)
+}
+
+/// The request's VM before validation: `create` first fills in what the
+/// images it names say (a root disk's size), then validates.
+fn parse_create_unchecked(body: &[u8]) -> Result<VirtualMachine, ApiError> {
     let req: CreateVmRequest = parse_json(body)?;
     let mut vm = VirtualMachine::new(req.name, req.spec);
     // The MAC (and cloud-init's instance-id) are fixed here, once: the
     // stored spec carries them for the VM's life.
     vm.spec.assign_identity(rand::random());
-    vm.validate().map_err(ApiError::invalid)?;
     Ok(vm)
 }
 
@@ -89,8 +96,10 @@ pub async fn create(
     BodyBytes(body): BodyBytes,
 ) -> Result<Response, ApiError> {
     query.finish()?;
-    let mut vm = parse_create(&body)?;
+    let mut vm = parse_create_unchecked(&body)?;
     vm.uid = new_vm_uid();
+    super::images::resolve(&state, &mut vm.spec).await?;
+    vm.validate().map_err(ApiError::invalid)?;
     let key = vm_key(&vm.name);
     match state.store.create(&key, &vm).await {
         Ok(revision) => {
@@ -127,7 +136,7 @@ pub async fn replace_spec(
     NameParam(name): NameParam,
     headers: HeaderMap,
     mut query: QueryParams,
-    JsonBody(req): JsonBody<ReplaceSpecRequest>,
+    JsonBody(mut req): JsonBody<ReplaceSpecRequest>,
 ) -> Result<Response, ApiError> {
     let from_query = query.take_u64("revision")?;
     query.finish()?;
@@ -138,6 +147,7 @@ pub async fn replace_spec(
         )
         .with_field("revision")
     })?;
+    super::images::resolve(&state, &mut req.spec).await?;
     req.spec.validate().map_err(ApiError::invalid)?;
     let (vm, revision) = mutate(&state, &name, Some(expected), |vm| {
         let mut spec = req.spec.clone();

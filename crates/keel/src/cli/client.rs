@@ -158,6 +158,41 @@ impl Client {
             .with_context(|| format!("decoding the server's response to {path}"))
     }
 
+    /// PUTs a file as the request body, streamed from disk (with its
+    /// length), without the overall request timeout: an upload takes as
+    /// long as the file is big.
+    pub fn upload<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        file: std::fs::File,
+    ) -> anyhow::Result<T> {
+        let url = format!("{}{path}", self.base);
+        let req = http::Request::builder()
+            .method(Method::PUT)
+            .uri(&url)
+            .header("Authorization", &self.authorization)
+            .header("Accept", "application/json")
+            .header("Content-Type", "application/octet-stream")
+            .body(file)
+            .with_context(|| format!("building PUT {url}"))?;
+        let mut resp = self.stream_agent.run(req).with_context(|| {
+            format!(
+                "uploading to the keel server at {} (PUT {path}); is `keel serve` running?",
+                self.base
+            )
+        })?;
+        let status = resp.status().as_u16();
+        let bytes = resp
+            .body_mut()
+            .read_to_vec()
+            .with_context(|| format!("reading the response to {path}"))?;
+        if !(200..300).contains(&status) {
+            return Err(failure(status, &bytes).into());
+        }
+        serde_json::from_slice(&bytes)
+            .with_context(|| format!("decoding the server's response to {path}"))
+    }
+
     /// Calls `each` with every JSON line of a streaming response until the
     /// server ends it; stops early if `each` returns `Ok(false)`.
     pub fn stream_lines<T: DeserializeOwned>(

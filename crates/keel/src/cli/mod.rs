@@ -5,6 +5,7 @@ mod client;
 mod console;
 mod events;
 mod freeze;
+mod image;
 mod migration;
 pub mod net;
 mod node;
@@ -16,7 +17,8 @@ mod wait;
 pub use client::{encode, ApiFailure, Client};
 
 use crate::args::{
-    EventsArgs, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand, VmCommand,
+    EventsArgs, ImageCommand, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand,
+    VmCommand,
 };
 
 pub fn vm(cmd: VmCommand) -> anyhow::Result<()> {
@@ -41,4 +43,8 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
 
 pub fn migration(cmd: MigrationCommand) -> anyhow::Result<()> {
     migration::run(cmd)
+}
+
+pub fn image(cmd: ImageCommand) -> anyhow::Result<()> {
+    image::run(cmd)
 }

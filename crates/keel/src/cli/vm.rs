@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use keel_api::{BootSpec, PowerState, VirtualMachine, VmSpec};
+use keel_api::{BootSpec, DiskSpec, PowerState, VirtualMachine, VmSpec, ROOT_DISK};
 use ureq::http::Method;
 
 use super::output::{self, fields, Table};
@@ -46,11 +46,22 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
     Ok(VmSpec {
         cpus: args.cpus,
         memory_mib: args.memory,
-        disks: args.disks.clone(),
+        disks: args
+            .image
+            .iter()
+            .map(|image| DiskSpec {
+                name: ROOT_DISK.into(),
+                // 0: the server makes it the image's virtual size.
+                size_mib: args.disk_size.unwrap_or(0),
+                image: Some(image.clone()),
+            })
+            .chain(args.disks.iter().cloned())
+            .collect(),
         boot: BootSpec {
             kernel: args.kernel.clone(),
             initrd: args.initrd.clone(),
             cmdline: args.cmdline.clone(),
+            firmware: args.firmware,
         },
         run_policy: args.policy.unwrap_or_default(),
         power: if args.stopped {
@@ -148,7 +159,12 @@ fn describe(resp: &VmResponse) -> String {
                 vm.spec
                     .disks
                     .iter()
-                    .map(|d| format!("{} ({} MiB)", d.name, d.size_mib))
+                    .map(|d| match &d.image {
+                        Some(image) => {
+                            format!("{} ({} MiB, from image {image})", d.name, d.size_mib)
+                        }
+                        None => format!("{} ({} MiB)", d.name, d.size_mib),
+                    })
                     .collect::<Vec<_>>()
                     .join(", ")
             },
@@ -165,6 +181,15 @@ fn describe(resp: &VmResponse) -> String {
         if let Some(v) = v {
             pairs.push((k, v.clone()));
         }
+    }
+    if let Some(firmware) = vm.spec.boot.firmware {
+        pairs.push((
+            "firmware",
+            match firmware {
+                keel_api::Firmware::Bios => "bios".into(),
+                keel_api::Firmware::Uefi => "uefi".into(),
+            },
+        ));
     }
     match &s.instance {
         Some(i) => {

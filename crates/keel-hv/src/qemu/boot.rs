@@ -1,0 +1,396 @@
+//! How a guest boots, as QEMU arguments: a kernel handed to QEMU (the
+//! node's default test guest, or kernel and initrd images of the image
+//! store), or firmware booting the first disk (SeaBIOS, QEMU's own; or
+//! OVMF for UEFI, with a writable variable store of the VM's own kept beside
+//! its disks, so boot entries persist and move with shared storage).
+//!
+//! Boot files always come from the image store or the node's configuration:
+//! a spec naming a host path (as records written before the image store
+//! did) fails the start with the reason, and nothing is read.
+
+use std::path::{Path, PathBuf};
+
+use keel_api::{Firmware, Image, ImageKind};
+
+use super::layout::opt_escape;
+use crate::images::ImageStore;
+use crate::DomainSpec;
+
+/// The file name of a VM's UEFI variable store, in its disk directory.
+pub const UEFI_VARS: &str = "uefi-vars.fd";
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UefiFiles {
+    /// OVMF's code, read-only, shared by every VM.
+    pub code: PathBuf,
+    /// The VM's own copy of the variable store template.
+    pub vars: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BootPlan {
+    /// Direct kernel boot (under SeaBIOS, or OVMF if `uefi`).
+    Kernel {
+        kernel: PathBuf,
+        initrd: Option<PathBuf>,
+        cmdline: String,
+        uefi: Option<UefiFiles>,
+    },
+    /// Firmware boots the first disk (`bootindex=0` on it).
+    Disk { uefi: Option<UefiFiles> },
+}
+
+impl BootPlan {
+    /// Whether the first disk carries `bootindex=0`.
+    pub fn boots_first_disk(&self) -> bool {
+        matches!(self, BootPlan::Disk { .. })
+    }
+
+    pub fn uefi(&self) -> Option<&UefiFiles> {
+        match self {
+            BootPlan::Kernel { uefi, .. } | BootPlan::Disk { uefi } => uefi.as_ref(),
+        }
+    }
+
+    /// The boot arguments of QEMU's command line.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if let Some(uefi) = self.uefi() {
+            a.push("-drive".into());
+            a.push(format!(
+                "if=pflash,format=raw,unit=0,readonly=on,file={}",
+                opt_escape(&uefi.code)
+            ));
+            a.push("-drive".into());
+            a.push(format!(
+                "if=pflash,format=raw,unit=1,file={}",
+                opt_escape(&uefi.vars)
+            ));
+        }
+        match self {
+            BootPlan::Kernel {
+                kernel,
+                initrd,
+                cmdline,
+                ..
+            } => {
+                a.push("-kernel".into());
+                a.push(kernel.to_string_lossy().into_owned());
+                if let Some(initrd) = initrd {
+                    a.push("-initrd".into());
+                    a.push(initrd.to_string_lossy().into_owned());
+                }
+                a.push("-append".into());
+                a.push(cmdline.clone());
+            }
+            // Only the devices with a bootindex are tried.
+            BootPlan::Disk { .. } => a.extend(["-boot".into(), "strict=on".into()]),
+        }
+        a
+    }
+}
+
+/// The node's own boot configuration (not user input).
+#[derive(Debug, Clone)]
+pub struct BootDefaults<'a> {
+    pub kernel: Option<&'a Path>,
+    pub initrd: Option<&'a Path>,
+    pub cmdline: &'a str,
+    pub ovmf_code: &'a Path,
+}
+
+/// The image record `name` of `kind`, from those the controller passed.
+fn record<'a>(
+    spec: &'a DomainSpec,
+    field: &str,
+    name: &str,
+    kind: ImageKind,
+) -> Result<&'a Image, String> {
+    if keel_api::validate_name(field, name).is_err() {
+        return Err(format!(
+            "{field} {name:?} is not an image name: boot files and disk images come from the \
+             image store (keel image import NAME FILE --kind {kind}), never a host path; \
+             change the VM's spec"
+        ));
+    }
+    let image = spec
+        .images
+        .iter()
+        .find(|i| i.name == name)
+        .ok_or_else(|| format!("{field}: image {name} is not in the image store (deleted?)"))?;
+    if image.kind != kind {
+        return Err(format!(
+            "{field}: image {name} is a {} image, not a {kind}",
+            image.kind
+        ));
+    }
+    Ok(image)
+}
+
+/// Every image file the spec uses, checked against its record, by name.
+pub async fn verified_images(
+    store: &ImageStore,
+    spec: &DomainSpec,
+) -> Result<Vec<(Image, PathBuf)>, String> {
+    let mut out: Vec<(Image, PathBuf)> = Vec::new();
+    let wanted = spec
+        .disks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, d)| {
+            d.image
+                .as_ref()
+                .map(|n| (format!("disks[{i}].image"), n.clone(), ImageKind::Disk))
+        })
+        .chain(
+            spec.boot
+                .kernel
+                .iter()
+                .map(|n| ("spec.boot.kernel".to_string(), n.clone(), ImageKind::Kernel)),
+        )
+        .chain(
+            spec.boot
+                .initrd
+                .iter()
+                .map(|n| ("spec.boot.initrd".to_string(), n.clone(), ImageKind::Initrd)),
+        );
+    for (field, name, kind) in wanted {
+        if out.iter().any(|(i, _)| i.name == name) {
+            continue;
+        }
+        let image = record(spec, &field, &name, kind)?.clone();
+        let path = store.verify(&image).await.map_err(|e| e.to_string())?;
+        out.push((image, path));
+    }
+    Ok(out)
+}
+
+fn path_of<'a>(images: &'a [(Image, PathBuf)], name: &str) -> Option<&'a Path> {
+    images
+        .iter()
+        .find(|(i, _)| i.name == name)
+        .map(|(_, p)| p.as_path())
+}
+
+/// How `spec` boots, from its verified images and the node's defaults.
+/// `vars` is where the VM's UEFI variable store is (created by the caller).
+pub fn plan(
+    spec: &DomainSpec,
+    images: &[(Image, PathBuf)],
+    defaults: &BootDefaults<'_>,
+    vars: &Path,
+) -> Result<BootPlan, String> {
+    let boot = &spec.boot;
+    let uefi = (boot.firmware == Some(Firmware::Uefi)).then(|| UefiFiles {
+        code: defaults.ovmf_code.to_path_buf(),
+        vars: vars.to_path_buf(),
+    });
+    if let Some(uefi) = &uefi {
+        if !uefi.code.is_file() {
+            return Err(format!(
+                "UEFI firmware {} is missing (install Debian's ovmf package: scripts/setup)",
+                uefi.code.display()
+            ));
+        }
+    }
+    let from_disk = boot.kernel.is_none()
+        && (boot.firmware.is_some() || spec.disks.first().is_some_and(|d| d.image.is_some()));
+    if from_disk {
+        if spec.disks.is_empty() {
+            return Err("firmware boot needs a disk to boot from; the VM has none".into());
+        }
+        return Ok(BootPlan::Disk { uefi });
+    }
+    let image_file = |name: &String| {
+        path_of(images, name)
+            .map(Path::to_path_buf)
+            .ok_or_else(|| format!("image {name} was not verified"))
+    };
+    let (kernel, initrd) = match &boot.kernel {
+        Some(name) => (
+            image_file(name)?,
+            // A spec that names its kernel gets only its own initrd.
+            boot.initrd.as_ref().map(image_file).transpose()?,
+        ),
+        None => {
+            let kernel = defaults.kernel.map(Path::to_path_buf).ok_or_else(|| {
+                "no kernel: spec.boot.kernel is unset and no default kernel is configured"
+                    .to_string()
+            })?;
+            let initrd = match &boot.initrd {
+                Some(name) => Some(image_file(name)?),
+                None => defaults.initrd.map(Path::to_path_buf),
+            };
+            (kernel, initrd)
+        }
+    };
+    for file in std::iter::once(&kernel).chain(initrd.as_ref()) {
+        if !file.is_file() {
+            return Err(format!(
+                "{} does not exist (for the test guest run scripts/build-test-guest)",
+                file.display()
+            ));
+        }
+    }
+    Ok(BootPlan::Kernel {
+        kernel,
+        initrd,
+        cmdline: boot
+            .cmdline
+            .clone()
+            .unwrap_or_else(|| defaults.cmdline.to_string()),
+        uefi,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{BootSpec, DiskSpec, ImageFormat};
+
+    fn spec(boot: BootSpec, disk_image: Option<&str>) -> DomainSpec {
+        DomainSpec {
+            cloud_init: None,
+            network: Default::default(),
+            vm: "web".into(),
+            instance: "web-1".into(),
+            cpus: 1,
+            memory_mib: 128,
+            disks: vec![DiskSpec {
+                name: "root".into(),
+                size_mib: 64,
+                image: disk_image.map(Into::into),
+            }],
+            boot,
+            create_disks: true,
+            images: vec![],
+        }
+    }
+
+    fn defaults(dir: &Path) -> BootDefaults<'_> {
+        let _ = dir;
+        BootDefaults {
+            kernel: None,
+            initrd: None,
+            cmdline: "console=ttyS0",
+            ovmf_code: Path::new("/nonexistent/OVMF_CODE.fd"),
+        }
+    }
+
+    #[test]
+    fn a_vm_from_an_image_boots_its_first_disk_through_seabios() {
+        let plan = plan(
+            &spec(BootSpec::default(), Some("debian")),
+            &[],
+            &defaults(Path::new("/")),
+            Path::new("/v"),
+        )
+        .unwrap();
+        assert_eq!(plan, BootPlan::Disk { uefi: None });
+        assert!(plan.boots_first_disk());
+        let args = plan.args();
+        assert!(
+            !args.iter().any(|a| a == "-kernel" || a.contains("pflash")),
+            "{args:?}"
+        );
+        assert_eq!(args, ["-boot", "strict=on"]);
+    }
+
+    #[test]
+    fn uefi_needs_ovmf_and_keeps_code_read_only() {
+        let boot = BootSpec {
+            firmware: Some(Firmware::Uefi),
+            ..Default::default()
+        };
+        let err = plan(
+            &spec(boot.clone(), Some("debian")),
+            &[],
+            &defaults(Path::new("/")),
+            Path::new("/v"),
+        )
+        .unwrap_err();
+        assert!(err.contains("ovmf"), "{err}");
+        let code = tempfile::NamedTempFile::new().unwrap();
+        let d = BootDefaults {
+            ovmf_code: code.path(),
+            ..defaults(Path::new("/"))
+        };
+        let p = plan(
+            &spec(boot, Some("debian")),
+            &[],
+            &d,
+            Path::new("/disks/web/uefi-vars.fd"),
+        )
+        .unwrap();
+        let args = p.args().join(" ");
+        assert!(
+            args.contains(&format!(
+                "if=pflash,format=raw,unit=0,readonly=on,file={}",
+                code.path().display()
+            )),
+            "{args}"
+        );
+        assert!(
+            args.contains("if=pflash,format=raw,unit=1,file=/disks/web/uefi-vars.fd"),
+            "{args}"
+        );
+    }
+
+    #[test]
+    fn host_paths_are_refused_and_nothing_is_read() {
+        let boot = BootSpec {
+            kernel: Some("/boot/vmlinuz".into()),
+            initrd: Some("/etc/shadow".into()),
+            ..Default::default()
+        };
+        let s = spec(boot, None);
+        let err = futures_lite(verified_images(
+            &ImageStore::open(
+                tempfile::tempdir().unwrap().path(),
+                Path::new("qemu-img"),
+                std::time::Duration::from_secs(5),
+            )
+            .unwrap(),
+            &s,
+        ))
+        .unwrap_err();
+        assert!(
+            err.contains("spec.boot.kernel") && err.contains("host path"),
+            "{err}"
+        );
+        // Without its verified file, no plan names it.
+        assert!(plan(&s, &[], &defaults(Path::new("/")), Path::new("/v")).is_err());
+    }
+
+    #[test]
+    fn a_missing_or_wrong_kind_record_fails_naming_the_field() {
+        let boot = BootSpec {
+            kernel: Some("vmlinuz".into()),
+            ..Default::default()
+        };
+        let mut s = spec(boot, None);
+        assert!(record(&s, "spec.boot.kernel", "vmlinuz", ImageKind::Kernel)
+            .unwrap_err()
+            .contains("not in the image store"));
+        s.images.push(Image {
+            name: "vmlinuz".into(),
+            kind: ImageKind::Initrd,
+            format: ImageFormat::Raw,
+            size_bytes: 1,
+            virtual_size_bytes: 1,
+            sha256: "0".repeat(64),
+            created_at: 0,
+        });
+        assert!(record(&s, "spec.boot.kernel", "vmlinuz", ImageKind::Kernel)
+            .unwrap_err()
+            .contains("not a kernel"));
+    }
+
+    fn futures_lite<F: std::future::Future>(f: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+}

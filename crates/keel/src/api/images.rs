@@ -1,0 +1,351 @@
+//! `/api/v1/images`: import (a streamed upload), list, get, delete; and the
+//! check of the images a VM spec names, used when a VM is created or its
+//! spec replaced.
+//!
+//! An import streams the request body into a temporary file of the image
+//! store (never the whole file in memory), checks it, creates the record
+//! (`/images/<name>`: the name is taken by that compare-and-swap) and only
+//! then moves the file into place. A failed or abandoned upload leaves
+//! neither a record nor a file.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::Response;
+use axum::Json;
+use futures_util::StreamExt;
+use keel_api::{Image, ImageKind, VirtualMachine, VmSpec};
+use keel_ctrl::keys::{image_key, IMAGES_PREFIX, VMS_PREFIX};
+use keel_hv::images::ImageError;
+use keel_store::{Revision, StoreError};
+use serde::{Deserialize, Serialize};
+
+use super::extract::{NameParam, QueryParams};
+use super::write::with_etag;
+use super::{ApiError, AppState};
+
+/// One image and the store revision of its record (also sent as `ETag`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageResponse {
+    pub revision: Revision,
+    pub image: Image,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ImageList {
+    /// The store revision the list is consistent with.
+    pub revision: Revision,
+    pub items: Vec<ImageResponse>,
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError::not_found(format!("image {name} not found")).with_field("name")
+}
+
+fn image_error(err: ImageError) -> ApiError {
+    match err {
+        ImageError::Rejected { .. } => {
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, err.to_string()).with_field("file")
+        }
+        _ => {
+            tracing::warn!(%err, "image store");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
+        }
+    }
+}
+
+/// `PUT /api/v1/images/{name}?kind=disk|kernel|initrd`, the file as the body.
+pub async fn import(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    mut query: QueryParams,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let kind = match query.take("kind")? {
+        None => ImageKind::Disk,
+        Some(k) => k.parse().map_err(ApiError::invalid)?,
+    };
+    query.finish()?;
+    let key = image_key(&name);
+    let mut stream = body.into_data_stream();
+    // Early, so a name in use costs no disk writes; the create below is
+    // what decides. The body is still read (and dropped): a client whose
+    // upload is cut off mid-send sees a broken pipe, not this answer.
+    if state.store.get::<Image>(&key).await?.is_some() {
+        while let Some(Ok(_)) = stream.next().await {}
+        return Err(exists(&name));
+    }
+    let store = &state.images;
+    let mut upload = store.begin(&name).await.map_err(image_error)?;
+    while let Some(chunk) = stream.next().await {
+        // The upload's file goes with `upload` when this returns early.
+        let chunk = chunk.map_err(|e| {
+            ApiError::bad_request(
+                "body",
+                format!("the upload broke off after {} bytes: {e}", upload.size()),
+            )
+        })?;
+        upload.write(&chunk).await.map_err(image_error)?;
+    }
+    let staged = store
+        .finish(upload, kind, state.clock.now_ms())
+        .await
+        .map_err(image_error)?;
+    let image = staged.image.clone();
+    image.validate().map_err(ApiError::invalid)?;
+    let revision = match state.store.create(&key, &image).await {
+        Ok(rev) => rev,
+        Err(StoreError::Conflict { .. }) => return Err(exists(&name)),
+        Err(e) => return Err(e.into()),
+    };
+    if let Err(err) = store.commit(staged) {
+        // No image without its file: the record goes again.
+        if let Err(e) = state.store.delete(&key, revision).await {
+            tracing::error!(image = %name, %e, "could not remove the record of an image whose file failed");
+        }
+        return Err(image_error(err));
+    }
+    tracing::info!(image = %name, kind = %image.kind, format = %image.format, size = image.size_bytes, sha256 = %image.sha256, "image imported");
+    Ok(with_etag(
+        StatusCode::CREATED,
+        ImageResponse { revision, image },
+        revision,
+    ))
+}
+
+fn exists(name: &str) -> ApiError {
+    ApiError::conflict(
+        "name",
+        format!("image {name} already exists (delete it first, or import under another name)"),
+    )
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    query: QueryParams,
+) -> Result<Json<ImageList>, ApiError> {
+    query.finish()?;
+    let (entries, revision) = state.store.list::<Image>(IMAGES_PREFIX).await?;
+    let items = entries
+        .into_iter()
+        .map(|(_, e)| ImageResponse {
+            revision: e.revision,
+            image: e.value,
+        })
+        .collect();
+    Ok(Json(ImageList { revision, items }))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    query.finish()?;
+    match state.store.get::<Image>(&image_key(&name)).await? {
+        Some(e) => Ok(with_etag(
+            StatusCode::OK,
+            ImageResponse {
+                revision: e.revision,
+                image: e.value,
+            },
+            e.revision,
+        )),
+        None => Err(not_found(&name)),
+    }
+}
+
+/// Refused (409, naming the VMs) while any VM's spec names the image: a
+/// VM's root disk is an overlay that needs it for as long as the VM lives.
+pub async fn delete(
+    State(state): State<AppState>,
+    NameParam(name): NameParam,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    query.finish()?;
+    let key = image_key(&name);
+    let entry = state
+        .store
+        .get::<Image>(&key)
+        .await?
+        .ok_or_else(|| not_found(&name))?;
+    let listing = state
+        .store
+        .list_with_skipped::<VirtualMachine>(VMS_PREFIX)
+        .await?;
+    let users: Vec<String> = listing
+        .entries
+        .iter()
+        .filter(|(_, e)| e.value.spec.images().iter().any(|u| u.name == name))
+        .map(|(_, e)| e.value.name.clone())
+        .collect();
+    if !users.is_empty() {
+        return Err(ApiError::conflict(
+            "name",
+            format!(
+                "image {name} is used by VM {}; delete those VMs (or their disks made from it) first",
+                users.join(", ")
+            ),
+        ));
+    }
+    if let Some(bad) = listing.skipped.first() {
+        // It might be one of them.
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "cannot tell whether image {name} is in use: VM record {} is unreadable ({})",
+                bad.key, bad.reason
+            ),
+        ));
+    }
+    match state.store.delete(&key, entry.revision).await {
+        Ok(_) => {}
+        Err(StoreError::Conflict { .. }) => {
+            return Err(ApiError::conflict(
+                "name",
+                format!("image {name} changed; try again"),
+            ))
+        }
+        Err(e) => return Err(e.into()),
+    }
+    state.images.remove(&entry.value).map_err(image_error)?;
+    tracing::info!(image = %name, "image deleted");
+    Ok(with_etag(
+        StatusCode::OK,
+        ImageResponse {
+            revision: entry.revision,
+            image: entry.value,
+        },
+        entry.revision,
+    ))
+}
+
+/// Checks every image `spec` names against the store: it must exist and be
+/// of the kind the field wants; a disk made from an image is at least its
+/// virtual size, which is also the size a disk gets that leaves it out
+/// (`size_mib` 0). Names that are not valid are left to
+/// [`VmSpec::validate`], which explains a host path.
+pub async fn resolve(state: &AppState, spec: &mut VmSpec) -> Result<(), ApiError> {
+    for used in spec.images() {
+        if keel_api::validate_name(&used.field, &used.name).is_err() {
+            continue;
+        }
+        let image = state
+            .store
+            .get::<Image>(&image_key(&used.name))
+            .await?
+            .ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    format!(
+                        "image {} not found (keel image list; keel image import {} FILE --kind {})",
+                        used.name, used.name, used.kind
+                    ),
+                )
+                .with_field(&used.field)
+            })?
+            .value;
+        if image.kind != used.kind {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "image {} is a {} image; {} needs one of kind {}",
+                    used.name, image.kind, used.field, used.kind
+                ),
+            )
+            .with_field(&used.field));
+        }
+    }
+    for (i, disk) in spec.disks.iter_mut().enumerate() {
+        let Some(name) = &disk.image else { continue };
+        let Some(image) = state.store.get::<Image>(&image_key(name)).await? else {
+            continue;
+        };
+        let needed = image.value.virtual_size_mib();
+        if disk.size_mib == 0 {
+            disk.size_mib = needed;
+        } else if disk.size_mib < needed {
+            return Err(ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!(
+                    "{} MiB is smaller than image {name}'s virtual size ({needed} MiB)",
+                    disk.size_mib
+                ),
+            )
+            .with_field(format!("spec.disks[{i}].size_mib")));
+        }
+    }
+    Ok(())
+}
+
+/// Adds the image routes and types to the OpenAPI document.
+pub fn describe(doc: &mut serde_json::Value) {
+    use serde_json::json;
+    let error = |description: &str| json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
+    let name_param = json!({"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}});
+    let one = |code: &str, description: &str| json!({code: {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageResponse"}}}}});
+    let with = |mut ok: serde_json::Value, errs: &[(&str, &str)]| {
+        for (code, why) in errs {
+            ok[*code] = error(why);
+        }
+        ok
+    };
+    let paths = json!({
+        "/api/v1/images": {"get": {
+            "summary": "List images", "operationId": "listImages",
+            "responses": with(json!({"200": {"description": "Images", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageList"}}}}}), &[("401", "Missing or wrong bearer token"), ("503", "Store unavailable")])
+        }},
+        "/api/v1/images/{name}": {
+            "put": {
+                "summary": "Import a file as image NAME: the body is the file, streamed (no size limit). Disk images must be qcow2 or raw without a backing file, external data file or encryption; a kernel must be a Linux x86 boot image. The sha256 is recorded; a failed upload leaves nothing.",
+                "operationId": "importImage",
+                "parameters": [name_param.clone(), {"name": "kind", "in": "query", "required": false, "schema": {"type": "string", "enum": ["disk", "kernel", "initrd"], "default": "disk"}}],
+                "requestBody": {"required": true, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+                "responses": with(one("201", "Imported"), &[("400", "Bad name or kind, or the upload broke off"), ("401", "Missing or wrong bearer token"), ("409", "An image of that name exists"), ("422", "Not an image Keel boots (the reason says why); field: file"), ("500", "The node could not store it")])
+            },
+            "get": {
+                "summary": "One image", "operationId": "getImage", "parameters": [name_param.clone()],
+                "responses": with(one("200", "The image"), &[("401", "Missing or wrong bearer token"), ("404", "No such image")])
+            },
+            "delete": {
+                "summary": "Delete an image and its file; refused while any VM's spec names it", "operationId": "deleteImage", "parameters": [name_param],
+                "responses": with(one("200", "Deleted"), &[("401", "Missing or wrong bearer token"), ("404", "No such image"), ("409", "Used by VMs (named in the message)"), ("503", "Store unavailable, or a VM record is unreadable")])
+            }
+        }
+    });
+    let schemas = json!({
+        "Image": {"type": "object", "required": ["name", "kind", "format", "size_bytes", "virtual_size_bytes", "sha256", "created_at"], "properties": {
+            "name": {"$ref": "#/components/schemas/Name"},
+            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd"]},
+            "format": {"type": "string", "enum": ["qcow2", "raw"]},
+            "size_bytes": {"type": "integer"},
+            "virtual_size_bytes": {"type": "integer", "description": "The disk size a guest sees"},
+            "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+            "created_at": {"type": "integer", "description": "Milliseconds since the Unix epoch"}
+        }},
+        "ImageResponse": {"type": "object", "required": ["revision", "image"], "properties": {
+            "revision": {"type": "integer"},
+            "image": {"$ref": "#/components/schemas/Image"}
+        }},
+        "ImageList": {"type": "object", "required": ["revision", "items"], "properties": {
+            "revision": {"type": "integer"},
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}}
+        }}
+    });
+    for (section, add) in [
+        ("paths", paths),
+        ("components", json!({"schemas": schemas})),
+    ] {
+        let target = &mut doc[section];
+        if section == "components" {
+            if let (Some(t), Some(a)) = (
+                target["schemas"].as_object_mut(),
+                add["schemas"].as_object(),
+            ) {
+                t.extend(a.clone());
+            }
+        } else if let (Some(t), Some(a)) = (target.as_object_mut(), add.as_object()) {
+            t.extend(a.clone());
+        }
+    }
+}
