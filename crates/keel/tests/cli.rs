@@ -2,32 +2,11 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use common::cli::{fails, keel, ok};
+use std::process::Command;
 
 use common::{instance, phase, TestServer};
 use serde_json::Value;
-
-fn keel(server: &TestServer, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(args)
-        .env("KEEL_SERVER", &server.base)
-        // The token comes from the data dir, as for a local operator.
-        .env("KEEL_DATA_DIR", server.dir.path())
-        .env_remove("KEEL_TOKEN")
-        .output()
-        .expect("run keel")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).unwrap()
-}
 
 #[test]
 fn create_list_restart_wait_and_errors() {
@@ -120,15 +99,6 @@ fn create_list_restart_wait_and_errors() {
     let out = ok(&keel(&server, &["vm", "delete", "web", "--wait"]));
     assert!(out.contains("web: deleted"), "{out}");
     assert!(server.vm("web").is_none());
-}
-
-fn fails(out: &Output) -> String {
-    assert!(
-        !out.status.success(),
-        "expected a failure; stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]

@@ -3,40 +3,11 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use common::cli::{fails, keel, ok};
+use std::process::Command;
 
 use common::TestServer;
 use serde_json::Value;
-
-fn keel(server: &TestServer, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(args)
-        .env("KEEL_SERVER", &server.base)
-        .env("KEEL_DATA_DIR", server.dir.path())
-        .env_remove("KEEL_TOKEN")
-        .output()
-        .expect("run keel")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).unwrap()
-}
-
-fn fails(out: &Output) -> String {
-    assert!(
-        !out.status.success(),
-        "unexpected success: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8(out.stderr.clone()).unwrap()
-}
 
 #[test]
 fn import_create_from_image_list_and_delete() {

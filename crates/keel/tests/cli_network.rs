@@ -3,39 +3,9 @@
 
 mod common;
 
-use std::process::{Command, Output};
+use common::cli::{fails, keel, ok};
 
 use common::TestServer;
-
-fn keel(server: &TestServer, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_keel"))
-        .args(args)
-        .env("KEEL_SERVER", &server.base)
-        .env("KEEL_DATA_DIR", server.dir.path())
-        .env_remove("KEEL_TOKEN")
-        .output()
-        .expect("run keel")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout.clone()).unwrap()
-}
-
-fn fails(out: &Output) -> String {
-    assert!(
-        !out.status.success(),
-        "expected a failure; stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 const KEY: &str =
     "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBvQ4m8y8kJqkVv6Zl9m8oQb2F2k9eW4k2q0o1v2w3x4 me@host";

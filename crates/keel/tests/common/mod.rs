@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod cli;
+
 use std::path::Path;
 use std::time::{Duration, Instant};
 
