@@ -234,12 +234,14 @@ fn requests_racing_a_pending_restore_are_refused() {
         "the restore was still pending during the checks"
     );
 
-    // The guest is killed at the end of the grace period; it runs again.
+    // The guest ignores the power button; half-way through the grace
+    // period its guest agent is asked to power off, which it does, before
+    // the kill at the end of it. Then it runs again.
     let after = server.wait_vm("hung", "be restored Running", |v| restored(v, "Running"));
     assert_ne!(instance(&after), instance(&before));
     assert_eq!(
         vm_field(&after, &["status", "last_exit", "kind"]),
-        "Killed",
+        "GuestPoweroff",
         "{after}"
     );
     let r = server.send("DELETE", "/api/v1/vms/hung/snapshots/s1", "");
