@@ -21,9 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    cli, guest_channel, qemus_of, skipped, store_spec, test_guest, vm_json, Keel, KillAll,
+    all_logs, cli, guest_channel, qemus_of, serving_url, skipped, store_spec, test_guest, vm_json,
+    wait_nodes, wait_running, Keel, KillAll,
 };
-use serde_json::Value;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() {
@@ -76,36 +76,10 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
         Keel::spawn(node, &args)
     };
     let mut agents = vec![spawn_agent("n1"), spawn_agent("n2")];
-    let logs = |cp: &Keel, agents: &[Keel]| {
-        std::iter::once(cp.log())
-            .chain(agents.iter().map(Keel::log))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
+    let logs = |cp: &Keel, agents: &[Keel]| all_logs(cp, agents);
 
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let server = loop {
-        let log = cp.log.lock().unwrap().clone();
-        if let Some(addr) = log.split("serving addr=").nth(1) {
-            break format!("http://{}", addr.split_whitespace().next().unwrap());
-        }
-        assert!(Instant::now() < deadline, "no control plane:\n{}", cp.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = cli(&root, &server, &["node", "list", "-o", "json"]);
-        let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        if nodes["items"].as_array().is_some_and(|a| a.len() == 2) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "agents did not register:\n{}",
-            logs(&cp, &agents)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let server = serving_url(&cp).await;
+    wait_nodes(&root, &server, 2, || logs(&cp, &agents)).await;
     let out = cli(
         &root,
         &server,
@@ -120,24 +94,7 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
     );
 
     // Running, and the guest up: write a record to its disk.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let (owner, instance) = loop {
-        if let Some(vm) = vm_json(&root, &server, "web") {
-            if vm["status"]["phase"] == "Running" {
-                let inst = &vm["status"]["instance"];
-                break (
-                    inst["node"].as_str().unwrap().to_string(),
-                    inst["id"].as_str().unwrap().to_string(),
-                );
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "web never ran:\n{}",
-            logs(&cp, &agents)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let (owner, instance) = wait_running(&root, &server, "web", || logs(&cp, &agents)).await;
     let other = if owner == "n1" { "n2" } else { "n1" };
     guest_channel(&root.join(&owner), &instance)
         .await

@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    cli, processes_naming, qemus_of, skipped, store_spec, test_guest, vm_json, Keel, KillAll,
+    all_logs, cli, processes_naming, qemus_of, serving_url, skipped, store_spec, test_guest,
+    vm_json, wait_nodes, wait_running, Keel, KillAll,
 };
 use serde_json::Value;
 
@@ -111,35 +112,9 @@ async fn sigterm_freezes_the_node_and_the_agent_readopts_or_the_keeper_fences() 
         Keel::spawn(node, &args)
     };
     let mut agents = vec![spawn_agent("n1"), spawn_agent("n2")];
-    let logs = |cp: &Keel, agents: &[Keel]| {
-        std::iter::once(cp.log())
-            .chain(agents.iter().map(Keel::log))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let server = loop {
-        let log = cp.log.lock().unwrap().clone();
-        if let Some(addr) = log.split("serving addr=").nth(1) {
-            break format!("http://{}", addr.split_whitespace().next().unwrap());
-        }
-        assert!(Instant::now() < deadline, "no control plane:\n{}", cp.log());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = cli(&root, &server, &["node", "list", "-o", "json"]);
-        let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
-        if nodes["items"].as_array().is_some_and(|a| a.len() == 2) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "agents did not register:\n{}",
-            logs(&cp, &agents)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let logs = |cp: &Keel, agents: &[Keel]| all_logs(cp, agents);
+    let server = serving_url(&cp).await;
+    wait_nodes(&root, &server, 2, || logs(&cp, &agents)).await;
     let out = cli(
         &root,
         &server,
@@ -152,24 +127,7 @@ async fn sigterm_freezes_the_node_and_the_agent_readopts_or_the_keeper_fences() 
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let (owner, instance) = loop {
-        if let Some(vm) = vm_json(&root, &server, "web") {
-            if vm["status"]["phase"] == "Running" {
-                let inst = &vm["status"]["instance"];
-                break (
-                    inst["node"].as_str().unwrap().to_string(),
-                    inst["id"].as_str().unwrap().to_string(),
-                );
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "web never ran:\n{}",
-            logs(&cp, &agents)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let (owner, instance) = wait_running(&root, &server, "web", || logs(&cp, &agents)).await;
     let other = if owner == "n1" { "n2" } else { "n1" };
     let pid = qemu_pid(&root, &instance).expect("QEMU of web");
 

@@ -180,3 +180,69 @@ pub fn test_guest() -> std::path::PathBuf {
     );
     guest
 }
+
+/// Every process's log, for a failure message.
+pub fn all_logs(cp: &Keel, agents: &[Keel]) -> String {
+    std::iter::once(cp.log())
+        .chain(agents.iter().map(Keel::log))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The API's URL, once the control plane's log says it serves (it
+/// listens on port 0).
+pub async fn serving_url(cp: &Keel) -> String {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let log = cp.log.lock().unwrap().clone();
+        if let Some(addr) = log.split("serving addr=").nth(1) {
+            return format!("http://{}", addr.split_whitespace().next().unwrap());
+        }
+        assert!(Instant::now() < deadline, "no control plane:\n{}", cp.log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Waits (60 s at most) until `count` nodes are registered.
+pub async fn wait_nodes(root: &Path, server: &str, count: usize, logs: impl Fn() -> String) {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = cli(root, server, &["node", "list", "-o", "json"]);
+        let nodes: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        if nodes["items"].as_array().is_some_and(|a| a.len() == count) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "agents did not register:\n{}",
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits (90 s at most) until VM `name` is Running; its (node, instance).
+pub async fn wait_running(
+    root: &Path,
+    server: &str,
+    name: &str,
+    logs: impl Fn() -> String,
+) -> (String, String) {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Some(vm) = vm_json(root, server, name) {
+            if vm["status"]["phase"] == "Running" {
+                let inst = &vm["status"]["instance"];
+                return (
+                    inst["node"].as_str().unwrap().to_string(),
+                    inst["id"].as_str().unwrap().to_string(),
+                );
+            }
+        }
+        assert!(Instant::now() < deadline, "{name} never ran:\n{}", logs());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
