@@ -1,6 +1,10 @@
 //! Keel's resource types: what is stored, what the API accepts, and the
 //! validation that keeps bad input out of the store. Nothing here does I/O.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod clock;
 pub mod cloud_init;
 pub mod event;

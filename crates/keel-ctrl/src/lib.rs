@@ -3,6 +3,10 @@
 //! pure function (`*_decide` modules), and applies it. Time comes from an
 //! injected [`keel_api::Clock`], so tests move time instead of sleeping.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod cluster_controller;
 pub mod election;
 pub mod evict_decide;

@@ -9,6 +9,10 @@
 //!   says nothing about whether it runs.
 //! - `shutdown` asks the guest to power off (ACPI) and returns at once.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod guest;
 pub mod guest_info;
 pub mod images;

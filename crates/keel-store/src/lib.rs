@@ -3,6 +3,10 @@
 //! writes are conditional on the revision the writer read, so a stale writer
 //! gets [`StoreError::Conflict`] instead of silently overwriting.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod conformance;
 mod error;
 pub mod etcd;

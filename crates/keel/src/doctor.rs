@@ -371,6 +371,7 @@ fn check_space(name: &'static str, dir: &Path) -> Check {
 fn free_bytes(path: &Path) -> std::io::Result<u64> {
     let c = CString::new(path.as_os_str().as_bytes())
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    // SAFETY: statvfs is plain data, valid when zeroed.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a NUL-terminated path and `st` a statvfs that outlives the call.
     let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };

@@ -2,6 +2,10 @@
 //! and its command-line client, in one crate so the integration tests can
 //! start the real server in-process.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 pub mod agent;
 pub mod api;
 pub mod args;

@@ -1,5 +1,9 @@
 //! `keel`: parses the command line and dispatches; the work lives in the library.
 
+// Production code handles its errors; `unwrap` is for tests (which
+// compile this crate with cfg(test)), `expect` states an invariant.
+#![cfg_attr(not(test), deny(clippy::unwrap_used))]
+
 use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser};

@@ -147,12 +147,14 @@ impl RawMode {
     fn enter() -> anyhow::Result<RawMode> {
         // SAFETY: termios is plain data; tcgetattr fills it for fd 0.
         let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd 0 and a termios this function owns.
         if unsafe { libc::tcgetattr(0, &mut saved) } != 0 {
             return Err(std::io::Error::last_os_error()).context("reading terminal settings");
         }
         let mut raw = saved;
         // SAFETY: cfmakeraw only edits the struct it is given.
         unsafe { libc::cfmakeraw(&mut raw) };
+        // SAFETY: fd 0 and a termios that outlives the call.
         if unsafe { libc::tcsetattr(0, libc::TCSANOW, &raw) } != 0 {
             return Err(std::io::Error::last_os_error()).context("setting raw mode");
         }
