@@ -243,7 +243,17 @@ pub async fn wait_for(
 ) -> DomainState {
     let deadline = Instant::now() + timeout;
     loop {
-        let state = hv.info(instance).await.unwrap().state;
+        let state = match hv.info(instance).await {
+            Ok(info) => info.state,
+            // A QEMU that is exiting closes QMP before its process is
+            // gone: the driver says it cannot tell (never "gone"), and a
+            // later look sees the exit.
+            Err(keel_hv::HvError::Unavailable { .. }) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            Err(e) => panic!("info {instance}: {e}"),
+        };
         if done(&state) || Instant::now() >= deadline {
             return state;
         }
