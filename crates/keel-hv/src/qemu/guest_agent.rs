@@ -26,6 +26,7 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
+use super::qmp::ReplyBody;
 use crate::{GuestInfo, GuestIp};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -227,25 +228,17 @@ fn count(v: &Value, command: &str) -> Result<u32, QgaError> {
 }
 
 fn reply_of(command: &str, msg: &Value) -> Result<Value, QgaError> {
-    if let Some(ret) = msg.get("return") {
-        return Ok(ret.clone());
-    }
-    if let Some(err) = msg.get("error") {
-        let field = |k: &str| {
-            err.get(k)
-                .and_then(Value::as_str)
-                .unwrap_or("?")
-                .to_string()
-        };
-        return Err(QgaError::Command {
+    match super::qmp::reply_body(msg) {
+        ReplyBody::Return(ret) => Ok(ret),
+        ReplyBody::Error { class, desc } => Err(QgaError::Command {
             command: command.to_string(),
-            class: field("class"),
-            desc: field("desc"),
-        });
+            class,
+            desc,
+        }),
+        ReplyBody::NotAReply => Err(QgaError::Protocol(format!(
+            "expected a reply to {command}, got {msg}"
+        ))),
     }
-    Err(QgaError::Protocol(format!(
-        "expected a reply to {command}, got {msg}"
-    )))
 }
 
 async fn read_line(read: &mut BufReader<OwnedReadHalf>) -> Result<Value, QgaError> {

@@ -277,9 +277,22 @@ async fn read_loop(
     }
 }
 
-fn reply_of(command: &str, msg: &Value) -> Reply {
+/// What a reply carries. QMP and the guest agent frame replies alike
+/// (`{"return": …}` or `{"error": {"class", "desc"}}`); each maps these to
+/// its own error type.
+pub(super) enum ReplyBody {
+    Return(Value),
+    Error {
+        class: String,
+        desc: String,
+    },
+    /// Neither: an event, or not a QMP-framed message at all.
+    NotAReply,
+}
+
+pub(super) fn reply_body(msg: &Value) -> ReplyBody {
     if let Some(ret) = msg.get("return") {
-        return Ok(ret.clone());
+        return ReplyBody::Return(ret.clone());
     }
     if let Some(err) = msg.get("error") {
         let field = |k: &str| {
@@ -288,15 +301,26 @@ fn reply_of(command: &str, msg: &Value) -> Reply {
                 .unwrap_or("?")
                 .to_string()
         };
-        return Err(QmpError::Command {
-            command: command.to_string(),
+        return ReplyBody::Error {
             class: field("class"),
             desc: field("desc"),
-        });
+        };
     }
-    Err(QmpError::Protocol(format!(
-        "expected a reply to {command}, got {msg}"
-    )))
+    ReplyBody::NotAReply
+}
+
+fn reply_of(command: &str, msg: &Value) -> Reply {
+    match reply_body(msg) {
+        ReplyBody::Return(ret) => Ok(ret),
+        ReplyBody::Error { class, desc } => Err(QmpError::Command {
+            command: command.to_string(),
+            class,
+            desc,
+        }),
+        ReplyBody::NotAReply => Err(QmpError::Protocol(format!(
+            "expected a reply to {command}, got {msg}"
+        ))),
+    }
 }
 
 /// QMP messages are single-line JSON objects. A huge line means we are not
