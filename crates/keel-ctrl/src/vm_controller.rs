@@ -17,7 +17,7 @@ use crate::keys::{
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
-use crate::schedule::candidate_nodes;
+use crate::schedule::{candidate_nodes, NodeLoad};
 use crate::vm_decide::{
     decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
 };
@@ -706,7 +706,7 @@ impl VmController {
         let targets = candidate_nodes(
             vm,
             &nodes,
-            &vms,
+            &NodeLoad::of(&vms),
             Some(&self.cfg.node),
             &liveness,
             now,
