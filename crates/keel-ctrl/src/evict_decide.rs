@@ -15,9 +15,10 @@ use keel_api::{
 };
 use keel_hv::DomainState;
 
-use crate::vm_decide::{
-    backoff, begin_stop, persist_if_changed, ClusterView, HvAction, LifecycleConfig, Step,
-};
+use crate::config::LifecycleConfig;
+use crate::step::{backoff, persist_if_changed, HvAction, Step};
+use crate::stop::begin_stop;
+use crate::view::ClusterView;
 
 /// `None`: the node is not draining, carry on as usual.
 pub(crate) fn decide_eviction(

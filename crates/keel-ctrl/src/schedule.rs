@@ -6,8 +6,8 @@
 
 use keel_api::{Millis, Node, VirtualMachine};
 
+use crate::config::LifecycleConfig;
 use crate::liveness::Liveness;
-use crate::vm_decide::LifecycleConfig;
 
 /// Nodes `vm` may go to now, best first: ready, not cordoned, allowed by
 /// `spec.node`, not `exclude`; fewest VMs first, then by name.

@@ -13,8 +13,8 @@ use keel_api::{Clock, Millis, Snapshot, SnapshotPhase, VirtualMachine};
 use keel_hv::{HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
+use crate::config::LifecycleConfig;
 use crate::keys::{snapshot_key, vm_key};
-use crate::vm_decide::LifecycleConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {

@@ -3,24 +3,27 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot, StopReason,
+    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot,
     VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
-use crate::cluster_controller::{self, ClusterState, Fence};
+use crate::cluster_controller::{self, ClusterState};
+use crate::config::LifecycleConfig;
+use crate::events::{put_event, record_event, report_undecodable};
+use crate::fence::Fence;
 use crate::keys::{
-    event_key, event_subject, migration_key, migrations_of_prefix, node_key, snapshot_key,
-    snapshots_of_prefix, vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
+    migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix, vm_key,
+    MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::candidate_nodes;
-use crate::vm_decide::{
-    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
-};
+use crate::step::{HvAction, Step};
+use crate::view::{ClusterView, Observed, RestoreSource};
+use crate::vm_decide::decide;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
@@ -987,96 +990,4 @@ impl VmController {
             }),
         }
     }
-}
-
-/// Keeps an operator-readable trail of phase changes. Best effort: the
-/// VM record is the truth, an event lost to a store hiccup is only logged.
-pub(crate) async fn record_event(
-    store: &TypedStore,
-    old: &VirtualMachine,
-    new: &VirtualMachine,
-    revision: u64,
-    now: Millis,
-    fence: Fence<'_>,
-) {
-    if old.status.phase == new.status.phase {
-        return;
-    }
-    let event = Event {
-        at: now,
-        vm: new.name.clone(),
-        from: old.status.phase,
-        to: new.status.phase,
-        reason: change_reason(new),
-        key: None,
-    };
-    tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
-    put_event(store, &event, revision, fence).await;
-}
-
-async fn put_event(store: &TypedStore, event: &Event, revision: u64, fence: Fence<'_>) {
-    let key = event_key(&event.vm, revision);
-    if let Err(err) = fence.create(store, &key, event).await {
-        tracing::warn!(vm = %event.vm, %err, "could not record event");
-    }
-}
-
-/// Records each record newly found undecodable as an event of the VM it
-/// belongs to (see [`event_subject`]), once per key and revision across the
-/// cluster: the event's key is derived from the record's revision, and
-/// whoever creates it first wins. Ones that could not be written are kept
-/// for the next call.
-pub(crate) async fn report_undecodable(store: &TypedStore, now: Millis, fence: Fence<'_>) {
-    for bad in store.undecodable().take_unreported() {
-        let event = Event {
-            at: now,
-            vm: event_subject(&bad.key).to_string(),
-            from: Phase::default(),
-            to: Phase::default(),
-            reason: format!(
-                "record {} (revision {}) cannot be decoded and is skipped: {}",
-                bad.key, bad.revision, bad.reason
-            ),
-            key: Some(bad.key.clone()),
-        };
-        match fence
-            .create(store, &event_key(&event.vm, bad.revision), &event)
-            .await
-        {
-            Ok(_) | Err(StoreError::Conflict { .. }) => {}
-            Err(err) => {
-                tracing::warn!(key = %bad.key, %err, "could not record the undecodable record");
-                store.undecodable().put_back(bad);
-            }
-        }
-    }
-}
-
-fn change_reason(vm: &VirtualMachine) -> String {
-    let status = &vm.status;
-    if let Some(stop) = &status.stop {
-        return match stop.reason {
-            StopReason::User => "stop requested by user".into(),
-            StopReason::Restart => "restart requested".into(),
-            StopReason::Delete => "delete requested".into(),
-            StopReason::Policy => "run policy AlwaysOff".into(),
-            StopReason::Restore => "restore from snapshot".into(),
-            StopReason::Evict => "evicted from a draining node".into(),
-        };
-    }
-    if let (None, Some(exit)) = (&status.instance, &status.last_exit) {
-        return format!(
-            "instance {} exited ({:?}{})",
-            exit.instance,
-            exit.kind,
-            if exit.requested { ", requested" } else { "" }
-        );
-    }
-    if let Some(inst) = &status.instance {
-        return format!("instance {} on node {}", inst.id, inst.node);
-    }
-    status
-        .message
-        .clone()
-        .unwrap_or_else(|| "reconciled".into())
 }
