@@ -23,6 +23,7 @@ use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
 use crate::liveness::Liveness;
 use crate::schedule::placement;
+use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
 
 /// Longest a leader goes without a pass. Passes are driven by changes and
@@ -90,6 +91,9 @@ pub(crate) async fn place(
     let Some(next) = placement(vm, &state.nodes, &state.vms, &state.liveness, now, cfg) else {
         return Ok(now + cfg.retry_ms);
     };
+    if transitions::check(vm, &next).is_err() {
+        return Ok(now + cfg.retry_ms);
+    }
     let again = if next.status.node.is_some() {
         now
     } else {
@@ -147,6 +151,9 @@ pub(crate) async fn take_over(
             // A migration from the lost node is still being settled by its target.
             continue;
         };
+        if transitions::check(vm, &next).is_err() {
+            continue;
+        }
         match fence
             .update(store, &vm_key(&vm.name), &next, state.revisions[i])
             .await

@@ -26,6 +26,7 @@ pub mod schedule;
 pub mod snapshot_controller;
 pub mod step;
 mod stop;
+pub mod transitions;
 pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;

@@ -22,6 +22,7 @@ use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::candidate_nodes;
 use crate::step::{HvAction, Step};
+use crate::transitions::{self, ForbiddenTransition};
 use crate::view::{ClusterView, Observed, RestoreSource};
 use crate::vm_decide::decide;
 
@@ -39,6 +40,8 @@ pub enum ReconcileError {
         #[source]
         source: HvError,
     },
+    #[error(transparent)]
+    Forbidden(#[from] ForbiddenTransition),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -473,6 +476,11 @@ impl VmController {
         let now = self.clock.now_ms();
         let step = decide(&vm, &observed, &cluster, now, &self.cfg);
         let step = self.with_readiness(&vm, &observed, step, now).await;
+        if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
+            // Before anything is done for it: an action must not run for
+            // a record that will be refused.
+            transitions::check(&vm, next)?;
+        }
         match step {
             Step::Wait { requeue_at } => Ok(Some(requeue_at)),
             Step::Persist {
