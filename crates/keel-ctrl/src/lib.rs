@@ -43,5 +43,5 @@ pub use runtime::{run_controllers, run_vm_controller};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use step::{HvAction, Step};
 pub use view::{ClusterView, Observed, RestoreSource};
-pub use vm_controller::{ReconcileError, VmController};
+pub use vm_controller::{error_chain, ActError, ReconcileError, VmController};
 pub use vm_decide::decide;

@@ -18,7 +18,7 @@ use crate::keys::{snapshot_key, vm_key};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("snapshot {vm}/{snapshot}: store: {source}")]
+    #[error("snapshot {vm}/{snapshot}: store")]
     Store {
         vm: String,
         snapshot: String,

@@ -3,6 +3,7 @@
 
 use keel_api::{Drain, Migration, Snapshot};
 use keel_hv::{DomainInfo, DomainState};
+use keel_store::StoreError;
 
 /// What the node said about the VM.
 #[derive(Debug, Clone, PartialEq)]
@@ -28,6 +29,8 @@ pub enum RestoreSource {
     NotNeeded,
     Found(Box<Snapshot>),
     Missing,
+    /// Reading it from the store failed: nothing is known about it.
+    Unreadable(StoreError),
 }
 
 /// What the VM's node and its neighbours look like, for evictions.

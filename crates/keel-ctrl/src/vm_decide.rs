@@ -639,6 +639,14 @@ fn restore(
             next.status.message = Some(format!("waiting for snapshot {snapshot} to be taken"));
             persist_if_changed(vm, next, None, now + cfg.poll_ms)
         }
+        RestoreSource::Unreadable(err) => {
+            // Not "missing": the restore waits for the store to answer.
+            let mut next = vm.clone();
+            next.status.message = Some(format!(
+                "restore waits: cannot read snapshot {snapshot} from the store: {err}"
+            ));
+            persist_if_changed(vm, next, None, now + cfg.retry_ms)
+        }
         RestoreSource::Found(_) | RestoreSource::Missing | RestoreSource::NotNeeded => {
             // Nothing to restore from: end the maintenance window with the
             // disks as they are, and still honour the recorded power state.
