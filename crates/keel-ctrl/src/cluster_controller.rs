@@ -15,55 +15,21 @@ use std::time::Duration;
 
 use keel_api::{Clock, Migration, Millis, Node, VirtualMachine};
 use keel_store::{Guard, Revision, StoreError, TypedStore, WatchEvent};
-use serde::Serialize;
 use tokio::sync::watch;
 
+use crate::config::LifecycleConfig;
 use crate::election::LeaderElection;
+use crate::events::{record_event, report_undecodable};
+use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
 use crate::liveness::Liveness;
 use crate::schedule::{placement, NodeLoad};
-use crate::vm_controller::{record_event, report_undecodable};
-use crate::vm_decide::{take_over_from_lost_node, LifecycleConfig};
+use crate::transitions;
+use crate::vm_decide::take_over_from_lost_node;
 
 /// Longest a leader goes without a pass. Passes are driven by changes and
 /// by the next node-lease deadline; this is only a backstop.
 const MAX_IDLE_MS: Millis = 10_000;
-
-/// How a cluster-level write is made.
-#[derive(Debug, Clone, Copy)]
-pub enum Fence<'a> {
-    /// Compare-and-swap on the revision read.
-    Cas,
-    /// Compare-and-swap, applied only while the leader's guard holds.
-    Guard(&'a Guard),
-}
-
-impl Fence<'_> {
-    pub async fn update<T: Serialize>(
-        self,
-        store: &TypedStore,
-        key: &str,
-        value: &T,
-        revision: Revision,
-    ) -> Result<Revision, StoreError> {
-        match self {
-            Fence::Cas => store.update(key, value, revision).await,
-            Fence::Guard(guard) => store.update_guarded(key, value, revision, guard).await,
-        }
-    }
-
-    pub async fn create<T: Serialize>(
-        self,
-        store: &TypedStore,
-        key: &str,
-        value: &T,
-    ) -> Result<Revision, StoreError> {
-        match self {
-            Fence::Cas => store.create(key, value).await,
-            Fence::Guard(guard) => store.create_guarded(key, value, guard).await,
-        }
-    }
-}
 
 /// Every node, and every VM with the revision it was read at, and the
 /// reader's view of which nodes are alive.
@@ -142,6 +108,9 @@ pub(crate) async fn place(
     let Some(next) = placement(vm, &state.nodes, &state.load, &state.liveness, now, cfg) else {
         return Ok(now + cfg.retry_ms);
     };
+    if transitions::check(vm, &next).is_err() {
+        return Ok(now + cfg.retry_ms);
+    }
     let again = if next.status.node.is_some() {
         now
     } else {
@@ -199,6 +168,9 @@ pub(crate) async fn take_over(
             // A migration from the lost node is still being settled by its target.
             continue;
         };
+        if transitions::check(vm, &next).is_err() {
+            continue;
+        }
         match fence
             .update(store, &vm_key(&vm.name), &next, state.revisions[i])
             .await

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 
 use keel_api::{Millis, Node, VirtualMachine};
 
+use crate::config::LifecycleConfig;
 use crate::liveness::Liveness;
-use crate::vm_decide::LifecycleConfig;
 
 /// How many VMs each node owns: counted once per view and kept up to date
 /// by the writer, so choosing a node costs O(nodes) and placing N VMs is
