@@ -30,7 +30,7 @@ pub use evict_decide::{migrations_to_collect, KEEP_FINAL_MIGRATIONS};
 pub use migration_controller::MigrationController;
 pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;
-pub use runtime::{run_controllers, run_vm_controller};
+pub use runtime::{run_controllers, run_vm_controller, Reconciler, Runtime, RuntimeConfig};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use vm_controller::{ReconcileError, VmController};
 pub use vm_decide::{

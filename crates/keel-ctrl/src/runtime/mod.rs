@@ -1,23 +1,237 @@
-//! Drives the controllers in real time: each resource is reconciled when a
-//! change to its record arrives or its requested re-check time comes.
+//! Drives the controllers: events in (store watch events, driver exit
+//! hints, "watch broke" followed by a relist), due keys out, time only
+//! through [`keel_api::Clock`]. The parts, after kube-rs' runtime:
+//! [`event`] (what is heard), [`source`] (watches and relisting),
+//! [`reconciler`] (which keys an event wakes, one look at a key, the error
+//! policy), [`scheduler`] (one entry per key, earliest wins) and [`runner`]
+//! (bounded concurrency, never two reconciles of one key). [`Runtime`]
+//! joins them; production waits on tokio between steps
+//! ([`Runtime::run`]), the simulations move a manual clock and call
+//! [`Runtime::settle`].
+
+pub mod event;
+pub mod reconciler;
+pub mod runner;
+pub mod scheduler;
+pub mod source;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use keel_api::Clock;
-use keel_store::StoreError;
+use keel_api::{Clock, Millis};
+use keel_store::Store;
 use tokio::sync::watch;
 
-use crate::keys::{
-    migration_of, name_of, snapshot_of, MIGRATIONS_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX,
-};
-use crate::{MigrationController, SnapshotController, VmController, WorkQueue};
+pub use event::Event;
+pub use reconciler::Reconciler;
+pub use runner::{Key, Runner};
+pub use source::{EventSource, Incoming};
+
+use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
 
 /// How often this node's heartbeat is written and stray domains are ended.
 const HOUSEKEEPING_MS: u64 = 5_000;
 
-/// Runs the VM controller and a snapshot controller sharing its store, node
-/// and clock, until `stop` turns true.
+/// How many reconciles of distinct keys may run at once, by default.
+pub const DEFAULT_MAX_CONCURRENT_RECONCILES: usize = 32;
+
+/// Never more between two looks at the clock with nothing due (a guard
+/// against a clock that jumps).
+const IDLE_WAKE_MS: Millis = 60_000;
+
+/// Rounds [`Runtime::settle`] takes at most at one instant: a bound, so a
+/// reconciler that keeps asking for "now" cannot hang a simulation.
+const SETTLE_ROUNDS: usize = 10_000;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeConfig {
+    /// Reconciles of distinct keys (VMs, snapshots, migrations) running at
+    /// once; one key never runs twice at once whatever this is.
+    pub max_concurrent_reconciles: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_reconciles: DEFAULT_MAX_CONCURRENT_RECONCILES,
+        }
+    }
+}
+
+/// The node's reconcile runtime: its event source feeding its runner.
+pub struct Runtime {
+    clock: Arc<dyn Clock>,
+    source: EventSource,
+    runner: Runner,
+}
+
+impl Runtime {
+    /// A runtime without reconcilers, watching `store`.
+    pub fn new(
+        store: Arc<dyn Store>,
+        exits: Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>>,
+        clock: Arc<dyn Clock>,
+        observer: Arc<dyn LifecycleObserver>,
+        retry_ms: Millis,
+        cfg: &RuntimeConfig,
+    ) -> Self {
+        Self {
+            source: EventSource::new(store, exits, retry_ms),
+            runner: Runner::new(clock.clone(), observer, cfg.max_concurrent_reconciles),
+            clock,
+        }
+    }
+
+    /// A node's runtime: its VM, snapshot and migration controllers (in
+    /// that order, which is the order ties run in), on the VM
+    /// controller's store, exit notifications and retry interval.
+    pub fn for_node(
+        vms: Arc<VmController>,
+        snapshots: Arc<SnapshotController>,
+        migrations: Arc<MigrationController>,
+        clock: Arc<dyn Clock>,
+        cfg: &RuntimeConfig,
+    ) -> Self {
+        let mut runtime = Self::new(
+            vms.store().raw().clone(),
+            vms.exit_events(),
+            clock,
+            vms.observer().clone(),
+            vms.config().retry_ms,
+            cfg,
+        );
+        runtime.add(vms);
+        runtime.add(snapshots);
+        runtime.add(migrations);
+        runtime
+    }
+
+    pub fn add<R: Reconciler>(&mut self, reconciler: Arc<R>) {
+        self.runner.add(reconciler);
+    }
+
+    /// Asks for a look at `name` by the reconciler of `kind` at `at`;
+    /// whether such a reconciler exists.
+    pub fn schedule(&mut self, kind: &str, name: &str, at: Millis) -> bool {
+        let Some(reconciler) = self.runner.reconciler_of(kind) else {
+            return false;
+        };
+        let key = Key {
+            reconciler,
+            name: name.to_string(),
+        };
+        self.runner.schedule(key, at);
+        true
+    }
+
+    /// When the reconciler of `kind` is next due to look at `name`, if
+    /// queued (not while it runs).
+    pub fn due_at(&self, kind: &str, name: &str) -> Option<Millis> {
+        let reconciler = self.runner.reconciler_of(kind)?;
+        self.runner.due_at(&Key {
+            reconciler,
+            name: name.to_string(),
+        })
+    }
+
+    /// The next time anything is due: a queued key or the relist.
+    pub fn next_wake(&self) -> Option<Millis> {
+        [self.runner.wake_at(), self.source.relist_at()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Reconciles under way.
+    pub fn in_flight(&self) -> usize {
+        self.runner.in_flight()
+    }
+
+    /// Relists if the watches are closed and the retry time has come.
+    /// Whether it listed.
+    async fn relist_if_due(&mut self) -> bool {
+        let now = self.clock.now_ms();
+        if self.source.relist_at().is_none_or(|at| at > now) {
+            return false;
+        }
+        match self.source.relist(now).await {
+            Ok(events) => {
+                for event in &events {
+                    self.runner.handle(event);
+                }
+            }
+            Err(err) => tracing::warn!(%err, "cannot list to (re)open the watches; retrying"),
+        }
+        true
+    }
+
+    fn take(&mut self, incoming: Incoming) {
+        match incoming {
+            Incoming::Event(event) => self.runner.handle(&event),
+            Incoming::Broken(err) => {
+                match err {
+                    Some(err) => tracing::warn!(%err, "controller watch broke; re-listing"),
+                    None => tracing::warn!("controller watch ended; re-listing"),
+                }
+                self.source.broke(self.clock.now_ms());
+            }
+        }
+    }
+
+    /// Production: runs until `stop` turns true, waiting on tokio for the
+    /// next due time, the next event or the next finished reconcile. On
+    /// stop, waits for the reconciles under way.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            self.relist_if_due().await;
+            self.runner.start_due();
+            let wait_ms = self
+                .next_wake()
+                .map(|at| at.saturating_sub(self.clock.now_ms()))
+                .unwrap_or(IDLE_WAKE_MS)
+                .min(IDLE_WAKE_MS);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+                () = self.runner.finish_next() => {}
+                incoming = self.source.next() => self.take(incoming),
+                _ = stop.changed() => {}
+            }
+        }
+        self.runner.finish_all().await;
+    }
+
+    /// Simulation: does everything that is ready at the clock's current
+    /// time, in one defined order, and returns once nothing more is
+    /// (reconciles still waiting, e.g. on a hung hypervisor call, go on
+    /// running). Delivers arrived events, relists if due, takes in
+    /// finished reconciles and starts due ones, round after round. On a
+    /// current-thread tokio runtime this replays exactly. Returns how many
+    /// reconciles finished.
+    pub async fn settle(&mut self) -> usize {
+        let mut finished = 0;
+        for _ in 0..SETTLE_ROUNDS {
+            // Lets the watches' pumps and the started reconciles run.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            let mut progress = self.relist_if_due().await;
+            while let Some(incoming) = self.source.try_next() {
+                self.take(incoming);
+                progress = true;
+            }
+            let done = self.runner.finish_ready();
+            finished += done;
+            progress |= done > 0;
+            progress |= self.runner.start_due() > 0;
+            if !progress {
+                break;
+            }
+        }
+        finished
+    }
+}
+
+/// Runs the VM controller and a snapshot and a migration controller
+/// sharing its store, node and clock, until `stop` turns true.
 pub async fn run_vm_controller(
     vms: Arc<VmController>,
     clock: Arc<dyn Clock>,
@@ -25,7 +239,15 @@ pub async fn run_vm_controller(
 ) {
     let snapshots = Arc::new(vms.snapshot_controller());
     let migrations = Arc::new(vms.migration_controller());
-    run_controllers(vms, snapshots, migrations, clock, stop).await
+    run_controllers(
+        vms,
+        snapshots,
+        migrations,
+        clock,
+        &RuntimeConfig::default(),
+        stop,
+    )
+    .await
 }
 
 /// Runs until `stop` turns true. Store outages are retried, never fatal.
@@ -34,13 +256,15 @@ pub async fn run_controllers(
     snapshots: Arc<SnapshotController>,
     migrations: Arc<MigrationController>,
     clock: Arc<dyn Clock>,
+    cfg: &RuntimeConfig,
     stop: watch::Receiver<bool>,
 ) {
-    // Housekeeping runs on its own: during a store outage the reconcile
-    // loop is stuck re-listing, and that is exactly when self-fencing must
-    // still happen.
+    let runtime = Runtime::for_node(vms.clone(), snapshots, migrations, clock.clone(), cfg);
+    // Housekeeping runs on its own: during a store outage the runtime is
+    // stuck re-listing, and that is exactly when self-fencing must still
+    // happen.
     tokio::join!(
-        run_reconcilers(&vms, &snapshots, &migrations, &clock, stop.clone()),
+        runtime.run(stop.clone()),
         run_housekeeping(&vms, &clock, stop),
     );
 }
@@ -94,182 +318,4 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
         }
     };
     tokio::join!(lease, chores);
-}
-
-async fn run_reconcilers(
-    vms: &VmController,
-    snapshots: &SnapshotController,
-    migrations: &MigrationController,
-    clock: &Arc<dyn Clock>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let retry_ms = vms.config().retry_ms;
-    while !*stop.borrow() {
-        if let Err(err) = run_until_watch_breaks(vms, snapshots, migrations, clock, &mut stop).await
-        {
-            tracing::warn!(%err, "controller watch ended; re-listing");
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(retry_ms)) => {}
-                _ = stop.changed() => {}
-            }
-        }
-    }
-}
-
-async fn run_until_watch_breaks(
-    vms: &VmController,
-    snapshots: &SnapshotController,
-    migrations: &MigrationController,
-    clock: &Arc<dyn Clock>,
-    stop: &mut watch::Receiver<bool>,
-) -> Result<(), StoreError> {
-    let store = vms.store().raw();
-    let (vm_entries, vm_rev) = store.list(VMS_PREFIX).await?;
-    let (snap_entries, snap_rev) = store.list(SNAPSHOTS_PREFIX).await?;
-    let mut vm_watch = store.watch(VMS_PREFIX, vm_rev + 1).await?;
-    let mut snap_watch = store.watch(SNAPSHOTS_PREFIX, snap_rev + 1).await?;
-    let (mig_entries, mig_rev) = store.list(MIGRATIONS_PREFIX).await?;
-    let mut mig_watch = store.watch(MIGRATIONS_PREFIX, mig_rev + 1).await?;
-    let mut mig_queue = WorkQueue::default();
-    for e in &mig_entries {
-        if migration_of(&e.key).is_some() {
-            mig_queue.schedule(&e.key, clock.now_ms());
-        }
-    }
-
-    let mut vm_queue = WorkQueue::default();
-    // An exit seen by the driver wakes its VM at once: without it a guest
-    // that powered off in 40 ms waits for the stop schedule's next check.
-    let mut exits = vms.exit_events();
-    let mut snap_queue = WorkQueue::default();
-    let now = clock.now_ms();
-    for e in &vm_entries {
-        if let Some(name) = name_of(VMS_PREFIX, &e.key) {
-            vm_queue.schedule(name, now);
-        }
-    }
-    for e in &snap_entries {
-        if snapshot_of(&e.key).is_some() {
-            snap_queue.schedule(&e.key, now);
-        }
-    }
-    let retry_ms = vms.config().retry_ms;
-    loop {
-        let now = clock.now_ms();
-        for name in vm_queue.pop_due(now) {
-            match vms.reconcile(&name).await {
-                Ok(Some(at)) => vm_queue.schedule(&name, at),
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::warn!(%err, "reconcile failed");
-                    vms.observer().reconcile_failed("vm");
-                    vm_queue.schedule(&name, clock.now_ms() + retry_ms);
-                }
-            }
-        }
-        for key in snap_queue.pop_due(now) {
-            let Some((vm, name)) = snapshot_of(&key) else {
-                continue;
-            };
-            match snapshots.reconcile(vm, name).await {
-                Ok(Some(at)) => snap_queue.schedule(&key, at),
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::warn!(%err, "snapshot reconcile failed");
-                    vms.observer().reconcile_failed("snapshot");
-                    snap_queue.schedule(&key, clock.now_ms() + retry_ms);
-                }
-            }
-        }
-        for key in mig_queue.pop_due(now) {
-            let Some((vm, id)) = migration_of(&key) else {
-                continue;
-            };
-            match migrations.reconcile(vm, id).await {
-                Ok(Some(at)) => mig_queue.schedule(&key, at),
-                Ok(None) => {}
-                Err(err) => {
-                    tracing::warn!(%err, vm, migration = id, "migration reconcile failed");
-                    vms.observer().reconcile_failed("migration");
-                    mig_queue.schedule(&key, clock.now_ms() + retry_ms);
-                }
-            }
-        }
-        let next = [
-            vm_queue.next_due(),
-            snap_queue.next_due(),
-            mig_queue.next_due(),
-        ]
-        .into_iter()
-        .flatten()
-        .min();
-        let wait_ms = next
-            .map(|at| at.saturating_sub(clock.now_ms()))
-            .unwrap_or(60_000);
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
-            Some(exit) = next_exit(&mut exits) => {
-                vm_queue.schedule(&exit.vm, clock.now_ms());
-            }
-            event = vm_watch.next() => match event {
-                Some(Ok(event)) => {
-                    if let Some(name) = name_of(VMS_PREFIX, event.key()) {
-                        vm_queue.schedule(name, clock.now_ms());
-                    }
-                }
-                Some(Err(err)) => return Err(err),
-                None => return Ok(()),
-            },
-            event = snap_watch.next() => match event {
-                Some(Ok(event)) => {
-                    if snapshot_of(event.key()).is_some() {
-                        snap_queue.schedule(event.key(), clock.now_ms());
-                    }
-                    // A snapshot may unblock a restore waiting on it.
-                    if let Some((vm, _)) = snapshot_of(event.key()) {
-                        vm_queue.schedule(vm, clock.now_ms());
-                    }
-                }
-                Some(Err(err)) => return Err(err),
-                None => return Ok(()),
-            },
-            event = mig_watch.next() => match event {
-                Some(Ok(event)) => {
-                    if let Some((vm, _)) = migration_of(event.key()) {
-                        mig_queue.schedule(event.key(), clock.now_ms());
-                        // A migration's progress moves its VM's eviction on.
-                        vm_queue.schedule(vm, clock.now_ms());
-                    }
-                }
-                Some(Err(err)) => return Err(err),
-                None => return Ok(()),
-            },
-            _ = stop.changed() => {
-                if *stop.borrow() {
-                    return Ok(());
-                }
-            }
-        }
-    }
-}
-
-/// The next exit notification; never resolves without a channel.
-async fn next_exit(
-    exits: &mut Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>>,
-) -> Option<keel_hv::DomainExit> {
-    use tokio::sync::broadcast::error::RecvError;
-    let Some(rx) = exits else {
-        return std::future::pending().await;
-    };
-    loop {
-        match rx.recv().await {
-            Ok(exit) => return Some(exit),
-            // Missed some: the scheduled re-checks still find them.
-            Err(RecvError::Lagged(_)) => continue,
-            Err(RecvError::Closed) => {
-                *exits = None;
-                return std::future::pending().await;
-            }
-        }
-    }
 }
