@@ -651,6 +651,7 @@ impl Hypervisor for SimHypervisor {
             hypervisor: "sim".into(),
             accelerator: Accelerator::Sim,
             accelerator_note: "in-memory simulation driver".into(),
+            migration: None,
         }
     }
 

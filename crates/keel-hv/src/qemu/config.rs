@@ -23,13 +23,20 @@ pub struct QemuConfig {
     /// Where instances' sockets live (short paths: `sun_path` holds 107
     /// bytes); `None` means [`default_runtime_dir`]. Created 0700 if missing.
     pub runtime_dir: Option<PathBuf>,
-    /// Address incoming migrations listen on (a TCP port the kernel picks)
-    /// and that is handed to the source, so it must be this node's address
-    /// as other nodes reach it. `None`: a Unix socket in the instance
-    /// directory, which only a source on the same host can reach. The
-    /// stream is neither authenticated nor encrypted: use a private
-    /// migration network.
+    /// Address incoming migrations listen on (TCP, a port of
+    /// `migration_ports`) and that is handed to the source, so it must be
+    /// this node's address as other nodes reach it. `None`: a Unix socket
+    /// in the instance directory, which only a source on the same host can
+    /// reach.
     pub migration_address: Option<IpAddr>,
+    /// The ports incoming migrations may listen on, the first free one
+    /// taken; `None`: a port the kernel picks.
+    pub migration_ports: Option<std::ops::RangeInclusive<u16>>,
+    /// This node's migration credentials ([`super::tls`]): with it, TCP
+    /// streams are TLS with both peers verified. Without it a TCP stream is
+    /// neither authenticated nor encrypted (the agent's
+    /// `--insecure-migration`).
+    pub migration_tls: Option<PathBuf>,
     /// Bandwidth cap for outgoing migrations in bytes/s (QEMU's
     /// `max-bandwidth`); `None` keeps QEMU's default (128 MiB/s).
     pub migration_max_bandwidth: Option<u64>,
@@ -79,6 +86,8 @@ impl QemuConfig {
             disk_dir: None,
             runtime_dir: None,
             migration_address: None,
+            migration_ports: None,
+            migration_tls: None,
             migration_max_bandwidth: None,
             storage_timeout: Duration::from_secs(60),
             qemu_binary: "qemu-system-x86_64".into(),
@@ -123,4 +132,6 @@ pub enum QemuInitError {
     QemuMissing { binary: PathBuf, reason: String },
     #[error("qemu driver migration address {address}: {reason}")]
     MigrationAddress { address: IpAddr, reason: String },
+    #[error("qemu driver migration credentials")]
+    MigrationTls(#[source] super::tls::TlsError),
 }

@@ -21,6 +21,7 @@ impl Hypervisor for QemuDriver {
             hypervisor: self.inner.qemu_version.clone(),
             accelerator: self.inner.accelerator,
             accelerator_note: self.inner.accelerator_note.clone(),
+            migration: Some(self.migration_endpoint()),
         }
     }
 

@@ -37,6 +37,7 @@ mod proc;
 mod qmp;
 mod registry;
 mod snapshot;
+pub mod tls;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -147,6 +148,42 @@ impl QemuDriver {
                     reason: "must be a unicast address other nodes can reach".into(),
                 });
             }
+            if config
+                .migration_ports
+                .as_ref()
+                .is_some_and(|r| r.is_empty() || *r.start() == 0)
+            {
+                return Err(QemuInitError::MigrationAddress {
+                    address,
+                    reason: "the port range must be non-empty, within 1-65535".into(),
+                });
+            }
+        }
+        let mut config = config;
+        if let Some(dir) = &config.migration_tls {
+            tls::check_creds(dir).map_err(QemuInitError::MigrationTls)?;
+            // Absolute (QEMU resolves it in its own cwd) and UTF-8 (it
+            // travels in QMP's JSON).
+            let dir = dir.canonicalize().map_err(|source| {
+                QemuInitError::MigrationTls(tls::TlsError::Io {
+                    path: dir.clone(),
+                    source,
+                })
+            })?;
+            if dir.to_str().is_none() {
+                return Err(QemuInitError::MigrationTls(tls::TlsError::Invalid {
+                    path: dir,
+                    reason: "path is not UTF-8".into(),
+                }));
+            }
+            config.migration_tls = Some(dir);
+        } else if let Some(address) = config.migration_address {
+            tracing::warn!(
+                %address,
+                "INSECURE MIGRATION: incoming live migrations listen on plain TCP; guest memory \
+                 crosses the network unencrypted and any host that reaches the port can send a \
+                 guest. Use migration TLS credentials (keel cluster issue-cert)"
+            );
         }
         let layout = Layout {
             root: root.clone(),
@@ -172,7 +209,6 @@ impl QemuDriver {
             data_dir = %root.display(),
             "qemu driver ready"
         );
-        let mut config = config;
         config.data_dir = root;
         let lease = keeper::FenceLease::new(layout.root.join(keeper::LEASE_FILE));
         let driver = QemuDriver {
