@@ -165,6 +165,7 @@ impl VmController {
                 if let Some(facts) = facts {
                     node.status.accelerator = Some(facts.accelerator);
                     node.status.hypervisor = Some(facts.hypervisor.clone());
+                    node.status.migration = facts.migration.clone();
                 }
             })
             .await?;

@@ -16,5 +16,6 @@ pub mod distributed;
 pub mod doctor;
 pub mod host_tools;
 pub mod metrics;
+pub mod migration_setup;
 pub mod serve;
 pub mod timefmt;

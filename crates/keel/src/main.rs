@@ -33,6 +33,7 @@ fn main() -> ExitCode {
         }
         Command::Man { dir } => keel::host_tools::man_pages(Cli::command(), &dir),
         Command::Image(cmd) => keel::cli::image(cmd),
+        Command::Cluster(cmd) => keel::migration_setup::cluster(cmd),
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

@@ -135,6 +135,7 @@ impl ServeConfig {
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
+            migration: Default::default(),
         }
     }
 }
@@ -158,6 +159,9 @@ pub struct HypervisorOptions {
     pub sim: SimConfig,
     pub guest_dir: Option<PathBuf>,
     pub accel: AccelChoice,
+    /// How incoming migrations travel (see [`crate::migration_setup`]);
+    /// default: a Unix socket.
+    pub migration: crate::migration_setup::MigrationSettings,
 }
 
 /// The one place a hypervisor driver is chosen (for `keel serve` and
@@ -181,6 +185,11 @@ pub async fn make_hypervisor(
                 config = config.with_test_guest(&dir);
             }
             config.accel = cfg.accel;
+            if let Some(listen) = &cfg.migration.listen {
+                config.migration_address = Some(listen.address);
+                config.migration_ports = Some(listen.ports.clone());
+            }
+            config.migration_tls = cfg.migration.tls.clone();
             let driver = QemuDriver::new(config)
                 .await
                 .context("starting the qemu driver")?;
