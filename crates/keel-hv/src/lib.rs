@@ -103,6 +103,9 @@ pub struct NodeFacts {
     pub accelerator_note: String,
     /// How this node receives live migrations, advertised on its record.
     pub migration: Option<keel_api::MigrationEndpoint>,
+    /// The identity of the storage its disks are on: nodes with the same
+    /// one see the same images.
+    pub storage_id: Option<String>,
 }
 
 /// A domain's process has just exited: a hint to look at it now rather than

@@ -652,6 +652,7 @@ impl Hypervisor for SimHypervisor {
             accelerator: Accelerator::Sim,
             accelerator_note: "in-memory simulation driver".into(),
             migration: None,
+            storage_id: None,
         }
     }
 

@@ -440,6 +440,10 @@ async fn tls_migration_and_a_target_of_another_ca() {
 
     let web1 = spec("web", "web-1");
     let mut ch = boot(&a, &web1).await;
+    // On shared storage that takes O_DIRECT (ext4 here), the page cache of
+    // neither host stands between the two QEMUs.
+    let launched = std::fs::read_to_string(a.instance_dir("web-1").join("spec.json")).unwrap();
+    assert!(launched.contains("cache=none"), "{launched}");
     ch.put(3, "over-tls").await.unwrap();
     let before = ch.ticks().await.unwrap();
 

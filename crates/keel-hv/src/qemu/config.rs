@@ -17,8 +17,9 @@ pub struct QemuConfig {
     /// shared storage mounted at the same path on every node: only memory
     /// and device state travel, both QEMUs open the same image files. On a
     /// network filesystem the page cache of the two hosts is not coherent,
-    /// so there the images also need `cache=none` (not yet configurable);
-    /// on one host (tests) the shared page cache makes `writeback` safe.
+    /// so with a disk dir set the images are opened `cache=none` wherever
+    /// the filesystem takes O_DIRECT (`disks::direct_io`); elsewhere
+    /// `writeback`, safe on one host (one page cache) only.
     pub disk_dir: Option<PathBuf>,
     /// Where instances' sockets live (short paths: `sun_path` holds 107
     /// bytes); `None` means [`default_runtime_dir`]. Created 0700 if missing.

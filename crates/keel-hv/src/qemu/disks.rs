@@ -1,6 +1,10 @@
 //! A VM's disk images as a start needs them: created (qcow2, on a verified
 //! image or blank) only where the spec allows it, required to exist
 //! otherwise, and the UEFI variable store beside them.
+//!
+//! The disk dir's identity ([`storage_identity`]) tells nodes whether they
+//! see the same images: the same path on two hosts is not the same storage
+//! unless both read the same marker there.
 
 use std::io;
 use std::path::PathBuf;
@@ -168,5 +172,93 @@ impl QemuDriver {
                 }
             })
             .collect()
+    }
+}
+
+/// Whether the filesystem at `disks` takes O_DIRECT (QEMU's `cache=none`):
+/// a probe file opened with it. Shared storage (`QemuConfig::disk_dir`)
+/// uses it where it can, because two hosts' page caches over a network
+/// filesystem are not coherent: at a migration's switch-over the target
+/// must read what the source wrote, not pages its own host cached before.
+/// Where the filesystem refuses (tmpfs), `cache=writeback` stays, with a
+/// warning: safe on one host (one page cache), not across hosts.
+pub fn direct_io(disks: &std::path::Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = disks.join(format!(".keel-odirect-probe.{}", std::process::id()));
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&probe);
+    let _ = std::fs::remove_file(&probe);
+    match opened {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(
+                disk_dir = %disks.display(),
+                error = %e,
+                "the disk dir does not take O_DIRECT: disks use cache=writeback, which is \
+                 safe for migrations on one host only"
+            );
+            false
+        }
+    }
+}
+
+/// In the disk dir: a random id written once by the first node to use it.
+pub const STORAGE_ID_FILE: &str = ".keel-storage-id";
+
+/// The identity of the storage at `disks`: read from its marker, or made
+/// (exclusively, so two nodes starting together agree on the winner's).
+pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
+    use std::io::Write;
+    let path = disks.join(STORAGE_ID_FILE);
+    let read = |path: &std::path::Path| -> io::Result<Option<String>> {
+        match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => Ok(Some(text.trim().to_string())),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    if let Some(id) = read(&path)? {
+        return Ok(id);
+    }
+    let id = hex::encode(rand::random::<[u8; 16]>());
+    let tmp = disks.join(format!(".{STORAGE_ID_FILE}.{}.tmp", std::process::id()));
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(id.as_bytes())?;
+            f.sync_all()
+        })
+        .and_then(|()| rename_noreplace(&tmp, &path))
+        .or_else(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            // Another node made it meanwhile: theirs is the identity.
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })?;
+    read(&path)?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_on_one_disk_dir_share_its_identity_and_others_do_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (shared, other) = (tmp.path().join("shared"), tmp.path().join("other"));
+        std::fs::create_dir_all(&shared).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        let first = storage_identity(&shared).unwrap();
+        assert_eq!(first.len(), 32);
+        assert_eq!(storage_identity(&shared).unwrap(), first);
+        assert_ne!(storage_identity(&other).unwrap(), first);
     }
 }

@@ -22,6 +22,7 @@ impl Hypervisor for QemuDriver {
             accelerator: self.inner.accelerator,
             accelerator_note: self.inner.accelerator_note.clone(),
             migration: Some(self.migration_endpoint()),
+            storage_id: Some(self.inner.storage_id.clone()),
         }
     }
 

@@ -61,6 +61,7 @@ impl QemuDriver {
             incoming: false,
             nic,
             seed,
+            direct_io: self.inner.direct_io,
         })
     }
 

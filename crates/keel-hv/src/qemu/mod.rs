@@ -70,6 +70,10 @@ struct Inner {
     accelerator: Accelerator,
     accelerator_note: String,
     qemu_version: String,
+    /// The disk dir's identity (see [`disks::storage_identity`]).
+    storage_id: String,
+    /// Disks are opened `cache=none` (see [`disks::direct_io`]).
+    direct_io: bool,
     /// Instances this driver has looked at. The directory is the truth; this
     /// holds the monitors and the in-memory phase.
     domains: Mutex<BTreeMap<String, Arc<Domain>>>,
@@ -185,6 +189,11 @@ impl QemuDriver {
                  guest. Use migration TLS credentials (keel cluster issue-cert)"
             );
         }
+        let storage_id = disks::storage_identity(&disks).map_err(|e| QemuInitError::DiskDir {
+            path: disks.clone(),
+            reason: format!("storage identity: {e}"),
+        })?;
+        let direct_io = config.disk_dir.is_some() && disks::direct_io(&disks);
         let layout = Layout {
             root: root.clone(),
             disks,
@@ -218,6 +227,8 @@ impl QemuDriver {
                 accelerator,
                 accelerator_note,
                 qemu_version,
+                storage_id,
+                direct_io,
                 domains: Mutex::new(BTreeMap::new()),
                 vm_locks: Mutex::new(BTreeMap::new()),
                 exits: tokio::sync::broadcast::channel(256).0,
