@@ -105,10 +105,13 @@ impl MigrationTuning {
 /// `--insecure-migration`) or Keel's `tls+tcp:` (QEMU's TLS, both ends
 /// verified against the cluster CA).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
 pub enum MigrationTransport {
+    #[serde(rename = "unix")]
     Unix,
+    #[serde(rename = "tcp")]
     Tcp,
+    /// Shown as `tcp+tls`, in records as in tables.
+    #[serde(rename = "tcp+tls")]
     TcpTls,
 }
 
