@@ -23,7 +23,10 @@ pub use clock::{Clock, ManualClock, Millis, SystemClock};
 pub use cloud_init::CloudInitSpec;
 pub use event::Event;
 pub use image::{Image, ImageFormat, ImageKind};
-pub use migration::{Migration, MigrationPhase, MigrationStatus, MigrationTuning};
+pub use migration::{
+    Migration, MigrationEndpoint, MigrationPhase, MigrationStatus, MigrationTransport,
+    MigrationTuning,
+};
 pub use name::{validate_name, validate_vm_name};
 pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};

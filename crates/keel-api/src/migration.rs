@@ -100,6 +100,58 @@ impl MigrationTuning {
     }
 }
 
+/// How a migration stream travels, as told by the URI its target listens
+/// at: `unix:` (one host), `tcp:` (plain, only with the nodes'
+/// `--insecure-migration`) or Keel's `tls+tcp:` (QEMU's TLS, both ends
+/// verified against the cluster CA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MigrationTransport {
+    #[serde(rename = "unix")]
+    Unix,
+    #[serde(rename = "tcp")]
+    Tcp,
+    /// Shown as `tcp+tls`, in records as in tables.
+    #[serde(rename = "tcp+tls")]
+    TcpTls,
+}
+
+impl MigrationTransport {
+    pub fn of_uri(uri: &str) -> Option<Self> {
+        if uri.starts_with("unix:") {
+            Some(Self::Unix)
+        } else if uri.starts_with("tls+tcp:") {
+            Some(Self::TcpTls)
+        } else if uri.starts_with("tcp:") {
+            Some(Self::Tcp)
+        } else {
+            None
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unix => "unix",
+            Self::Tcp => "tcp",
+            Self::TcpTls => "tcp+tls",
+        }
+    }
+}
+
+impl std::fmt::Display for MigrationTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where and how a node receives live migrations (on its record).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationEndpoint {
+    pub transport: MigrationTransport,
+    /// `ADDR:FIRST-LAST` for TCP; `None` for a Unix socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Migration {
     /// `m<seq>-<vm uid>`, unique across deletes and re-creations of the VM
@@ -128,6 +180,14 @@ pub struct Migration {
 pub const DEFAULT_MIGRATION_START_MS: Millis = 150_000;
 
 impl Migration {
+    /// How its stream travels, once the target listens.
+    pub fn transport(&self) -> Option<MigrationTransport> {
+        self.status
+            .target_uri
+            .as_deref()
+            .and_then(MigrationTransport::of_uri)
+    }
+
     /// The id of attempt `seq` of the VM named `vm` with uid `uid`.
     pub fn id_for(vm: &str, uid: &str, seq: u64) -> String {
         if uid.is_empty() {

@@ -114,6 +114,13 @@ pub struct NodeStatus {
     /// Where this node keeps VM disks; `None` (older agents): node-local.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_home: Option<crate::DiskHome>,
+    /// How this node receives live migrations; `None`: older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration: Option<crate::MigrationEndpoint>,
+    /// The identity of the storage its disks are on (a marker in the disk
+    /// dir): nodes with the same one see the same images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_id: Option<String>,
     /// Which agent runs this node: an id kept in its data dir. A second
     /// agent with the same node name (another host, another data dir) is
     /// refused while this one is alive.

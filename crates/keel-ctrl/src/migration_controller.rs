@@ -196,7 +196,11 @@ impl MigrationController {
                         | MigrationProgress::Unknown { .. })
                 );
                 if !started {
-                    let params = keel_hv::MigrationParams::from_tuning(&m.tuning);
+                    let params = keel_hv::MigrationParams {
+                        // Over TLS the target's certificate must name it.
+                        tls_peer: Some(m.target_node.clone()),
+                        ..keel_hv::MigrationParams::from_tuning(&m.tuning)
+                    };
                     if let Err(err) = self
                         .hv
                         .migrate_tuned(&m.source_instance, &uri, &params)

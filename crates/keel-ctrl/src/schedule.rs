@@ -79,10 +79,25 @@ pub fn candidate_nodes(
                 .as_ref()
                 .is_none_or(|h| *h == n.disk_home())
         })
+        .filter(|n| sees_the_same_images(vm, n, nodes))
         .map(|n| (load.on_node_besides(&n.name, vm), n.name.clone()))
         .collect();
     candidates.sort();
     candidates.into_iter().map(|(_, name)| name).collect()
+}
+
+/// Whether `candidate` sees the images `vm` runs on: the same storage
+/// identity as the node the VM is on, when that node reports one (the same
+/// path alone may be another filesystem on another host). A candidate
+/// reporting none (an older agent), or another, does not.
+fn sees_the_same_images(vm: &VirtualMachine, candidate: &Node, nodes: &[Node]) -> bool {
+    let home = vm
+        .status
+        .node
+        .as_deref()
+        .and_then(|name| nodes.iter().find(|n| n.name == name))
+        .and_then(|n| n.status.storage_id.as_ref());
+    home.is_none_or(|id| candidate.status.storage_id.as_ref() == Some(id))
 }
 
 /// The record an unplaced `vm` should have: on the best candidate node,
@@ -240,6 +255,28 @@ mod tests {
             ),
             ["s1", "s2"]
         );
+        // The same path, but not the same storage: s2 mounts another
+        // filesystem at /nfs (or none, an older agent).
+        let mut nodes = nodes;
+        nodes[2].status.storage_id = Some("id-1".into());
+        nodes[3].status.storage_id = Some("id-2".into());
+        on_nfs.status.node = Some("s1".into());
+        let targets = |nodes: &[Node]| {
+            candidate_nodes(
+                &on_nfs,
+                nodes,
+                &NodeLoad::default(),
+                Some("s1"),
+                &Liveness::default(),
+                100_000,
+                &cfg,
+            )
+        };
+        assert!(targets(&nodes).is_empty());
+        nodes[3].status.storage_id = None;
+        assert!(targets(&nodes).is_empty());
+        nodes[3].status.storage_id = Some("id-1".into());
+        assert_eq!(targets(&nodes), ["s2"]);
         // A new VM has no home yet: anywhere.
         assert_eq!(
             candidate_nodes(

@@ -218,6 +218,8 @@ impl VmController {
                 if let Some(facts) = facts {
                     node.status.accelerator = Some(facts.accelerator);
                     node.status.hypervisor = Some(facts.hypervisor.clone());
+                    node.status.migration = facts.migration.clone();
+                    node.status.storage_id = facts.storage_id.clone();
                 }
             })
             .await?;

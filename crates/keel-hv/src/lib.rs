@@ -101,6 +101,11 @@ pub struct NodeFacts {
     pub accelerator: Accelerator,
     /// Why this accelerator was chosen (e.g. the KVM probe's outcome).
     pub accelerator_note: String,
+    /// How this node receives live migrations, advertised on its record.
+    pub migration: Option<keel_api::MigrationEndpoint>,
+    /// The identity of the storage its disks are on: nodes with the same
+    /// one see the same images.
+    pub storage_id: Option<String>,
 }
 
 /// A domain's process has just exited: a hint to look at it now rather than
@@ -120,6 +125,9 @@ pub struct MigrationParams {
     pub auto_converge: bool,
     /// The longest pause at switch-over; `None`: the driver's default.
     pub downtime_limit_ms: Option<u64>,
+    /// Over TLS: the name the target's certificate must carry (its node's
+    /// name); `None`: the host in the URI.
+    pub tls_peer: Option<String>,
 }
 
 impl MigrationParams {
@@ -128,6 +136,7 @@ impl MigrationParams {
             max_bandwidth: t.bandwidth_mib_s.map(|m| m.saturating_mul(1 << 20)),
             auto_converge: t.auto_converge,
             downtime_limit_ms: t.downtime_limit_ms,
+            tls_peer: None,
         }
     }
 }

@@ -725,6 +725,8 @@ impl Hypervisor for SimHypervisor {
             hypervisor: "sim".into(),
             accelerator: Accelerator::Sim,
             accelerator_note: "in-memory simulation driver".into(),
+            migration: None,
+            storage_id: None,
         }
     }
 

@@ -12,11 +12,12 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{boot, spec, wait_for, Cluster, BOOT, STOP};
 use keel_hv::guest::{GuestChannel, Ticks};
-use keel_hv::qemu::QemuDriver;
+use keel_hv::qemu::{tls, QemuDriver};
 use keel_hv::{DomainSpec, DomainState, ExitCause, HvError, Hypervisor, MigrationProgress};
 
 /// Bound on one migration of the 256 MiB test guest (about 1 s here).
@@ -82,6 +83,19 @@ async fn migrate_and_check(
     target: &str,
     before: &Ticks,
 ) -> GuestChannel {
+    let params = keel_hv::MigrationParams::default();
+    migrate_and_check_with(from, source, to, target, before, &params).await
+}
+
+/// [`migrate_and_check`] with the migration's parameters.
+async fn migrate_and_check_with(
+    from: &QemuDriver,
+    source: &DomainSpec,
+    to: &QemuDriver,
+    target: &str,
+    before: &Ticks,
+    params: &keel_hv::MigrationParams,
+) -> GuestChannel {
     let target = target_spec(source, target);
     let uri = to.prepare_incoming(&target).await.unwrap();
     eprintln!("{} listens at {uri}", target.instance);
@@ -94,15 +108,24 @@ async fn migrate_and_check(
         to.migration_status(&target.instance).await.unwrap(),
         MigrationProgress::None
     );
-    assert_eq!(
-        from.migration_status(&source.instance).await.unwrap(),
-        MigrationProgress::None
+    // Nothing under way (an earlier attempt may have failed).
+    let earlier = from.migration_status(&source.instance).await.unwrap();
+    assert!(
+        matches!(
+            earlier,
+            MigrationProgress::None | MigrationProgress::Failed { .. }
+        ),
+        "{earlier:?}"
     );
 
     let t = Instant::now();
-    from.migrate(&source.instance, &uri).await.unwrap();
+    from.migrate_tuned(&source.instance, &uri, params)
+        .await
+        .unwrap();
     // A retried call is a success; another target is not.
-    from.migrate(&source.instance, &uri).await.unwrap();
+    from.migrate_tuned(&source.instance, &uri, params)
+        .await
+        .unwrap();
     let err = from
         .migrate(&source.instance, "unix:/nonexistent/migrate.sock")
         .await
@@ -225,6 +248,7 @@ async fn a_cancelled_migration_leaves_the_source_running() {
         max_bandwidth: Some(1 << 20),
         auto_converge: true,
         downtime_limit_ms: Some(100),
+        tls_peer: None,
     };
     a.migrate_tuned("web-1", &uri, &params).await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -360,4 +384,153 @@ async fn a_source_killed_mid_migration_leaves_the_outcome_unknown() {
     assert!(b.resume_incoming("web-2").await.is_err());
     a.cleanup("web-1").await.unwrap();
     b.cleanup("web-2").await.unwrap();
+}
+
+/// A node's driver listening on loopback, on a port range, with the
+/// migration credentials in `creds` (none: plain TCP).
+async fn tcp_node(cluster: &Cluster, name: &str, creds: Option<&Path>) -> QemuDriver {
+    let creds = creds.map(Path::to_path_buf);
+    cluster
+        .node_with(name, move |mut c| {
+            c.migration_address = Some("127.0.0.1".parse().unwrap());
+            c.migration_ports = Some(PORTS);
+            c.migration_tls = creds;
+            c
+        })
+        .await
+}
+
+/// Loopback ports this test's targets listen on.
+const PORTS: std::ops::RangeInclusive<u16> = 47_310..=47_329;
+
+fn tls_to(node: &str) -> keel_hv::MigrationParams {
+    keel_hv::MigrationParams {
+        tls_peer: Some(node.into()),
+        ..Default::default()
+    }
+}
+
+/// Over TCP with TLS, both peers verified against the cluster CA: the guest
+/// moves (ticks go on, its record is there); a target whose certificate
+/// comes from another CA gets nothing and the guest keeps running on the
+/// source; and neither side drops to plain TCP.
+#[tokio::test]
+async fn tls_migration_and_a_target_of_another_ca() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let root = cluster.dir.path();
+    // Keel's own credentials, as `keel cluster init-ca` / `issue-cert`
+    // make them.
+    let (ca, other_ca) = (root.join("ca"), root.join("other-ca"));
+    tls::init_ca(&ca).unwrap();
+    tls::init_ca(&other_ca).unwrap();
+    for node in ["a", "b"] {
+        tls::issue(&ca, node, &root.join(format!("creds-{node}"))).unwrap();
+    }
+    tls::issue(&other_ca, "c", &root.join("creds-c")).unwrap();
+    let a = tcp_node(&cluster, "a", Some(&root.join("creds-a"))).await;
+    let b = tcp_node(&cluster, "b", Some(&root.join("creds-b"))).await;
+    let c = tcp_node(&cluster, "c", Some(&root.join("creds-c"))).await;
+    let plain = tcp_node(&cluster, "plain", None).await;
+    assert_eq!(
+        b.migration_endpoint().transport,
+        keel_api::MigrationTransport::TcpTls
+    );
+
+    let web1 = spec("web", "web-1");
+    let mut ch = boot(&a, &web1).await;
+    // On shared storage that takes O_DIRECT (ext4 here), the page cache of
+    // neither host stands between the two QEMUs.
+    let launched = std::fs::read_to_string(a.instance_dir("web-1").join("spec.json")).unwrap();
+    assert!(launched.contains("cache=none"), "{launched}");
+    ch.put(3, "over-tls").await.unwrap();
+    let before = ch.ticks().await.unwrap();
+
+    // The source checks the name on the target's certificate.
+    let probe = target_spec(&web1, "web-probe");
+    let uri = b.prepare_incoming(&probe).await.unwrap();
+    let port: u16 = uri.rsplit_once(':').unwrap().1.parse().unwrap();
+    assert!(
+        uri.starts_with("tls+tcp:127.0.0.1:") && PORTS.contains(&port),
+        "{uri}"
+    );
+    a.migrate_tuned("web-1", &uri, &tls_to("not-b"))
+        .await
+        .unwrap();
+    let (progress, _) = wait_migration(&a, "web-1").await;
+    assert!(
+        matches!(progress, MigrationProgress::Failed { .. }),
+        "{progress:?}"
+    );
+    assert_eq!(a.info("web-1").await.unwrap().state, DomainState::Running);
+    let _ = b.kill("web-probe").await;
+    b.cleanup("web-probe").await.unwrap();
+
+    let mut ch = migrate_and_check_with(&a, &web1, &b, "web-2", &before, &tls_to("b")).await;
+    assert_eq!(ch.get(3).await.unwrap(), "over-tls");
+
+    // A target with a certificate of another CA: refused, the guest keeps
+    // running on the source, the same boot, still counting.
+    let uri = c
+        .prepare_incoming(&target_spec(&web1, "web-3"))
+        .await
+        .unwrap();
+    b.migrate_tuned("web-2", &uri, &tls_to("c")).await.unwrap();
+    let (progress, _) = wait_migration(&b, "web-2").await;
+    let MigrationProgress::Failed { reason } = progress else {
+        panic!("a target of another CA got the guest: {progress:?}");
+    };
+    eprintln!("target of another CA: {reason}");
+    assert_eq!(b.info("web-2").await.unwrap().state, DomainState::Running);
+    let refused_at = ch.ticks().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now = ch.ticks().await.unwrap();
+        assert_eq!(now.boot_id, before.boot_id, "the guest rebooted");
+        if now.ticks > refused_at.ticks {
+            break;
+        }
+        assert!(Instant::now() < deadline, "ticks stuck at {}", now.ticks);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_ne!(
+        c.info("web-3").await.unwrap().state,
+        DomainState::Running,
+        "the foreign target runs"
+    );
+    let _ = c.kill("web-3").await;
+    c.cleanup("web-3").await.unwrap();
+
+    // No plain TCP from a node with credentials, none to a node with them
+    // from one without: refused before QEMU sends anything.
+    let uri = plain
+        .prepare_incoming(&target_spec(&web1, "web-4"))
+        .await
+        .unwrap();
+    assert!(uri.starts_with("tcp:127.0.0.1:"), "{uri}");
+    let err = b.migrate("web-2", &uri).await.unwrap_err();
+    assert!(err.to_string().contains("in the clear"), "{err}");
+    // The earlier attempt's outcome stays: nothing new was sent.
+    assert!(matches!(
+        b.migration_status("web-2").await.unwrap(),
+        MigrationProgress::Failed { .. }
+    ));
+    plain.kill("web-4").await.unwrap();
+    plain.cleanup("web-4").await.unwrap();
+    let web5 = spec("web5", "web-5");
+    boot(&plain, &web5).await;
+    let uri = b
+        .prepare_incoming(&target_spec(&web5, "web-6"))
+        .await
+        .unwrap();
+    let err = plain.migrate("web-5", &uri).await.unwrap_err();
+    assert!(
+        err.to_string().contains("no migration credentials"),
+        "{err}"
+    );
+    for (hv, instance) in [(&b, "web-6"), (&plain, "web-5"), (&b, "web-2")] {
+        hv.kill(instance).await.unwrap();
+        hv.cleanup(instance).await.unwrap();
+    }
 }

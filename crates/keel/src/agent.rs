@@ -200,6 +200,8 @@ pub struct AgentConfig {
     pub lifecycle: LifecycleConfig,
     /// How long SIGTERM freezes the node for (0: no freeze).
     pub restart_freeze_ms: u64,
+    /// How incoming migrations travel; default: a Unix socket.
+    pub migration: crate::migration_setup::MigrationSettings,
 }
 
 impl AgentConfig {
@@ -223,6 +225,7 @@ impl AgentConfig {
             keeper: None,
             lifecycle: LifecycleConfig::default(),
             restart_freeze_ms: 5 * 60 * 1000,
+            migration: Default::default(),
         }
     }
 
@@ -237,6 +240,7 @@ impl AgentConfig {
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
+            migration: self.migration.clone(),
         }
     }
 }
@@ -386,6 +390,12 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.runtime_dir = args.runtime_dir;
     cfg.restart_freeze_ms = args.restart_freeze * 1000;
     cfg.image_dir = args.image_dir;
+    cfg.migration = crate::migration_setup::settings(
+        &cfg.data_dir,
+        &cfg.store,
+        args.migration_listen.as_ref(),
+        args.insecure_migration,
+    )?;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

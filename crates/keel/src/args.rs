@@ -60,6 +60,8 @@ pub enum Command {
     Image(ImageCommand),
     /// Measure Keel itself (`keel bench scale`: many VMs on the sim driver).
     Bench(BenchCommand),
+    /// Cluster-wide setup: the CA and node certificates of the migration stream.
+    Cluster(ClusterCommand),
     /// Internal: runs one QEMU under the node's fence lease (started by a
     /// node agent's QEMU driver; see keel_hv::qemu::keeper).
     #[command(hide = true)]
@@ -241,6 +243,85 @@ pub struct AgentArgs {
     /// once the lease lapses, about 20 s). At most 1h.
     #[arg(long, value_parser = parse_window, default_value = "5m")]
     pub restart_freeze: u64,
+    /// Where incoming live migrations listen: ADDR:FIRST-LAST (a port
+    /// range), advertised on the node record. Default: this host's address
+    /// towards the store, ports 49152-49215 — when the node has migration
+    /// credentials (DATA_DIR/migration-tls, from `keel cluster issue-cert`)
+    /// or --insecure-migration; else a Unix socket (same-host migrations
+    /// only).
+    #[arg(long, env = "KEEL_MIGRATION_LISTEN", value_parser = parse_migration_listen)]
+    pub migration_listen: Option<MigrationListen>,
+    /// Allow migration streams over plain TCP, unencrypted and
+    /// unauthenticated, when this node has no migration credentials.
+    #[arg(long)]
+    pub insecure_migration: bool,
+}
+
+/// `--migration-listen ADDR:FIRST-LAST`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigrationListen {
+    pub address: std::net::IpAddr,
+    pub ports: std::ops::RangeInclusive<u16>,
+}
+
+/// libvirt's default migration ports.
+pub const DEFAULT_MIGRATION_PORTS: std::ops::RangeInclusive<u16> = 49152..=49215;
+
+pub fn parse_migration_listen(s: &str) -> Result<MigrationListen, String> {
+    let bad = |why: &str| {
+        format!(
+            "--migration-listen {s:?}: {why} (expected ADDR:FIRST-LAST, e.g. 10.0.0.7:49152-49215)"
+        )
+    };
+    let (addr, ports) = s.rsplit_once(':').ok_or_else(|| bad("no port range"))?;
+    let addr = addr
+        .strip_prefix('[')
+        .and_then(|a| a.strip_suffix(']'))
+        .unwrap_or(addr);
+    let address: std::net::IpAddr = addr.parse().map_err(|_| bad("not an IP address"))?;
+    if address.is_unspecified() || address.is_multicast() {
+        return Err(bad(
+            "the address is given to other nodes: it must be one they can reach",
+        ));
+    }
+    let (first, last) = match ports.split_once('-') {
+        Some((a, b)) => (a, b),
+        None => (ports, ports),
+    };
+    let port = |p: &str| p.parse::<u16>().ok().filter(|p| *p > 0);
+    match (port(first), port(last)) {
+        (Some(a), Some(b)) if a <= b => Ok(MigrationListen {
+            address,
+            ports: a..=b,
+        }),
+        _ => Err(bad("ports must be 1-65535, first <= last")),
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct ClusterCommand {
+    #[command(subcommand)]
+    pub verb: ClusterVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ClusterVerb {
+    /// Create the cluster's migration CA (ca-cert.pem, ca-key.pem mode 0600) in CA_DIR.
+    InitCa {
+        #[arg(long, default_value = "./keel-ca")]
+        ca_dir: PathBuf,
+    },
+    /// Issue NODE's migration certificate from the CA into the node's data
+    /// dir (DATA_DIR/migration-tls, keys mode 0600); the agent uses it on
+    /// its next start.
+    IssueCert {
+        node: String,
+        #[arg(long, default_value = "./keel-ca")]
+        ca_dir: PathBuf,
+        /// The node agent's --data-dir.
+        #[arg(long, default_value = DEFAULT_DATA_DIR)]
+        data_dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]

@@ -32,6 +32,9 @@ pub struct HypervisorOptions {
     pub sim: SimConfig,
     pub guest_dir: Option<PathBuf>,
     pub accel: AccelChoice,
+    /// How incoming migrations travel (see [`crate::migration_setup`]);
+    /// default: a Unix socket.
+    pub migration: crate::migration_setup::MigrationSettings,
 }
 
 /// The one place a hypervisor driver is chosen (for `keel serve` and
@@ -55,6 +58,11 @@ pub async fn make_hypervisor(
                 config = config.with_test_guest(&dir);
             }
             config.accel = cfg.accel;
+            if let Some(listen) = &cfg.migration.listen {
+                config.migration_address = Some(listen.address);
+                config.migration_ports = Some(listen.ports.clone());
+            }
+            config.migration_tls = cfg.migration.tls.clone();
             let driver = QemuDriver::new(config)
                 .await
                 .context("starting the qemu driver")?;

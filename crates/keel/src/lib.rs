@@ -19,5 +19,6 @@ pub mod host;
 pub mod host_tools;
 pub mod hypervisor;
 pub mod metrics;
+pub mod migration_setup;
 pub mod serve;
 pub mod timefmt;

@@ -36,6 +36,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => match cmd.verb {
             keel::args::BenchVerb::Scale(args) => keel::bench_scale::main(args),
         },
+        Command::Cluster(cmd) => keel::migration_setup::cluster(cmd),
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

@@ -137,6 +137,7 @@ impl ServeConfig {
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
             accel: self.accel,
+            migration: Default::default(),
         }
     }
 }

@@ -95,6 +95,11 @@ impl Drop for Env {
 
 impl Env {
     pub async fn new() -> Option<Env> {
+        Self::new_with(|c| c).await
+    }
+
+    /// [`Env::new`] with the first node's ("local") driver config changed.
+    pub async fn new_with(tweak: impl FnOnce(QemuConfig) -> QemuConfig) -> Option<Env> {
         let guest = guest_dir()?;
         let dir = tempfile::tempdir().unwrap();
         let data_dir = dir.path().canonicalize().unwrap();
@@ -102,7 +107,7 @@ impl Env {
             SqliteStore::open(data_dir.join("keel.db")).unwrap(),
         ));
         let mut env = Env {
-            driver: Self::driver(&data_dir, &guest, 0).await,
+            driver: Self::driver(&data_dir, &guest, 0, tweak).await,
             nodes: Vec::new(),
             store,
             data_dir,
@@ -118,16 +123,30 @@ impl Env {
     /// share storage, so VMs can migrate between them.
     /// Node `index` keeps its instances in `<data dir>/n<index>` (short:
     /// socket paths are limited to 107 bytes).
-    async fn driver(data_dir: &Path, guest: &Path, index: usize) -> QemuDriver {
+    async fn driver(
+        data_dir: &Path,
+        guest: &Path,
+        index: usize,
+        tweak: impl FnOnce(QemuConfig) -> QemuConfig,
+    ) -> QemuDriver {
         let mut config = QemuConfig::new(data_dir.join(format!("n{index}"))).with_test_guest(guest);
         config.accel = AccelChoice::Tcg;
         config.disk_dir = Some(data_dir.join("shared-disks"));
-        QemuDriver::new(config).await.unwrap()
+        QemuDriver::new(tweak(config)).await.unwrap()
     }
 
     /// Adds another node, with its own QEMU driver and agent.
     pub async fn add_node(&mut self, name: &str) -> QemuDriver {
-        let driver = Self::driver(&self.data_dir, &self.guest, self.nodes.len()).await;
+        self.add_node_with(name, |c| c).await
+    }
+
+    /// [`Env::add_node`] with the node's driver config changed.
+    pub async fn add_node_with(
+        &mut self,
+        name: &str,
+        tweak: impl FnOnce(QemuConfig) -> QemuConfig,
+    ) -> QemuDriver {
+        let driver = Self::driver(&self.data_dir, &self.guest, self.nodes.len(), tweak).await;
         self.start_agent(name, driver.clone()).await;
         driver
     }

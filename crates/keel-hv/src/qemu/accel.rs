@@ -143,6 +143,7 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Resul
         incoming: false,
         nic: None,
         seed: None,
+        direct_io: false,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

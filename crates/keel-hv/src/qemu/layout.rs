@@ -381,6 +381,10 @@ pub struct LaunchPlan {
     pub nic: Option<super::network::NicPlan>,
     /// The cloud-init seed image, attached after the disks.
     pub seed: Option<PathBuf>,
+    /// Open the disks with `cache=none` (O_DIRECT, bypassing the host's
+    /// page cache) rather than `cache=writeback`: shared storage, where
+    /// another host's QEMU takes over the images (see `disks`).
+    pub direct_io: bool,
 }
 
 impl LaunchPlan {
@@ -471,10 +475,12 @@ impl LaunchPlan {
             push(&["-S"]);
         }
         for (i, disk) in self.disks.iter().enumerate() {
-            // cache=writeback: the guest sees a volatile write cache, so its
-            // flushes reach QEMU and become fsync on the image file.
+            // Both modes show the guest a volatile write cache, so its
+            // flushes reach QEMU and become fsync on the image file;
+            // cache=none also keeps the host's page cache out of the way.
+            let cache = if self.direct_io { "none" } else { "writeback" };
             let drive = format!(
-                "file={},format=qcow2,cache=writeback,id=disk{i}",
+                "file={},format=qcow2,cache={cache},id=disk{i}",
                 opt_escape(disk)
             );
             if i == 0 && self.boot.boots_first_disk() {
@@ -561,6 +567,7 @@ mod tests {
                 .unwrap(),
             ),
             seed: Some("/data,x/instances/web-1/cidata.img".into()),
+            direct_io: false,
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -603,6 +610,15 @@ mod tests {
             "TCG keeps the default CPU"
         );
         assert!(!args.iter().any(|a| a == "-incoming"));
+
+        let direct = LaunchPlan {
+            direct_io: true,
+            ..plan.clone()
+        };
+        assert!(direct
+            .args()
+            .iter()
+            .any(|a| a == "file=/d/a.qcow2,if=virtio,format=qcow2,cache=none,id=disk0"));
 
         let incoming = LaunchPlan {
             incoming: true,

@@ -20,11 +20,24 @@
 //! needs no port allocation, cannot collide with other services, is
 //! reachable only by local processes allowed into the data dir, and is all
 //! one host needs (tests, benchmarks). With `QemuConfig::migration_address`
-//! set, the target listens on TCP on that address with a port the kernel
-//! picks (`tcp:<addr>:0`; `query-migrate` reports the real port), which is
-//! what separate hosts need. Only `unix:` and `tcp:` URIs are accepted from
-//! callers: the URI comes from the store, and QEMU's `exec:` would run a
-//! command.
+//! set, the target listens on TCP on that address, on the first free port
+//! of `migration_ports` (or one the kernel picks; `query-migrate` reports
+//! the real port), which is what separate hosts need.
+//!
+//! TLS. With `QemuConfig::migration_tls` (a credentials directory, see
+//! [`super::tls`]) both ends add a `tls-creds-x509` object with
+//! `verify-peer` on and set it as the migration's `tls-creds`; the target
+//! then hands out `tls+tcp:<addr>:<port>` (Keel's own scheme, sent to QEMU
+//! as `tcp:`), and the source sets `tls-hostname` to the target node's
+//! name, which the target's certificate must carry. A target refuses a
+//! source without a certificate of the cluster CA, a source refuses a
+//! target without one naming it; neither falls back to plain TCP. A source
+//! with credentials does not send to a plain `tcp:` target either, and one
+//! without credentials cannot send to a `tls+tcp:` target: the transport is
+//! the target's to choose, and a mismatch fails before QEMU sends a byte.
+//!
+//! Only `unix:`, `tcp:` and `tls+tcp:` URIs are accepted from callers: the
+//! URI comes from the store, and QEMU's `exec:` would run a command.
 //!
 //! Explicit state: `query-migrate` reports the last migration in *either*
 //! direction, so an instance that arrived by migration says `completed`
@@ -45,7 +58,7 @@
 //! it fills in those figures (`migration_calculate_complete`), so a poll can
 //! see `completed` with zeros; that is still reported as active.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use keel_api::{Clock, Millis, SystemClock};
@@ -166,8 +179,16 @@ impl MigrateInfo {
     }
 }
 
-/// Accepts `unix:<absolute path>` and `tcp:<host>:<port>` (IPv6 hosts in
-/// brackets), nothing else.
+/// The URI scheme of a TLS-protected TCP stream: Keel's own, so the
+/// transport travels with the URI the target hands out.
+pub const TLS_SCHEME: &str = "tls+tcp:";
+
+/// The id of the `tls-creds-x509` object Keel adds to a QEMU for its
+/// migration stream.
+const TLS_CREDS_ID: &str = "keel-migration-tls";
+
+/// Accepts `unix:<absolute path>`, `tcp:<host>:<port>` and
+/// `tls+tcp:<host>:<port>` (IPv6 hosts in brackets), nothing else.
 pub fn validate_uri(uri: &str) -> Result<(), String> {
     if uri.chars().any(char::is_control) {
         return Err(format!("migration URI {uri:?} contains control characters"));
@@ -185,32 +206,65 @@ pub fn validate_uri(uri: &str) -> Result<(), String> {
         }
         return Ok(());
     }
-    if let Some(rest) = uri.strip_prefix("tcp:") {
-        let bad = |why: &str| Err(format!("migration URI {uri:?}: {why}"));
-        let Some((host, port)) = rest.rsplit_once(':') else {
-            return bad("expected tcp:<host>:<port>");
-        };
-        match port.parse::<u16>() {
-            Ok(p) if p > 0 => {}
-            _ => return bad("port must be 1-65535"),
-        }
-        let host_ok = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-            Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
-            None => {
-                !host.is_empty()
-                    && host
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
-            }
-        };
-        if !host_ok {
-            return bad("invalid host");
-        }
+    if let Some(rest) = uri
+        .strip_prefix("tcp:")
+        .or_else(|| uri.strip_prefix(TLS_SCHEME))
+    {
+        tcp_host(rest).map_err(|why| format!("migration URI {uri:?}: {why}"))?;
         return Ok(());
     }
     Err(format!(
-        "unsupported migration URI {uri:?}: expected unix:<path> or tcp:<host>:<port>"
+        "unsupported migration URI {uri:?}: expected unix:<path>, tcp:<host>:<port> or \
+         tls+tcp:<host>:<port>"
     ))
+}
+
+/// The host of `<host>:<port>` (without an IPv6 address's brackets), if
+/// both are well-formed.
+fn tcp_host(rest: &str) -> Result<&str, &'static str> {
+    let Some((host, port)) = rest.rsplit_once(':') else {
+        return Err("expected tcp:<host>:<port>");
+    };
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => return Err("port must be 1-65535"),
+    }
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) if v6.parse::<std::net::Ipv6Addr>().is_ok() => Ok(v6),
+        Some(_) => Err("invalid host"),
+        None if !host.is_empty()
+            && host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-') =>
+        {
+            Ok(host)
+        }
+        None => Err("invalid host"),
+    }
+}
+
+/// Adds (or re-adds, reading the files anew) the migration's TLS
+/// credentials object to a QEMU: `endpoint` is `server` on the target,
+/// `client` on the source.
+async fn add_tls_creds(client: &QmpClient, dir: &Path, endpoint: &str) -> Result<(), QmpError> {
+    // Left by an earlier attempt; a missing object is the usual case.
+    let _ = client
+        .execute("object-del", Some(json!({ "id": TLS_CREDS_ID })))
+        .await;
+    client
+        .execute(
+            "object-add",
+            Some(json!({
+                "qom-type": "tls-creds-x509",
+                "id": TLS_CREDS_ID,
+                // Checked to be UTF-8 when the driver started.
+                "dir": dir.to_string_lossy(),
+                "endpoint": endpoint,
+                "verify-peer": true,
+            })),
+        )
+        .await
+        .map(drop)
 }
 
 pub async fn query_migrate(client: &QmpClient) -> Result<MigrateInfo, QmpError> {
@@ -241,6 +295,33 @@ pub fn read_outgoing(
 }
 
 impl QemuDriver {
+    /// How this driver receives migrations, as its node advertises it.
+    pub fn migration_endpoint(&self) -> keel_api::MigrationEndpoint {
+        use keel_api::MigrationTransport;
+        let config = &self.inner.config;
+        let Some(ip) = config.migration_address else {
+            return keel_api::MigrationEndpoint {
+                transport: MigrationTransport::Unix,
+                listen: None,
+            };
+        };
+        let ports = match &config.migration_ports {
+            Some(r) => format!("{}-{}", r.start(), r.end()),
+            None => "any".into(),
+        };
+        keel_api::MigrationEndpoint {
+            transport: if config.migration_tls.is_some() {
+                MigrationTransport::TcpTls
+            } else {
+                MigrationTransport::Tcp
+            },
+            listen: Some(match ip {
+                IpAddr::V4(v4) => format!("{v4}:{ports}"),
+                IpAddr::V6(v6) => format!("[{v6}]:{ports}"),
+            }),
+        }
+    }
+
     /// Target side, right after the new QEMU's QMP answered: start
     /// listening and return the URI for the source.
     pub(super) async fn listen_incoming(
@@ -248,26 +329,78 @@ impl QemuDriver {
         paths: &InstancePaths,
         client: &QmpClient,
     ) -> Result<String, String> {
-        let address = self.inner.config.migration_address;
-        let listen = match address {
+        let config = &self.inner.config;
+        let Some(ip) = config.migration_address else {
             // The data dir is checked to be UTF-8 at driver start.
-            None => format!("unix:{}", paths.migrate_sock.display()),
-            Some(ip) => format!("tcp:{}", SocketAddr::new(ip, 0)),
-        };
-        client
-            .execute("migrate-incoming", Some(json!({ "uri": listen })))
-            .await
-            .map_err(|e| format!("migrate-incoming {listen}: {e}"))?;
-        let Some(ip) = address else {
+            let listen = format!("unix:{}", paths.migrate_sock.display());
+            client
+                .execute("migrate-incoming", Some(json!({ "uri": listen })))
+                .await
+                .map_err(|e| format!("migrate-incoming {listen}: {e}"))?;
             return Ok(listen);
         };
-        let info = query_migrate(client)
-            .await
-            .map_err(|e| format!("query-migrate after migrate-incoming: {e}"))?;
-        let port = info
-            .listening_port()
-            .ok_or_else(|| format!("QEMU did not report the port it listens on for {listen}"))?;
-        Ok(format!("tcp:{}", SocketAddr::new(ip, port)))
+        let scheme = match &config.migration_tls {
+            Some(dir) => {
+                add_tls_creds(client, dir, "server")
+                    .await
+                    .map_err(|e| format!("migration TLS credentials {}: {e}", dir.display()))?;
+                client
+                    .execute(
+                        "migrate-set-parameters",
+                        Some(json!({ "tls-creds": TLS_CREDS_ID })),
+                    )
+                    .await
+                    .map_err(|e| format!("migrate-set-parameters tls-creds: {e}"))?;
+                TLS_SCHEME
+            }
+            None => "tcp:",
+        };
+        let port = self.listen_tcp(client, ip).await?;
+        Ok(format!("{scheme}{}", SocketAddr::new(ip, port)))
+    }
+
+    /// `migrate-incoming` on the first port of the configured range that
+    /// binds (from a random point, so that targets started together do not
+    /// all try the same ports first), or on one the kernel picks; returns
+    /// the port.
+    async fn listen_tcp(&self, client: &QmpClient, ip: IpAddr) -> Result<u16, String> {
+        let (first, last) = match &self.inner.config.migration_ports {
+            Some(range) => (*range.start(), *range.end()),
+            None => (0, 0),
+        };
+        let count = u32::from(last - first) + 1;
+        let offset = rand::random::<u32>() % count;
+        let mut refusals = Vec::new();
+        for i in 0..count {
+            let port = first + ((offset + i) % count) as u16;
+            let listen = format!("tcp:{}", SocketAddr::new(ip, port));
+            match client
+                .execute("migrate-incoming", Some(json!({ "uri": listen })))
+                .await
+            {
+                Ok(_) if port != 0 => return Ok(port),
+                Ok(_) => {
+                    let info = query_migrate(client)
+                        .await
+                        .map_err(|e| format!("query-migrate after migrate-incoming: {e}"))?;
+                    return info.listening_port().ok_or_else(|| {
+                        format!("QEMU did not report the port it listens on for {listen}")
+                    });
+                }
+                // Taken (by another target, or anything else): the next.
+                // QEMU accepts another `migrate-incoming` after a failed one.
+                Err(e @ QmpError::Command { .. }) => {
+                    if refusals.len() < 3 {
+                        refusals.push(format!("{port}: {e}"));
+                    }
+                }
+                Err(e) => return Err(format!("migrate-incoming {listen}: {e}")),
+            }
+        }
+        Err(format!(
+            "no port of {first}-{last} on {ip} could be listened on ({})",
+            refusals.join("; ")
+        ))
     }
 
     pub(super) async fn migrate_out(
@@ -283,6 +416,30 @@ impl QemuDriver {
             reason,
         };
         validate_uri(uri).map_err(failed)?;
+        let tls_dir = self.inner.config.migration_tls.as_deref();
+        // What QEMU is told: Keel's tls+tcp: is QEMU's tcp: with TLS set.
+        let (qemu_uri, tls) = match uri.strip_prefix(TLS_SCHEME) {
+            Some(rest) => {
+                let Some(dir) = tls_dir else {
+                    return Err(failed(format!(
+                        "the target listens with TLS ({uri}), and this node has no migration \
+                         credentials (keel cluster issue-cert)"
+                    )));
+                };
+                let peer = match &params.tls_peer {
+                    Some(name) => name.clone(),
+                    None => tcp_host(rest).map_err(|e| failed(e.into()))?.to_string(),
+                };
+                (format!("tcp:{rest}"), Some((dir, peer)))
+            }
+            None if uri.starts_with("tcp:") && tls_dir.is_some() => {
+                return Err(failed(format!(
+                    "the target listens without TLS ({uri}); this node has migration \
+                     credentials and does not send a guest's memory in the clear"
+                )))
+            }
+            None => (uri.to_string(), None),
+        };
         let domain = self.existing(instance, OP)?;
         match domain.phase() {
             Phase::Live { .. } => {}
@@ -336,6 +493,20 @@ impl QemuDriver {
             .await
             .map_err(qmp_err)?;
         let mut set = serde_json::Map::new();
+        match &tls {
+            Some((dir, peer)) => {
+                add_tls_creds(&client, dir, "client").await.map_err(|e| {
+                    failed(format!("migration TLS credentials {}: {e}", dir.display()))
+                })?;
+                set.insert("tls-creds".into(), json!(TLS_CREDS_ID));
+                set.insert("tls-hostname".into(), json!(peer));
+            }
+            // An earlier attempt of this instance may have set them.
+            None => {
+                set.insert("tls-creds".into(), json!(""));
+                set.insert("tls-hostname".into(), json!(""));
+            }
+        }
         if let Some(bytes_per_s) = params
             .max_bandwidth
             .or(self.inner.config.migration_max_bandwidth)
@@ -345,12 +516,10 @@ impl QemuDriver {
         if let Some(ms) = params.downtime_limit_ms {
             set.insert("downtime-limit".into(), json!(ms));
         }
-        if !set.is_empty() {
-            client
-                .execute("migrate-set-parameters", Some(Value::Object(set)))
-                .await
-                .map_err(qmp_err)?;
-        }
+        client
+            .execute("migrate-set-parameters", Some(Value::Object(set)))
+            .await
+            .map_err(qmp_err)?;
         let record = OutgoingMigration {
             uri: uri.to_string(),
             started_at: SystemClock.now_ms(),
@@ -360,9 +529,12 @@ impl QemuDriver {
         // has its record, whatever happens to this call.
         write_json_atomic(&domain.paths.migration_out, &record)
             .map_err(|e| unavailable(instance, OP, format!("write migration record: {e}")))?;
-        match client.execute("migrate", Some(json!({ "uri": uri }))).await {
+        match client
+            .execute("migrate", Some(json!({ "uri": qemu_uri })))
+            .await
+        {
             Ok(_) => {
-                tracing::info!(instance, uri, "migration started");
+                tracing::info!(instance, uri, tls = tls.is_some(), "migration started");
                 Ok(())
             }
             Err(e @ QmpError::Command { .. }) => {
@@ -565,6 +737,8 @@ mod tests {
             "tcp:10.0.0.7:49152",
             "tcp:node-b.example:4444",
             "tcp:[fd00::7]:4444",
+            "tls+tcp:10.0.0.7:49152",
+            "tls+tcp:[fd00::7]:4444",
         ] {
             assert_eq!(validate_uri(ok), Ok(()), "{ok}");
         }
@@ -576,11 +750,16 @@ mod tests {
             "tcp::4444",
             "tcp:fd00::7:4444",
             "tcp:a,b:4444",
+            "tls+tcp:10.0.0.7",
+            "tls:10.0.0.7:4444",
+            "tcp:[nope]:4444",
             "fd:3",
             "unix:/x\n",
             "",
         ] {
             assert!(validate_uri(bad).is_err(), "{bad}");
         }
+        assert_eq!(tcp_host("[fd00::7]:4444"), Ok("fd00::7"));
+        assert_eq!(tcp_host("node-b:4444"), Ok("node-b"));
     }
 }

@@ -18,7 +18,16 @@ pub fn run(cmd: MigrationCommand) -> anyhow::Result<()> {
             let list: MigrationList = client.get(&path)?;
             output::print(out, &list, || {
                 let mut t = Table::new(&[
-                    "ID", "VM", "PHASE", "FROM", "TO", "CREATED", "DOWNTIME", "TUNING", "MESSAGE",
+                    "ID",
+                    "VM",
+                    "PHASE",
+                    "FROM",
+                    "TO",
+                    "CREATED",
+                    "TRANSPORT",
+                    "DOWNTIME",
+                    "TUNING",
+                    "MESSAGE",
                 ]);
                 for item in &list.items {
                     let m = &item.migration;
@@ -29,6 +38,7 @@ pub fn run(cmd: MigrationCommand) -> anyhow::Result<()> {
                         format!("{} ({})", m.source_node, m.source_instance),
                         format!("{} ({})", m.target_node, m.target_instance),
                         rfc3339(m.created_at),
+                        m.transport().map_or_else(|| "-".into(), |t| t.to_string()),
                         m.status
                             .downtime_ms
                             .map(|d| format!("{d}ms"))

@@ -1,0 +1,264 @@
+//! A VM's disk images as a start needs them: created (qcow2, on a verified
+//! image or blank) only where the spec allows it, required to exist
+//! otherwise, and the UEFI variable store beside them.
+//!
+//! The disk dir's identity ([`storage_identity`]) tells nodes whether they
+//! see the same images: the same path on two hosts is not the same storage
+//! unless both read the same marker there.
+
+use std::io;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use keel_api::validate_name;
+
+use super::boot;
+use super::layout::rename_noreplace;
+use super::QemuDriver;
+use crate::{DomainSpec, HvError};
+
+impl QemuDriver {
+    /// Where disk `disk` of `vm` is (or would be) stored.
+    pub fn disk_path(&self, vm: &str, disk: &str) -> PathBuf {
+        match (validate_name("vm", vm), validate_name("disk", disk)) {
+            (Ok(()), Ok(())) => self.inner.layout.disk(vm, disk),
+            _ => self.inner.layout.disks_dir().join(".invalid-name"),
+        }
+    }
+
+    /// Creates missing qcow2 images if `create`; existing ones are left as
+    /// they are. Without `create` a missing image fails, naming it: the VM
+    /// has run on its disks, and a blank one must never take their place.
+    /// Returns the image paths in `disks` order, or why not.
+    pub(super) async fn ensure_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        create: bool,
+        images: &[(keel_api::Image, PathBuf)],
+    ) -> Result<Vec<PathBuf>, String> {
+        let vm_dir = self.inner.layout.vm_disks(vm);
+        tokio::fs::create_dir_all(&vm_dir)
+            .await
+            .map_err(|e| format!("{}: {e}", vm_dir.display()))?;
+        let mut paths = Vec::new();
+        for disk in disks {
+            let path = self.inner.layout.disk(vm, &disk.name);
+            if !create && !path.exists() {
+                return Err(format!(
+                    "disk {} of VM {vm} is missing at {}: the VM has run on its disks, so no \
+                     blank one is made in its place (wrong node, or shared storage not mounted?)",
+                    disk.name,
+                    path.display()
+                ));
+            }
+            if !path.exists() {
+                // Built under a temporary name and moved into place, so a
+                // crash never leaves a half-written image that looks ready.
+                let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
+                let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
+                cmd.args(["create", "-q", "-f", "qcow2"]);
+                if let Some(name) = &disk.image {
+                    // The VM's own overlay on the verified image: the image
+                    // is never written, the overlay holds every change.
+                    let (image, path) =
+                        images
+                            .iter()
+                            .find(|(i, _)| &i.name == name)
+                            .ok_or_else(|| {
+                                format!(
+                                    "disk {} of VM {vm} is made from image {name} at the VM's \
+                                 first start, which has not happened yet",
+                                    disk.name
+                                )
+                            })?;
+                    cmd.args(["-F", image.format.as_str(), "-b"]).arg(path);
+                }
+                let out = cmd
+                    .arg(&tmp)
+                    .arg(format!("{}M", disk.size_mib))
+                    .stdin(Stdio::null())
+                    .output()
+                    .await
+                    .map_err(|e| format!("run {}: {e}", self.inner.config.qemu_img.display()))?;
+                if !out.status.success() {
+                    let _ = std::fs::remove_file(&tmp);
+                    return Err(format!(
+                        "qemu-img create {} ({}): {}",
+                        path.display(),
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ));
+                }
+                match rename_noreplace(&tmp, &path) {
+                    Ok(()) => {}
+                    // Another start created it meanwhile; theirs is as good.
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                        let _ = std::fs::remove_file(&tmp);
+                    }
+                    Err(e) => return Err(format!("{}: {e}", path.display())),
+                }
+            }
+            paths.push(path);
+        }
+        Ok(paths)
+    }
+
+    /// The VM's own UEFI variable store beside its disks, copied from
+    /// OVMF's template when missing (first UEFI start). An incoming target
+    /// uses the source's and never makes one.
+    pub(super) fn ensure_uefi_vars(&self, spec: &DomainSpec, incoming: bool) -> Result<(), String> {
+        if spec.boot.firmware != Some(keel_api::Firmware::Uefi) {
+            return Ok(());
+        }
+        let vm_dir = self.inner.layout.vm_disks(&spec.vm);
+        let vars = vm_dir.join(boot::UEFI_VARS);
+        if vars.is_file() {
+            return Ok(());
+        }
+        if incoming {
+            return Err(format!(
+                "UEFI variable store of VM {} not found at {}: live migration needs the disk \
+                 dir on storage shared with the source node",
+                spec.vm,
+                vars.display()
+            ));
+        }
+        let template = &self.inner.config.ovmf_vars;
+        let tmp = vm_dir.join(format!(".{}.{}.tmp", boot::UEFI_VARS, std::process::id()));
+        std::fs::create_dir_all(&vm_dir)
+            .and_then(|()| std::fs::copy(template, &tmp))
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .map_err(|e| {
+                let _ = std::fs::remove_file(&tmp);
+                format!(
+                    "copy UEFI variable store template {} (Debian's ovmf package): {e}",
+                    template.display()
+                )
+            })?;
+        match rename_noreplace(&tmp, &vars) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                let _ = std::fs::remove_file(&tmp);
+                Ok(())
+            }
+            Err(e) => Err(format!("{}: {e}", vars.display())),
+        }
+    }
+
+    /// The images of an incoming migration's target: they must exist, since
+    /// the source is running on them. A missing one means the disk dir is
+    /// not the storage the source uses; creating a blank image would hand
+    /// the guest an empty disk.
+    pub(super) fn existing_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
+        spec.disks
+            .iter()
+            .map(|disk| {
+                let path = self.inner.layout.disk(&spec.vm, &disk.name);
+                if path.is_file() {
+                    Ok(path)
+                } else {
+                    Err(HvError::Failed {
+                        instance: spec.instance.clone(),
+                        op: "prepare incoming migration",
+                        reason: format!(
+                            "disk {} of VM {} not found at {}: live migration needs the \
+                             disk dir on storage shared with the source node",
+                            disk.name,
+                            spec.vm,
+                            path.display()
+                        ),
+                    })
+                }
+            })
+            .collect()
+    }
+}
+
+/// Whether the filesystem at `disks` takes O_DIRECT (QEMU's `cache=none`):
+/// a probe file opened with it. Shared storage (`QemuConfig::disk_dir`)
+/// uses it where it can, because two hosts' page caches over a network
+/// filesystem are not coherent: at a migration's switch-over the target
+/// must read what the source wrote, not pages its own host cached before.
+/// Where the filesystem refuses (tmpfs), `cache=writeback` stays, with a
+/// warning: safe on one host (one page cache), not across hosts.
+pub fn direct_io(disks: &std::path::Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let probe = disks.join(format!(".keel-odirect-probe.{}", std::process::id()));
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&probe);
+    let _ = std::fs::remove_file(&probe);
+    match opened {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(
+                disk_dir = %disks.display(),
+                error = %e,
+                "the disk dir does not take O_DIRECT: disks use cache=writeback, which is \
+                 safe for migrations on one host only"
+            );
+            false
+        }
+    }
+}
+
+/// In the disk dir: a random id written once by the first node to use it.
+pub const STORAGE_ID_FILE: &str = ".keel-storage-id";
+
+/// The identity of the storage at `disks`: read from its marker, or made
+/// (exclusively, so two nodes starting together agree on the winner's).
+pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
+    use std::io::Write;
+    let path = disks.join(STORAGE_ID_FILE);
+    let read = |path: &std::path::Path| -> io::Result<Option<String>> {
+        match std::fs::read_to_string(path) {
+            Ok(text) if !text.trim().is_empty() => Ok(Some(text.trim().to_string())),
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    if let Some(id) = read(&path)? {
+        return Ok(id);
+    }
+    let id = hex::encode(rand::random::<[u8; 16]>());
+    let tmp = disks.join(format!(".{STORAGE_ID_FILE}.{}.tmp", std::process::id()));
+    std::fs::File::create(&tmp)
+        .and_then(|mut f| {
+            f.write_all(id.as_bytes())?;
+            f.sync_all()
+        })
+        .and_then(|()| rename_noreplace(&tmp, &path))
+        .or_else(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            // Another node made it meanwhile: theirs is the identity.
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })?;
+    read(&path)?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nodes_on_one_disk_dir_share_its_identity_and_others_do_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (shared, other) = (tmp.path().join("shared"), tmp.path().join("other"));
+        std::fs::create_dir_all(&shared).unwrap();
+        std::fs::create_dir_all(&other).unwrap();
+        let first = storage_identity(&shared).unwrap();
+        assert_eq!(first.len(), 32);
+        assert_eq!(storage_identity(&shared).unwrap(), first);
+        assert_ne!(storage_identity(&other).unwrap(), first);
+    }
+}

@@ -1,0 +1,310 @@
+//! The [`Hypervisor`] trait for the qemu driver: each operation delegates
+//! to the module that owns it, or is short enough to live here.
+
+use std::io;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_api::{validate_name, Clock, SystemClock};
+
+use super::monitor::Phase;
+use super::proc::PidFd;
+use super::{network, unavailable, QemuDriver};
+use crate::{
+    DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, MigrationProgress, NodeFacts,
+};
+
+#[async_trait]
+impl Hypervisor for QemuDriver {
+    async fn facts(&self) -> NodeFacts {
+        NodeFacts {
+            hypervisor: self.inner.qemu_version.clone(),
+            accelerator: self.inner.accelerator,
+            accelerator_note: self.inner.accelerator_note.clone(),
+            migration: Some(self.migration_endpoint()),
+            storage_id: Some(self.inner.storage_id.clone()),
+        }
+    }
+
+    async fn renew_fence(&self, valid_for: Duration) -> Result<(), HvError> {
+        if self.inner.config.keeper.is_none() {
+            return Ok(());
+        }
+        self.inner
+            .lease
+            .renew(valid_for)
+            .map_err(|e| HvError::Fence {
+                reason: format!("renew {}: {e}", self.inner.lease.path().display()),
+            })
+    }
+
+    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<crate::DomainExit>> {
+        Some(self.inner.exits.subscribe())
+    }
+
+    async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
+        self.start_domain(spec, false).await.map(drop)
+    }
+
+    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+        let uri = self.start_domain(spec, true).await?;
+        uri.ok_or_else(|| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "prepare incoming migration",
+            reason: "no listening URI was set up".into(),
+        })
+    }
+
+    async fn migrate_tuned(
+        &self,
+        instance: &str,
+        uri: &str,
+        params: &crate::MigrationParams,
+    ) -> Result<(), HvError> {
+        self.migrate_out(instance, uri, params).await
+    }
+
+    async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
+        self.outgoing_status(instance).await
+    }
+
+    async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
+        self.cancel_outgoing(instance).await
+    }
+
+    async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
+        self.resume_arrived(instance).await
+    }
+
+    async fn snapshot_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        instance: Option<&str>,
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.take_snapshot(vm, disks, instance, name).await
+    }
+
+    async fn restore_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.apply_snapshot(vm, disks, name).await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        name: &str,
+    ) -> Result<(), HvError> {
+        self.remove_snapshot(vm, disks, name).await
+    }
+
+    async fn console_tail(
+        &self,
+        instance: &str,
+        max_bytes: u64,
+    ) -> Result<(Vec<u8>, u64), HvError> {
+        self.read_console_log(instance, max_bytes).await
+    }
+
+    async fn console_contains(&self, instance: &str, text: &str) -> Result<bool, HvError> {
+        self.scan_console(instance, text).await
+    }
+
+    async fn open_console(&self, instance: &str) -> Result<crate::ConsoleStream, HvError> {
+        self.attach_console(instance).await
+    }
+
+    async fn guest_info(&self, instance: &str) -> Result<crate::GuestInfo, HvError> {
+        self.agent_info(instance).await
+    }
+
+    async fn fs_freeze(&self, instance: &str) -> Result<u32, HvError> {
+        self.agent_freeze(instance).await
+    }
+
+    async fn fs_thaw(&self, instance: &str) -> Result<u32, HvError> {
+        self.agent_thaw(instance).await
+    }
+
+    async fn guest_shutdown(&self, instance: &str) -> Result<(), HvError> {
+        self.agent_shutdown(instance).await
+    }
+
+    async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "shutdown")?;
+        let pid = match domain.phase() {
+            Phase::Exited(_) => return Ok(()),
+            Phase::Launching { .. } => {
+                return Err(unavailable(
+                    instance,
+                    "shutdown",
+                    "QEMU is still launching".into(),
+                ))
+            }
+            Phase::Live { pid } => pid,
+        };
+        let failure = match domain.qmp().await {
+            Ok(client) => match client.system_powerdown().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e.to_string(),
+            },
+            Err(e) => e,
+        };
+        // A domain that exited meanwhile needs no power-down.
+        domain
+            .state_without_qmp(pid, "shutdown", failure)
+            .await
+            .map(drop)
+    }
+
+    async fn kill(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "kill")?;
+        let pid = match domain.phase() {
+            Phase::Exited(_) => return Ok(()),
+            Phase::Launching { pid: None } => {
+                return Err(unavailable(
+                    instance,
+                    "kill",
+                    "QEMU is being spawned".into(),
+                ))
+            }
+            Phase::Launching { pid: Some(pid) } | Phase::Live { pid } => pid,
+        };
+        // Recorded before the signal: whoever sees the exit (this monitor, or
+        // a later Keel's scan) attributes it to us.
+        let marker = format!("{}\n", SystemClock.now_ms());
+        std::fs::write(&domain.paths.kill_marker, marker)
+            .map_err(|e| unavailable(instance, "kill", format!("write kill marker: {e}")))?;
+        match PidFd::open_verified(pid, &domain.marker) {
+            Ok(fd) => {
+                fd.signal(libc::SIGKILL).map_err(|e| HvError::Failed {
+                    instance: instance.to_string(),
+                    op: "kill",
+                    reason: format!("SIGKILL pid {pid}: {e}"),
+                })?;
+                tracing::info!(instance, pid, "sent SIGKILL");
+            }
+            // ESRCH or a cmdline mismatch: our QEMU is already gone.
+            Err(e) => tracing::debug!(instance, pid, "kill: process already gone: {e}"),
+        }
+        self.settle(&domain, Duration::from_secs(5)).await;
+        Ok(())
+    }
+
+    async fn info(&self, instance: &str) -> Result<DomainInfo, HvError> {
+        let domain = self.existing(instance, "info")?;
+        let state = domain.state().await?;
+        Ok(self.info_of(&domain, state))
+    }
+
+    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
+        let dir = self.inner.layout.instances_dir();
+        let entries = std::fs::read_dir(&dir).map_err(|e| HvError::Unavailable {
+            instance: "*".into(),
+            op: "list",
+            reason: format!("{}: {e}", dir.display()),
+        })?;
+        let mut names: Vec<String> = entries
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| validate_name("instance", n).is_ok())
+            .collect();
+        names.sort();
+        let mut out = Vec::with_capacity(names.len());
+        for name in names {
+            match self.info(&name).await {
+                Ok(info) => out.push(info),
+                // Cleaned up between the directory read and the lookup.
+                Err(HvError::NotFound { .. }) => {}
+                // A domain whose state is unknown makes the whole listing
+                // unknown: callers use it to prove a VM has no live instance.
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
+        let domain = self.existing(instance, "cleanup")?;
+        let state = match domain.phase() {
+            Phase::Exited(_) => None,
+            Phase::Launching { .. } => Some(DomainState::Starting),
+            Phase::Live { .. } => match domain.state().await {
+                Ok(DomainState::Exited(_)) => None,
+                Ok(state) => Some(state),
+                // Alive, just not answering: certainly not exited.
+                Err(HvError::Unavailable { .. }) => Some(DomainState::Running),
+                Err(e) => return Err(e),
+            },
+        };
+        if let Some(state) = state {
+            return Err(HvError::StillRunning {
+                instance: instance.to_string(),
+                state,
+            });
+        }
+        // The tap first: if it cannot go, the instance stays known and the
+        // next cleanup tries again.
+        if let Err(e) = network::release(instance) {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: e.to_string(),
+            });
+        }
+        let removed = domain.paths.remove_sockets().and_then(|()| {
+            match std::fs::remove_dir_all(&domain.paths.dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+                _ => Ok(()),
+            }
+        });
+        if let Err(e) = removed {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: format!("remove {}: {e}", domain.paths.dir.display()),
+            });
+        }
+        self.lock().remove(instance);
+        self.forget_guest(instance);
+        tracing::info!(instance, "cleaned up");
+        Ok(())
+    }
+
+    async fn delete_disks(&self, vm: &str) -> Result<(), HvError> {
+        let storage = |reason: String| HvError::Storage {
+            vm: vm.to_string(),
+            op: "delete_disks",
+            reason,
+        };
+        validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
+        let _vm = self.lock_vm(vm).await;
+        // Refuse rather than pull disks from under a running guest.
+        let live: Vec<String> = self
+            .list()
+            .await
+            .map_err(|e| storage(format!("cannot prove no instance is live: {e}")))?
+            .into_iter()
+            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .map(|d| d.instance)
+            .collect();
+        if !live.is_empty() {
+            return Err(storage(format!(
+                "instances still live: {}",
+                live.join(", ")
+            )));
+        }
+        let dir = self.inner.layout.vm_disks(vm);
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(storage(format!("remove {}: {e}", dir.display()))),
+        }
+    }
+}

@@ -1,0 +1,446 @@
+//! Starting an instance: validate the spec, reserve the name, claim the
+//! instance directory atomically, spawn QEMU (directly or under a fence
+//! keeper) in its own session, wait for QMP, and roll everything back if
+//! any step fails.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel_api::{validate_name, Clock, SystemClock};
+
+use super::layout::{
+    self, rename_noreplace, write_json_atomic, InstancePaths, LaunchPlan, LaunchRecord,
+};
+use super::monitor::{Domain, Phase, ProcessWatch};
+use super::proc::{self, PidFd};
+use super::qmp::{QmpClient, QmpEvent};
+use super::{boot, cloud_init, keeper, network, QemuDriver};
+use crate::{DomainSpec, HvError};
+
+impl QemuDriver {
+    fn plan(
+        &self,
+        spec: &DomainSpec,
+        disks: Vec<PathBuf>,
+        images: &[(keel_api::Image, PathBuf)],
+    ) -> Result<LaunchPlan, HvError> {
+        let failed = |reason: String| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "start",
+            reason,
+        };
+        let config = &self.inner.config;
+        let nic = Some(
+            network::NicPlan::new(&spec.vm, &spec.instance, &spec.network)
+                .map_err(|e| failed(e.to_string()))?,
+        );
+        let seed = spec
+            .cloud_init
+            .as_ref()
+            .map(|_| self.inner.layout.new_instance(&spec.instance).seed);
+        let defaults = boot::BootDefaults {
+            kernel: config.default_kernel.as_deref(),
+            initrd: config.default_initrd.as_deref(),
+            cmdline: &config.default_cmdline,
+            ovmf_code: &config.ovmf_code,
+        };
+        let vars = self.inner.layout.vm_disks(&spec.vm).join(boot::UEFI_VARS);
+        let boot = boot::plan(spec, images, &defaults, &vars).map_err(failed)?;
+        Ok(LaunchPlan {
+            instance: spec.instance.clone(),
+            paths: self.inner.layout.new_instance(&spec.instance),
+            accelerator: self.inner.accelerator,
+            machine: config.machine.clone(),
+            cpus: spec.cpus,
+            memory_mib: spec.memory_mib,
+            boot,
+            disks,
+            incoming: false,
+            nic,
+            seed,
+            direct_io: self.inner.direct_io,
+        })
+    }
+
+    /// Everything in `start` after the name is reserved. On error the caller
+    /// removes the reservation; this removes what it created on disk.
+    /// `incoming`: start waiting for a live migration instead of booting;
+    /// returns the URI the target listens on.
+    async fn launch(
+        &self,
+        spec: &DomainSpec,
+        domain: &Arc<Domain>,
+        incoming: bool,
+    ) -> Result<Option<String>, HvError> {
+        let instance = &spec.instance;
+        let op = if incoming {
+            "prepare incoming migration"
+        } else {
+            "start"
+        };
+        let failed = |reason: String| HvError::Failed {
+            instance: instance.clone(),
+            op,
+            reason,
+        };
+        // Before anything is created: a missing or changed image fails the
+        // start with the reason, and nothing else boots in its place.
+        let images = boot::verified_images(&self.inner.images, spec)
+            .await
+            .map_err(&failed)?;
+        let disks = if incoming {
+            self.existing_disks(spec)?
+        } else {
+            self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks, &images)
+                .await
+                .map_err(&failed)?
+        };
+        self.ensure_uefi_vars(spec, incoming).map_err(&failed)?;
+        let mut plan = self.plan(spec, disks, &images)?;
+        plan.incoming = incoming;
+        let args = plan.args();
+        let record = LaunchRecord {
+            spec: spec.clone(),
+            started_at: domain.started_at,
+            accelerator: plan.accelerator,
+            argv: std::iter::once(self.inner.config.qemu_binary.to_string_lossy().into_owned())
+                .chain(args.iter().cloned())
+                .collect(),
+            socket_dir: Some(plan.paths.sockets.clone()),
+        };
+        // The directory appears complete with its spec.json, or not at all.
+        let staging = self
+            .inner
+            .layout
+            .instances_dir()
+            .join(format!(".staging-{instance}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&staging);
+        let staged = InstancePaths::new(staging.clone(), staging.clone());
+        let prepared = std::fs::create_dir(&staging)
+            .and_then(|()| plan.paths.prepare_sockets())
+            .and_then(|()| match &spec.cloud_init {
+                Some(ci) => cloud_init::Seed::render(&spec.vm, ci).write_image(&staged.seed),
+                None => Ok(()),
+            })
+            .and_then(|()| write_json_atomic(&staged.spec, &record));
+        if let Err(e) = prepared {
+            let _ = std::fs::remove_dir_all(&staging);
+            let _ = plan.paths.remove_sockets();
+            return Err(failed(format!("{}: {e}", staging.display())));
+        }
+        if let Err(e) = rename_noreplace(&staging, &plan.paths.dir)
+            .and_then(|()| layout::sync_dir(&self.inner.layout.instances_dir()))
+        {
+            let _ = std::fs::remove_dir_all(&staging);
+            // The socket dir is not removed here: it may be the live
+            // instance's that owns the directory we lost the race for.
+            return Err(match e.kind() {
+                io::ErrorKind::AlreadyExists | io::ErrorKind::DirectoryNotEmpty => {
+                    HvError::AlreadyExists {
+                        instance: instance.clone(),
+                    }
+                }
+                _ => failed(format!("{}: {e}", plan.paths.dir.display())),
+            });
+        }
+
+        let remove_dir = || {
+            if let Err(e) = network::release(instance) {
+                tracing::warn!(instance = %instance, error = %e, "failed start: tap not removed");
+            }
+            let _ = std::fs::remove_dir_all(&plan.paths.dir);
+            let _ = plan.paths.remove_sockets();
+        };
+        // After the directory is ours: a tap made for a start that lost the
+        // race for it would belong to nobody.
+        if let Some(nic) = &plan.nic {
+            if let Err(e) = nic.prepare() {
+                remove_dir();
+                return Err(failed(e.to_string()));
+            }
+        }
+        let keeper = self.inner.config.keeper.as_ref();
+        let spawned = match keeper {
+            Some(k) => spawn_keeper(k, &self.inner.lease, &plan),
+            None => spawn_qemu(&self.inner.config.qemu_binary, &plan),
+        };
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                remove_dir();
+                return Err(failed(format!(
+                    "spawn {}: {e}",
+                    keeper
+                        .map_or(&self.inner.config.qemu_binary, |k| &k.program)
+                        .display()
+                )));
+            }
+        };
+        let child_pid = child.id().unwrap_or(0);
+        // Under a keeper, QEMU's pid is known only once it wrote its pid
+        // file; until then a kill must wait (the keeper's pid is not QEMU's).
+        if keeper.is_none() {
+            domain.set_phase(Phase::Launching {
+                pid: Some(child_pid),
+            });
+        }
+        tracing::info!(instance = %instance, pid = child_pid, keeper = keeper.is_some(), accel = ?plan.accelerator, "QEMU spawned");
+
+        let ready = match self.await_qmp(&plan.paths, &mut child).await {
+            // Before the monitor takes the connection, so that a target that
+            // cannot listen is rolled back like a failed start.
+            Ok(connected) if incoming => self
+                .listen_incoming(&plan.paths, &connected.0)
+                .await
+                .map(|uri| (connected, Some(uri))),
+            Ok(connected) => Ok((connected, None)),
+            Err(reason) => Err(reason),
+        };
+        let ready = match ready {
+            Ok((connected, uri)) if keeper.is_some() => {
+                match self.kept_qemu(domain, &plan.paths).await {
+                    Ok(fd) => Ok((connected, uri, Some(fd))),
+                    Err(reason) => Err(reason),
+                }
+            }
+            Ok((connected, uri)) => Ok((connected, uri, None)),
+            Err(reason) => Err(reason),
+        };
+        match ready {
+            Ok((connected, uri, kept)) => {
+                let (pid, watch) = match kept {
+                    Some(fd) => {
+                        // The keeper is reaped when it exits (after QEMU),
+                        // so no zombie stays; QEMU is watched by pidfd.
+                        tokio::spawn(async move {
+                            let _ = child.wait().await;
+                        });
+                        (fd.pid(), ProcessWatch::PidFd(fd))
+                    }
+                    None => (child_pid, ProcessWatch::Child(child)),
+                };
+                domain.set_phase(Phase::Live { pid });
+                domain.spawn_monitor(watch, Some(connected));
+                Ok(uri)
+            }
+            Err(reason) => {
+                // Leave nothing running and nothing behind: a failed start
+                // is a start that never happened (`NotFound`). A keeper's
+                // death takes its QEMU along (PDEATHSIG), but not at once:
+                // wait for QEMU itself too.
+                let qemu = keeper.and(
+                    plan.paths
+                        .read_pid()
+                        .or_else(|| proc::find_instance_process(&domain.marker)),
+                );
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+                if let Some(Ok(fd)) = qemu.map(|pid| PidFd::open_verified(pid, &domain.marker)) {
+                    let _ = fd.signal(libc::SIGKILL);
+                    let _ = tokio::time::timeout(Duration::from_secs(10), fd.exited()).await;
+                }
+                let log = tail(&plan.paths.qemu_log);
+                remove_dir();
+                Err(failed(format!("{reason}; qemu log: {log}")))
+            }
+        }
+    }
+
+    /// `start` and `prepare_incoming`: validates, reserves the name and
+    /// launches. `Some(uri)` for an incoming target.
+    pub(super) async fn start_domain(
+        &self,
+        spec: &DomainSpec,
+        incoming: bool,
+    ) -> Result<Option<String>, HvError> {
+        let instance = &spec.instance;
+        let op = if incoming {
+            "prepare incoming migration"
+        } else {
+            "start"
+        };
+        let invalid = |reason: String| HvError::Failed {
+            instance: instance.clone(),
+            op,
+            reason,
+        };
+        validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
+        validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        for (i, disk) in spec.disks.iter().enumerate() {
+            validate_name(&format!("disks[{i}].name"), &disk.name)
+                .map_err(|e| invalid(e.to_string()))?;
+            if spec.disks[..i].iter().any(|d| d.name == disk.name) {
+                return Err(invalid(format!("disk {:?} listed twice", disk.name)));
+            }
+        }
+        if spec.cpus == 0 || spec.memory_mib < keel_api::MIN_MEMORY_MIB {
+            return Err(invalid(format!(
+                "cpus {} / memory {} MiB out of range",
+                spec.cpus, spec.memory_mib
+            )));
+        }
+
+        // Reserve the name in memory first (the directory is claimed later,
+        // atomically): a concurrent start of the same instance fails here.
+        let domain = {
+            let mut domains = self.lock();
+            if domains.contains_key(instance) || self.inner.layout.instance_dir(instance).exists() {
+                return Err(HvError::AlreadyExists {
+                    instance: instance.clone(),
+                });
+            }
+            let domain = Domain::new(
+                instance.clone(),
+                spec.vm.clone(),
+                SystemClock.now_ms(),
+                self.inner.layout.new_instance(instance),
+                self.inner.config.qmp_timeout,
+                Phase::Launching { pid: None },
+                self.inner.exits.clone(),
+            );
+            domains.insert(instance.clone(), domain.clone());
+            domain
+        };
+        // Launched from a task of its own: if the caller gives up waiting
+        // (its future is dropped), the launch still either completes, with a
+        // monitor attached, or is rolled back. Never a half-started domain.
+        let driver = self.clone();
+        let spec = spec.clone();
+        let task = tokio::spawn(async move {
+            let result = driver.launch(&spec, &domain, incoming).await;
+            if result.is_err() {
+                let mut domains = driver.lock();
+                if domains
+                    .get(&spec.instance)
+                    .is_some_and(|d| Arc::ptr_eq(d, &domain))
+                {
+                    domains.remove(&spec.instance);
+                }
+            }
+            result
+        });
+        task.await.unwrap_or_else(|e| {
+            Err(HvError::Failed {
+                instance: instance.clone(),
+                op,
+                reason: format!("launch task failed: {e}"),
+            })
+        })
+    }
+
+    /// The QEMU a keeper started, once its QMP answered: its pid from the
+    /// pid file, verified by its identity marker.
+    async fn kept_qemu(&self, domain: &Domain, paths: &InstancePaths) -> Result<PidFd, String> {
+        let deadline = Instant::now() + self.inner.config.launch_timeout;
+        loop {
+            if let Some(pid) = paths.read_pid() {
+                if let Ok(fd) = PidFd::open_verified(pid, &domain.marker) {
+                    return Ok(fd);
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err("QEMU under the keeper answered QMP but wrote no pid file".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits for the new QEMU's QMP greeting, or its early death.
+    async fn await_qmp(
+        &self,
+        paths: &InstancePaths,
+        child: &mut tokio::process::Child,
+    ) -> Result<(QmpClient, tokio::sync::mpsc::UnboundedReceiver<QmpEvent>), String> {
+        let config = &self.inner.config;
+        let deadline = Instant::now() + config.launch_timeout;
+        let mut last_error = String::from("no attempt");
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!("qemu exited during start ({status})"));
+            }
+            if paths.qmp.exists() {
+                match QmpClient::connect(&paths.qmp, config.qmp_timeout).await {
+                    Ok(connected) => return Ok(connected),
+                    Err(e) => last_error = e.to_string(),
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "QMP did not answer within {:?} ({last_error})",
+                    config.launch_timeout
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// Spawns QEMU from an argument vector (no shell) in a new session, with
+/// stdout/stderr appended to `qemu.log`. The caller owns the child.
+pub(super) fn spawn_qemu(binary: &Path, plan: &LaunchPlan) -> io::Result<tokio::process::Child> {
+    let mut cmd = tokio::process::Command::new(binary);
+    cmd.args(plan.args());
+    spawn_in_own_session(cmd, plan)
+}
+
+/// Spawns a fence keeper for the instance (which then starts QEMU from the
+/// instance's `spec.json`), like [`spawn_qemu`]: its output and QEMU's go
+/// to `qemu.log`. The caller owns the keeper child.
+fn spawn_keeper(
+    keeper: &keeper::KeeperCommand,
+    lease: &keeper::FenceLease,
+    plan: &LaunchPlan,
+) -> io::Result<tokio::process::Child> {
+    let mut cmd = tokio::process::Command::new(&keeper.program);
+    cmd.args(&keeper.args)
+        .arg("--instance-dir")
+        .arg(&plan.paths.dir)
+        .arg("--lease")
+        .arg(lease.path());
+    spawn_in_own_session(cmd, plan)
+}
+
+/// Runs `cmd` in the instance dir, output appended to `qemu.log`, in a new
+/// session and process group of its own: no controlling terminal, so
+/// neither a Ctrl-C nor a hangup aimed at Keel reaches it, and it outlives
+/// this process.
+fn spawn_in_own_session(
+    mut cmd: tokio::process::Command,
+    plan: &LaunchPlan,
+) -> io::Result<tokio::process::Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&plan.paths.qemu_log)?;
+    cmd.current_dir(&plan.paths.dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .kill_on_drop(false);
+    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+/// The last lines of a log, on one line, for error messages.
+pub(super) fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = lines.len().saturating_sub(5);
+    let joined = lines[start..].join(" | ");
+    if joined.is_empty() {
+        "(empty)".into()
+    } else {
+        joined
+    }
+}

@@ -1,0 +1,102 @@
+//! `keel cluster init-ca` / `issue-cert` and the agent's migration flags,
+//! through the built binary.
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Command, Output};
+
+fn keel(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args(args)
+        .env("KEEL_CONFIG", "")
+        .env_remove("KEEL_MIGRATION_LISTEN")
+        .output()
+        .expect("run keel")
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn fails(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn the_ca_issues_private_node_credentials_and_agents_need_them_for_tcp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ca = tmp.path().join("ca");
+    let ca = ca.to_str().unwrap();
+    let node_dir = tmp.path().join("node-a");
+    let data_dir = node_dir.to_str().unwrap();
+
+    ok(&keel(&["cluster", "init-ca", "--ca-dir", ca]));
+    // Never replaced: every certificate it issued would stop working.
+    let err = fails(&keel(&["cluster", "init-ca", "--ca-dir", ca]));
+    assert!(err.contains("already exists"), "{err}");
+
+    let out = ok(&keel(&[
+        "cluster",
+        "issue-cert",
+        "node-a",
+        "--ca-dir",
+        ca,
+        "--data-dir",
+        data_dir,
+    ]));
+    assert!(out.contains("migration-tls"), "{out}");
+    let creds = node_dir.join("migration-tls");
+    for (file, mode) in [
+        ("ca-cert.pem", 0o644),
+        ("server-cert.pem", 0o644),
+        ("client-cert.pem", 0o644),
+        ("server-key.pem", 0o600),
+        ("client-key.pem", 0o600),
+    ] {
+        let meta = std::fs::metadata(creds.join(file)).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, mode, "{file}");
+    }
+    assert!(!creds.join("ca-key.pem").exists());
+    let err = fails(&keel(&[
+        "cluster",
+        "issue-cert",
+        "Bad_Name",
+        "--ca-dir",
+        ca,
+        "--data-dir",
+        data_dir,
+    ]));
+    assert!(err.contains("node"), "{err}");
+
+    // A TCP listen address without credentials or --insecure-migration is
+    // refused before the agent does anything; a malformed one names the flag.
+    let empty = tmp.path().join("empty");
+    let err = fails(&keel(&[
+        "agent",
+        "--store",
+        "etcd://127.0.0.1:2379",
+        "--hypervisor",
+        "sim",
+        "--node",
+        "n1",
+        "--data-dir",
+        empty.to_str().unwrap(),
+        "--migration-listen",
+        "127.0.0.1:47400-47409",
+    ]));
+    assert!(err.contains("--insecure-migration"), "{err}");
+    let err = fails(&keel(&[
+        "agent",
+        "--store",
+        "etcd://127.0.0.1:2379",
+        "--migration-listen",
+        "127.0.0.1:9-2",
+    ]));
+    assert!(err.contains("--migration-listen"), "{err}");
+}
