@@ -15,6 +15,7 @@ pub mod network;
 pub mod node;
 pub mod readiness;
 pub mod snapshot;
+mod transitions;
 pub mod validation;
 pub mod vm;
 

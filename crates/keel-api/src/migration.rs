@@ -210,6 +210,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_migration_id_of_the_longest_vm_name_is_valid() {
+        let vm = "v".repeat(crate::name::MAX_VM_NAME_LEN);
+        let id = Migration::id_for(&vm, &format!("{:016x}", u64::MAX), u64::MAX);
+        crate::validate_name("instance", &id).unwrap();
+    }
+
+    #[test]
     fn defaults_are_bounded_and_the_timeout_scales_with_memory() {
         let t = MigrationTuning::default();
         assert_eq!(t.completion_timeout_per_gib_s, 150);

@@ -82,14 +82,10 @@ mod tests {
     }
 
     #[test]
-    fn every_id_derived_from_the_longest_vm_name_is_valid() {
+    fn every_instance_id_derived_from_the_longest_vm_name_is_valid() {
         let vm = "v".repeat(MAX_VM_NAME_LEN);
         validate_vm_name("name", &vm).unwrap();
-        for id in [
-            format!("{vm}-{}", u64::MAX),
-            format!("{vm}-m{}", u64::MAX),
-            crate::Migration::id_for(&vm, &format!("{:016x}", u64::MAX), u64::MAX),
-        ] {
+        for id in [format!("{vm}-{}", u64::MAX), format!("{vm}-m{}", u64::MAX)] {
             validate_name("instance", &id).unwrap();
         }
         let err = validate_vm_name("name", &"v".repeat(MAX_VM_NAME_LEN + 1)).unwrap_err();

@@ -15,9 +15,10 @@ use keel_api::{
 };
 use keel_hv::DomainState;
 
-use crate::vm_decide::{
-    backoff, begin_stop, persist_if_changed, ClusterView, HvAction, LifecycleConfig, Step,
-};
+use crate::config::LifecycleConfig;
+use crate::step::{backoff, persist_if_changed, HvAction, Step};
+use crate::stop::begin_stop;
+use crate::view::ClusterView;
 
 /// `None`: the node is not draining, carry on as usual.
 pub(crate) fn decide_eviction(
@@ -375,7 +376,7 @@ fn seq_of(id: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{PowerState, RunPolicy, VmSpec};
+    use keel_api::{Drain, PowerState, RunPolicy, VmSpec};
 
     fn migration(seq: u64, phase: MigrationPhase, source: &str) -> Migration {
         Migration {
@@ -393,6 +394,159 @@ mod tests {
                 ..Default::default()
             },
         }
+    }
+
+    /// What `decide_eviction` did, as far as the table below cares.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Outcome {
+        /// The target became the instance; the eviction is over.
+        Adopt,
+        ToMigrating,
+        ToFallback,
+        /// A new attempt after a backoff, the failed migration dropped.
+        Retry,
+        /// The reserved migration record is (re)created.
+        Create,
+        /// The graceful stop of the fallback begins.
+        Stop,
+        Wait,
+    }
+
+    fn outcome(before: &VirtualMachine, step: &Step) -> Outcome {
+        let (next, then) = match step {
+            Step::Wait { .. } => return Outcome::Wait,
+            Step::Persist { vm, then, .. } => (vm, then),
+            other => panic!("unexpected step {other:?}"),
+        };
+        let was = before.status.eviction.as_ref().expect("evicting").phase;
+        match (then, &next.status.eviction) {
+            (Some(HvAction::CreateMigration(_)), _) => Outcome::Create,
+            (Some(HvAction::Shutdown(_)), _) => Outcome::Stop,
+            (None, None) if next.status.instance.as_ref().unwrap().id == "vm-t1" => Outcome::Adopt,
+            (None, Some(e)) if e.phase == EvictionPhase::Migrating && was != e.phase => {
+                Outcome::ToMigrating
+            }
+            (None, Some(e)) if e.phase == EvictionPhase::Fallback && was != e.phase => {
+                Outcome::ToFallback
+            }
+            (None, Some(e)) if e.failed_attempts == 1 && e.migration.is_none() => Outcome::Retry,
+            _ => panic!("unclassified step {step:?}"),
+        }
+    }
+
+    /// Eviction phase × the migration record's phase (`None`: the record
+    /// it reserved is missing) × whether its windows have expired.
+    #[test]
+    fn eviction_table() {
+        use EvictionPhase::{Fallback, Migrating, Submitting};
+        use MigrationPhase::{Failed, Pending, Running, Succeeded, TargetReady};
+        use Outcome::*;
+        let mut expected: Vec<(EvictionPhase, Option<MigrationPhase>, bool, Outcome)> = vec![];
+        for phase in EvictionPhase::ALL {
+            for expired in [false, true] {
+                // A succeeded migration is honoured in every phase, in time or not.
+                expected.push((phase, Some(Succeeded), expired, Adopt));
+            }
+        }
+        expected.extend([
+            (Submitting, None, false, Create),
+            (Submitting, None, true, ToFallback),
+            (Submitting, Some(Pending), false, Wait),
+            (Submitting, Some(Pending), true, ToFallback),
+            (Submitting, Some(TargetReady), false, Wait),
+            (Submitting, Some(TargetReady), true, ToFallback),
+            // Sending already: the migration window takes over.
+            (Submitting, Some(Running), false, ToMigrating),
+            (Submitting, Some(Running), true, ToMigrating),
+            (Submitting, Some(Failed), false, Retry),
+            (Submitting, Some(Failed), true, ToFallback),
+            (Migrating, None, false, ToFallback),
+            (Migrating, None, true, ToFallback),
+            (Migrating, Some(Pending), false, Wait),
+            (Migrating, Some(Pending), true, ToFallback),
+            (Migrating, Some(TargetReady), false, Wait),
+            (Migrating, Some(TargetReady), true, ToFallback),
+            (Migrating, Some(Running), false, Wait),
+            (Migrating, Some(Running), true, ToFallback),
+            // A new attempt only within the submission window.
+            (Migrating, Some(Failed), false, Retry),
+            (Migrating, Some(Failed), true, ToFallback),
+            // The stop waits until a migration in flight is cancelled.
+            (Fallback, None, false, Stop),
+            (Fallback, None, true, Stop),
+            (Fallback, Some(Pending), false, Wait),
+            (Fallback, Some(Pending), true, Wait),
+            (Fallback, Some(TargetReady), false, Wait),
+            (Fallback, Some(TargetReady), true, Wait),
+            (Fallback, Some(Running), false, Wait),
+            (Fallback, Some(Running), true, Wait),
+            (Fallback, Some(Failed), false, Stop),
+            (Fallback, Some(Failed), true, Stop),
+        ]);
+        assert_eq!(expected.len(), 3 * 6 * 2, "every combination once");
+        let now = 100_000;
+        let cfg = LifecycleConfig::default();
+        let drain = Drain {
+            requested_at: 1_000,
+            windows: Default::default(),
+            tuning: Default::default(),
+            completed_at: None,
+        };
+        for (phase, migration_phase, expired, want) in expected {
+            let deadline = if expired { now - 1 } else { now + 60_000 };
+            let mut vm = evicting_vm();
+            vm.status.instance = Some(Instance::new("vm-1", "a", 0));
+            vm.status.instance_seq = 1;
+            vm.status.eviction = Some(Eviction {
+                drain_requested_at: drain.requested_at,
+                phase,
+                started_at: 1_000,
+                submit_deadline: Some(deadline),
+                migrate_deadline: (phase != Submitting).then_some(deadline),
+                fallback_deadline: (phase == Fallback).then_some(deadline),
+                migration: Some("vm-m1".into()),
+                failed_attempts: 0,
+                next_attempt_at: None,
+                message: None,
+            });
+            let cluster = ClusterView {
+                drain: Some(drain.clone()),
+                migration: migration_phase.map(|p| migration(1, p, "vm-1")),
+                targets: vec!["b".into()],
+                in_flight: vec![],
+            };
+            let inst = vm.status.instance.clone().unwrap();
+            let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg)
+                .expect("draining");
+            let got = outcome(&vm, &step);
+            assert_eq!(
+                got, want,
+                "eviction {phase:?}, migration {migration_phase:?}, expired {expired}: {step:?}"
+            );
+            if let Step::Persist { vm: next, .. } = &step {
+                crate::transitions::check(&vm, next).expect("the tables allow it");
+            }
+        }
+    }
+
+    fn evicting_vm() -> VirtualMachine {
+        VirtualMachine::new(
+            "vm",
+            VmSpec {
+                cpus: 1,
+                memory_mib: 64,
+                disks: vec![],
+                boot: Default::default(),
+                run_policy: RunPolicy::Manual,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 60,
+                node: None,
+                readiness: keel_api::Readiness::Agent,
+                network: Default::default(),
+                cloud_init: None,
+            },
+        )
     }
 
     #[test]

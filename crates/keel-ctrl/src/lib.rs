@@ -8,8 +8,11 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod cluster_controller;
+pub mod config;
 pub mod election;
+mod events;
 pub mod evict_decide;
+pub mod fence;
 pub mod images;
 pub mod keys;
 pub mod liveness;
@@ -21,18 +24,24 @@ pub mod readiness;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;
+pub mod step;
+mod stop;
+pub mod transitions;
+pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;
 
-pub use cluster_controller::{run_control_plane, ClusterController, Fence, PassReport};
+pub use cluster_controller::{run_control_plane, ClusterController, PassReport};
+pub use config::LifecycleConfig;
 pub use election::{ElectionConfig, LeaderElection, LeaderRecord};
 pub use evict_decide::{migrations_to_collect, KEEP_FINAL_MIGRATIONS};
+pub use fence::Fence;
 pub use migration_controller::MigrationController;
 pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;
 pub use runtime::{run_controllers, run_vm_controller, Reconciler, Runtime, RuntimeConfig};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
-pub use vm_controller::{ReconcileError, VmController};
-pub use vm_decide::{
-    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
-};
+pub use step::{HvAction, Step};
+pub use view::{ClusterView, Observed, RestoreSource};
+pub use vm_controller::{error_chain, ActError, ReconcileError, VmController};
+pub use vm_decide::decide;

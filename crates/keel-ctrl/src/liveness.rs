@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use keel_api::{Millis, Node, VirtualMachine};
 
-use crate::vm_decide::LifecycleConfig;
+use crate::config::LifecycleConfig;
 
 #[derive(Debug, Clone, Default)]
 pub struct Liveness {

@@ -19,10 +19,10 @@ use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, Node, Vi
 use keel_hv::{DomainSpec, DomainState, Hypervisor, MigrationProgress};
 use keel_store::{StoreError, TypedStore};
 
+use crate::config::LifecycleConfig;
 use crate::keys::{migration_key, node_key, vm_key};
 use crate::liveness::Liveness;
 use crate::observe::{LifecycleObserver, NoObserver};
-use crate::vm_decide::LifecycleConfig;
 
 pub struct MigrationController {
     store: TypedStore,

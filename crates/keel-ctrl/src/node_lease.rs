@@ -15,7 +15,7 @@ use std::sync::Mutex;
 
 use keel_api::{Millis, NodeFreeze};
 
-use crate::vm_decide::LifecycleConfig;
+use crate::config::LifecycleConfig;
 
 #[derive(Debug, Default)]
 pub struct NodeLease {

@@ -13,12 +13,12 @@ use keel_api::{Clock, Millis, Snapshot, SnapshotPhase, VirtualMachine};
 use keel_hv::{HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
+use crate::config::LifecycleConfig;
 use crate::keys::{snapshot_key, vm_key};
-use crate::vm_decide::LifecycleConfig;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
-    #[error("snapshot {vm}/{snapshot}: store: {source}")]
+    #[error("snapshot {vm}/{snapshot}: store")]
     Store {
         vm: String,
         snapshot: String,

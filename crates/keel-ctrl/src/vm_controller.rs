@@ -3,39 +3,56 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot, StopReason,
+    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot,
     VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
 
-use crate::cluster_controller::{self, ClusterState, Fence};
+use crate::cluster_controller::{self, ClusterState};
+use crate::config::LifecycleConfig;
+use crate::events::{put_event, record_event, report_undecodable};
+use crate::fence::Fence;
 use crate::keys::{
-    event_key, event_subject, migration_key, migrations_of_prefix, node_key, snapshot_key,
-    snapshots_of_prefix, vm_key, MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
+    migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix, vm_key,
+    MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
-use crate::schedule::candidate_nodes;
-use crate::vm_decide::{
-    decide, ClusterView, HvAction, LifecycleConfig, Observed, RestoreSource, Step,
-};
+use crate::schedule::{candidate_nodes, NodeLoad};
+use crate::step::{HvAction, Step};
+use crate::transitions::{self, ForbiddenTransition};
+use crate::view::{ClusterView, Observed, RestoreSource};
+use crate::vm_decide::decide;
 
+/// The cause is in `source()`, never repeated in the message: print the
+/// chain (`error_chain`) to see all of it.
 #[derive(Debug, thiserror::Error)]
 pub enum ReconcileError {
-    #[error("VM {vm}: store: {source}")]
+    #[error("VM {vm}: store")]
     Store {
         vm: String,
         #[source]
         source: StoreError,
     },
-    #[error("VM {vm}: hypervisor: {source}")]
+    #[error("VM {vm}: hypervisor")]
     Hypervisor {
         vm: String,
         #[source]
         source: HvError,
     },
+    /// A store read or write that a step's action needed (image records,
+    /// the migration record): the store failed, not the hypervisor.
+    #[error("VM {vm}: store, to {op}")]
+    StoreForAction {
+        vm: String,
+        op: &'static str,
+        #[source]
+        source: StoreError,
+    },
+    #[error(transparent)]
+    Forbidden(#[from] ForbiddenTransition),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -52,8 +69,44 @@ pub enum HeartbeatError {
     },
     /// The record was written, but the local fence lease could not be
     /// extended to match it.
-    #[error("cannot extend the local fence lease: {0}")]
+    #[error("cannot extend the local fence lease")]
     Fence(#[source] HvError),
+}
+
+/// Why a step's action failed: the hypervisor, or the store holding a
+/// record the action reads or creates. Never one reported as the other.
+#[derive(Debug, thiserror::Error)]
+pub enum ActError {
+    #[error(transparent)]
+    Hypervisor(#[from] HvError),
+    #[error("{op}")]
+    Store {
+        op: &'static str,
+        #[source]
+        source: StoreError,
+    },
+}
+
+impl ActError {
+    fn for_vm(self, vm: &str) -> ReconcileError {
+        let vm = vm.to_string();
+        match self {
+            ActError::Hypervisor(source) => ReconcileError::Hypervisor { vm, source },
+            ActError::Store { op, source } => ReconcileError::StoreForAction { vm, op, source },
+        }
+    }
+}
+
+/// `err` and its causes, outermost first, as one line.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 pub struct VmController {
@@ -338,7 +391,7 @@ impl VmController {
         }
         if let Some(key) = plan.clear_freeze {
             if let Err(err) = self.clear_freeze(key).await {
-                tracing::warn!(node = %self.cfg.node, %err, "cannot clear the node's freeze; trying again at the next heartbeat");
+                tracing::warn!(node = %self.cfg.node, err = %error_chain(&err), "cannot clear the node's freeze; trying again at the next heartbeat");
             }
         }
         Ok(())
@@ -364,7 +417,7 @@ impl VmController {
                 true
             }
             Err(err) => {
-                tracing::warn!(node = %self.cfg.node, %err, "heartbeat failed");
+                tracing::warn!(node = %self.cfg.node, err = %error_chain(&err), "heartbeat failed");
                 if self
                     .lease
                     .self_fence_due(*last_heartbeat_ok, now, &self.cfg)
@@ -389,11 +442,11 @@ impl VmController {
     pub async fn chores(&self) {
         if self.cfg.cluster_duties {
             if let Err(err) = self.take_over_lost_nodes().await {
-                tracing::warn!(%err, "taking over from lost nodes failed");
+                tracing::warn!(err = %error_chain(&err), "taking over from lost nodes failed");
             }
         }
         if let Err(err) = self.collect_garbage().await {
-            tracing::warn!(%err, "garbage collection failed");
+            tracing::warn!(err = %error_chain(&err), "garbage collection failed");
         }
         report_undecodable(&self.store, self.clock.now_ms(), Fence::Cas).await;
     }
@@ -470,6 +523,11 @@ impl VmController {
         let now = self.clock.now_ms();
         let step = decide(&vm, &observed, &cluster, now, &self.cfg);
         let step = self.with_readiness(&vm, &observed, step, now).await;
+        if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
+            // Before anything is done for it: an action must not run for
+            // a record that will be refused.
+            transitions::check(&vm, next)?;
+        }
         match step {
             Step::Wait { requeue_at } => Ok(Some(requeue_at)),
             Step::Persist {
@@ -493,20 +551,18 @@ impl VmController {
                 self.record_event(&vm, &next, revision, now).await;
                 if let Some(action) = then {
                     if let Err(err) = self.act(&next, &action).await {
-                        tracing::warn!(vm = name, ?action, %err, "hypervisor call failed");
+                        let why = error_chain(&err);
+                        tracing::warn!(vm = name, ?action, err = %why, "action failed");
                         let mut noted = (*next).clone();
-                        noted.status.message = Some(err.to_string());
+                        noted.status.message = Some(why.clone());
                         if action == HvAction::Start {
                             if let Some(inst) = noted.status.instance.as_mut() {
-                                inst.start_error = Some(err.to_string());
+                                inst.start_error = Some(why);
                             }
                         }
                         // Best effort: a conflict means someone else wrote newer state.
                         let _ = self.write(&key, &noted, revision).await;
-                        return Err(ReconcileError::Hypervisor {
-                            vm: name.to_string(),
-                            source: err,
-                        });
+                        return Err(err.for_vm(name));
                     }
                 }
                 Ok(Some(requeue_at))
@@ -518,10 +574,7 @@ impl VmController {
             } => {
                 self.act(&next, &action)
                     .await
-                    .map_err(|source| ReconcileError::Hypervisor {
-                        vm: name.to_string(),
-                        source,
-                    })?;
+                    .map_err(|err| err.for_vm(name))?;
                 match self.write(&key, &next, entry.revision).await? {
                     Some(revision) => {
                         self.record_event(&vm, &next, revision, now).await;
@@ -533,10 +586,7 @@ impl VmController {
             Step::DeleteRecord => {
                 self.act(&vm, &HvAction::DeleteDisks)
                     .await
-                    .map_err(|source| ReconcileError::Hypervisor {
-                        vm: name.to_string(),
-                        source,
-                    })?;
+                    .map_err(|err| err.for_vm(name))?;
                 // Its migrations go with it: a VM created later under the
                 // same name must not find them.
                 let (migrations, _) = self
@@ -706,7 +756,7 @@ impl VmController {
         let targets = candidate_nodes(
             vm,
             &nodes,
-            &vms,
+            &NodeLoad::of(&vms),
             Some(&self.cfg.node),
             &liveness,
             now,
@@ -908,7 +958,8 @@ impl VmController {
                     {
                         Ok(Some(snap)) => RestoreSource::Found(Box::new(snap.value)),
                         Ok(None) => RestoreSource::Missing,
-                        Err(err) => return Observed::Unknown(err.to_string()),
+                        // The store failed, not the node: what runs is known.
+                        Err(err) => RestoreSource::Unreadable(err),
                     },
                 };
                 Observed::NoInstance {
@@ -958,7 +1009,7 @@ impl VmController {
 
     /// NotFound from shutdown, kill or cleanup means the domain is absent,
     /// which is what those calls want: success. The next lookup sees it too.
-    async fn act(&self, vm: &VirtualMachine, action: &HvAction) -> Result<(), HvError> {
+    async fn act(&self, vm: &VirtualMachine, action: &HvAction) -> Result<(), ActError> {
         let absent_is_ok = |r: Result<(), HvError>| match r {
             Err(HvError::NotFound { .. }) => Ok(()),
             other => other,
@@ -972,12 +1023,12 @@ impl VmController {
                     .expect("decide records the instance before starting it");
                 let images = crate::images::records_for(&self.store, &vm.spec)
                     .await
-                    .map_err(|e| HvError::Unavailable {
-                        instance: inst.id.clone(),
-                        op: "read image records",
-                        reason: e.to_string(),
+                    .map_err(|source| ActError::Store {
+                        op: "read the records of the VM's images",
+                        source,
                     })?;
-                self.hv
+                Ok(self
+                    .hv
                     .start(&DomainSpec {
                         vm: vm.name.clone(),
                         instance: inst.id.clone(),
@@ -990,30 +1041,28 @@ impl VmController {
                         cloud_init: vm.spec.cloud_init.clone(),
                         images,
                     })
-                    .await
+                    .await?)
             }
-            HvAction::Shutdown(id) => absent_is_ok(self.hv.shutdown(id).await),
-            HvAction::GuestShutdown(id) => absent_is_ok(self.hv.guest_shutdown(id).await),
-            HvAction::Kill(id) => absent_is_ok(self.hv.kill(id).await),
-            HvAction::Cleanup(id) => absent_is_ok(self.hv.cleanup(id).await),
-            HvAction::DeleteDisks => self.hv.delete_disks(&vm.name).await,
+            HvAction::Shutdown(id) => Ok(absent_is_ok(self.hv.shutdown(id).await)?),
+            HvAction::GuestShutdown(id) => Ok(absent_is_ok(self.hv.guest_shutdown(id).await)?),
+            HvAction::Kill(id) => Ok(absent_is_ok(self.hv.kill(id).await)?),
+            HvAction::Cleanup(id) => Ok(absent_is_ok(self.hv.cleanup(id).await)?),
+            HvAction::DeleteDisks => Ok(self.hv.delete_disks(&vm.name).await?),
             HvAction::CreateMigration(m) => {
                 let key = migration_key(&m.vm, &m.id);
                 match self.store.create(&key, m.as_ref()).await {
                     // Already there: this attempt's record, created before a retry.
                     Ok(_) | Err(StoreError::Conflict { .. }) => Ok(()),
-                    Err(e) => Err(HvError::Unavailable {
-                        instance: m.source_instance.clone(),
-                        op: "create migration record",
-                        reason: e.to_string(),
+                    Err(source) => Err(ActError::Store {
+                        op: "create the migration record",
+                        source,
                     }),
                 }
             }
-            HvAction::RestoreDisks(snapshot) => {
-                self.hv
-                    .restore_disks(&vm.name, &vm.spec.disks, snapshot)
-                    .await
-            }
+            HvAction::RestoreDisks(snapshot) => Ok(self
+                .hv
+                .restore_disks(&vm.name, &vm.spec.disks, snapshot)
+                .await?),
         }
     }
 
@@ -1034,96 +1083,4 @@ impl VmController {
             }),
         }
     }
-}
-
-/// Keeps an operator-readable trail of phase changes. Best effort: the
-/// VM record is the truth, an event lost to a store hiccup is only logged.
-pub(crate) async fn record_event(
-    store: &TypedStore,
-    old: &VirtualMachine,
-    new: &VirtualMachine,
-    revision: u64,
-    now: Millis,
-    fence: Fence<'_>,
-) {
-    if old.status.phase == new.status.phase {
-        return;
-    }
-    let event = Event {
-        at: now,
-        vm: new.name.clone(),
-        from: old.status.phase,
-        to: new.status.phase,
-        reason: change_reason(new),
-        key: None,
-    };
-    tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
-    put_event(store, &event, revision, fence).await;
-}
-
-async fn put_event(store: &TypedStore, event: &Event, revision: u64, fence: Fence<'_>) {
-    let key = event_key(&event.vm, revision);
-    if let Err(err) = fence.create(store, &key, event).await {
-        tracing::warn!(vm = %event.vm, %err, "could not record event");
-    }
-}
-
-/// Records each record newly found undecodable as an event of the VM it
-/// belongs to (see [`event_subject`]), once per key and revision across the
-/// cluster: the event's key is derived from the record's revision, and
-/// whoever creates it first wins. Ones that could not be written are kept
-/// for the next call.
-pub(crate) async fn report_undecodable(store: &TypedStore, now: Millis, fence: Fence<'_>) {
-    for bad in store.undecodable().take_unreported() {
-        let event = Event {
-            at: now,
-            vm: event_subject(&bad.key).to_string(),
-            from: Phase::default(),
-            to: Phase::default(),
-            reason: format!(
-                "record {} (revision {}) cannot be decoded and is skipped: {}",
-                bad.key, bad.revision, bad.reason
-            ),
-            key: Some(bad.key.clone()),
-        };
-        match fence
-            .create(store, &event_key(&event.vm, bad.revision), &event)
-            .await
-        {
-            Ok(_) | Err(StoreError::Conflict { .. }) => {}
-            Err(err) => {
-                tracing::warn!(key = %bad.key, %err, "could not record the undecodable record");
-                store.undecodable().put_back(bad);
-            }
-        }
-    }
-}
-
-fn change_reason(vm: &VirtualMachine) -> String {
-    let status = &vm.status;
-    if let Some(stop) = &status.stop {
-        return match stop.reason {
-            StopReason::User => "stop requested by user".into(),
-            StopReason::Restart => "restart requested".into(),
-            StopReason::Delete => "delete requested".into(),
-            StopReason::Policy => "run policy AlwaysOff".into(),
-            StopReason::Restore => "restore from snapshot".into(),
-            StopReason::Evict => "evicted from a draining node".into(),
-        };
-    }
-    if let (None, Some(exit)) = (&status.instance, &status.last_exit) {
-        return format!(
-            "instance {} exited ({:?}{})",
-            exit.instance,
-            exit.kind,
-            if exit.requested { ", requested" } else { "" }
-        );
-    }
-    if let Some(inst) = &status.instance {
-        return format!("instance {} on node {}", inst.id, inst.node);
-    }
-    status
-        .message
-        .clone()
-        .unwrap_or_else(|| "reconciled".into())
 }

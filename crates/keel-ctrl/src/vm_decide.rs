@@ -14,185 +14,16 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    DiskHome, Drain, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase,
-    PowerState, RunPolicy, Snapshot, SnapshotPhase, StopProgress, StopReason, VirtualMachine,
+    ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase, PowerState,
+    RunPolicy, Snapshot, SnapshotPhase, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
 
+use crate::config::LifecycleConfig;
 use crate::evict_decide::decide_eviction;
-
-/// Tunables of the lifecycle. Times in milliseconds.
-#[derive(Debug, Clone)]
-pub struct LifecycleConfig {
-    /// This node's name, recorded on instances it starts.
-    pub node: String,
-    /// First re-check after a graceful power-down request; doubles each time.
-    pub stop_backoff_initial_ms: Millis,
-    pub stop_backoff_max_ms: Millis,
-    /// How often a force-killed instance is re-checked (and re-killed).
-    pub kill_recheck_ms: Millis,
-    /// Re-check interval after a failed lookup or hypervisor call.
-    pub retry_ms: Millis,
-    /// Backoff between failed starts: initial, doubling, capped.
-    pub start_backoff_initial_ms: Millis,
-    pub start_backoff_max_ms: Millis,
-    /// An instance running this long counts as a successful boot.
-    pub boot_settle_ms: Millis,
-    /// How often a running instance is looked at, to notice crashes.
-    pub poll_ms: Millis,
-    /// A node whose heartbeat is older than this is not ready: nothing new
-    /// is placed on it.
-    pub node_ready_ms: Millis,
-    /// A node's lease: once its heartbeat is older than this, its VMs are
-    /// taken over by other nodes (their instances count as fenced).
-    pub node_lease_ms: Millis,
-    /// An agent that could not renew its heartbeat for this long ends every
-    /// domain on its node, so they are gone before its lease runs out.
-    /// Must be well below `node_lease_ms`.
-    pub self_fence_ms: Millis,
-    /// Whether this node agent also does the cluster-level work: placing
-    /// VMs that have no node and taking over the VMs of lost nodes. True
-    /// in single-process mode (every agent may, the compare-and-swap picks
-    /// one writer); false under a control plane, whose elected leader does
-    /// it with guarded writes (`ClusterController`).
-    pub cluster_duties: bool,
-    /// The directory this node keeps VM disks in, if other nodes share it
-    /// (mounted at the same path); `None`: the disks are node-local.
-    pub shared_disk_dir: Option<String>,
-    /// This agent's incarnation (see `NodeStatus::incarnation`); `None`
-    /// claims none and checks none (tests, single host).
-    pub incarnation: Option<String>,
-    /// How often a running guest that is not ready yet is probed.
-    pub readiness_probe_ms: Millis,
-    /// How often a ready guest's agent is asked again (its addresses).
-    pub readiness_refresh_ms: Millis,
-}
-
-impl LifecycleConfig {
-    /// Where the disks of VMs started on this node live.
-    pub fn disk_home(&self) -> DiskHome {
-        match &self.shared_disk_dir {
-            Some(dir) => DiskHome::Shared(dir.clone()),
-            None => DiskHome::Node(self.node.clone()),
-        }
-    }
-}
-
-impl Default for LifecycleConfig {
-    fn default() -> Self {
-        Self {
-            node: "local".into(),
-            stop_backoff_initial_ms: 1_000,
-            stop_backoff_max_ms: 32_000,
-            kill_recheck_ms: 1_000,
-            retry_ms: 1_000,
-            start_backoff_initial_ms: 1_000,
-            start_backoff_max_ms: 32_000,
-            boot_settle_ms: 10_000,
-            poll_ms: 2_000,
-            node_ready_ms: 15_000,
-            node_lease_ms: 40_000,
-            self_fence_ms: 20_000,
-            cluster_duties: true,
-            shared_disk_dir: None,
-            incarnation: None,
-            readiness_probe_ms: 1_000,
-            readiness_refresh_ms: 30_000,
-        }
-    }
-}
-
-/// What the node said about the VM.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Observed {
-    /// `status.instance` is set and the hypervisor reported it.
-    Instance(DomainState),
-    /// `status.instance` is set and the hypervisor said NotFound: absent.
-    InstanceAbsent,
-    /// No instance recorded; these are all domains of this VM on the node,
-    /// and, when a restore is pending, the snapshot it restores.
-    NoInstance {
-        domains: Vec<DomainInfo>,
-        restore_source: RestoreSource,
-    },
-    /// The lookup failed. Says nothing about whether anything runs.
-    Unknown(String),
-}
-
-/// The snapshot a pending restore reads from, as found in the store.
-#[derive(Debug, Clone, PartialEq)]
-pub enum RestoreSource {
-    /// No restore is pending.
-    NotNeeded,
-    Found(Box<Snapshot>),
-    Missing,
-}
-
-/// What the VM's node and its neighbours look like, for evictions.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct ClusterView {
-    /// This node's drain, while it is being drained.
-    pub drain: Option<Drain>,
-    /// The migration named by `status.eviction.migration`, if it exists.
-    pub migration: Option<Migration>,
-    /// Nodes the VM could move to now (ready, not cordoned, not this one),
-    /// best first.
-    pub targets: Vec<String>,
-    /// Every migration in flight in the cluster (for the drain's limits on
-    /// parallel migrations).
-    pub in_flight: Vec<Migration>,
-}
-
-/// A hypervisor call the executor makes.
-#[derive(Debug, Clone, PartialEq)]
-pub enum HvAction {
-    Start,
-    Shutdown(String),
-    /// Ask the guest agent to power off (for guests that ignore ACPI).
-    GuestShutdown(String),
-    Kill(String),
-    Cleanup(String),
-    DeleteDisks,
-    /// Put the disks (of the VM record being written) back to this snapshot.
-    RestoreDisks(String),
-    /// Create this migration record if it does not exist yet (store only).
-    CreateMigration(Box<Migration>),
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum Step {
-    /// Nothing to change; look again at `requeue_at`.
-    Wait { requeue_at: Millis },
-    /// Store `vm` (compare-and-swap on the revision read), then call `then`.
-    Persist {
-        vm: Box<VirtualMachine>,
-        then: Option<HvAction>,
-        requeue_at: Millis,
-    },
-    /// Call `action` first; store `vm` only if it succeeded (or said NotFound).
-    ActThenPersist {
-        action: HvAction,
-        vm: Box<VirtualMachine>,
-        requeue_at: Millis,
-    },
-    /// Delete the VM's disks, then the record: the VM is gone for good.
-    DeleteRecord,
-}
-
-impl Step {
-    /// A `Persist` of a record equal to `old` with nothing to do after is
-    /// a wait.
-    pub fn unless_unchanged(self, old: &VirtualMachine) -> Step {
-        match self {
-            Step::Persist {
-                vm,
-                then: None,
-                requeue_at,
-            } if *vm == *old => Step::Wait { requeue_at },
-            other => other,
-        }
-    }
-}
+use crate::step::{backoff, persist_if_changed, HvAction, Step};
+use crate::stop::{agent_shutdown_at, begin_stop, grace_end};
+use crate::view::{ClusterView, Observed, RestoreSource};
 
 pub fn decide(
     vm: &VirtualMachine,
@@ -422,12 +253,6 @@ fn after_agent_shutdown(asked: Millis, now: Millis, cfg: &LifecycleConfig) -> Mi
     at
 }
 
-/// When a stop begun at `requested_at` falls back to the guest agent: half
-/// the grace period (the agent's power-off then has the other half).
-fn agent_shutdown_at(requested_at: Millis, grace_end: Millis) -> Millis {
-    requested_at + grace_end.saturating_sub(requested_at) / 2
-}
-
 /// Whether a live migration from the recorded instance is still under way.
 fn migration_in_flight(vm: &VirtualMachine, cluster: &ClusterView) -> bool {
     let recorded = vm.status.instance.as_ref().map(|i| i.id.as_str());
@@ -435,51 +260,6 @@ fn migration_in_flight(vm: &VirtualMachine, cluster: &ClusterView) -> bool {
         .migration
         .as_ref()
         .is_some_and(|m| !m.status.phase.is_final() && Some(m.source_instance.as_str()) == recorded)
-}
-
-/// Presses the power button and records the stop schedule.
-pub(crate) fn begin_stop(
-    mut next: VirtualMachine,
-    inst: &Instance,
-    reason: StopReason,
-    now: Millis,
-    cfg: &LifecycleConfig,
-) -> Step {
-    next.status.phase = if reason == StopReason::Delete {
-        Phase::Deleting
-    } else {
-        Phase::Stopping
-    };
-    let end = grace_end(&next, now);
-    let first_check = (now + cfg.stop_backoff_initial_ms)
-        .min(end.max(now + 1))
-        .min(agent_shutdown_at(now, end).max(now + 1));
-    next.status.stop = Some(StopProgress {
-        reason,
-        requested_at: now,
-        attempts: 1,
-        next_check_at: first_check,
-        forced_at: None,
-        agent_shutdown_at: None,
-    });
-    Step::Persist {
-        vm: Box::new(next),
-        then: Some(HvAction::Shutdown(inst.id.clone())),
-        requeue_at: first_check,
-    }
-}
-
-/// When a stop begun at `requested_at` turns into a kill: the grace period,
-/// shortened by an eviction's fallback window (a missing window counts as
-/// expired).
-fn grace_end(vm: &VirtualMachine, requested_at: Millis) -> Millis {
-    let end = requested_at + vm.spec.stop_grace_period_s * 1000;
-    match (&vm.status.stop, &vm.status.eviction) {
-        (Some(stop), Some(ev)) if stop.reason == StopReason::Evict => {
-            end.min(ev.fallback_deadline.unwrap_or(requested_at))
-        }
-        _ => end,
-    }
 }
 
 fn keep_running(
@@ -859,6 +639,14 @@ fn restore(
             next.status.message = Some(format!("waiting for snapshot {snapshot} to be taken"));
             persist_if_changed(vm, next, None, now + cfg.poll_ms)
         }
+        RestoreSource::Unreadable(err) => {
+            // Not "missing": the restore waits for the store to answer.
+            let mut next = vm.clone();
+            next.status.message = Some(format!(
+                "restore waits: cannot read snapshot {snapshot} from the store: {err}"
+            ));
+            persist_if_changed(vm, next, None, now + cfg.retry_ms)
+        }
         RestoreSource::Found(_) | RestoreSource::Missing | RestoreSource::NotNeeded => {
             // Nothing to restore from: end the maintenance window with the
             // disks as they are, and still honour the recorded power state.
@@ -898,32 +686,10 @@ fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> 
     next
 }
 
-pub(crate) fn persist_if_changed(
-    old: &VirtualMachine,
-    new: VirtualMachine,
-    then: Option<HvAction>,
-    requeue_at: Millis,
-) -> Step {
-    if *old == new && then.is_none() {
-        Step::Wait { requeue_at }
-    } else {
-        Step::Persist {
-            vm: Box::new(new),
-            then,
-            requeue_at,
-        }
-    }
-}
-
-/// `initial * 2^attempt`, capped.
-pub fn backoff(initial: Millis, max: Millis, attempt: u32) -> Millis {
-    initial.saturating_mul(1u64 << attempt.min(30)).min(max)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{BootSpec, VmSpec};
+    use keel_api::{BootSpec, DiskHome, StopProgress, VmSpec};
 
     fn vm() -> VirtualMachine {
         VirtualMachine::new(

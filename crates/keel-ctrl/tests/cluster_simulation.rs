@@ -245,6 +245,11 @@ async fn after_tick(
     local_disks: bool,
     rng: &mut ChaCha8Rng,
 ) -> Result<(), String> {
+    if let (n @ 1.., last) = keel_ctrl::transitions::refused_so_far() {
+        return Err(format!(
+            "{n} forbidden phase transitions refused, the last: {last:?}"
+        ));
+    }
     let mut i = 0;
     while i < recreate.len() {
         let vm = recreate[i];

@@ -249,6 +249,11 @@ async fn check_step(
     deleting: &BTreeSet<String>,
     orphans: &BTreeSet<String>,
 ) -> Result<(), String> {
+    if let (n @ 1.., last) = keel_ctrl::transitions::refused_so_far() {
+        return Err(format!(
+            "{n} forbidden phase transitions refused, the last: {last:?}"
+        ));
+    }
     w.check_no_untracked_instances_except(orphans).await?;
     for name in existing {
         if w.get(name).await.is_none() && !deleting.contains(name) {

@@ -23,7 +23,8 @@ use tokio::task::JoinHandle;
 
 use crate::args::{AgentArgs, HypervisorKind};
 use crate::distributed::StoreSpec;
-use crate::serve::{self, make_hypervisor, HypervisorOptions};
+use crate::host;
+use crate::hypervisor::{self, make_hypervisor, HypervisorOptions};
 
 /// A node agent's controllers, running on a store.
 pub struct NodeAgent {
@@ -231,7 +232,7 @@ impl AgentConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
-            image_dir: serve::image_dir(&self.data_dir, self.image_dir.as_deref()),
+            image_dir: hypervisor::image_dir(&self.data_dir, self.image_dir.as_deref()),
             keeper: self.keeper.clone(),
             sim: self.sim.clone(),
             guest_dir: self.guest_dir.clone(),
@@ -305,8 +306,8 @@ pub async fn start_with_hypervisor(
 }
 
 fn own_data_dir(cfg: &AgentConfig) -> anyhow::Result<std::fs::File> {
-    serve::create_private_dir(&cfg.data_dir)?;
-    serve::lock_data_dir(&cfg.data_dir)
+    host::create_private_dir(&cfg.data_dir)?;
+    host::lock_data_dir(&cfg.data_dir)
 }
 
 async fn start_locked(
@@ -325,7 +326,7 @@ async fn start_locked(
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         cluster_duties: false,
-        shared_disk_dir: serve::shared_disk_dir(cfg.disk_dir.as_deref())?,
+        shared_disk_dir: hypervisor::shared_disk_dir(cfg.disk_dir.as_deref())?,
         incarnation: Some(incarnation.clone()),
         ..cfg.lifecycle.clone()
     };
@@ -369,11 +370,11 @@ fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
 
 /// `keel agent`: runs until SIGINT or SIGTERM.
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
-    serve::init_logging();
-    serve::private_umask();
+    host::init_logging();
+    host::private_umask();
     let node = match args.node {
         Some(node) => node,
-        None => serve::default_node_name()?,
+        None => host::default_node_name()?,
     };
     let mut cfg = AgentConfig::new(args.store, args.data_dir, node, args.hypervisor);
     cfg.guest_dir = args.guest_dir.or_else(|| {
@@ -394,7 +395,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async {
         let agent = start(cfg).await?;
-        let signal = serve::wait_for_signal().await?;
+        let signal = host::wait_for_signal().await?;
         tracing::info!(
             signal,
             freeze_s = agent.restart_freeze_ms / 1000,

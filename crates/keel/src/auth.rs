@@ -11,14 +11,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::http::{header, HeaderMap};
 use rand::RngCore;
 use subtle::ConstantTimeEq;
-
-use crate::api::ApiError;
 
 pub const TOKEN_FILE: &str = "token";
 /// 32 random bytes, hex-encoded.
@@ -194,24 +189,6 @@ pub fn read_token_file(path: &Path) -> anyhow::Result<String> {
         bail!("token file {} is empty", path.display());
     }
     Ok(token.to_string())
-}
-
-/// Middleware: everything but `/healthz` needs the bearer token. A refused
-/// request never reaches a handler, so it changes nothing.
-pub async fn require_token(State(token): State<Token>, req: Request, next: Next) -> Response {
-    if req.uri().path() == "/healthz" || token.authorizes(req.headers()) {
-        return next.run(req).await;
-    }
-    let mut resp = ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "missing or invalid bearer token: send `Authorization: Bearer <token>` (the token is in DATA_DIR/token)",
-    )
-    .into_response();
-    resp.headers_mut().insert(
-        header::WWW_AUTHENTICATE,
-        HeaderValue::from_static("Bearer realm=\"keel\""),
-    );
-    resp
 }
 
 #[cfg(test)]

@@ -109,7 +109,7 @@ pub fn run(args: &DoctorArgs) -> Vec<Check> {
         .clone()
         .unwrap_or_else(|| args.data_dir.join("node").join("disks"));
     checks.push(check_space("disk dir", &disk_dir));
-    let image_dir = crate::serve::image_dir(&args.data_dir, args.image_dir.as_deref());
+    let image_dir = crate::hypervisor::image_dir(&args.data_dir, args.image_dir.as_deref());
     checks.push(check_space("image store", &image_dir));
     checks.extend(check_store(&args.store));
     checks

@@ -10,10 +10,8 @@
 //! and the controller re-adopts them on the next start. A leader resigns,
 //! so another control plane takes over without waiting for its lease.
 
-use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::fs::File;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,8 +24,8 @@ use keel_ctrl::{
 };
 use keel_hv::images::ImageStore;
 use keel_hv::qemu::keeper::KeeperCommand;
-use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
-use keel_hv::sim::{SimConfig, SimHypervisor};
+use keel_hv::qemu::AccelChoice;
+use keel_hv::sim::SimConfig;
 use keel_hv::Hypervisor;
 use keel_store::sqlite::SqliteStore;
 use keel_store::TypedStore;
@@ -39,10 +37,14 @@ use crate::api::{self, AppState};
 use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
 use crate::distributed::{self, StoreSpec};
+use crate::host::{
+    create_private_dir, default_node_name, init_logging, lock_data_dir, private_umask,
+    wait_for_signal,
+};
+use crate::hypervisor::{image_dir, make_hypervisor, shared_disk_dir, HypervisorOptions};
 use crate::metrics::Metrics;
 
 pub const DB_FILE: &str = "keel.db";
-const LOCK_FILE: &str = "keel.lock";
 /// How long in-flight HTTP requests may take to finish at shutdown.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -139,86 +141,12 @@ impl ServeConfig {
     }
 }
 
-/// What a node's hypervisor driver is built from.
-#[derive(Debug, Clone)]
-pub struct HypervisorOptions {
-    pub kind: HypervisorKind,
-    /// The qemu driver keeps its instances in `<data_dir>/node`.
-    pub data_dir: PathBuf,
-    /// Where the qemu driver keeps disks; default `<data_dir>/node/disks`.
-    pub disk_dir: Option<PathBuf>,
-    /// Where the qemu driver keeps sockets; default: its own choice.
-    pub runtime_dir: Option<PathBuf>,
-    /// The image store VMs boot from (see [`image_dir`]).
-    pub image_dir: PathBuf,
-    /// Run each QEMU under this fence keeper (cluster nodes); see
-    /// `keel_hv::qemu::keeper`.
-    pub keeper: Option<KeeperCommand>,
-    /// Used only by the sim driver.
-    pub sim: SimConfig,
-    pub guest_dir: Option<PathBuf>,
-    pub accel: AccelChoice,
-}
-
-/// The one place a hypervisor driver is chosen (for `keel serve` and
-/// `keel agent`). Async, so a driver can probe the host.
-pub async fn make_hypervisor(
-    cfg: &HypervisorOptions,
-    clock: Arc<dyn Clock>,
-) -> anyhow::Result<Arc<dyn Hypervisor>> {
-    match cfg.kind {
-        HypervisorKind::Qemu => {
-            let mut config = QemuConfig::new(cfg.data_dir.join("node"));
-            config.disk_dir = cfg.disk_dir.clone();
-            config.runtime_dir = cfg.runtime_dir.clone();
-            config.image_dir = Some(cfg.image_dir.clone());
-            config.keeper = cfg.keeper.clone();
-            if let Some(dir) = &cfg.guest_dir {
-                // QEMU runs with its own working directory in mind: absolute paths only.
-                let dir = dir
-                    .canonicalize()
-                    .with_context(|| format!("guest dir {}", dir.display()))?;
-                config = config.with_test_guest(&dir);
-            }
-            config.accel = cfg.accel;
-            let driver = QemuDriver::new(config)
-                .await
-                .context("starting the qemu driver")?;
-            let facts = driver.facts().await;
-            tracing::info!(accelerator = ?facts.accelerator, note = %facts.accelerator_note, "qemu driver ready");
-            Ok(Arc::new(driver))
-        }
-        HypervisorKind::Sim => {
-            let seed = clock.now_ms();
-            Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
-        }
-    }
-}
-
-/// The image store's directory: `--image-dir`, else `<data_dir>/images`.
-pub fn image_dir(data_dir: &Path, configured: Option<&Path>) -> PathBuf {
-    configured.map_or_else(|| data_dir.join("images"), Path::to_path_buf)
-}
-
 /// The image store the API imports into.
 fn open_image_store(cfg: &ServeConfig) -> anyhow::Result<Arc<ImageStore>> {
     let dir = image_dir(&cfg.data_dir, cfg.image_dir.as_deref());
     let store = ImageStore::open(&dir, Path::new("qemu-img"), Duration::from_secs(300))
         .with_context(|| format!("image dir {}", dir.display()))?;
     Ok(Arc::new(store))
-}
-
-/// `--disk-dir` names storage the nodes share (mounted at the same path on
-/// each); without it disks are node-local. The path as the driver uses it.
-pub fn shared_disk_dir(disk_dir: Option<&Path>) -> anyhow::Result<Option<String>> {
-    disk_dir
-        .map(|dir| {
-            std::fs::create_dir_all(dir)
-                .and_then(|()| dir.canonicalize())
-                .with_context(|| format!("disk dir {}", dir.display()))
-                .map(|d| d.to_string_lossy().into_owned())
-        })
-        .transpose()
 }
 
 /// A started server. Dropping it without [`RunningServer::shutdown`]
@@ -573,107 +501,4 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         );
         server.shutdown().await
     })
-}
-
-/// Everything Keel and its QEMUs create — disks, images, sockets, records —
-/// is private to the user it runs as (0600/0700), whatever umask it was
-/// started with: VM disks hold guests' data.
-pub(crate) fn private_umask() {
-    // SAFETY: umask only sets the process's file creation mask.
-    unsafe { libc::umask(0o077) };
-}
-
-pub(crate) fn init_logging() {
-    use tracing_subscriber::filter::EnvFilter;
-    use tracing_subscriber::layer::SubscriberExt;
-    use tracing_subscriber::util::SubscriberInitExt;
-    use tracing_subscriber::Layer;
-
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let _ = tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-                .with_filter(filter),
-        )
-        .try_init();
-}
-
-pub(crate) async fn wait_for_signal() -> anyhow::Result<&'static str> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => { r.context("waiting for SIGINT")?; Ok("SIGINT") }
-        _ = term.recv() => Ok("SIGTERM"),
-    }
-}
-
-/// The host name, lowercased, up to the first dot, if it is a valid name.
-pub fn default_node_name() -> anyhow::Result<String> {
-    let host = hostname().context("cannot read the host name; pass --node NAME")?;
-    let name = host.split('.').next().unwrap_or("").to_ascii_lowercase();
-    validate_name("node", &name).map_err(|e| {
-        anyhow!("host name {host:?} is not usable as a node name ({e}); pass --node NAME")
-    })?;
-    Ok(name)
-}
-
-fn hostname() -> Option<String> {
-    let mut buf = [0u8; 256];
-    // SAFETY: the pointer and length describe `buf`, which outlives the call.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return None;
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8(buf[..end].to_vec()).ok()
-}
-
-/// Creates the data directory with mode 0700 if it is missing, and makes
-/// an existing one private (0700): it holds the token and the store. Call
-/// it, and [`lock_data_dir`], before anything else uses the directory.
-pub(crate) fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
-    DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .with_context(|| format!("creating data directory {}", dir.display()))?;
-    let meta = fs::metadata(dir)?;
-    if !meta.is_dir() {
-        bail!("{} is not a directory", dir.display());
-    }
-    let mode = meta.permissions().mode() & 0o777;
-    if mode != 0o700 {
-        tracing::warn!(dir = %dir.display(), mode = format!("{mode:o}"), "data directory was not private; making it 0700");
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-            .with_context(|| format!("making data directory {} private", dir.display()))?;
-    }
-    Ok(())
-}
-
-/// One server per data directory: the store's watches only see writes made
-/// through the owning process. Released when the returned file is closed.
-pub(crate) fn lock_data_dir(dir: &Path) -> anyhow::Result<File> {
-    let path = dir.join(LOCK_FILE);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .mode(0o600)
-        .open(&path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on a file descriptor this function owns.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.kind() == std::io::ErrorKind::WouldBlock {
-            bail!(
-                "another keel server is using data directory {}",
-                dir.display()
-            );
-        }
-        return Err(err).with_context(|| format!("locking {}", path.display()));
-    }
-    Ok(file)
 }

@@ -14,6 +14,7 @@ pub mod images;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
+mod require_token;
 pub mod snapshots;
 pub mod strict;
 pub mod vms;
@@ -34,7 +35,7 @@ use tokio::sync::watch;
 pub use error::{ApiError, ErrorBody};
 pub use extract::{parse_json, MAX_BODY_BYTES};
 
-use crate::auth::{self, Token};
+use crate::auth::Token;
 use crate::metrics::Metrics;
 
 /// What the handlers share.
@@ -102,7 +103,10 @@ pub fn router(state: AppState, token: Token) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(middleware::from_fn_with_state(token, auth::require_token))
+        .layer(middleware::from_fn_with_state(
+            token,
+            require_token::require_token,
+        ))
         .layer(middleware::from_fn_with_state(metrics, observe))
         .with_state(state)
 }

@@ -1,0 +1,84 @@
+//! The lifecycle's tunables, shared by every decision and executor.
+
+use keel_api::{DiskHome, Millis};
+
+/// Tunables of the lifecycle. Times in milliseconds.
+#[derive(Debug, Clone)]
+pub struct LifecycleConfig {
+    /// This node's name, recorded on instances it starts.
+    pub node: String,
+    /// First re-check after a graceful power-down request; doubles each time.
+    pub stop_backoff_initial_ms: Millis,
+    pub stop_backoff_max_ms: Millis,
+    /// How often a force-killed instance is re-checked (and re-killed).
+    pub kill_recheck_ms: Millis,
+    /// Re-check interval after a failed lookup or hypervisor call.
+    pub retry_ms: Millis,
+    /// Backoff between failed starts: initial, doubling, capped.
+    pub start_backoff_initial_ms: Millis,
+    pub start_backoff_max_ms: Millis,
+    /// An instance running this long counts as a successful boot.
+    pub boot_settle_ms: Millis,
+    /// How often a running instance is looked at, to notice crashes.
+    pub poll_ms: Millis,
+    /// A node whose heartbeat is older than this is not ready: nothing new
+    /// is placed on it.
+    pub node_ready_ms: Millis,
+    /// A node's lease: once its heartbeat is older than this, its VMs are
+    /// taken over by other nodes (their instances count as fenced).
+    pub node_lease_ms: Millis,
+    /// An agent that could not renew its heartbeat for this long ends every
+    /// domain on its node, so they are gone before its lease runs out.
+    /// Must be well below `node_lease_ms`.
+    pub self_fence_ms: Millis,
+    /// Whether this node agent also does the cluster-level work: placing
+    /// VMs that have no node and taking over the VMs of lost nodes. True
+    /// in single-process mode (every agent may, the compare-and-swap picks
+    /// one writer); false under a control plane, whose elected leader does
+    /// it with guarded writes (`ClusterController`).
+    pub cluster_duties: bool,
+    /// The directory this node keeps VM disks in, if other nodes share it
+    /// (mounted at the same path); `None`: the disks are node-local.
+    pub shared_disk_dir: Option<String>,
+    /// This agent's incarnation (see `NodeStatus::incarnation`); `None`
+    /// claims none and checks none (tests, single host).
+    pub incarnation: Option<String>,
+    /// How often a running guest that is not ready yet is probed.
+    pub readiness_probe_ms: Millis,
+    /// How often a ready guest's agent is asked again (its addresses).
+    pub readiness_refresh_ms: Millis,
+}
+
+impl LifecycleConfig {
+    /// Where the disks of VMs started on this node live.
+    pub fn disk_home(&self) -> DiskHome {
+        match &self.shared_disk_dir {
+            Some(dir) => DiskHome::Shared(dir.clone()),
+            None => DiskHome::Node(self.node.clone()),
+        }
+    }
+}
+
+impl Default for LifecycleConfig {
+    fn default() -> Self {
+        Self {
+            node: "local".into(),
+            stop_backoff_initial_ms: 1_000,
+            stop_backoff_max_ms: 32_000,
+            kill_recheck_ms: 1_000,
+            retry_ms: 1_000,
+            start_backoff_initial_ms: 1_000,
+            start_backoff_max_ms: 32_000,
+            boot_settle_ms: 10_000,
+            poll_ms: 2_000,
+            node_ready_ms: 15_000,
+            node_lease_ms: 40_000,
+            self_fence_ms: 20_000,
+            cluster_duties: true,
+            shared_disk_dir: None,
+            incarnation: None,
+            readiness_probe_ms: 1_000,
+            readiness_refresh_ms: 30_000,
+        }
+    }
+}

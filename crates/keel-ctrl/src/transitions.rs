@@ -1,0 +1,155 @@
+//! Every VM record a controller writes is checked against the phase tables
+//! (`Phase::may_become`, `EvictionPhase::may_become`) before anything is
+//! done for it. A forbidden change is a bug in a decision: it is refused,
+//! logged, and counted here, so the simulations fail on it
+//! ([`refused_so_far`]) and production keeps the last good record.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use keel_api::{EvictionPhase, Phase, VirtualMachine};
+
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+static LAST_REFUSED: Mutex<Option<ForbiddenTransition>> = Mutex::new(None);
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ForbiddenTransition {
+    #[error("VM {vm}: phase {from:?} may not become {to:?}; the record was not written (a bug in the decision)")]
+    Phase { vm: String, from: Phase, to: Phase },
+    #[error("VM {vm}: eviction phase {from:?} may not become {to:?}; the record was not written (a bug in the decision)")]
+    Eviction {
+        vm: String,
+        from: EvictionPhase,
+        to: EvictionPhase,
+    },
+}
+
+/// Whether `new` may replace `old`. An eviction is compared only with one
+/// of the same drain: a marker left by an earlier drain starts over.
+pub fn check(old: &VirtualMachine, new: &VirtualMachine) -> Result<(), ForbiddenTransition> {
+    let result = transition(old, new);
+    if let Err(err) = &result {
+        REFUSED.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(%err, "forbidden phase transition refused");
+        if let Ok(mut last) = LAST_REFUSED.lock() {
+            *last = Some(err.clone());
+        }
+    }
+    result
+}
+
+fn transition(old: &VirtualMachine, new: &VirtualMachine) -> Result<(), ForbiddenTransition> {
+    let (from, to) = (old.status.phase, new.status.phase);
+    if !from.may_become(to) {
+        return Err(ForbiddenTransition::Phase {
+            vm: new.name.clone(),
+            from,
+            to,
+        });
+    }
+    if let (Some(a), Some(b)) = (&old.status.eviction, &new.status.eviction) {
+        if a.drain_requested_at == b.drain_requested_at && !a.phase.may_become(b.phase) {
+            return Err(ForbiddenTransition::Eviction {
+                vm: new.name.clone(),
+                from: a.phase,
+                to: b.phase,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// How many writes this process refused so far, and the last one: the
+/// simulations' invariant (it must stay 0), and a metric.
+pub fn refused_so_far() -> (u64, Option<ForbiddenTransition>) {
+    let last = LAST_REFUSED.lock().ok().and_then(|l| l.clone());
+    (REFUSED.load(Ordering::Relaxed), last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::{BootSpec, Eviction, PowerState, RunPolicy, VmSpec};
+
+    fn vm(phase: Phase) -> VirtualMachine {
+        let mut vm = VirtualMachine::new(
+            "web",
+            VmSpec {
+                cpus: 1,
+                memory_mib: 128,
+                disks: vec![],
+                boot: BootSpec::default(),
+                run_policy: RunPolicy::Manual,
+                power: PowerState::Running,
+                restart_generation: 0,
+                stop_grace_period_s: 60,
+                node: None,
+                network: Default::default(),
+                cloud_init: None,
+                readiness: keel_api::Readiness::Agent,
+            },
+        );
+        vm.status.phase = phase;
+        vm
+    }
+
+    fn evicting(phase: EvictionPhase, drain: u64) -> VirtualMachine {
+        let mut v = vm(Phase::Running);
+        v.status.eviction = Some(Eviction {
+            drain_requested_at: drain,
+            phase,
+            started_at: 0,
+            submit_deadline: None,
+            migrate_deadline: None,
+            fallback_deadline: None,
+            migration: None,
+            failed_attempts: 0,
+            next_attempt_at: None,
+            message: None,
+        });
+        v
+    }
+
+    #[test]
+    fn a_forbidden_phase_change_is_refused_naming_both_phases_and_counted() {
+        let (before, _) = refused_so_far();
+        let err = check(&vm(Phase::Deleting), &vm(Phase::Starting)).unwrap_err();
+        assert_eq!(
+            err,
+            ForbiddenTransition::Phase {
+                vm: "web".into(),
+                from: Phase::Deleting,
+                to: Phase::Starting
+            }
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("Deleting") && text.contains("Starting"),
+            "{text}"
+        );
+        let (after, last) = refused_so_far();
+        assert!(after > before);
+        assert!(last.is_some());
+        check(&vm(Phase::Stopping), &vm(Phase::Stopped)).unwrap();
+    }
+
+    #[test]
+    fn an_eviction_never_leaves_its_fallback_but_a_new_drain_starts_over() {
+        let err = check(
+            &evicting(EvictionPhase::Fallback, 5),
+            &evicting(EvictionPhase::Submitting, 5),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("Fallback"), "{err}");
+        check(
+            &evicting(EvictionPhase::Fallback, 5),
+            &evicting(EvictionPhase::Submitting, 6),
+        )
+        .unwrap();
+        check(
+            &evicting(EvictionPhase::Migrating, 5),
+            &evicting(EvictionPhase::Submitting, 5),
+        )
+        .unwrap();
+    }
+}
