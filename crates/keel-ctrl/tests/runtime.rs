@@ -165,3 +165,113 @@ async fn with_one_reconcile_at_a_time_the_hung_call_holds_up_every_vm() {
     assert_eq!(web.status.stop, None, "{web:?}");
     assert_eq!(web.status.phase, Phase::Running);
 }
+
+/// Wall-clock milliseconds that follow tokio's clock, so a test on
+/// tokio's paused time runs the production driver's waits as it would
+/// run them for real, only without waiting.
+struct TokioClock {
+    start: tokio::time::Instant,
+}
+
+impl keel_api::Clock for TokioClock {
+    fn now_ms(&self) -> keel_api::Millis {
+        common::T0 + self.start.elapsed().as_millis() as keel_api::Millis
+    }
+}
+
+/// The production driver itself (`run_vm_controller`, as `keel serve`
+/// runs it), on tokio's paused clock: it wakes for due looks, for an exit
+/// hint (a power-off seen within a millisecond, not at the next look) and
+/// relists after the watches break.
+#[tokio::test(start_paused = true)]
+async fn the_production_driver_wakes_on_hints_and_relists() {
+    use keel_ctrl::keys::vm_key;
+    use keel_store::{memory::MemoryStore, TypedStore};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let clock: Arc<dyn keel_api::Clock> = Arc::new(TokioClock {
+        start: tokio::time::Instant::now(),
+    });
+    let memory = MemoryStore::with_clock(clock.clone());
+    let store = TypedStore::new(Arc::new(memory.clone()));
+    let hv = keel_hv::sim::SimHypervisor::new(clock.clone(), 3, sim());
+    let ctrl = Arc::new(keel_ctrl::VmController::new(
+        store.clone(),
+        Arc::new(hv.clone()),
+        clock.clone(),
+        Default::default(),
+    ));
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(keel_ctrl::run_vm_controller(ctrl, clock.clone(), stop_rx));
+    let get = |name: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .get::<VirtualMachine>(&vm_key(name))
+                .await
+                .unwrap()
+                .unwrap()
+                .value
+        }
+    };
+    // Steps of virtual time until `done`, at most `ms`; the time it took.
+    async fn until<F: std::future::Future<Output = bool>>(
+        ms: u64,
+        mut done: impl FnMut() -> F,
+    ) -> Option<u64> {
+        let start = tokio::time::Instant::now();
+        while start.elapsed() < Duration::from_millis(ms) {
+            if done().await {
+                return Some(start.elapsed().as_millis() as u64);
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        None
+    }
+
+    let vm = keel_api::VirtualMachine::new("web", spec(RunPolicy::Manual, PowerState::Running, 60));
+    store.create(&vm_key("web"), &vm).await.unwrap();
+    let ran = until(10_000, || async {
+        get("web").await.status.phase == Phase::Running
+    })
+    .await;
+    assert!(ran.is_some(), "{:?}", get("web").await.status);
+
+    let inst = get("web").await.status.instance.unwrap().id;
+    hv.guest_poweroff(&inst);
+    let seen = until(1_000, || async {
+        get("web").await.status.last_exit.is_some()
+    })
+    .await;
+    assert!(
+        seen.is_some_and(|ms| ms <= 1),
+        "power-off seen after {seen:?} ms, not at once"
+    );
+
+    memory.fail_watches("the store restarted");
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    store_request_start(&store).await;
+    let started = until(5_000, || async {
+        get("web").await.status.instance.is_some()
+    })
+    .await;
+    let started = started.expect("started after the relist");
+    assert!(
+        started <= 1_001,
+        "started after {started} ms (relist after 1 s)"
+    );
+
+    stop.send(true).unwrap();
+    task.await.unwrap();
+}
+
+async fn store_request_start(store: &keel_store::TypedStore) {
+    common::cas::modify(
+        store,
+        &keel_ctrl::keys::vm_key("web"),
+        |vm: &mut VirtualMachine| vm.request_start().map_err(|e| e.to_string()),
+    )
+    .await
+    .unwrap();
+}
