@@ -21,6 +21,7 @@ use keel_store::TypedStore;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::agent_console::{self, ConsoleServer};
 use crate::args::{AgentArgs, HypervisorKind};
 use crate::distributed::StoreSpec;
 use crate::serve::{self, make_hypervisor, HypervisorOptions};
@@ -199,6 +200,9 @@ pub struct AgentConfig {
     pub lifecycle: LifecycleConfig,
     /// How long SIGTERM freezes the node for (0: no freeze).
     pub restart_freeze_ms: u64,
+    /// Where to serve this node's consoles (`--console-listen`); `None`:
+    /// nowhere.
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 impl AgentConfig {
@@ -222,6 +226,7 @@ impl AgentConfig {
             keeper: None,
             lifecycle: LifecycleConfig::default(),
             restart_freeze_ms: 5 * 60 * 1000,
+            listen: None,
         }
     }
 
@@ -246,6 +251,7 @@ pub struct RunningAgent {
     restart_freeze_ms: u64,
     hv: Arc<dyn Hypervisor>,
     store: TypedStore,
+    consoles: Option<ConsoleServer>,
     _lock: File,
 }
 
@@ -262,7 +268,15 @@ impl RunningAgent {
         self.agent.node()
     }
 
+    /// Where it serves its node's consoles, if it does.
+    pub fn console_url(&self) -> Option<&str> {
+        self.consoles.as_ref().map(|c| c.url.as_str())
+    }
+
     pub async fn shutdown(self) -> anyhow::Result<()> {
+        if let Some(consoles) = self.consoles {
+            consoles.shutdown().await;
+        }
         self.agent.shutdown().await
     }
 
@@ -270,6 +284,9 @@ impl RunningAgent {
     /// node is frozen for it before the agent exits (guests keep running);
     /// without, as [`Self::shutdown`].
     pub async fn stop_for_restart(self) -> anyhow::Result<()> {
+        if let Some(consoles) = self.consoles {
+            consoles.shutdown().await;
+        }
         match self.restart_freeze_ms {
             0 => self.agent.shutdown().await,
             ms => self.agent.freeze_and_shutdown(ms).await,
@@ -278,6 +295,9 @@ impl RunningAgent {
 
     /// As if the process were killed: its guests keep running, unmanaged.
     pub fn abort(self) {
+        if let Some(consoles) = self.consoles {
+            consoles.abort();
+        }
         self.agent.abort();
     }
 }
@@ -320,7 +340,7 @@ async fn start_locked(
         .connect_etcd()
         .await?
         .expect("checked: an etcd store");
-    let store = TypedStore::new(raw);
+    let store = TypedStore::new(raw.clone());
     let incarnation = load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
@@ -334,17 +354,48 @@ async fn start_locked(
     let agent = NodeAgent::spawn(
         store.clone(),
         hv.clone(),
-        clock,
+        clock.clone(),
         lifecycle,
         Arc::new(keel_ctrl::NoObserver),
     )
     .await?;
+    let consoles = match cfg.listen {
+        None => None,
+        Some(listen) => {
+            // The control planes' token: they pass the user's request on
+            // with it, and nobody else may attach.
+            let token =
+                crate::distributed::shared_token(&*raw, &crate::auth::token_path(&cfg.data_dir))
+                    .await?;
+            let images = keel_hv::images::ImageStore::open(
+                &serve::image_dir(&cfg.data_dir, cfg.image_dir.as_deref()),
+                Path::new("qemu-img"),
+                Duration::from_secs(300),
+            )
+            .context("image dir")?;
+            Some(
+                ConsoleServer::start(
+                    listen,
+                    &cfg.node,
+                    store.clone(),
+                    hv.clone(),
+                    clock,
+                    Arc::new(images),
+                    token,
+                )
+                .await?,
+            )
+        }
+    };
+    agent_console::publish_url(&store, &cfg.node, consoles.as_ref().map(|c| c.url.as_str()))
+        .await?;
     tracing::info!(node = %cfg.node, store = %cfg.store, data_dir = %cfg.data_dir.display(), "keel agent running");
     Ok(RunningAgent {
         agent,
         restart_freeze_ms: cfg.restart_freeze_ms,
         hv,
         store,
+        consoles,
         _lock: lock,
     })
 }
@@ -385,6 +436,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.runtime_dir = args.runtime_dir;
     cfg.restart_freeze_ms = args.restart_freeze * 1000;
     cfg.image_dir = args.image_dir;
+    cfg.listen = args.console_listen;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -225,6 +225,13 @@ pub struct AgentArgs {
     /// once the lease lapses, about 20 s). At most 1h.
     #[arg(long, value_parser = parse_window, default_value = "5m")]
     pub restart_freeze: u64,
+    /// Serve the consoles of this node's VMs on this address (port 0: any),
+    /// for the control planes to pass `vm console` and `vm logs` on to;
+    /// guarded by the cluster's API token. Unset: consoles of VMs here are
+    /// not reachable from the API. (Not `listen`: one settings file serves
+    /// `keel serve` and `keel agent` on a host.)
+    #[arg(long, env = "KEEL_CONSOLE_LISTEN")]
+    pub console_listen: Option<std::net::SocketAddr>,
 }
 
 #[derive(Debug, Args)]

@@ -6,6 +6,7 @@
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
 pub mod console;
+pub mod console_proxy;
 mod error;
 pub mod events;
 mod extract;
