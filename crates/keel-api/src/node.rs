@@ -126,6 +126,11 @@ pub struct NodeStatus {
     /// refused while this one is alive.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub incarnation: Option<String>,
+    /// Where this node's agent serves the consoles of its VMs
+    /// (`keel agent --console-listen`), e.g. `http://10.0.0.7:7070`: control planes
+    /// pass `vm console` and `vm logs` on to it. `None`: it serves none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_url: Option<String>,
 }
 
 impl Node {

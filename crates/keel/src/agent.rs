@@ -21,6 +21,7 @@ use keel_store::TypedStore;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::agent_console::{self, ConsoleServer};
 use crate::args::{AgentArgs, HypervisorKind};
 use crate::distributed::StoreSpec;
 use crate::host;
@@ -202,6 +203,9 @@ pub struct AgentConfig {
     pub restart_freeze_ms: u64,
     /// How incoming migrations travel; default: a Unix socket.
     pub migration: crate::migration_setup::MigrationSettings,
+    /// Where to serve this node's consoles (`--console-listen`); `None`:
+    /// nowhere.
+    pub listen: Option<std::net::SocketAddr>,
 }
 
 impl AgentConfig {
@@ -226,6 +230,7 @@ impl AgentConfig {
             lifecycle: LifecycleConfig::default(),
             restart_freeze_ms: 5 * 60 * 1000,
             migration: Default::default(),
+            listen: None,
         }
     }
 
@@ -251,6 +256,7 @@ pub struct RunningAgent {
     restart_freeze_ms: u64,
     hv: Arc<dyn Hypervisor>,
     store: TypedStore,
+    consoles: Option<ConsoleServer>,
     _lock: File,
 }
 
@@ -267,7 +273,15 @@ impl RunningAgent {
         self.agent.node()
     }
 
+    /// Where it serves its node's consoles, if it does.
+    pub fn console_url(&self) -> Option<&str> {
+        self.consoles.as_ref().map(|c| c.url.as_str())
+    }
+
     pub async fn shutdown(self) -> anyhow::Result<()> {
+        if let Some(consoles) = self.consoles {
+            consoles.shutdown().await;
+        }
         self.agent.shutdown().await
     }
 
@@ -275,6 +289,9 @@ impl RunningAgent {
     /// node is frozen for it before the agent exits (guests keep running);
     /// without, as [`Self::shutdown`].
     pub async fn stop_for_restart(self) -> anyhow::Result<()> {
+        if let Some(consoles) = self.consoles {
+            consoles.shutdown().await;
+        }
         match self.restart_freeze_ms {
             0 => self.agent.shutdown().await,
             ms => self.agent.freeze_and_shutdown(ms).await,
@@ -283,6 +300,9 @@ impl RunningAgent {
 
     /// As if the process were killed: its guests keep running, unmanaged.
     pub fn abort(self) {
+        if let Some(consoles) = self.consoles {
+            consoles.abort();
+        }
         self.agent.abort();
     }
 }
@@ -325,7 +345,7 @@ async fn start_locked(
         .connect_etcd()
         .await?
         .expect("checked: an etcd store");
-    let store = TypedStore::new(raw);
+    let store = TypedStore::new(raw.clone());
     let incarnation = load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
@@ -339,17 +359,48 @@ async fn start_locked(
     let agent = NodeAgent::spawn(
         store.clone(),
         hv.clone(),
-        clock,
+        clock.clone(),
         lifecycle,
         Arc::new(keel_ctrl::NoObserver),
     )
     .await?;
+    let consoles = match cfg.listen {
+        None => None,
+        Some(listen) => {
+            // The control planes' token: they pass the user's request on
+            // with it, and nobody else may attach.
+            let token =
+                crate::distributed::shared_token(&*raw, &crate::auth::token_path(&cfg.data_dir))
+                    .await?;
+            let images = keel_hv::images::ImageStore::open(
+                &crate::hypervisor::image_dir(&cfg.data_dir, cfg.image_dir.as_deref()),
+                Path::new("qemu-img"),
+                Duration::from_secs(300),
+            )
+            .context("image dir")?;
+            Some(
+                ConsoleServer::start(
+                    listen,
+                    &cfg.node,
+                    store.clone(),
+                    hv.clone(),
+                    clock,
+                    Arc::new(images),
+                    token,
+                )
+                .await?,
+            )
+        }
+    };
+    agent_console::publish_url(&store, &cfg.node, consoles.as_ref().map(|c| c.url.as_str()))
+        .await?;
     tracing::info!(node = %cfg.node, store = %cfg.store, data_dir = %cfg.data_dir.display(), "keel agent running");
     Ok(RunningAgent {
         agent,
         restart_freeze_ms: cfg.restart_freeze_ms,
         hv,
         store,
+        consoles,
         _lock: lock,
     })
 }
@@ -396,6 +447,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         args.migration_listen.as_ref(),
         args.insecure_migration,
     )?;
+    cfg.listen = args.console_listen;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -255,6 +255,13 @@ pub struct AgentArgs {
     /// unauthenticated, when this node has no migration credentials.
     #[arg(long)]
     pub insecure_migration: bool,
+    /// Serve the consoles of this node's VMs on this address (port 0: any),
+    /// for the control planes to pass `vm console` and `vm logs` on to;
+    /// guarded by the cluster's API token. Unset: consoles of VMs here are
+    /// not reachable from the API. (Not `listen`: one settings file serves
+    /// `keel serve` and `keel agent` on a host.)
+    #[arg(long, env = "KEEL_CONSOLE_LISTEN")]
+    pub console_listen: Option<std::net::SocketAddr>,
 }
 
 /// `--migration-listen ADDR:FIRST-LAST`.

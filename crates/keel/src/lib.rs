@@ -7,6 +7,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod agent;
+pub mod agent_console;
 pub mod api;
 pub mod args;
 pub mod auth;

@@ -147,6 +147,11 @@ impl Cluster {
     }
 
     async fn agent(&mut self, node: &str) {
+        self.agent_listening(node, None).await
+    }
+
+    /// An agent that serves its node's consoles on `listen`, if given.
+    async fn agent_listening(&mut self, node: &str, listen: Option<std::net::SocketAddr>) {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let seed = self.nodes.len() as u64 + 1;
         let hv = SimHypervisor::join(clock, seed, sim(), &self.fabric, node);
@@ -159,6 +164,7 @@ impl Cluster {
         cfg.lifecycle = lifecycle();
         // The sim nodes share one fabric: their disks are shared storage.
         cfg.disk_dir = Some(self.dir.path().join("shared-disks"));
+        cfg.listen = listen;
         let agent = agent::start_with_hypervisor(cfg, Arc::new(hv.clone()))
             .await
             .expect("agent starts");
@@ -188,6 +194,23 @@ impl Cluster {
     /// Kills a control plane: its tasks end, its lease is not revoked.
     fn kill_plane(&mut self, name: &str) {
         self.planes.remove(name).expect("running").abort();
+    }
+
+    fn vm_spec(&self) -> VmSpec {
+        VmSpec {
+            cpus: 1,
+            memory_mib: 64,
+            disks: vec![],
+            boot: Default::default(),
+            run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
+            power: PowerState::Running,
+            restart_generation: 0,
+            stop_grace_period_s: 30,
+            node: None,
+            readiness: keel_api::Readiness::Agent,
+            network: Default::default(),
+            cloud_init: None,
+        }
     }
 
     async fn create_vm(&self, name: &str) {
@@ -645,4 +668,199 @@ async fn a_second_agent_with_the_same_node_name_is_refused() {
         "took {:?}",
         t.elapsed()
     );
+}
+
+/// A GET with an optional bearer token: status, `X-Keel-Instance`, body.
+async fn get_as(url: String, token: Option<String>) -> (u16, Option<String>, String) {
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(10)))
+            .build()
+            .into();
+        let mut req = agent.get(&url);
+        if let Some(t) = &token {
+            req = req.header("Authorization", &format!("Bearer {t}"));
+        }
+        let mut resp = req.call().unwrap();
+        let instance = resp
+            .headers()
+            .get("x-keel-instance")
+            .map(|v| v.to_str().unwrap().to_string());
+        let body = resp.body_mut().read_to_string().unwrap();
+        (resp.status().as_u16(), instance, body)
+    })
+    .await
+    .unwrap()
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn console_ws(base: &str, vm: &str, token: &str) -> Result<Ws, u16> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::{http::HeaderValue, Error};
+    let url = format!(
+        "{}/api/v1/vms/{vm}/console",
+        base.replace("http://", "ws://")
+    );
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+    );
+    match tokio_tungstenite::connect_async(req).await {
+        Ok((ws, _)) => Ok(ws),
+        Err(Error::Http(resp)) => Err(resp.status().as_u16()),
+        Err(e) => panic!("console of {vm}: {e}"),
+    }
+}
+
+/// `vm logs` and `vm console` of a VM on a `keel agent` node, asked of a
+/// control plane that runs no guests: passed on to the node's agent (which
+/// serves them on `--console-listen`, published on its node record) with the same
+/// token; the agent's own answers (the log, a 409 while a session lasts)
+/// come back as they are. An agent without `--console-listen` serves no consoles:
+/// 501 naming the node's field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let Some(mut c) = Cluster::new("console-proxy").await else {
+        return;
+    };
+    c.control_plane("cp").await;
+    c.agent_listening("n1", Some("127.0.0.1:0".parse().unwrap()))
+        .await;
+    c.agent_listening("n2", None).await;
+    let agent_url = c.agents["n1"].console_url().unwrap().to_string();
+    wait_for("n1's console URL on its record", || async {
+        let node = c.store.get::<Node>(&node_key("n1")).await.unwrap()?;
+        (node.value.status.agent_url.as_deref() == Some(agent_url.as_str())).then_some(())
+    })
+    .await;
+    for (vm, node) in [("web", "n1"), ("quiet", "n2")] {
+        let mut v = VirtualMachine::new(
+            vm,
+            VmSpec {
+                cpus: 1,
+                memory_mib: 64,
+                node: Some(node.into()),
+                readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
+                ..c.vm_spec()
+            },
+        );
+        v.spec.stop_grace_period_s = 30;
+        c.store.create(&vm_key(vm), &v).await.unwrap();
+    }
+    let (node, instance) = c.running("web").await;
+    assert_eq!(node, "n1");
+    c.running("quiet").await;
+    let cp = format!("http://{}", c.planes["cp"].addr());
+    let token = c.planes["cp"].token().to_string();
+
+    // The log, through the control plane.
+    let (status, inst, body) = get_as(
+        format!("{cp}/api/v1/vms/web/console/log?tail=1"),
+        Some(token.clone()),
+    )
+    .await;
+    assert_eq!(
+        (status, inst.as_deref()),
+        (200, Some(instance.as_str())),
+        "{body}"
+    );
+    assert_eq!(body, "KEEL-GUEST-READY boot_id=sim\n");
+    // The same auth at both hops.
+    let (status, _, _) = get_as(format!("{cp}/api/v1/vms/web/console/log"), None).await;
+    assert_eq!(status, 401);
+    let (status, _, _) = get_as(format!("{agent_url}/api/v1/vms/web/console/log"), None).await;
+    assert_eq!(status, 401, "the agent checks the token too");
+    let (status, _, _) = get_as(
+        format!("{agent_url}/api/v1/vms/web/console/log"),
+        Some("not-the-token".into()),
+    )
+    .await;
+    assert_eq!(status, 401);
+    // The agent serves consoles, nothing else.
+    let (status, _, _) = get_as(format!("{agent_url}/api/v1/vms"), Some(token.clone())).await;
+    assert_eq!(status, 404);
+
+    // An interactive session through the control plane.
+    let mut ws = console_ws(&cp, "web", &token).await.unwrap();
+    assert_eq!(
+        console_ws(&cp, "web", &token).await.unwrap_err(),
+        409,
+        "one session at a time, as the agent says"
+    );
+    assert_eq!(console_ws(&cp, "web", "wrong").await.unwrap_err(), 401);
+    ws.send(Message::binary(b"uname -a\n".to_vec()))
+        .await
+        .unwrap();
+    let mut seen = String::new();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !seen.contains("sim: uname -a") {
+        match tokio::time::timeout_at(deadline, ws.next()).await {
+            Ok(Some(Ok(Message::Binary(b)))) => seen.push_str(&String::from_utf8_lossy(&b)),
+            Ok(Some(Ok(_))) => {}
+            other => panic!("session ended before the answer ({other:?}): {seen:?}"),
+        }
+    }
+    ws.close(None).await.unwrap();
+    drop(ws);
+    let (_, _, body) = get_as(
+        format!("{cp}/api/v1/vms/web/console/log"),
+        Some(token.clone()),
+    )
+    .await;
+    assert!(body.contains("sim: uname -a"), "{body}");
+    // Detached: the agent's slot is free again.
+    wait_for("the console slot to be free", || async {
+        console_ws(&cp, "web", &token).await.ok().map(drop)
+    })
+    .await;
+
+    // The CLI, as a user runs it against the control plane.
+    let cli = |args: &'static [&'static str], stdin: &'static [u8]| {
+        let data_dir = c.dir.path().join("cp");
+        let server = cp.clone();
+        tokio::task::spawn_blocking(move || {
+            use std::io::Write;
+            use std::process::{Command, Stdio};
+            let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+                .args(args)
+                .env("KEEL_SERVER", &server)
+                .env("KEEL_DATA_DIR", &data_dir)
+                .env_remove("KEEL_TOKEN")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("run keel");
+            child.stdin.take().unwrap().write_all(stdin).unwrap();
+            child.wait_with_output().unwrap()
+        })
+    };
+    let out = cli(&["vm", "logs", "web"], b"").await.unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("sim: uname -a"));
+    let out = cli(&["vm", "console", "web"], b"echo hi\n").await.unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("sim: echo hi"),
+        "{out:?}"
+    );
+
+    // n2's agent serves no consoles.
+    let (status, _, body) = get_as(
+        format!("{cp}/api/v1/vms/quiet/console/log"),
+        Some(token.clone()),
+    )
+    .await;
+    assert_eq!(status, 501, "{body}");
+    let err: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(err["field"], "status.instance.node", "{body}");
+    assert!(err["error"].as_str().unwrap().contains("n2"), "{body}");
+    c.check_one_instance(&["web", "quiet"]);
+    c.shutdown().await;
 }

@@ -298,3 +298,87 @@ fn a_vm_from_an_image_boots_through_uefi_with_its_own_variable_store() {
     );
     delete_and_wait(&server, "efi");
 }
+
+/// A UEFI VM's variable store is part of its snapshots: a restore brings
+/// back the store as it was at the snapshot (taken live here, while the
+/// guest was paused for the disks), not the one the VM had since, and the
+/// VM boots with it.
+#[test]
+fn a_snapshot_of_a_uefi_vm_keeps_its_variable_store_and_a_restore_brings_it_back() {
+    let Some(guest) = guest_dir() else { return };
+    let image = boot_image(&guest);
+    let (server, _guard) = qemu_server(&guest);
+    import(&server, "boot", &image);
+    server.create_vm(
+        "efivars",
+        json!({"cpus": 1, "memory_mib": 256, "stop_grace_period_s": 30,
+               "disks": [{"name": "root", "image": "boot"}],
+               "boot": {"firmware": "uefi"}}),
+    );
+    let vm = server.wait_vm("efivars", "run", |v| common::phase(v) == "Running");
+    wait_ready(&instance_dir(&server, &vm));
+    let vars = server.dir.path().join("node/disks/efivars/uefi-vars.fd");
+    let template = std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.fd").unwrap();
+    let at_snapshot = std::fs::read(&vars).unwrap();
+    assert_ne!(
+        at_snapshot, template,
+        "OVMF records its boot options in the VM's store on the first boot"
+    );
+
+    let r = server.send(
+        "POST",
+        "/api/v1/vms/efivars/snapshots",
+        &json!({"name": "s1"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    let snap = server.wait_snapshot("efivars", "s1", "become Ready", |s| {
+        s["snapshot"]["status"]["phase"] == "Ready"
+    });
+    assert_eq!(snap["snapshot"]["status"]["live"], true, "{snap}");
+
+    let r = server.send("POST", "/api/v1/vms/efivars/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_settled_stopped("efivars");
+    // After the snapshot the store loses what the firmware wrote (as a
+    // reset to defaults, or a guest that rewrote its boot entries, would).
+    std::fs::write(&vars, &template).unwrap();
+
+    let r = server.send(
+        "POST",
+        "/api/v1/vms/efivars/restore",
+        r#"{"snapshot":"s1"}"#,
+    );
+    assert_eq!(r.status, 202, "{}", r.text);
+    server.wait_vm("efivars", "be restored, stopped", |v| {
+        let vm = &v["vm"];
+        vm.get("restore").is_none()
+            && vm.get("power_intent").is_none()
+            && common::phase(v) == "Stopped"
+    });
+    assert!(
+        std::fs::read(&vars).unwrap() == at_snapshot,
+        "the restore brought back the variable store of the snapshot"
+    );
+
+    // It boots with it.
+    let r = server.send("POST", "/api/v1/vms/efivars/start", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let vm = server.wait_vm("efivars", "run again", |v| common::phase(v) == "Running");
+    let (took, _) = wait_ready(&instance_dir(&server, &vm));
+    eprintln!("UEFI boot with the restored variable store: ready after {took:?}");
+
+    // Deleting the snapshot deletes its copy of the store.
+    let r = server.send("DELETE", "/api/v1/vms/efivars/snapshots/s1", "");
+    assert_eq!(r.status, 202, "{}", r.text);
+    let copy = server
+        .dir
+        .path()
+        .join("node/disks/efivars/uefi-vars.snapshots/s1.fd");
+    let start = Instant::now();
+    while server.get("/api/v1/vms/efivars/snapshots/s1").status != 404 {
+        assert!(start.elapsed() < BOOT, "snapshot not deleted");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!copy.exists(), "{} is left", copy.display());
+    delete_and_wait(&server, "efivars");
+}

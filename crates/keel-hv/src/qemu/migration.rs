@@ -65,6 +65,8 @@ use keel_api::{Clock, Millis, SystemClock};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+mod precopy;
+
 use super::layout::{read_json, write_json_atomic, InstancePaths, MAX_SOCKET_PATH};
 use super::monitor::Phase;
 use super::qmp::{QmpClient, QmpError};
@@ -79,6 +81,12 @@ pub struct OutgoingMigration {
     /// `Completed` or `Failed`, once seen by `migration_status`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub outcome: Option<MigrationProgress>,
+    /// Keel paused the guest before sending it (TCG before QEMU 9.0, see
+    /// `precopy`); one that did not hand over is resumed once.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused_source: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub source_resumed: bool,
 }
 
 /// The parts of `query-migrate`'s MigrationInfo Keel reads. Every field is
@@ -459,8 +467,11 @@ impl QemuDriver {
             .map_err(|e| unavailable(instance, OP, e))?;
         let qmp_err = |e| qmp_error(instance, OP, e);
 
-        if let Some(rec) = read_outgoing(&domain.paths, instance, OP)? {
+        if let Some(mut rec) = read_outgoing(&domain.paths, instance, OP)? {
             let info = query_migrate(&client).await.map_err(qmp_err)?;
+            self.resume_paused_source(&domain.paths, &client, &mut rec, &info.stage())
+                .await
+                .map_err(qmp_err)?;
             match info.stage() {
                 // A retried call: nothing new to start.
                 Stage::Active | Stage::Completed if rec.uri == uri => return Ok(()),
@@ -516,19 +527,34 @@ impl QemuDriver {
         if let Some(ms) = params.downtime_limit_ms {
             set.insert("downtime-limit".into(), json!(ms));
         }
-        client
-            .execute("migrate-set-parameters", Some(Value::Object(set)))
-            .await
-            .map_err(qmp_err)?;
+        if !set.is_empty() {
+            client
+                .execute("migrate-set-parameters", Some(Value::Object(set)))
+                .await
+                .map_err(qmp_err)?;
+        }
+        let qemu = precopy::query_version(&client).await.map_err(qmp_err)?;
+        let paused_source =
+            precopy::precopy_for(self.inner.accelerator, qemu) == precopy::Precopy::SourcePaused;
         let record = OutgoingMigration {
             uri: uri.to_string(),
             started_at: SystemClock.now_ms(),
             outcome: None,
+            paused_source,
+            source_resumed: false,
         };
         // Before the command: an instance with a migration under way always
         // has its record, whatever happens to this call.
         write_json_atomic(&domain.paths.migration_out, &record)
             .map_err(|e| unavailable(instance, OP, format!("write migration record: {e}")))?;
+        if paused_source {
+            tracing::info!(instance, ?qemu, "TCG dirty tracking loses writes before QEMU 9.0: pausing the source for the migration");
+            if let Err(e) = client.execute("stop", None).await {
+                let _ = client.execute("cont", None).await;
+                let _ = std::fs::remove_file(&domain.paths.migration_out);
+                return Err(qmp_err(e));
+            }
+        }
         match client
             .execute("migrate", Some(json!({ "uri": qemu_uri })))
             .await
@@ -539,6 +565,9 @@ impl QemuDriver {
             }
             Err(e @ QmpError::Command { .. }) => {
                 // Refused: nothing started, so nothing to report later.
+                if paused_source {
+                    let _ = client.execute("cont", None).await;
+                }
                 let _ = std::fs::remove_file(&domain.paths.migration_out);
                 Err(qmp_err(e))
             }
@@ -571,10 +600,26 @@ impl QemuDriver {
             Phase::Live { pid } => pid,
         };
         let queried = match domain.qmp().await {
-            Ok(client) => query_migrate(&client)
-                .await
-                .map(|info| info.progress(&info.stage()))
-                .map_err(|e| e.to_string()),
+            Ok(client) => match query_migrate(&client).await {
+                Ok(info) => {
+                    let stage = info.stage();
+                    // Only a failure: `Idle` may be, without the VM lock,
+                    // the moment between `stop` and `migrate`.
+                    if matches!(stage, Stage::Failed(_)) {
+                        if let Err(e) = self
+                            .resume_paused_source(&domain.paths, &client, &mut rec, &stage)
+                            .await
+                        {
+                            tracing::warn!(
+                                instance,
+                                "cannot resume the source paused for a failed migration: {e}"
+                            );
+                        }
+                    }
+                    Ok(info.progress(&stage))
+                }
+                Err(e) => Err(e.to_string()),
+            },
             Err(e) => Err(e),
         };
         let progress = match queried {
@@ -589,6 +634,16 @@ impl QemuDriver {
                     )),
                 }
             }
+        };
+        // Paused from the start, the guest stood still for the whole run.
+        let progress = match progress {
+            MigrationProgress::Completed { total_ms, .. } if rec.paused_source => {
+                MigrationProgress::Completed {
+                    total_ms,
+                    downtime_ms: Some(total_ms),
+                }
+            }
+            other => other,
         };
         let terminal = matches!(
             progress,
@@ -644,15 +699,21 @@ impl QemuDriver {
             // Exited or never ran: no migration can be under way.
             return Ok(());
         }
-        if read_outgoing(&domain.paths, instance, OP)?.is_none() {
+        // Not while `migrate_out` is between pausing the source and
+        // `migrate`: that `Idle` is not one to resume from.
+        let _vm = self.lock_vm(&domain.vm).await;
+        let Some(mut rec) = read_outgoing(&domain.paths, instance, OP)? else {
             return Ok(());
-        }
+        };
         let client = domain
             .qmp()
             .await
             .map_err(|e| unavailable(instance, OP, e))?;
         let qmp_err = |e| qmp_error(instance, OP, e);
         let info = query_migrate(&client).await.map_err(qmp_err)?;
+        self.resume_paused_source(&domain.paths, &client, &mut rec, &info.stage())
+            .await
+            .map_err(qmp_err)?;
         if info.stage() == Stage::Active {
             // QEMU stops sending, resumes the guest if the switch-over had
             // paused it, and reports `cancelled`; the target sees the stream
@@ -662,6 +723,35 @@ impl QemuDriver {
                 .await
                 .map_err(qmp_err)?;
             tracing::info!(instance, "migration cancel requested");
+        }
+        Ok(())
+    }
+
+    /// `cont` for a source Keel paused for a migration that did not hand
+    /// over (failed, cancelled, or `migrate` never sent), once; the record
+    /// then says so.
+    async fn resume_paused_source(
+        &self,
+        paths: &InstancePaths,
+        client: &QmpClient,
+        rec: &mut OutgoingMigration,
+        stage: &Stage,
+    ) -> Result<(), QmpError> {
+        if !rec.paused_source || rec.source_resumed {
+            return Ok(());
+        }
+        let status = client.query_status().await?;
+        if !precopy::may_resume(&status.status, stage) {
+            return Ok(());
+        }
+        client.execute("cont", None).await?;
+        tracing::info!(
+            ?stage,
+            "resumed the source paused for a migration that did not hand over"
+        );
+        rec.source_resumed = true;
+        if let Err(e) = write_json_atomic(&paths.migration_out, &*rec) {
+            tracing::warn!("cannot record the resumed source: {e}");
         }
         Ok(())
     }

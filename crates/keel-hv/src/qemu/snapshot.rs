@@ -29,6 +29,8 @@
 //! `stop`, removed after `cont`): if Keel dies in between, the next driver
 //! resumes the guest when it adopts the instance.
 
+mod uefi_vars;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -44,6 +46,7 @@ use super::monitor::Domain;
 use super::qmp::{QmpClient, QmpError};
 use super::{unavailable, QemuDriver};
 use crate::{DomainState, HvError, Hypervisor};
+use uefi_vars::VarsStore;
 
 /// `ImageInfo` as in `qemu-img info --output=json` and in `query-block`;
 /// only the snapshot names.
@@ -378,11 +381,20 @@ impl QemuDriver {
                 .await
                 .map_err(|e| e.into_hv(vm, OP, what(disk)))?;
         }
+        let vars = self.uefi_vars(vm);
+        vars.save(name).map_err(|e| {
+            storage(
+                vm,
+                OP,
+                format!("snapshot {name} of the UEFI variables: {e}"),
+            )
+        })?;
         for (i, (disk, path)) in disks.iter().zip(&paths).enumerate() {
             if let Err(e) = self.img_snapshot(ImgOp::Create, name, path).await {
                 for undo in &paths[..i] {
                     let _ = self.img_snapshot(ImgOp::Delete, name, undo).await;
                 }
+                let _ = vars.remove(name);
                 return Err(e.into_hv(vm, OP, what(disk)));
             }
         }
@@ -488,7 +500,16 @@ impl QemuDriver {
                 return Err(fail(format!("snapshot {name}: stop"), e));
             }
         }
-        let taken = self.snapshot_devices(&client, &devices, name).await;
+        // With the guest paused, like the disks: one consistent set.
+        let vars = self.uefi_vars(vm);
+        let vars_saved = vars.save(name);
+        let taken = match &vars_saved {
+            Ok(_) => self.snapshot_devices(&client, &devices, name).await,
+            Err(_) => Ok(()),
+        };
+        if taken.is_err() {
+            let _ = vars.remove(name);
+        }
         let resumed = if pause {
             client.execute("cont", None).await.map(drop)
         } else {
@@ -506,6 +527,13 @@ impl QemuDriver {
                 snapshot = name,
                 "guest left paused: cont failed: {e}"
             ),
+        }
+        if let Err(e) = vars_saved {
+            return Err(storage(
+                vm,
+                OP,
+                format!("snapshot {name} of the UEFI variables: {e}"),
+            ));
         }
         match (taken, resumed) {
             (Err((disk, e)), _) => Err(fail(format!("snapshot {name} of disk {disk}"), e)),
@@ -643,7 +671,20 @@ impl QemuDriver {
                 .await
                 .map_err(|e| e.into_hv(vm, OP, format!("snapshot {name} of disk {}", disk.name)))?;
         }
-        tracing::info!(vm, snapshot = name, disks = disks.len(), "disks restored");
+        let vars = self.uefi_vars(vm).restore(name).map_err(|e| {
+            storage(
+                vm,
+                OP,
+                format!("snapshot {name} of the UEFI variables: {e}"),
+            )
+        })?;
+        tracing::info!(
+            vm,
+            snapshot = name,
+            disks = disks.len(),
+            uefi_vars = vars,
+            "disks restored"
+        );
         Ok(())
     }
 
@@ -713,6 +754,13 @@ impl QemuDriver {
                 }
             }
         }
+        self.uefi_vars(vm).remove(name).map_err(|e| {
+            storage(
+                vm,
+                OP,
+                format!("snapshot {name} of the UEFI variables: {e}"),
+            )
+        })?;
         tracing::info!(
             vm,
             snapshot = name,
@@ -720,6 +768,12 @@ impl QemuDriver {
             "snapshot deleted"
         );
         Ok(())
+    }
+}
+
+impl QemuDriver {
+    fn uefi_vars(&self, vm: &str) -> VarsStore {
+        VarsStore::of(&self.inner.layout.vm_disks(vm))
     }
 }
 

@@ -2,10 +2,11 @@
 //! `/api/v1/vms/{name}/console/log` (what the console printed).
 //!
 //! Both need the VM's node: its hypervisor holds the console. This server
-//! serves them for the node it runs (`keel serve` on one host, or a
-//! control plane with `--agent` for its own node); for a VM on any other
-//! node the answer is 501, naming the node. (Proxying to node agents is
-//! not implemented.)
+//! serves them for the node it runs (`keel serve` on one host, a control
+//! plane with `--agent` for its own node, a `keel agent --console-listen` for its
+//! node); for a VM on another node it passes the request on to that
+//! node's agent (`console_proxy`), and answers 501, naming the node, only
+//! when that agent serves no consoles.
 //!
 //! The WebSocket carries raw console bytes both ways in binary messages
 //! (text messages from the client are taken as their UTF-8 bytes). One
@@ -18,14 +19,15 @@ use std::sync::Arc;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
-use keel_api::VirtualMachine;
-use keel_ctrl::keys::vm_key;
+use keel_api::{Node, VirtualMachine};
+use keel_ctrl::keys::{node_key, vm_key};
 use keel_hv::{ConsoleStream, HvError, Hypervisor};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::console_proxy::{self, Remote};
 use super::extract::{NameParam, QueryParams};
 use super::{ApiError, AppState};
 
@@ -35,8 +37,16 @@ pub const MAX_LOG_BYTES: u64 = 1 << 20;
 /// Sent as the header of every log response.
 pub const INSTANCE_HEADER: &str = "x-keel-instance";
 
-/// The VM's current instance and the hypervisor that runs it.
-async fn locate(state: &AppState, name: &str) -> Result<(Arc<dyn Hypervisor>, String), ApiError> {
+/// Where a VM's console is.
+enum Console {
+    /// In this process: the hypervisor and the instance.
+    Here(Arc<dyn Hypervisor>, String),
+    /// With the agent of another node.
+    Agent(Remote),
+}
+
+/// The VM's current instance and who holds its console.
+async fn locate(state: &AppState, name: &str) -> Result<Console, ApiError> {
     let vm = state
         .store
         .get::<VirtualMachine>(&vm_key(name))
@@ -53,14 +63,28 @@ async fn locate(state: &AppState, name: &str) -> Result<(Arc<dyn Hypervisor>, St
         ));
     };
     match &state.node {
-        Some(access) if access.node == inst.node => Ok((access.hv.clone(), inst.id)),
-        _ => Err(ApiError::new(
+        Some(access) if access.node == inst.node => {
+            return Ok(Console::Here(access.hv.clone(), inst.id))
+        }
+        _ => {}
+    }
+    let url = state
+        .store
+        .get::<Node>(&node_key(&inst.node))
+        .await?
+        .and_then(|n| n.value.status.agent_url);
+    match url {
+        Some(url) => Ok(Console::Agent(Remote {
+            node: inst.node,
+            instance: inst.id,
+            url,
+        })),
+        None => Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
             format!(
-                "the console of VM {name} (instance {}) is on node {}, which this server does \
-                 not run; consoles are served by the server of the VM's own node (`keel serve`, \
-                 or a control plane with --agent), and proxying from other nodes is not \
-                 implemented",
+                "the console of VM {name} (instance {}) is on node {}, whose agent serves no \
+                 consoles: start it with `keel agent --console-listen ADDR` (or run that node as \
+                 `keel serve` / a control plane with --agent)",
                 inst.id, inst.node
             ),
         )
@@ -86,11 +110,15 @@ fn hv_error(err: HvError) -> ApiError {
 pub async fn log(
     State(state): State<AppState>,
     NameParam(name): NameParam,
+    headers: HeaderMap,
     mut query: QueryParams,
 ) -> Result<Response, ApiError> {
     let tail = query.take_u64("tail")?;
     query.finish()?;
-    let (hv, instance) = locate(&state, &name).await?;
+    let (hv, instance) = match locate(&state, &name).await? {
+        Console::Here(hv, instance) => (hv, instance),
+        Console::Agent(remote) => return console_proxy::log(remote, &headers, &name, tail).await,
+    };
     let (bytes, _len) = hv
         .console_tail(&instance, MAX_LOG_BYTES)
         .await
@@ -133,17 +161,24 @@ pub fn last_lines(bytes: &[u8], n: u64) -> &[u8] {
 pub async fn attach(
     State(state): State<AppState>,
     NameParam(name): NameParam,
+    headers: HeaderMap,
     query: QueryParams,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     query.finish()?;
-    let (hv, instance) = locate(&state, &name).await?;
+    let located = locate(&state, &name).await?;
     let Ok(ws) = ws else {
         return Err(ApiError::bad_request(
             "upgrade",
             "the console is a WebSocket: send GET with `Connection: Upgrade` and \
              `Upgrade: websocket` (or use `keel vm console`)",
         ));
+    };
+    let (hv, instance) = match located {
+        Console::Here(hv, instance) => (hv, instance),
+        Console::Agent(remote) => {
+            return console_proxy::attach(remote, &headers, &name, ws, state.shutdown.clone()).await
+        }
     };
     // Claimed before the upgrade, so a second session gets its 409 here
     // rather than a socket that closes at once.

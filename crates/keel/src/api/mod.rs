@@ -6,6 +6,7 @@
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
 pub mod console;
+pub mod console_proxy;
 mod error;
 pub mod events;
 mod extract;
@@ -14,7 +15,7 @@ pub mod images;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
-mod require_token;
+pub(crate) mod require_token;
 pub mod snapshots;
 pub mod strict;
 pub mod vms;

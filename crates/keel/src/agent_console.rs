@@ -1,0 +1,124 @@
+//! `keel agent --console-listen ADDR`: the agent serves the consoles of its node's
+//! VMs (`/api/v1/vms/{name}/console` and `/console/log`, the very handlers
+//! of `keel serve`) and nothing else, guarded by the cluster's API token
+//! (`/config/api-token` in the store, the one the control planes check).
+//! Its URL goes on its node record (`status.agent_url`), where the control
+//! planes find it to pass a user's console request on
+//! (`api::console_proxy`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use axum::routing::get;
+use axum::{middleware, Router};
+use keel_api::{Clock, Node};
+use keel_ctrl::keys::node_key;
+use keel_hv::images::ImageStore;
+use keel_hv::Hypervisor;
+use keel_store::{StoreError, TypedStore};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::api::{self, AppState, NodeAccess};
+use crate::auth::Token;
+use crate::metrics::Metrics;
+
+/// The console server of a running agent.
+pub struct ConsoleServer {
+    pub url: String,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl ConsoleServer {
+    /// Binds `listen` and serves the consoles of `node`'s VMs.
+    pub async fn start(
+        listen: SocketAddr,
+        node: &str,
+        store: TypedStore,
+        hv: Arc<dyn Hypervisor>,
+        clock: Arc<dyn Clock>,
+        images: Arc<ImageStore>,
+        token: Token,
+    ) -> anyhow::Result<Self> {
+        if listen.ip().is_unspecified() {
+            bail!(
+                "--console-listen {listen}: give the address the control planes reach this agent at \
+                 (it goes on the node record), not an unspecified one"
+            );
+        }
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("--console-listen {listen}"))?;
+        let addr = listener.local_addr()?;
+        if !addr.ip().is_loopback() {
+            tracing::warn!(%addr, "serving consoles beyond loopback: plain HTTP guarded only by the bearer token");
+        }
+        let (stop, stop_rx) = watch::channel(false);
+        let state = AppState {
+            store,
+            clock,
+            metrics: Arc::new(Metrics::new()),
+            shutdown: stop_rx.clone(),
+            images,
+            node: Some(NodeAccess {
+                node: node.to_string(),
+                hv,
+            }),
+        };
+        let app = router(state, token);
+        let mut http_stop = stop_rx;
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(async move {
+                    let _ = http_stop.wait_for(|s| *s).await;
+                })
+                .await
+        });
+        let url = format!("http://{addr}");
+        tracing::info!(%url, node, "serving this node's consoles");
+        Ok(Self { url, stop, task })
+    }
+
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
+    }
+
+    pub fn abort(self) {
+        self.task.abort();
+    }
+}
+
+fn router(state: AppState, token: Token) -> Router {
+    Router::new()
+        .route("/api/v1/vms/{name}/console", get(api::console::attach))
+        .route("/api/v1/vms/{name}/console/log", get(api::console::log))
+        .layer(middleware::from_fn_with_state(token, crate::api::require_token::require_token))
+        .with_state(state)
+}
+
+/// Records where this node's agent serves its consoles (`None`: nowhere,
+/// so a URL left by an earlier run with `--console-listen` does not linger).
+pub async fn publish_url(store: &TypedStore, node: &str, url: Option<&str>) -> anyhow::Result<()> {
+    let key = node_key(node);
+    loop {
+        let Some(entry) = store.get::<Node>(&key).await? else {
+            bail!("node {node} has no record to publish its console URL on");
+        };
+        let mut record = entry.value;
+        if record.status.agent_url.as_deref() == url {
+            return Ok(());
+        }
+        record.status.agent_url = url.map(str::to_string);
+        match store.update(&key, &record, entry.revision).await {
+            Ok(_) => return Ok(()),
+            // The heartbeat wrote in between: read again.
+            Err(StoreError::Conflict { .. }) => continue,
+            Err(e) => {
+                return Err(e).with_context(|| format!("publishing node {node}'s console URL"))
+            }
+        }
+    }
+}
