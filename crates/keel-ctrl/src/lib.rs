@@ -39,7 +39,7 @@ pub use fence::Fence;
 pub use migration_controller::MigrationController;
 pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;
-pub use runtime::{run_controllers, run_vm_controller};
+pub use runtime::{run_controllers, run_vm_controller, Reconciler, Runtime, RuntimeConfig};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use step::{HvAction, Step};
 pub use view::{ClusterView, Observed, RestoreSource};

@@ -55,6 +55,10 @@ impl MigrationController {
         }
     }
 
+    pub fn config(&self) -> &crate::LifecycleConfig {
+        &self.cfg
+    }
+
     pub fn with_lease(mut self, lease: Arc<crate::node_lease::NodeLease>) -> Self {
         self.lease = Some(lease);
         self

@@ -57,6 +57,10 @@ impl SnapshotController {
         }
     }
 
+    pub fn config(&self) -> &crate::LifecycleConfig {
+        &self.cfg
+    }
+
     /// One look at one snapshot; returns when to look again (`None`: done).
     pub async fn reconcile(
         &self,
@@ -179,8 +183,14 @@ impl SnapshotController {
                 snap.status.message = Some(e.to_string());
             }
             Err(e) => {
-                snap.status.message = Some(e.to_string());
-                let _ = self.store.update(&key, &snap, entry.revision).await;
+                // Written only when it changes: the write wakes this
+                // snapshot again through the watch, and an unchanged
+                // rewrite would retry at once instead of after `retry`.
+                let message = e.to_string();
+                if snap.status.message.as_deref() != Some(message.as_str()) {
+                    snap.status.message = Some(message);
+                    let _ = self.store.update(&key, &snap, entry.revision).await;
+                }
                 return Ok(Some(retry));
             }
         }

@@ -20,7 +20,7 @@ use crate::keys::{
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
-use crate::schedule::candidate_nodes;
+use crate::schedule::{candidate_nodes, NodeLoad};
 use crate::step::{HvAction, Step};
 use crate::transitions::{self, ForbiddenTransition};
 use crate::view::{ClusterView, Observed, RestoreSource};
@@ -756,7 +756,7 @@ impl VmController {
         let targets = candidate_nodes(
             vm,
             &nodes,
-            &vms,
+            &NodeLoad::of(&vms),
             Some(&self.cfg.node),
             &liveness,
             now,
@@ -857,9 +857,10 @@ impl VmController {
                 .await
                 .map_err(store_err)?
                 .map(|e| e.value);
-            let accounted = match &record {
+            let owner_adopts = match &record {
                 Some(vm) => match &vm.status.instance {
-                    Some(inst) => inst.id == d.instance,
+                    Some(inst) if inst.id == d.instance => continue,
+                    Some(_) => false,
                     // The owner adopts or cleans up its own untracked domains.
                     None => {
                         vm.owner_node() == Some(self.cfg.node.as_str()) || vm.owner_node().is_none()
@@ -867,14 +868,20 @@ impl VmController {
                 },
                 None => false,
             };
-            if accounted {
-                continue;
-            }
             let migrations = self
                 .store
                 .list_with_skipped::<Migration>(&migrations_of_prefix(&d.vm))
                 .await
                 .map_err(store_err)?;
+            // ...but not the target of a failed migration, which never got
+            // the guest: the owner neither adopts it nor starts beside it.
+            let failed_target = migrations.entries.iter().any(|(_, m)| {
+                m.value.target_instance == d.instance
+                    && m.value.status.phase == MigrationPhase::Failed
+            });
+            if owner_adopts && !failed_target {
+                continue;
+            }
             // An undecodable migration may be the one this domain serves.
             if !migrations.skipped.is_empty() {
                 continue;
@@ -935,10 +942,13 @@ impl VmController {
                 Err(err) => Observed::Unknown(err.to_string()),
             },
             None => {
-                let domains = match self.hv.list().await {
+                let domains: Vec<keel_hv::DomainInfo> = match self.hv.list().await {
                     Ok(all) => all.into_iter().filter(|d| d.vm == vm.name).collect(),
                     Err(err) => return Observed::Unknown(err.to_string()),
                 };
+                if let Some(why) = self.unhanded_target(vm, &domains).await {
+                    return Observed::Unknown(why);
+                }
                 let restore_source = match &vm.restore {
                     None => RestoreSource::NotNeeded,
                     Some(r) => match self
@@ -958,6 +968,43 @@ impl VmController {
                 }
             }
         }
+    }
+
+    /// Why a live domain of `vm` here must be neither adopted nor started
+    /// beside: it is the target of a migration of the VM that has not
+    /// handed over (still in flight, or failed and to be ended by garbage
+    /// collection). It never got the guest's state; adopted, it would be an
+    /// instance that never boots.
+    async fn unhanded_target(
+        &self,
+        vm: &VirtualMachine,
+        domains: &[keel_hv::DomainInfo],
+    ) -> Option<String> {
+        if !domains.iter().any(|d| !d.state.is_exited()) {
+            return None;
+        }
+        let migrations = match self
+            .store
+            .list::<Migration>(&migrations_of_prefix(&vm.name))
+            .await
+        {
+            Ok((all, _)) => all,
+            Err(err) => return Some(err.to_string()),
+        };
+        migrations.into_iter().find_map(|(_, m)| {
+            let m = m.value;
+            let target = domains
+                .iter()
+                .find(|d| !d.state.is_exited() && d.instance == m.target_instance)?;
+            (m.target_node == self.cfg.node && m.status.phase != MigrationPhase::Succeeded).then(
+                || {
+                    format!(
+                        "instance {} is the target of migration {} ({:?}), not handed over",
+                        target.instance, m.id, m.status.phase
+                    )
+                },
+            )
+        })
     }
 
     /// NotFound from shutdown, kill or cleanup means the domain is absent,

@@ -197,7 +197,11 @@ async fn controller_restart_resumes_the_stored_deadlines() {
     let after = c.vm("vm").await.status.eviction.unwrap();
     assert_eq!(before.submit_deadline, after.submit_deadline);
     assert_eq!(before.started_at, after.started_at);
-    c.run(3_000).await;
+    // The window ends where the record says; the VM sees that at its next
+    // look (every `poll_ms`, 2 s, as a drain itself is noticed: node
+    // records are not watched).
+    let deadline = before.submit_deadline.unwrap();
+    c.run((deadline + 2_000).saturating_sub(c.now())).await;
     assert_eq!(
         c.vm("vm").await.status.eviction.unwrap().phase,
         EvictionPhase::Fallback
@@ -217,7 +221,14 @@ async fn missing_or_invalid_markers_fall_back() {
         c.add_node("b").await;
         c.agents[1].migrations_stuck = true;
         c.drain("a").await;
-        c.tick().await;
+        // The VM sees the drain at its next look (node records are not
+        // watched; a running VM is looked at every 2 s).
+        for _ in 0..8 {
+            c.tick().await;
+            if c.vm("vm").await.status.eviction.is_some() {
+                break;
+            }
+        }
         c.update_vm("vm", |vm| {
             let ev = vm.status.eviction.as_mut().unwrap();
             ev.submit_deadline = match case {

@@ -30,7 +30,7 @@ async fn running(w: &mut World, name: &str, readiness: Readiness) -> VirtualMach
 
 #[tokio::test]
 async fn agent_readiness_is_set_with_addresses_and_reset_by_a_restart() {
-    let mut w = World::new(1, sim());
+    let mut w = World::new(1, sim()).await;
     let vm = running(&mut w, "web", Readiness::Agent).await;
     assert_eq!(vm.ready_since(), None, "running is not ready");
     let r = vm
@@ -92,7 +92,7 @@ async fn agent_readiness_is_set_with_addresses_and_reset_by_a_restart() {
 
 #[tokio::test]
 async fn console_readiness_waits_for_its_text() {
-    let mut w = World::new(2, sim());
+    let mut w = World::new(2, sim()).await;
     running(&mut w, "a", Readiness::Console("KEEL-GUEST-READY".into())).await;
     running(&mut w, "b", Readiness::Console("NEVER-PRINTED".into())).await;
     running(&mut w, "c", Readiness::None).await;
@@ -121,7 +121,7 @@ async fn console_readiness_waits_for_its_text() {
 /// the grace period, and powers off before the forced kill.
 #[tokio::test]
 async fn stop_falls_back_to_the_guest_agent_before_the_kill() {
-    let mut w = World::new(3, sim());
+    let mut w = World::new(3, sim()).await;
     running(&mut w, "web", Readiness::Agent).await;
     w.run_for(6_000).await;
     let inst = w.get("web").await.unwrap().status.instance.unwrap().id;
@@ -157,7 +157,7 @@ async fn stop_falls_back_to_the_guest_agent_before_the_kill() {
 /// record) and the kill at the end of the grace period still comes.
 #[tokio::test]
 async fn a_silent_agent_still_ends_in_the_kill() {
-    let mut w = World::new(4, sim());
+    let mut w = World::new(4, sim()).await;
     running(&mut w, "web", Readiness::None).await;
     let inst = w.get("web").await.unwrap().status.instance.unwrap().id;
     w.hv.hang_guest(&inst);
@@ -179,7 +179,7 @@ async fn a_silent_agent_still_ends_in_the_kill() {
 
 #[tokio::test]
 async fn live_snapshots_are_quiesced_and_always_thawed() {
-    let mut w = World::new(5, sim());
+    let mut w = World::new(5, sim()).await;
     running(&mut w, "db", Readiness::Agent).await;
     w.run_for(6_000).await;
     let inst = w.get("db").await.unwrap().status.instance.unwrap().id;

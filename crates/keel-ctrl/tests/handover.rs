@@ -213,6 +213,16 @@ async fn source_node_lost_after_the_state_arrived() {
 #[tokio::test]
 async fn source_killed_after_the_success_was_recorded() {
     let mut c = draining().await;
+    until(&mut c, "sending", |m| {
+        m.status.phase == MigrationPhase::Running
+    })
+    .await;
+    // The VM controllers hold still, so the success is on the migration
+    // but not yet on the VM (the runtime would otherwise take it over at
+    // once: the migration's change wakes its VM).
+    for a in c.agents.iter_mut() {
+        a.vms_stuck = true;
+    }
     let m = until(&mut c, "succeeded", |m| {
         m.status.phase == MigrationPhase::Succeeded
     })
@@ -225,6 +235,9 @@ async fn source_killed_after_the_success_was_recorded() {
     );
     assert_eq!(target_state(&c, &m).await, Some(DomainState::Paused));
     c.agent("a").hv.crash(&m.source_instance);
+    for a in c.agents.iter_mut() {
+        a.vms_stuck = false;
+    }
     handed_over(&mut c, &m.id).await;
 }
 

@@ -205,7 +205,7 @@ async fn restore_keeps_the_policy_and_power_state_from_before() {
                             "succeeds"
                         }
                     );
-                    let mut w = World::new(ran, sim());
+                    let mut w = World::new(ran, sim()).await;
                     let was_running = restore_case(&mut w, &case).await;
                     // What each policy allows before the restore.
                     let expected_before = match policy {
@@ -230,7 +230,7 @@ async fn restore_keeps_the_policy_and_power_state_from_before() {
 /// in the very write that ends the restore.
 #[tokio::test]
 async fn always_on_snapshot_restored_into_a_stopped_manual_vm_stays_stopped() {
-    let mut w = World::new(5, sim());
+    let mut w = World::new(5, sim()).await;
     w.create(
         "vm",
         spec(RunPolicy::AlwaysOn, PowerState::Running, GRACE_S),
@@ -273,7 +273,7 @@ async fn always_on_snapshot_restored_into_a_stopped_manual_vm_stays_stopped() {
 /// retry, not by luck.
 #[tokio::test]
 async fn aousm_running_before_comes_back_after_a_crashed_first_boot() {
-    let mut w = World::new(77, sim());
+    let mut w = World::new(77, sim()).await;
     let case = Case::same(RunPolicy::AlwaysOnUnlessStoppedManually, true, true);
     assert!(restore_case(&mut w, &case).await);
     w.run_for(180_000).await;
@@ -300,7 +300,7 @@ async fn restore_survives_controller_restarts_and_faults_at_any_step() {
             running_before: rng.gen_bool(0.5),
             first_boot_crashes: rng.gen_bool(0.5),
         };
-        let mut w = World::new(seed, sim());
+        let mut w = World::new(seed, sim()).await;
         let was_running = restore_case(&mut w, &case).await;
         *w.faulty.fail_rate.lock().unwrap() = 0.3;
         w.hv.set_faults(SimFaults {
@@ -317,7 +317,7 @@ async fn restore_survives_controller_restarts_and_faults_at_any_step() {
         }
         *w.faulty.fail_rate.lock().unwrap() = 0.0;
         w.hv.set_faults(SimFaults::default());
-        w.queue.schedule("vm", w.now());
+        w.schedule("vm");
         w.run_for(300_000).await;
         assert_restored(&w, &case, was_running, &format!("seed {seed}")).await;
     }
@@ -326,7 +326,7 @@ async fn restore_survives_controller_restarts_and_faults_at_any_step() {
 /// A restore refuses conflicting requests instead of losing them.
 #[tokio::test]
 async fn power_requests_wait_for_a_pending_restore() {
-    let mut w = World::new(9, sim());
+    let mut w = World::new(9, sim()).await;
     w.create("vm", spec(RunPolicy::Manual, PowerState::Running, 30))
         .await;
     w.run_for(5_000).await;

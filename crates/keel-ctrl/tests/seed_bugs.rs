@@ -30,7 +30,7 @@ async fn running_vm(w: &mut World, name: &str) -> String {
 /// instance" and started a second one while the first was still powering off.
 #[tokio::test]
 async fn restart_keeps_bookkeeping_until_the_old_instance_is_gone() {
-    let mut w = World::new(1, slow_guest());
+    let mut w = World::new(1, slow_guest()).await;
     let old = running_vm(&mut w, "web").await;
     w.user_op("web", VirtualMachine::request_restart)
         .await
@@ -64,7 +64,7 @@ async fn restart_keeps_bookkeeping_until_the_old_instance_is_gone() {
 /// that was still running.
 #[tokio::test]
 async fn lookup_error_during_stop_never_counts_as_gone() {
-    let mut w = World::new(2, slow_guest());
+    let mut w = World::new(2, slow_guest()).await;
     let old = running_vm(&mut w, "db").await;
     w.hv.hang_guest(&old);
     w.user_op("db", VirtualMachine::request_restart)
@@ -113,7 +113,7 @@ async fn lookup_error_during_stop_never_counts_as_gone() {
 /// It re-checks at the retry interval, and still forces at the grace end.
 #[tokio::test]
 async fn failing_lookups_during_a_stop_do_not_spin() {
-    let mut w = World::new(4, slow_guest());
+    let mut w = World::new(4, slow_guest()).await;
     let old = running_vm(&mut w, "db").await;
     w.hv.hang_guest(&old);
     w.user_op("db", VirtualMachine::request_stop).await.unwrap();
@@ -126,8 +126,8 @@ async fn failing_lookups_during_a_stop_do_not_spin() {
     });
     let mut reconciles = 0;
     while w.now() < grace_end + 1_000 {
-        assert!(w.queue.next_due().is_some(), "nothing scheduled");
-        w.clock.advance_to(w.queue.next_due().unwrap());
+        assert!(w.next_due().is_some(), "nothing scheduled");
+        w.clock.advance_to(w.next_due().unwrap());
         reconciles += w.reconcile_due().await;
     }
     assert!(
@@ -148,7 +148,7 @@ async fn failing_lookups_during_a_stop_do_not_spin() {
 /// swallowed, and the record (and disks) were removed while the VM still ran.
 #[tokio::test]
 async fn delete_waits_while_the_domain_lookup_fails() {
-    let mut w = World::new(3, slow_guest());
+    let mut w = World::new(3, slow_guest()).await;
     w.create("cache", spec(RunPolicy::Manual, PowerState::Stopped, 60))
         .await;
     w.run_for(2_000).await;
@@ -196,7 +196,7 @@ async fn delete_waits_while_the_domain_lookup_fails() {
 /// NotFound means absent, wherever it is seen.
 #[tokio::test]
 async fn not_found_between_two_calls_means_absent() {
-    let mut w = World::new(4, slow_guest());
+    let mut w = World::new(4, slow_guest()).await;
     let old = running_vm(&mut w, "api").await;
     w.hv.set_faults(SimFaults {
         vanish_between_calls: 1.0,
@@ -218,7 +218,7 @@ async fn not_found_between_two_calls_means_absent() {
 /// Stop is graceful first and forced only after the grace period.
 #[tokio::test]
 async fn hung_guest_is_killed_after_the_grace_period_not_before() {
-    let mut w = World::new(5, slow_guest());
+    let mut w = World::new(5, slow_guest()).await;
     let inst = running_vm(&mut w, "hung").await;
     w.hv.hang_guest(&inst);
     w.user_op("hung", VirtualMachine::request_stop)
@@ -238,7 +238,7 @@ async fn hung_guest_is_killed_after_the_grace_period_not_before() {
 /// Now it is on the record while the VM waits, and on the exit record.
 #[tokio::test]
 async fn a_failed_start_shows_its_reason_on_the_record() {
-    let mut w = World::new(6, slow_guest());
+    let mut w = World::new(6, slow_guest()).await;
     w.hv.fail_next_starts("web", 2, "could not load kernel '/k': Invalid argument");
     w.create(
         "web",
@@ -249,7 +249,8 @@ async fn a_failed_start_shows_its_reason_on_the_record() {
         ),
     )
     .await;
-    // Failed at once; seen gone at the next look (1 s); 1 s of backoff.
+    // Failed at once and seen gone at once (the record's own change wakes
+    // the VM); 1 s of backoff, the second failure, then 2 s of backoff.
     w.run_for(1_500).await;
     let vm = w.get("web").await.unwrap();
     assert_eq!(vm.status.phase, Phase::BackOff, "{vm:?}");
@@ -266,8 +267,8 @@ async fn a_failed_start_shows_its_reason_on_the_record() {
         "{exit:?}"
     );
     // The reason stays while it waits, not only at the moment of failure
-    // (the second failure, then 2 s of backoff).
-    w.run_for(1_500).await;
+    // (still in the 2 s of backoff after the second failure).
+    w.run_for(1_000).await;
     let vm = w.get("web").await.unwrap();
     assert_eq!(vm.status.phase, Phase::BackOff);
     assert!(vm.status.message.unwrap().contains("could not load kernel"));
@@ -284,7 +285,7 @@ async fn a_failed_start_shows_its_reason_on_the_record() {
 /// the request stays, and the start is retried with backoff.
 #[tokio::test]
 async fn a_manual_vm_whose_start_fails_keeps_the_start_request() {
-    let mut w = World::new(7, slow_guest());
+    let mut w = World::new(7, slow_guest()).await;
     w.hv.fail_next_starts("job", 3, "qemu exited during start");
     w.create("job", spec(RunPolicy::Manual, PowerState::Running, 60))
         .await;

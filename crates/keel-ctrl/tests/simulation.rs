@@ -27,7 +27,7 @@ mod common;
 #[path = "support/seeds.rs"]
 mod seeds;
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use common::{spec, World};
 use keel_api::{ExitKind, Phase, PowerState, RunPolicy, VirtualMachine};
@@ -66,18 +66,18 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         faults: faults.clone(),
         ..Default::default()
     };
-    let mut w = World::new(seed, sim);
+    let mut w = World::new(seed, sim).await;
     *w.faulty.fail_rate.lock().unwrap() = if rng.gen_bool(0.5) { 0.1 } else { 0.0 };
     let mut deleting: BTreeSet<String> = BTreeSet::new();
     let mut existing: BTreeSet<String> = BTreeSet::new();
     let mut trace: Vec<String> = Vec::new();
     let mut orphans: BTreeSet<String> = BTreeSet::new();
 
+    // Each VM's last version seen: every write is checked against the
+    // version it replaced (writes are compare-and-swap, so that is the
+    // record the writer decided on), however many reconciles a step ran.
+    let mut last: BTreeMap<String, VirtualMachine> = BTreeMap::new();
     for step in 0..STEPS {
-        let mut before = Vec::new();
-        for name in NAMES {
-            before.push(w.get(name).await);
-        }
         let name = *NAMES.choose(&mut rng).unwrap();
         let roll = rng.gen_range(0..100);
         let what = match roll {
@@ -121,7 +121,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
             25..=74 => {
                 if w.reconcile_due().await == 0 {
                     let jitter = rng.gen_range(0..500);
-                    if let Some(at) = w.queue.next_due() {
+                    if let Some(at) = w.next_due() {
                         w.clock.advance_to(at + jitter);
                     }
                     w.reconcile_due().await;
@@ -194,9 +194,18 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         check_step(&w, &existing, &deleting, &orphans)
             .await
             .map_err(|e| report(seed, &trace, &w, &e))?;
-        for (name, before) in NAMES.iter().zip(&before) {
-            if let (Some(before), Some(after)) = (before, w.get(name).await) {
-                check_exit_per_policy(before, &after).map_err(|e| report(seed, &trace, &w, &e))?;
+        for (name, version) in w.vm_versions().await {
+            match version {
+                Some(after) => {
+                    if let Some(before) = last.get(&name) {
+                        check_exit_per_policy(before, &after)
+                            .map_err(|e| report(seed, &trace, &w, &e))?;
+                    }
+                    last.insert(name, after);
+                }
+                None => {
+                    last.remove(&name);
+                }
             }
         }
         // Records that finished deleting are no longer expected.
@@ -211,7 +220,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     w.hv.set_faults(SimFaults::default());
     *w.faulty.fail_rate.lock().unwrap() = 0.0;
     for name in NAMES {
-        w.queue.schedule(name, w.now());
+        w.schedule(name);
     }
     let deadline = w.now() + SETTLE_BUDGET_MS;
     while w.now() < deadline {

@@ -16,8 +16,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::{
-    DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor, MigrationProgress,
-    NodeFacts,
+    DomainExit, DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor,
+    MigrationProgress, NodeFacts,
 };
 
 #[derive(Debug, Clone)]
@@ -191,6 +191,10 @@ struct SimState {
     /// set by the first `renew_fence` (a node without one has no keepers).
     /// Once it has passed, every guest is killed and nothing starts.
     fence_deadline: Option<Millis>,
+    /// Instances whose calls hang (a QMP socket that never answers) until
+    /// released, and how many calls hang now.
+    hung: std::collections::BTreeSet<String>,
+    hanging_calls: usize,
 }
 
 #[derive(Clone)]
@@ -200,6 +204,11 @@ pub struct SimHypervisor {
     state: Arc<Mutex<SimState>>,
     fabric: SimFabric,
     consoles: crate::guest_info::ConsoleSlots,
+    /// Exits the tests cause (`guest_poweroff`, `crash`), announced as the
+    /// QEMU driver announces a QEMU process ending.
+    exits: tokio::sync::broadcast::Sender<DomainExit>,
+    /// Wakes hung calls when their instance is released.
+    released: Arc<tokio::sync::Notify>,
 }
 
 impl SimHypervisor {
@@ -221,6 +230,8 @@ impl SimHypervisor {
             node: node.to_string(),
             fabric: fabric.clone(),
             consoles: Default::default(),
+            exits: tokio::sync::broadcast::channel(1024).0,
+            released: Default::default(),
             state: Arc::new(Mutex::new(SimState {
                 domains: BTreeMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
@@ -231,6 +242,8 @@ impl SimHypervisor {
                 violations: Vec::new(),
                 log: Vec::new(),
                 fence_deadline: None,
+                hung: Default::default(),
+                hanging_calls: 0,
             })),
         }
     }
@@ -379,21 +392,78 @@ impl SimHypervisor {
     /// Crashes a running instance now (its record stays until cleanup).
     pub fn crash(&self, instance: &str) {
         let now = self.clock.now_ms();
-        if let Some(d) = self.lock().domains.get_mut(instance) {
-            if !d.state.is_exited() {
+        let exited = match self.lock().domains.get_mut(instance) {
+            Some(d) if !d.state.is_exited() => {
                 d.exit(ExitCause::Crashed, now);
                 d.crash_at = Some(now);
+                Some(d.spec.vm.clone())
             }
-        }
+            _ => None,
+        };
+        self.announce_exit(exited, instance);
     }
 
     /// The guest powers itself off now.
     pub fn guest_poweroff(&self, instance: &str) {
         let now = self.clock.now_ms();
-        if let Some(d) = self.lock().domains.get_mut(instance) {
-            if !d.state.is_exited() {
+        let exited = match self.lock().domains.get_mut(instance) {
+            Some(d) if !d.state.is_exited() => {
                 d.exit(ExitCause::Poweroff, now);
+                Some(d.spec.vm.clone())
             }
+            _ => None,
+        };
+        self.announce_exit(exited, instance);
+    }
+
+    fn announce_exit(&self, vm: Option<String>, instance: &str) {
+        if let Some(vm) = vm {
+            // Nobody listening is fine: exits are hints.
+            let _ = self.exits.send(DomainExit {
+                vm,
+                instance: instance.to_string(),
+            });
+        }
+    }
+
+    /// From now on every call naming `instance` (info, shutdown, kill,
+    /// cleanup, guest agent calls) hangs until [`Self::release_calls`], as
+    /// a call on a QMP socket that never answers.
+    pub fn hang_calls(&self, instance: &str) {
+        self.lock().hung.insert(instance.to_string());
+    }
+
+    /// Lets the calls naming `instance` through again, the hung ones too.
+    pub fn release_calls(&self, instance: &str) {
+        self.lock().hung.remove(instance);
+        self.released.notify_waiters();
+    }
+
+    /// How many calls hang right now.
+    pub fn hanging_calls(&self) -> usize {
+        self.lock().hanging_calls
+    }
+
+    /// Waits here while calls naming `instance` hang.
+    async fn hang_point(&self, instance: &str) {
+        let mut counted = false;
+        loop {
+            // Registered before looking, so a release in between is not missed.
+            let released = self.released.notified();
+            {
+                let mut s = self.lock();
+                if !s.hung.contains(instance) {
+                    if counted {
+                        s.hanging_calls -= 1;
+                    }
+                    return;
+                }
+                if !counted {
+                    s.hanging_calls += 1;
+                    counted = true;
+                }
+            }
+            released.await;
         }
     }
 
@@ -646,6 +716,10 @@ impl SimState {
 
 #[async_trait]
 impl Hypervisor for SimHypervisor {
+    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainExit>> {
+        Some(self.exits.subscribe())
+    }
+
     async fn facts(&self) -> NodeFacts {
         NodeFacts {
             hypervisor: "sim".into(),
@@ -733,6 +807,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
+        self.hang_point(instance).await;
         let now = self.clock.now_ms();
         let mut s = self.lock();
         s.strike(instance, "shutdown")?;
@@ -747,6 +822,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn kill(&self, instance: &str) -> Result<(), HvError> {
+        self.hang_point(instance).await;
         let now = self.clock.now_ms();
         let mut s = self.lock();
         s.strike(instance, "kill")?;
@@ -761,6 +837,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn info(&self, instance: &str) -> Result<DomainInfo, HvError> {
+        self.hang_point(instance).await;
         let mut s = self.lock();
         s.strike(instance, "info")?;
         let p = s.config.faults.lookup_unavailable;
@@ -777,6 +854,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
+        self.hang_point(instance).await;
         let mut s = self.lock();
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(instance, "cleanup", p)?;
@@ -1105,6 +1183,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn guest_info(&self, instance: &str) -> Result<crate::GuestInfo, HvError> {
+        self.hang_point(instance).await;
         let now = self.clock.now_ms();
         let mut s = self.lock();
         let p = s.config.faults.lookup_unavailable;
@@ -1158,6 +1237,7 @@ impl Hypervisor for SimHypervisor {
     }
 
     async fn guest_shutdown(&self, instance: &str) -> Result<(), HvError> {
+        self.hang_point(instance).await;
         let now = self.clock.now_ms();
         let mut s = self.lock();
         let agent_ready_ms = s.config.boot_ms + s.config.agent_ready_ms;

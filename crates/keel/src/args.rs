@@ -58,10 +58,26 @@ pub enum Command {
     Man { dir: PathBuf },
     /// Import, list and delete images (disk images, boot kernels, initrds).
     Image(ImageCommand),
+    /// Measure Keel itself (`keel bench scale`: many VMs on the sim driver).
+    Bench(BenchCommand),
     /// Internal: runs one QEMU under the node's fence lease (started by a
     /// node agent's QEMU driver; see keel_hv::qemu::keeper).
     #[command(hide = true)]
     Keeper(KeeperArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchCommand {
+    #[command(subcommand)]
+    pub verb: BenchVerb,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchVerb {
+    /// Create, run and restart thousands of sim VMs through the API, on
+    /// SQLite and on an etcd cluster; prints rates, latencies, peak RSS
+    /// and store size, with the machine they were measured on.
+    Scale(crate::bench_scale::ScaleArgs),
 }
 
 #[derive(Debug, Args)]

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod api;
 pub mod args;
 pub mod auth;
+pub mod bench_scale;
 pub mod cli;
 pub mod config_file;
 pub mod distributed;

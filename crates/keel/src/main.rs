@@ -33,6 +33,9 @@ fn main() -> ExitCode {
         }
         Command::Man { dir } => keel::host_tools::man_pages(Cli::command(), &dir),
         Command::Image(cmd) => keel::cli::image(cmd),
+        Command::Bench(cmd) => match cmd.verb {
+            keel::args::BenchVerb::Scale(args) => keel::bench_scale::main(args),
+        },
         Command::Keeper(args) => {
             use keel_hv::qemu::keeper;
             let code = keeper::run(&args.instance_dir, &keeper::FenceLease::new(args.lease))

@@ -1,4 +1,7 @@
 //! Several simulated nodes sharing one store, one clock and shared storage.
+//! Each node runs the production runtime ([`Runtime`]): the cluster moves
+//! the clock a tick at a time and lets each running node do what its
+//! watches, exit hints and schedule make due.
 #![allow(dead_code)]
 
 #[path = "../support/cas.rs"]
@@ -8,15 +11,20 @@ mod faulty_store;
 use faulty_store::FaultyStore;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use async_trait::async_trait;
 
 use keel_api::{
     Clock, EvictionWindows, ManualClock, Migration, Millis, Node, PowerState, RunPolicy,
     VirtualMachine, VmSpec,
 };
-use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, MIGRATIONS_PREFIX, VMS_PREFIX};
-use keel_ctrl::{LifecycleConfig, MigrationController, VmController};
+use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
+use keel_ctrl::runtime::Event;
+use keel_ctrl::{
+    LifecycleConfig, MigrationController, Reconciler, Runtime, RuntimeConfig, VmController,
+};
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -27,12 +35,19 @@ pub const TICK_MS: Millis = 500;
 pub struct Agent {
     pub name: String,
     pub hv: SimHypervisor,
-    pub vms: VmController,
-    pub migrations: MigrationController,
+    pub vms: Arc<VmController>,
+    pub migrations: Arc<MigrationController>,
+    /// The node's runtime, driving `vms`, its snapshot controller and
+    /// `migrations`.
+    pub runtime: Runtime,
+    stuck: Arc<AtomicBool>,
     /// A stopped agent does nothing: no heartbeat, no reconciles.
     pub running: bool,
     /// The agent heartbeats but its migration controller is stuck.
     pub migrations_stuck: bool,
+    /// The agent heartbeats but its VM controller is stuck.
+    pub vms_stuck: bool,
+    vms_stuck_flag: Arc<AtomicBool>,
     /// The agent runs but cannot reach the store.
     pub partitioned: Arc<AtomicBool>,
     pub last_heartbeat_ok: Millis,
@@ -144,12 +159,19 @@ impl Cluster {
         let fabric = if self.local_disks { &own } else { &self.fabric };
         let hv = SimHypervisor::join(shared.clone(), seed, self.sim.clone(), fabric, name);
         let partitioned = Arc::new(AtomicBool::new(false));
-        let (vms, migrations) = self.controllers(name, &hv, &partitioned);
+        let stuck = Arc::new(AtomicBool::new(false));
+        let vms_stuck_flag = Arc::new(AtomicBool::new(false));
+        let (vms, migrations, runtime) =
+            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck_flag);
         Agent {
             name: name.to_string(),
             hv,
             vms,
             migrations,
+            runtime,
+            stuck,
+            vms_stuck: false,
+            vms_stuck_flag,
             running: true,
             migrations_stuck: false,
             partitioned,
@@ -162,7 +184,9 @@ impl Cluster {
         name: &str,
         hv: &SimHypervisor,
         partitioned: &Arc<AtomicBool>,
-    ) -> (VmController, MigrationController) {
+        stuck: &Arc<AtomicBool>,
+        vms_stuck: &Arc<AtomicBool>,
+    ) -> (Arc<VmController>, Arc<MigrationController>, Runtime) {
         let shared: Arc<dyn Clock> = Arc::new(SkewedClock {
             base: self.clock.clone(),
             offset_ms: self.skew_ms.get(name).copied().unwrap_or(0),
@@ -177,9 +201,33 @@ impl Cluster {
             shared_disk_dir: (!self.local_disks).then(|| "/sim-fabric".into()),
             ..Default::default()
         };
-        let vms = VmController::new(store, Arc::new(hv.clone()), shared, cfg);
-        let migrations = vms.migration_controller();
-        (vms, migrations)
+        let vms = Arc::new(VmController::new(
+            store,
+            Arc::new(hv.clone()),
+            shared.clone(),
+            cfg,
+        ));
+        let migrations = Arc::new(vms.migration_controller());
+        let mut runtime = Runtime::new(
+            vms.store().raw().clone(),
+            vms.exit_events(),
+            shared.clone(),
+            vms.observer().clone(),
+            vms.config().retry_ms,
+            &RuntimeConfig::default(),
+        );
+        runtime.add(Arc::new(Stuckable {
+            inner: vms.clone(),
+            stuck: vms_stuck.clone(),
+            clock: shared.clone(),
+        }));
+        runtime.add(Arc::new(vms.snapshot_controller()));
+        runtime.add(Arc::new(Stuckable {
+            inner: migrations.clone(),
+            stuck: stuck.clone(),
+            clock: shared,
+        }));
+        (vms, migrations, runtime)
     }
 
     pub async fn add_node(&mut self, name: &str) {
@@ -192,11 +240,17 @@ impl Cluster {
     pub fn restart_controllers(&mut self) {
         for i in 0..self.agents.len() {
             let a = &self.agents[i];
-            let (vms, migrations) =
-                self.controllers(&a.name.clone(), &a.hv.clone(), &a.partitioned.clone());
+            let (vms, migrations, runtime) = self.controllers(
+                &a.name.clone(),
+                &a.hv.clone(),
+                &a.partitioned,
+                &a.stuck,
+                &a.vms_stuck_flag,
+            );
             let a = &mut self.agents[i];
             a.vms = vms;
             a.migrations = migrations;
+            a.runtime = runtime;
         }
     }
 
@@ -208,10 +262,14 @@ impl Cluster {
             self.agents[i].hv.clone(),
             self.agents[i].partitioned.clone(),
         );
-        let (vms, migrations) = self.controllers(name, &hv, &partitioned);
+        let stuck = self.agents[i].stuck.clone();
+        let vms_stuck = self.agents[i].vms_stuck_flag.clone();
+        let (vms, migrations, runtime) =
+            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck);
         let a = &mut self.agents[i];
         a.vms = vms;
         a.migrations = migrations;
+        a.runtime = runtime;
         a.running = true;
         a.last_heartbeat_ok = self.clock.now_ms();
     }
@@ -277,28 +335,15 @@ impl Cluster {
         all.into_iter().map(|(_, e)| e.value).collect()
     }
 
-    /// One tick: time moves, then every running agent does its rounds.
+    /// One tick: time moves, then every running agent does its
+    /// housekeeping and lets its runtime do what is due.
     pub async fn tick(&mut self) {
         self.clock.advance(TICK_MS);
-        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await.unwrap();
-        let (migrations, _) = self
-            .store
-            .list::<Migration>(MIGRATIONS_PREFIX)
-            .await
-            .unwrap();
         for a in self.agents.iter_mut().filter(|a| a.running) {
             a.vms.housekeeping(&mut a.last_heartbeat_ok).await;
-            for (_, vm) in &vms {
-                // A few rounds, so chains of steps finish within the tick.
-                for _ in 0..3 {
-                    let _ = a.vms.reconcile(&vm.value.name).await;
-                }
-            }
-            if !a.migrations_stuck {
-                for (_, m) in &migrations {
-                    let _ = a.migrations.reconcile(&m.value.vm, &m.value.id).await;
-                }
-            }
+            a.stuck.store(a.migrations_stuck, Ordering::SeqCst);
+            a.vms_stuck_flag.store(a.vms_stuck, Ordering::SeqCst);
+            a.runtime.settle().await;
         }
         self.check_invariants().await;
     }
@@ -409,5 +454,38 @@ pub fn sim() -> SimConfig {
         migration_ms: 3_000,
         agent_ready_ms: 0,
         faults: SimFaults::default(),
+    }
+}
+
+/// A node's controller that can be stuck (`Agent::migrations_stuck`,
+/// `Agent::vms_stuck`): while it is, each look does nothing and asks to be
+/// looked at next tick.
+struct Stuckable<R> {
+    inner: Arc<R>,
+    stuck: Arc<AtomicBool>,
+    clock: Arc<dyn Clock>,
+}
+
+#[async_trait]
+impl<R: Reconciler> Reconciler for Stuckable<R> {
+    type Error = R::Error;
+
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn triggers(&self, event: &Event) -> Vec<String> {
+        self.inner.triggers(event)
+    }
+
+    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, Self::Error> {
+        if self.stuck.load(Ordering::SeqCst) {
+            return Ok(Some(self.clock.now_ms() + TICK_MS));
+        }
+        Reconciler::reconcile(&*self.inner, key).await
+    }
+
+    fn error_policy(&self, err: &Self::Error, attempts: u32) -> Millis {
+        self.inner.error_policy(err, attempts)
     }
 }

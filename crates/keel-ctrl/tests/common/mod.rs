@@ -1,5 +1,7 @@
-//! A small world for driving the VM controller on a manual clock: the
-//! in-memory store, the sim hypervisor and a work queue, stepped by hand.
+//! A small world for driving one node on a manual clock: the in-memory
+//! store, the sim hypervisor and the node's production runtime
+//! ([`Runtime`]), which hears the store's watches and the driver's exit
+//! hints and decides what to reconcile; the world only moves the clock.
 #![allow(dead_code)]
 
 #[path = "../support/cas.rs"]
@@ -16,8 +18,8 @@ use keel_api::{
     ValidationError, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::snapshot_key;
-use keel_ctrl::keys::{vm_key, VMS_PREFIX};
-use keel_ctrl::{LifecycleConfig, SnapshotController, VmController, WorkQueue};
+use keel_ctrl::keys::vm_key;
+use keel_ctrl::{LifecycleConfig, Runtime, RuntimeConfig, SnapshotController, VmController};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -47,47 +49,95 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
 
 pub struct World {
     pub clock: ManualClock,
+    pub memory: MemoryStore,
     pub raw: Arc<dyn Store>,
     pub faulty: Arc<FaultyStore>,
     /// What users write through: never faulted (the API retries for them).
     pub user: TypedStore,
     pub hv: SimHypervisor,
-    pub ctrl: VmController,
-    pub snaps: SnapshotController,
+    pub ctrl: Arc<VmController>,
+    pub snaps: Arc<SnapshotController>,
     pub cfg: LifecycleConfig,
-    pub queue: WorkQueue,
-    pub errors: usize,
+    pub runtime_cfg: RuntimeConfig,
+    pub runtime: Runtime,
     next_housekeeping: Millis,
+    /// Every write to a VM record, for [`Self::vm_versions`].
+    history: keel_store::Watch,
 }
 
 impl World {
-    pub fn new(seed: u64, sim: SimConfig) -> Self {
+    pub async fn new(seed: u64, sim: SimConfig) -> Self {
         let clock = ManualClock::new(T0);
         let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-        let raw: Arc<dyn Store> = Arc::new(MemoryStore::with_clock(shared.clone()));
+        let memory = MemoryStore::with_clock(shared.clone());
+        let raw: Arc<dyn Store> = Arc::new(memory.clone());
         let faulty = Arc::new(FaultyStore::new(raw.clone(), seed));
         let hv = SimHypervisor::new(shared.clone(), seed, sim);
         let cfg = LifecycleConfig::default();
-        let ctrl = VmController::new(
-            TypedStore::new(faulty.clone()),
-            Arc::new(hv.clone()),
-            shared,
-            cfg.clone(),
-        );
-        let snaps = ctrl.snapshot_controller();
+        let runtime_cfg = RuntimeConfig::default();
+        let (ctrl, snaps, runtime) = Self::node(&clock, &faulty, &hv, &cfg, &runtime_cfg);
+        let history = raw
+            .watch(keel_ctrl::keys::VMS_PREFIX, 1)
+            .await
+            .expect("watch on the memory store");
         Self {
+            history,
             snaps,
             clock,
+            memory,
             user: TypedStore::new(raw.clone()),
             raw,
             faulty,
             hv,
             ctrl,
             cfg,
-            queue: WorkQueue::default(),
-            errors: 0,
+            runtime_cfg,
+            runtime,
             next_housekeeping: 0,
         }
+    }
+
+    /// A node process: its controllers and the runtime that drives them.
+    fn node(
+        clock: &ManualClock,
+        faulty: &Arc<FaultyStore>,
+        hv: &SimHypervisor,
+        cfg: &LifecycleConfig,
+        runtime_cfg: &RuntimeConfig,
+    ) -> (Arc<VmController>, Arc<SnapshotController>, Runtime) {
+        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
+        let ctrl = Arc::new(VmController::new(
+            TypedStore::new(faulty.clone()),
+            Arc::new(hv.clone()),
+            shared.clone(),
+            cfg.clone(),
+        ));
+        let snaps = Arc::new(ctrl.snapshot_controller());
+        let migrations = Arc::new(ctrl.migration_controller());
+        let runtime =
+            Runtime::for_node(ctrl.clone(), snaps.clone(), migrations, shared, runtime_cfg);
+        (ctrl, snaps, runtime)
+    }
+
+    /// The same world with a runtime bound to `runtime_cfg` (set before
+    /// anything runs).
+    pub fn with_runtime(mut self, runtime_cfg: RuntimeConfig) -> Self {
+        self.runtime_cfg = runtime_cfg;
+        self.restart_node_process();
+        self
+    }
+
+    fn restart_node_process(&mut self) {
+        let (ctrl, snaps, runtime) = Self::node(
+            &self.clock,
+            &self.faulty,
+            &self.hv,
+            &self.cfg,
+            &self.runtime_cfg,
+        );
+        self.ctrl = ctrl;
+        self.snaps = snaps;
+        self.runtime = runtime;
     }
 
     /// Registers this node (as its agent does on start).
@@ -104,26 +154,10 @@ impl World {
     }
 
     /// A fresh controller process: nothing carried over but the store and the node.
+    /// (Its runtime lists everything on start, so every VM is looked at.)
     pub async fn restart_controller(&mut self) {
-        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
-        self.ctrl = VmController::new(
-            TypedStore::new(self.faulty.clone()),
-            Arc::new(self.hv.clone()),
-            shared,
-            self.cfg.clone(),
-        );
-        self.snaps = self.ctrl.snapshot_controller();
-        self.queue = WorkQueue::default();
+        self.restart_node_process();
         self.next_housekeeping = 0;
-        let (vms, _) = self
-            .user
-            .list::<VirtualMachine>(VMS_PREFIX)
-            .await
-            .expect("unfaulted list");
-        let now = self.now();
-        for (_, vm) in vms {
-            self.queue.schedule(&vm.value.name, now);
-        }
     }
 
     pub async fn create(&mut self, name: &str, spec: VmSpec) -> bool {
@@ -133,9 +167,7 @@ impl World {
             *self.faulty.fail_rate.lock().unwrap() = fail_rate;
         }
         let vm = VirtualMachine::new(name, spec);
-        let ok = self.user.create(&vm_key(name), &vm).await.is_ok();
-        self.queue.schedule(name, self.now());
-        ok
+        self.user.create(&vm_key(name), &vm).await.is_ok()
     }
 
     pub async fn get(&self, name: &str) -> Option<VirtualMachine> {
@@ -159,12 +191,11 @@ impl World {
         if !found {
             return Err(format!("VM {name} not found"));
         }
-        self.queue.schedule(name, self.now());
         Ok(())
     }
 
-    /// Asks for a snapshot and drives the snapshot controller until it is
-    /// taken (or failed); returns the final record.
+    /// Asks for a snapshot and runs the node until its snapshot controller
+    /// has taken it (or failed); returns the final record.
     pub async fn take_snapshot(&mut self, vm: &str, name: &str) -> Snapshot {
         let spec = self.get(vm).await.expect("VM exists").spec;
         let snap = Snapshot {
@@ -178,10 +209,17 @@ impl World {
         let key = snapshot_key(vm, name);
         self.user.create(&key, &snap).await.expect("new snapshot");
         for _ in 0..100 {
-            match self.snaps.reconcile(vm, name).await {
-                Ok(None) => break,
-                _ => self.run_for(self.cfg.retry_ms).await,
+            self.reconcile_due().await;
+            let done = self
+                .user
+                .get::<Snapshot>(&key)
+                .await
+                .expect("unfaulted get")
+                .is_some_and(|e| e.value.status.phase != keel_api::SnapshotPhase::Pending);
+            if done {
+                break;
             }
+            self.run_for(self.cfg.retry_ms).await;
         }
         self.user
             .get::<Snapshot>(&key)
@@ -213,45 +251,86 @@ impl World {
         let _ = self.ctrl.collect_garbage().await;
     }
 
-    /// Reconciles everything due now. Returns how many reconciles ran.
+    /// Lets the node do everything ready now: housekeeping, then its
+    /// runtime (events in, due reconciles run). Returns how many
+    /// reconciles finished.
     pub async fn reconcile_due(&mut self) -> usize {
         self.housekeeping().await;
-        let now = self.now();
-        let due = self.queue.pop_due(now);
-        let n = due.len();
-        for name in due {
-            match self.ctrl.reconcile(&name).await {
-                Ok(Some(at)) => self.queue.schedule(&name, at),
-                Ok(None) => {}
-                Err(_) => {
-                    self.errors += 1;
-                    self.queue.schedule(&name, self.now() + self.cfg.retry_ms);
-                }
-            }
-        }
-        n
+        self.runtime.settle().await
     }
 
-    /// Jumps the clock to the next due time (never backwards) and reconciles.
+    /// When the runtime next has something to do.
+    pub fn next_due(&self) -> Option<Millis> {
+        self.runtime.next_wake()
+    }
+
+    /// Asks the runtime for a look at VM `name` now (as a change would).
+    pub fn schedule(&mut self, name: &str) {
+        let now = self.now();
+        self.runtime.schedule("vm", name, now);
+    }
+
+    /// Does what is ready now, then jumps the clock to the next due time
+    /// (never backwards) and reconciles; whether anything was to do.
     pub async fn step_to_next(&mut self) -> bool {
-        match self.queue.next_due() {
+        let ran = self.reconcile_due().await;
+        match self.next_due() {
             Some(at) => {
-                self.clock.advance_to(at);
+                self.clock.advance_to(at.max(self.now()));
                 self.reconcile_due().await;
                 true
             }
-            None => false,
+            None => ran > 0,
         }
     }
 
-    /// Runs the controller until `until` (sim time) or until nothing is due.
+    /// Every version of every VM record written since the last call, in
+    /// revision order (`None`: deleted), read from a watch on the
+    /// unfaulted store: what each single write changed, however many
+    /// reconciles one step ran.
+    pub async fn vm_versions(&mut self) -> Vec<(String, Option<VirtualMachine>)> {
+        use std::future::Future;
+        let mut out = Vec::new();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        loop {
+            // Lets the watch's pump catch up with the writes.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            let mut got = false;
+            loop {
+                let next = std::pin::pin!(self.history.next());
+                let std::task::Poll::Ready(item) = next.poll(&mut cx) else {
+                    break;
+                };
+                got = true;
+                match item.expect("history watch open").expect("history watch") {
+                    keel_store::WatchEvent::Put(e) => {
+                        let vm: VirtualMachine =
+                            serde_json::from_slice(&e.value).expect("VM record");
+                        out.push((vm.name.clone(), Some(vm)));
+                    }
+                    keel_store::WatchEvent::Deleted { key, .. } => {
+                        let name = key.trim_start_matches(keel_ctrl::keys::VMS_PREFIX);
+                        out.push((name.to_string(), None));
+                    }
+                }
+            }
+            if !got {
+                return out;
+            }
+        }
+    }
+
+    /// Runs the node for `ms` of sim time, jumping from one due time to
+    /// the next.
     pub async fn run_for(&mut self, ms: Millis) {
         let end = self.now() + ms;
-        while let Some(at) = self.queue.next_due() {
+        self.reconcile_due().await;
+        while let Some(at) = self.next_due() {
             if at > end {
                 break;
             }
-            self.clock.advance_to(at);
+            self.clock.advance_to(at.max(self.now()));
             self.reconcile_due().await;
         }
         self.clock.advance_to(end);

@@ -1,0 +1,27 @@
+//! What the runtime hears: store records that changed or were (re)listed,
+//! and exits the hypervisor saw. Reconcilers map these to keys
+//! ([`super::Reconciler::triggers`]).
+
+use keel_hv::DomainExit;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A record under a watched prefix was written or deleted.
+    Changed { key: String },
+    /// A record found by a list: at start, and after a watch broke, when
+    /// changes may have been missed, every record is looked at again.
+    Listed { key: String },
+    /// The hypervisor saw an instance exit. A hint only: a lost one costs
+    /// latency (the next scheduled look finds the exit), never correctness.
+    Exited(DomainExit),
+}
+
+impl Event {
+    /// The store key the event is about, if it is about a record.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            Event::Changed { key } | Event::Listed { key } => Some(key),
+            Event::Exited(_) => None,
+        }
+    }
+}

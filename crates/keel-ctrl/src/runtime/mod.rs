@@ -1,0 +1,321 @@
+//! Drives the controllers: events in (store watch events, driver exit
+//! hints, "watch broke" followed by a relist), due keys out, time only
+//! through [`keel_api::Clock`]. The parts, after kube-rs' runtime:
+//! [`event`] (what is heard), [`source`] (watches and relisting),
+//! [`reconciler`] (which keys an event wakes, one look at a key, the error
+//! policy), [`scheduler`] (one entry per key, earliest wins) and [`runner`]
+//! (bounded concurrency, never two reconciles of one key). [`Runtime`]
+//! joins them; production waits on tokio between steps
+//! ([`Runtime::run`]), the simulations move a manual clock and call
+//! [`Runtime::settle`].
+
+pub mod event;
+pub mod reconciler;
+pub mod runner;
+pub mod scheduler;
+pub mod source;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_api::{Clock, Millis};
+use keel_store::Store;
+use tokio::sync::watch;
+
+pub use event::Event;
+pub use reconciler::Reconciler;
+pub use runner::{Key, Runner};
+pub use source::{EventSource, Incoming};
+
+use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
+
+/// How often this node's heartbeat is written and stray domains are ended.
+const HOUSEKEEPING_MS: u64 = 5_000;
+
+/// How many reconciles of distinct keys may run at once, by default.
+pub const DEFAULT_MAX_CONCURRENT_RECONCILES: usize = 32;
+
+/// Never more between two looks at the clock with nothing due (a guard
+/// against a clock that jumps).
+const IDLE_WAKE_MS: Millis = 60_000;
+
+/// Rounds [`Runtime::settle`] takes at most at one instant: a bound, so a
+/// reconciler that keeps asking for "now" cannot hang a simulation.
+const SETTLE_ROUNDS: usize = 10_000;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeConfig {
+    /// Reconciles of distinct keys (VMs, snapshots, migrations) running at
+    /// once; one key never runs twice at once whatever this is.
+    pub max_concurrent_reconciles: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            max_concurrent_reconciles: DEFAULT_MAX_CONCURRENT_RECONCILES,
+        }
+    }
+}
+
+/// The node's reconcile runtime: its event source feeding its runner.
+pub struct Runtime {
+    clock: Arc<dyn Clock>,
+    source: EventSource,
+    runner: Runner,
+}
+
+impl Runtime {
+    /// A runtime without reconcilers, watching `store`.
+    pub fn new(
+        store: Arc<dyn Store>,
+        exits: Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>>,
+        clock: Arc<dyn Clock>,
+        observer: Arc<dyn LifecycleObserver>,
+        retry_ms: Millis,
+        cfg: &RuntimeConfig,
+    ) -> Self {
+        Self {
+            source: EventSource::new(store, exits, retry_ms),
+            runner: Runner::new(clock.clone(), observer, cfg.max_concurrent_reconciles),
+            clock,
+        }
+    }
+
+    /// A node's runtime: its VM, snapshot and migration controllers (in
+    /// that order, which is the order ties run in), on the VM
+    /// controller's store, exit notifications and retry interval.
+    pub fn for_node(
+        vms: Arc<VmController>,
+        snapshots: Arc<SnapshotController>,
+        migrations: Arc<MigrationController>,
+        clock: Arc<dyn Clock>,
+        cfg: &RuntimeConfig,
+    ) -> Self {
+        let mut runtime = Self::new(
+            vms.store().raw().clone(),
+            vms.exit_events(),
+            clock,
+            vms.observer().clone(),
+            vms.config().retry_ms,
+            cfg,
+        );
+        runtime.add(vms);
+        runtime.add(snapshots);
+        runtime.add(migrations);
+        runtime
+    }
+
+    pub fn add<R: Reconciler>(&mut self, reconciler: Arc<R>) {
+        self.runner.add(reconciler);
+    }
+
+    /// Asks for a look at `name` by the reconciler of `kind` at `at`;
+    /// whether such a reconciler exists.
+    pub fn schedule(&mut self, kind: &str, name: &str, at: Millis) -> bool {
+        let Some(reconciler) = self.runner.reconciler_of(kind) else {
+            return false;
+        };
+        let key = Key {
+            reconciler,
+            name: name.to_string(),
+        };
+        self.runner.schedule(key, at);
+        true
+    }
+
+    /// When the reconciler of `kind` is next due to look at `name`, if
+    /// queued (not while it runs).
+    pub fn due_at(&self, kind: &str, name: &str) -> Option<Millis> {
+        let reconciler = self.runner.reconciler_of(kind)?;
+        self.runner.due_at(&Key {
+            reconciler,
+            name: name.to_string(),
+        })
+    }
+
+    /// The next time anything is due: a queued key or the relist.
+    pub fn next_wake(&self) -> Option<Millis> {
+        [self.runner.wake_at(), self.source.relist_at()]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Reconciles under way.
+    pub fn in_flight(&self) -> usize {
+        self.runner.in_flight()
+    }
+
+    /// Relists if the watches are closed and the retry time has come.
+    /// Whether it listed.
+    async fn relist_if_due(&mut self) -> bool {
+        let now = self.clock.now_ms();
+        if self.source.relist_at().is_none_or(|at| at > now) {
+            return false;
+        }
+        match self.source.relist(now).await {
+            Ok(events) => {
+                for event in &events {
+                    self.runner.handle(event);
+                }
+            }
+            Err(err) => tracing::warn!(%err, "cannot list to (re)open the watches; retrying"),
+        }
+        true
+    }
+
+    fn take(&mut self, incoming: Incoming) {
+        match incoming {
+            Incoming::Event(event) => self.runner.handle(&event),
+            Incoming::Broken(err) => {
+                match err {
+                    Some(err) => tracing::warn!(%err, "controller watch broke; re-listing"),
+                    None => tracing::warn!("controller watch ended; re-listing"),
+                }
+                self.source.broke(self.clock.now_ms());
+            }
+        }
+    }
+
+    /// Production: runs until `stop` turns true, waiting on tokio for the
+    /// next due time, the next event or the next finished reconcile. On
+    /// stop, waits for the reconciles under way.
+    pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            self.relist_if_due().await;
+            self.runner.start_due();
+            let wait_ms = self
+                .next_wake()
+                .map(|at| at.saturating_sub(self.clock.now_ms()))
+                .unwrap_or(IDLE_WAKE_MS)
+                .min(IDLE_WAKE_MS);
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
+                () = self.runner.finish_next() => {}
+                incoming = self.source.next() => self.take(incoming),
+                _ = stop.changed() => {}
+            }
+        }
+        self.runner.finish_all().await;
+    }
+
+    /// Simulation: does everything that is ready at the clock's current
+    /// time, in one defined order, and returns once nothing more is
+    /// (reconciles still waiting, e.g. on a hung hypervisor call, go on
+    /// running). Delivers arrived events, relists if due, takes in
+    /// finished reconciles and starts due ones, round after round. On a
+    /// current-thread tokio runtime this replays exactly. Returns how many
+    /// reconciles finished.
+    pub async fn settle(&mut self) -> usize {
+        let mut finished = 0;
+        for _ in 0..SETTLE_ROUNDS {
+            // Lets the watches' pumps and the started reconciles run.
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            let mut progress = self.relist_if_due().await;
+            while let Some(incoming) = self.source.try_next() {
+                self.take(incoming);
+                progress = true;
+            }
+            let done = self.runner.finish_ready();
+            finished += done;
+            progress |= done > 0;
+            progress |= self.runner.start_due() > 0;
+            if !progress {
+                break;
+            }
+        }
+        finished
+    }
+}
+
+/// Runs the VM controller and a snapshot and a migration controller
+/// sharing its store, node and clock, until `stop` turns true.
+pub async fn run_vm_controller(
+    vms: Arc<VmController>,
+    clock: Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+) {
+    let snapshots = Arc::new(vms.snapshot_controller());
+    let migrations = Arc::new(vms.migration_controller());
+    run_controllers(
+        vms,
+        snapshots,
+        migrations,
+        clock,
+        &RuntimeConfig::default(),
+        stop,
+    )
+    .await
+}
+
+/// Runs until `stop` turns true. Store outages are retried, never fatal.
+pub async fn run_controllers(
+    vms: Arc<VmController>,
+    snapshots: Arc<SnapshotController>,
+    migrations: Arc<MigrationController>,
+    clock: Arc<dyn Clock>,
+    cfg: &RuntimeConfig,
+    stop: watch::Receiver<bool>,
+) {
+    let runtime = Runtime::for_node(vms.clone(), snapshots, migrations, clock.clone(), cfg);
+    // Housekeeping runs on its own: during a store outage the runtime is
+    // stuck re-listing, and that is exactly when self-fencing must still
+    // happen.
+    tokio::join!(
+        runtime.run(stop.clone()),
+        run_housekeeping(&vms, &clock, stop),
+    );
+}
+
+/// The heartbeat (with the fence-lease renewal) and the other chores run
+/// on loops of their own: a chore stuck on a hung hypervisor or store call
+/// must never delay the heartbeat, or a healthy node would be fenced.
+async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watch::Receiver<bool>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // The chores act on the cluster's state only while this node's own
+    // heartbeat gets through, as a node cut off must not take over others.
+    let heartbeat_ok_at = AtomicU64::new(clock.now_ms());
+    let lease = async {
+        let mut stop = stop.clone();
+        let mut last_heartbeat_ok = clock.now_ms();
+        while !*stop.borrow() {
+            // A heartbeat that hangs counts as failed, so self-fencing is
+            // judged on time, whatever the store does.
+            let bounded = tokio::time::timeout(
+                Duration::from_millis(HOUSEKEEPING_MS),
+                vms.keep_lease(&mut last_heartbeat_ok),
+            );
+            let outcome = bounded.await;
+            heartbeat_ok_at.store(last_heartbeat_ok, Ordering::Relaxed);
+            if outcome.is_err() {
+                tracing::warn!("heartbeat timed out");
+                if vms.self_fence_due(last_heartbeat_ok) {
+                    vms.self_fence().await;
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = stop.changed() => {}
+            }
+        }
+    };
+    let chores = async {
+        let mut stop = stop.clone();
+        while !*stop.borrow() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = stop.changed() => {}
+            }
+            let fresh = clock
+                .now_ms()
+                .saturating_sub(heartbeat_ok_at.load(Ordering::Relaxed))
+                <= 2 * HOUSEKEEPING_MS;
+            if !*stop.borrow() && fresh {
+                vms.chores().await;
+            }
+        }
+    };
+    tokio::join!(lease, chores);
+}

@@ -1,0 +1,165 @@
+//! Where the runtime's events come from: one watch per watched prefix,
+//! opened after listing it (so nothing between list and watch is missed),
+//! and the hypervisor's exit notifications. A watch that breaks ends all of
+//! them; after `retry_ms` everything is listed again, as changes made
+//! meanwhile were never delivered.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+
+use keel_api::Millis;
+use keel_hv::DomainExit;
+use keel_store::{Store, StoreError, Watch, WatchEvent};
+use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
+
+use super::event::Event;
+use crate::keys::{MIGRATIONS_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
+
+/// The prefixes whose changes wake reconciles.
+pub const WATCHED_PREFIXES: [&str; 3] = [VMS_PREFIX, SNAPSHOTS_PREFIX, MIGRATIONS_PREFIX];
+
+/// What arrived: an event, or news that the watches ended.
+#[derive(Debug)]
+pub enum Incoming {
+    Event(Event),
+    /// A watch failed or ended; the watches are closed until the relist.
+    Broken(Option<StoreError>),
+}
+
+pub struct EventSource {
+    store: Arc<dyn Store>,
+    /// Open watches, in [`WATCHED_PREFIXES`] order; `None` while broken.
+    watches: Option<[Watch; 3]>,
+    /// When to list again while broken.
+    relist_at: Millis,
+    retry_ms: Millis,
+    exits: Option<broadcast::Receiver<DomainExit>>,
+}
+
+impl EventSource {
+    /// Lists on first use (`relist_at` 0 is due at once).
+    pub fn new(
+        store: Arc<dyn Store>,
+        exits: Option<broadcast::Receiver<DomainExit>>,
+        retry_ms: Millis,
+    ) -> Self {
+        Self {
+            store,
+            watches: None,
+            relist_at: 0,
+            retry_ms,
+            exits,
+        }
+    }
+
+    /// When the watches are due to be opened again, while they are closed.
+    pub fn relist_at(&self) -> Option<Millis> {
+        self.watches.is_none().then_some(self.relist_at)
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.watches.is_some()
+    }
+
+    /// Lists every watched prefix and opens its watch from just after the
+    /// list; every record found as an event. On failure nothing is open
+    /// and the next try is `retry_ms` after `now`.
+    pub async fn relist(&mut self, now: Millis) -> Result<Vec<Event>, StoreError> {
+        self.watches = None;
+        self.relist_at = now + self.retry_ms;
+        let mut events = Vec::new();
+        let mut opened = Vec::with_capacity(WATCHED_PREFIXES.len());
+        for prefix in WATCHED_PREFIXES {
+            let (entries, revision) = self.store.list(prefix).await?;
+            opened.push(self.store.watch(prefix, revision + 1).await?);
+            events.extend(entries.into_iter().map(|e| Event::Listed { key: e.key }));
+        }
+        self.watches = opened.try_into().ok();
+        Ok(events)
+    }
+
+    /// The watches failed: closed until the relist, `retry_ms` from `now`.
+    pub fn broke(&mut self, now: Millis) {
+        self.watches = None;
+        self.relist_at = now + self.retry_ms;
+    }
+
+    /// The next thing that has already arrived, without waiting: exits
+    /// first, then each watch in [`WATCHED_PREFIXES`] order. This is how a
+    /// simulation takes events in one defined order.
+    pub fn try_next(&mut self) -> Option<Incoming> {
+        if let Some(exit) = self.try_exit() {
+            return Some(Incoming::Event(Event::Exited(exit)));
+        }
+        let watches = self.watches.as_mut()?;
+        let mut cx = Context::from_waker(Waker::noop());
+        for watch in watches.iter_mut() {
+            // Polled once and dropped: a watch's `next` is a channel
+            // receive, which loses nothing when cancelled.
+            let next = std::pin::pin!(watch.next());
+            if let Poll::Ready(item) = next.poll(&mut cx) {
+                return Some(incoming(item));
+            }
+        }
+        None
+    }
+
+    /// Waits for the next event or for the watches to break. With the
+    /// watches closed, waits for exits only.
+    pub async fn next(&mut self) -> Incoming {
+        let exits = &mut self.exits;
+        let Some([vms, snapshots, migrations]) = self.watches.as_mut() else {
+            return Incoming::Event(Event::Exited(next_exit(exits).await));
+        };
+        tokio::select! {
+            exit = next_exit(exits) => Incoming::Event(Event::Exited(exit)),
+            item = vms.next() => incoming(item),
+            item = snapshots.next() => incoming(item),
+            item = migrations.next() => incoming(item),
+        }
+    }
+
+    fn try_exit(&mut self) -> Option<DomainExit> {
+        let rx = self.exits.as_mut()?;
+        loop {
+            match rx.try_recv() {
+                Ok(exit) => return Some(exit),
+                // Missed some: the scheduled re-checks still find them.
+                Err(TryRecvError::Lagged(_)) => continue,
+                Err(TryRecvError::Empty) => return None,
+                Err(TryRecvError::Closed) => {
+                    self.exits = None;
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+fn incoming(item: Option<Result<WatchEvent, StoreError>>) -> Incoming {
+    match item {
+        Some(Ok(event)) => Incoming::Event(Event::Changed {
+            key: event.key().to_string(),
+        }),
+        Some(Err(err)) => Incoming::Broken(Some(err)),
+        None => Incoming::Broken(None),
+    }
+}
+
+/// The next exit notification; never resolves without a channel.
+async fn next_exit(exits: &mut Option<broadcast::Receiver<DomainExit>>) -> DomainExit {
+    let Some(rx) = exits else {
+        return std::future::pending().await;
+    };
+    loop {
+        match rx.recv().await {
+            Ok(exit) => return exit,
+            Err(RecvError::Lagged(_)) => continue,
+            Err(RecvError::Closed) => {
+                *exits = None;
+                return std::future::pending().await;
+            }
+        }
+    }
+}

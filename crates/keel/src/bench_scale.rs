@@ -1,0 +1,680 @@
+//! `keel bench scale`: how the control plane copes with many VMs.
+//!
+//! Everything runs as real Keel processes of this very binary on the sim
+//! driver (no guests, so the figures are the control plane's own): one
+//! `keel serve` on SQLite, and, with etcd, a private etcd member, several
+//! control planes and several `keel agent`s. Clients create the VMs over
+//! the HTTP API from threads of this process, as users would.
+//!
+//! Figures, per scenario:
+//! - create rate (VMs/s over the whole create phase) and the API's p50/p99
+//!   latency for those creates, while the controllers place and start the
+//!   VMs meanwhile;
+//! - all Running: from just before the first create until the store holds
+//!   every VM Running (read from `/metrics`, i.e. from the store itself);
+//! - restart all: from just before the first restart request until every
+//!   VM runs a new instance for it (`observed_restart_generation`);
+//! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
+//!   on disk (SQLite files, or etcd's backend file).
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use serde_json::Value;
+
+#[derive(Debug, Args)]
+pub struct ScaleArgs {
+    /// VM counts for the single-node (SQLite) runs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    pub vms: Vec<usize>,
+    /// VM count for the etcd cluster run; 0 skips it.
+    #[arg(long, default_value_t = 10_000)]
+    pub etcd_vms: usize,
+    /// Control planes of the etcd cluster run.
+    #[arg(long, default_value_t = 3)]
+    pub control_planes: usize,
+    /// Sim agents (nodes) of the etcd cluster run.
+    #[arg(long, default_value_t = 10)]
+    pub agents: usize,
+    /// Concurrent API clients.
+    #[arg(long, default_value_t = 8)]
+    pub clients: usize,
+    /// Longest wait for one phase (all Running, restart all), seconds.
+    #[arg(long, default_value_t = 900)]
+    pub timeout_s: u64,
+    /// Where the runs keep their data (default: a fresh directory under
+    /// the system temp dir, removed afterwards).
+    #[arg(long)]
+    pub work_dir: Option<PathBuf>,
+    /// The etcd binary of the cluster run.
+    #[arg(long, default_value = "etcd")]
+    pub etcd_bin: PathBuf,
+}
+
+/// One scenario's figures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ScaleReport {
+    pub store: String,
+    pub control_planes: usize,
+    pub nodes: usize,
+    pub vms: usize,
+    pub clients: usize,
+    pub create_per_s: f64,
+    pub create_p50_ms: f64,
+    pub create_p99_ms: f64,
+    /// None: not all Running before the timeout (`running_at_timeout` say how many were).
+    pub all_running_s: Option<f64>,
+    pub running_at_timeout: usize,
+    pub restart_all_s: Option<f64>,
+    pub restarted_at_timeout: usize,
+    pub peak_rss_mib: BTreeMap<String, f64>,
+    pub store_bytes: u64,
+}
+
+pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
+    if args.clients == 0 {
+        bail!("--clients must be at least 1");
+    }
+    if args.vms.contains(&0) {
+        bail!("--vms: every count must be at least 1");
+    }
+    if args.etcd_vms > 0 && (args.control_planes == 0 || args.agents == 0) {
+        bail!(
+            "--control-planes and --agents must be at least 1 for the etcd run (or --etcd-vms 0)"
+        );
+    }
+    let (root, remove_root) = match &args.work_dir {
+        Some(dir) => (dir.clone(), false),
+        None => (
+            std::env::temp_dir().join(format!("keel-bench-scale-{}", std::process::id())),
+            true,
+        ),
+    };
+    std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    println!("keel bench scale on {}", machine());
+    println!(
+        "keel {} ({} build)",
+        env!("CARGO_PKG_VERSION"),
+        build_kind()
+    );
+    let timeout = Duration::from_secs(args.timeout_s);
+    let mut reports = Vec::new();
+    for (i, &n) in args.vms.iter().enumerate() {
+        let dir = root.join(format!("sqlite-{n}-{i}"));
+        let report = sqlite_run(&dir, n, args.clients, timeout)
+            .with_context(|| format!("the SQLite run with {n} VMs"))?;
+        print_report(&report);
+        reports.push(report);
+    }
+    if args.etcd_vms > 0 {
+        let dir = root.join(format!("etcd-{}", args.etcd_vms));
+        let report = etcd_run(&dir, &args, timeout)
+            .with_context(|| format!("the etcd run with {} VMs", args.etcd_vms))?;
+        print_report(&report);
+        reports.push(report);
+    }
+    println!("{}", serde_json::to_string(&reports)?);
+    if remove_root {
+        let _ = std::fs::remove_dir_all(&root);
+    }
+    Ok(())
+}
+
+fn sqlite_run(
+    dir: &Path,
+    vms: usize,
+    clients: usize,
+    timeout: Duration,
+) -> anyhow::Result<ScaleReport> {
+    let data = dir.join("serve");
+    std::fs::create_dir_all(&data)?;
+    let mut procs = Procs::default();
+    let serve = procs.spawn(
+        "serve",
+        &data.join("serve.log"),
+        &[
+            "serve",
+            "--hypervisor",
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--node",
+            "bench",
+            "--data-dir",
+            &data.to_string_lossy(),
+        ],
+    )?;
+    let api = Api::connect(&procs, serve, &data)?;
+    let mut report = drive(&[api], vms, clients, timeout)?;
+    report.store = "sqlite".into();
+    report.control_planes = 1;
+    report.nodes = 1;
+    report.peak_rss_mib = procs.peak_rss_mib();
+    report.store_bytes = files_bytes(&data, "keel.db");
+    Ok(report)
+}
+
+fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
+    std::fs::create_dir_all(dir)?;
+    let mut procs = Procs::default();
+    let client_port = free_port()?;
+    let peer_port = free_port()?;
+    let etcd_data = dir.join("etcd");
+    let client_url = format!("http://127.0.0.1:{client_port}");
+    let peer_url = format!("http://127.0.0.1:{peer_port}");
+    procs.spawn_program(
+        "etcd",
+        &args.etcd_bin,
+        &dir.join("etcd.log"),
+        &[
+            "--name",
+            "bench",
+            "--data-dir",
+            &etcd_data.to_string_lossy(),
+            "--listen-client-urls",
+            &client_url,
+            "--advertise-client-urls",
+            &client_url,
+            "--listen-peer-urls",
+            &peer_url,
+            "--initial-advertise-peer-urls",
+            &peer_url,
+            "--initial-cluster",
+            &format!("bench={peer_url}"),
+            "--quota-backend-bytes",
+            &(8u64 << 30).to_string(),
+        ],
+    )?;
+    wait_etcd(&client_url)?;
+    let store = format!("etcd://127.0.0.1:{client_port}/keel-bench");
+    let mut apis = Vec::new();
+    for i in 0..args.control_planes {
+        let data = dir.join(format!("cp{i}"));
+        std::fs::create_dir_all(&data)?;
+        let cp = procs.spawn(
+            "control plane",
+            &data.join("serve.log"),
+            &[
+                "serve",
+                "--store",
+                &store,
+                "--listen",
+                "127.0.0.1:0",
+                "--node",
+                &format!("cp{i}"),
+                "--data-dir",
+                &data.to_string_lossy(),
+            ],
+        )?;
+        apis.push(Api::connect(&procs, cp, &data)?);
+    }
+    for i in 0..args.agents {
+        let data = dir.join(format!("agent{i}"));
+        std::fs::create_dir_all(&data)?;
+        procs.spawn(
+            "agent",
+            &data.join("agent.log"),
+            &[
+                "agent",
+                "--store",
+                &store,
+                "--hypervisor",
+                "sim",
+                "--node",
+                &format!("node{i}"),
+                "--restart-freeze",
+                "0s",
+                "--data-dir",
+                &data.to_string_lossy(),
+            ],
+        )?;
+    }
+    wait_nodes(&apis[0], args.agents, Duration::from_secs(60))?;
+    let mut report = drive(&apis, args.etcd_vms, args.clients, timeout)?;
+    report.store = "etcd".into();
+    report.control_planes = args.control_planes;
+    report.nodes = args.agents;
+    report.peak_rss_mib = procs.peak_rss_mib();
+    report.store_bytes = files_bytes(&etcd_data.join("member/snap"), "db");
+    Ok(report)
+}
+
+/// Creates `vms` VMs through `apis` (clients spread over them), waits for
+/// all to run, restarts all, waits for that.
+fn drive(
+    apis: &[Api],
+    vms: usize,
+    clients: usize,
+    timeout: Duration,
+) -> anyhow::Result<ScaleReport> {
+    let names: Vec<String> = (0..vms).map(|i| format!("vm-{i:05}")).collect();
+    let started = Instant::now();
+    let latencies = fan_out(apis, &names, clients, |api, name| {
+        let body = serde_json::json!({
+            "name": name,
+            "spec": {"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOnUnlessStoppedManually"},
+        });
+        api.post("/api/v1/vms", &body.to_string())
+    })?;
+    let create_s = started.elapsed().as_secs_f64();
+    let (all_running_s, running_at_timeout) = wait_until(started, timeout, || {
+        running_count(&apis[0]).map(|n| (n >= vms, n))
+    })?;
+    let restart_started = Instant::now();
+    fan_out(apis, &names, clients, |api, name| {
+        api.post(&format!("/api/v1/vms/{name}/restart"), "")
+    })?;
+    let (restart_all_s, restarted_at_timeout) = wait_until(restart_started, timeout, || {
+        restarted_count(&apis[0]).map(|n| (n >= vms, n))
+    })?;
+    Ok(ScaleReport {
+        store: String::new(),
+        control_planes: 0,
+        nodes: 0,
+        vms,
+        clients,
+        create_per_s: vms as f64 / create_s.max(1e-9),
+        create_p50_ms: percentile(&latencies, 0.50),
+        create_p99_ms: percentile(&latencies, 0.99),
+        all_running_s,
+        running_at_timeout,
+        restart_all_s,
+        restarted_at_timeout,
+        peak_rss_mib: BTreeMap::new(),
+        store_bytes: 0,
+    })
+}
+
+/// Runs `request` once per name on `clients` threads; each request's
+/// latency in ms. Any refused request fails the run: the figures would lie.
+fn fan_out(
+    apis: &[Api],
+    names: &[String],
+    clients: usize,
+    request: impl Fn(&Api, &str) -> anyhow::Result<()> + Sync,
+) -> anyhow::Result<Vec<f64>> {
+    let next = AtomicUsize::new(0);
+    let results: Vec<anyhow::Result<Vec<f64>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                let (next, request) = (&next, &request);
+                let api = &apis[c % apis.len()];
+                scope.spawn(move || -> anyhow::Result<Vec<f64>> {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(name) = names.get(i) else {
+                            return Ok(mine);
+                        };
+                        let t = Instant::now();
+                        request(api, name)?;
+                        mine.push(t.elapsed().as_secs_f64() * 1000.0);
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
+            .collect()
+    });
+    let mut all = Vec::with_capacity(names.len());
+    for r in results {
+        all.extend(r?);
+    }
+    Ok(all)
+}
+
+/// Polls `done` until it says so or `timeout` passes: the seconds it took
+/// since `since` (None on timeout) and the last count.
+fn wait_until(
+    since: Instant,
+    timeout: Duration,
+    mut done: impl FnMut() -> anyhow::Result<(bool, usize)>,
+) -> anyhow::Result<(Option<f64>, usize)> {
+    loop {
+        let (finished, count) = done()?;
+        if finished {
+            return Ok((Some(since.elapsed().as_secs_f64()), count));
+        }
+        if since.elapsed() > timeout {
+            return Ok((None, count));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn running_count(api: &Api) -> anyhow::Result<usize> {
+    let text = api.get_text("/metrics")?;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("keel_vms{phase=\"Running\"}"))
+        .context("/metrics has no keel_vms{phase=\"Running\"}")?;
+    let value = line.rsplit(' ').next().unwrap_or_default();
+    value
+        .parse::<f64>()
+        .map(|v| v as usize)
+        .with_context(|| format!("/metrics: {line:?}"))
+}
+
+/// VMs that run an instance started for their restart request.
+fn restarted_count(api: &Api) -> anyhow::Result<usize> {
+    let list: Value = serde_json::from_str(&api.get_text("/api/v1/vms")?)?;
+    let items = list["items"].as_array().context("/api/v1/vms: no items")?;
+    Ok(items
+        .iter()
+        .map(|item| &item["vm"])
+        .filter(|vm| {
+            let wanted = vm["spec"]["restart_generation"].as_u64().unwrap_or(0);
+            wanted > 0
+                && vm["status"]["observed_restart_generation"].as_u64() == Some(wanted)
+                && vm["status"]["phase"] == "Running"
+        })
+        .count())
+}
+
+fn wait_nodes(api: &Api, count: usize, timeout: Duration) -> anyhow::Result<()> {
+    let since = Instant::now();
+    let (done, seen) = wait_until(since, timeout, || {
+        let nodes: Value = serde_json::from_str(&api.get_text("/api/v1/nodes")?)?;
+        let n = nodes["items"].as_array().map_or(0, Vec::len);
+        Ok((n >= count, n))
+    })?;
+    match done {
+        Some(_) => Ok(()),
+        None => bail!("only {seen} of {count} agents registered within {timeout:?}"),
+    }
+}
+
+fn wait_etcd(url: &str) -> anyhow::Result<()> {
+    let agent = http_agent();
+    let since = Instant::now();
+    while since.elapsed() < Duration::from_secs(30) {
+        if let Ok(mut r) = agent.get(format!("{url}/health")).call() {
+            if r.status() == 200 && r.body_mut().read_to_string()?.contains("true") {
+                return Ok(());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    bail!("the bench's etcd at {url} did not become healthy in 30 s")
+}
+
+fn percentile(samples: &[f64], q: f64) -> f64 {
+    if samples.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((sorted.len() as f64) * q).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn print_report(r: &ScaleReport) {
+    let secs = |s: Option<f64>, at: usize| match s {
+        Some(s) => format!("{s:.1} s"),
+        None => format!("timed out ({at} of {})", r.vms),
+    };
+    let rss = r
+        .peak_rss_mib
+        .iter()
+        .map(|(kind, mib)| format!("{kind} {mib:.0} MiB"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    println!(
+        "{store}: {vms} VMs, {cps} control plane(s), {nodes} node(s), {clients} clients\n  \
+         create: {rate:.0} VMs/s, API p50 {p50:.1} ms, p99 {p99:.1} ms\n  \
+         all Running: {running}\n  restart all: {restart}\n  \
+         peak RSS: {rss}\n  store size: {size:.1} MiB",
+        store = r.store,
+        vms = r.vms,
+        cps = r.control_planes,
+        nodes = r.nodes,
+        clients = r.clients,
+        rate = r.create_per_s,
+        p50 = r.create_p50_ms,
+        p99 = r.create_p99_ms,
+        running = secs(r.all_running_s, r.running_at_timeout),
+        restart = secs(r.restart_all_s, r.restarted_at_timeout),
+        size = r.store_bytes as f64 / (1024.0 * 1024.0),
+    );
+}
+
+/// The API of one control plane: its address and token.
+struct Api {
+    base: String,
+    authorization: String,
+    agent: ureq::Agent,
+}
+
+impl Api {
+    /// Waits for the process's log to say where it serves, then reads the
+    /// token it wrote.
+    fn connect(procs: &Procs, index: usize, data: &Path) -> anyhow::Result<Api> {
+        let since = Instant::now();
+        loop {
+            let log = procs.log(index);
+            if let Some(addr) = log.split("serving addr=").nth(1) {
+                let addr = addr.split_whitespace().next().unwrap_or_default();
+                let token = std::fs::read_to_string(data.join("token"))
+                    .with_context(|| format!("reading {}/token", data.display()))?;
+                return Ok(Api {
+                    base: format!("http://{addr}"),
+                    authorization: format!("Bearer {}", token.trim()),
+                    agent: http_agent(),
+                });
+            }
+            procs.check_alive(index)?;
+            if since.elapsed() > Duration::from_secs(60) {
+                bail!("the server did not serve within 60 s:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn post(&self, path: &str, body: &str) -> anyhow::Result<()> {
+        let mut resp = self
+            .agent
+            .post(format!("{}{path}", self.base))
+            .header("Authorization", &self.authorization)
+            .header("Content-Type", "application/json")
+            .send(body)
+            .with_context(|| format!("POST {path}"))?;
+        let status = resp.status().as_u16();
+        if !(200..300).contains(&status) {
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            bail!("POST {path}: HTTP {status}: {text}");
+        }
+        Ok(())
+    }
+
+    fn get_text(&self, path: &str) -> anyhow::Result<String> {
+        let mut resp = self
+            .agent
+            .get(format!("{}{path}", self.base))
+            .header("Authorization", &self.authorization)
+            .call()
+            .with_context(|| format!("GET {path}"))?;
+        let status = resp.status().as_u16();
+        let text = resp
+            .body_mut()
+            .with_config()
+            .limit(1 << 30)
+            .read_to_string()?;
+        if status != 200 {
+            bail!("GET {path}: HTTP {status}: {text}");
+        }
+        Ok(text)
+    }
+}
+
+fn http_agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .proxy(None)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+/// The bench's child processes, killed when it ends.
+#[derive(Default)]
+struct Procs {
+    children: Vec<(String, Child, PathBuf)>,
+}
+
+impl Procs {
+    fn spawn(&mut self, kind: &str, log: &Path, args: &[&str]) -> anyhow::Result<usize> {
+        let exe = std::env::current_exe().context("locating this keel binary")?;
+        self.spawn_program(kind, &exe, log, args)
+    }
+
+    fn spawn_program(
+        &mut self,
+        kind: &str,
+        program: &Path,
+        log: &Path,
+        args: &[&str],
+    ) -> anyhow::Result<usize> {
+        let out = std::fs::File::create(log)?;
+        let child = Command::new(program)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("KEEL_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        self.children
+            .push((kind.to_string(), child, log.to_path_buf()));
+        Ok(self.children.len() - 1)
+    }
+
+    fn log(&self, index: usize) -> String {
+        let Some((_, _, path)) = self.children.get(index) else {
+            return String::new();
+        };
+        let Ok(file) = std::fs::File::open(path) else {
+            return String::new();
+        };
+        BufReader::new(file)
+            .lines()
+            .map_while(Result::ok)
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn check_alive(&self, index: usize) -> anyhow::Result<()> {
+        let pid = self.children[index].1.id();
+        if !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid) {
+            bail!("{} exited:\n{}", self.children[index].0, self.log(index));
+        }
+        Ok(())
+    }
+
+    /// The largest peak RSS per kind of process.
+    fn peak_rss_mib(&self) -> BTreeMap<String, f64> {
+        let mut peaks = BTreeMap::new();
+        for (kind, child, _) in &self.children {
+            if let Some(kib) = vm_hwm_kib(child.id()) {
+                let mib = kib as f64 / 1024.0;
+                let entry = peaks.entry(kind.clone()).or_insert(0.0f64);
+                *entry = entry.max(mib);
+            }
+        }
+        peaks
+    }
+}
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for (_, child, _) in self.children.iter_mut().rev() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn vm_hwm_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .unwrap_or("")
+                .trim_start()
+                .starts_with('Z')
+        })
+        .unwrap_or(true)
+}
+
+/// The total size of the files in `dir` whose names start with `prefix`
+/// (a database and its journal).
+fn files_bytes(dir: &Path, prefix: &str) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// CPU model, CPUs, memory and kernel: the figures mean nothing without.
+pub fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / (1024.0 * 1024.0));
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    format!(
+        "{model}, {cpus} CPUs, {mem_gib:.0} GiB, Linux {}",
+        kernel.trim()
+    )
+}
+
+fn build_kind() -> &'static str {
+    if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    }
+}
