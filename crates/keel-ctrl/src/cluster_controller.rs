@@ -4,8 +4,8 @@
 //! The decisions are pure (`schedule::placement`, `schedule::lost_nodes`,
 //! `vm_decide::take_over_from_lost_node`); this module reads the view and
 //! writes the outcome, either by compare-and-swap alone ([`Fence::Cas`]:
-//! single-process mode, where every node agent does these duties and the
-//! CAS picks one writer) or by compare-and-swap *and* the leader's guard
+//! a process alone on its store, [`ClusterController::sole`], and VM
+//! controllers with `cluster_duties`) or by compare-and-swap *and* the leader's guard
 //! ([`Fence::Guard`]: the [`ClusterController`] of the elected control
 //! plane, whose writes stop applying the moment its leader key is gone).
 
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use keel_api::{Clock, Migration, Millis, Node, VirtualMachine};
-use keel_store::{Guard, Revision, StoreError, TypedStore, WatchEvent};
+use keel_store::{Revision, StoreError, TypedStore, WatchEvent};
 use tokio::sync::watch;
 
 use crate::config::LifecycleConfig;
@@ -199,6 +199,16 @@ pub struct PassReport {
     pub taken_over: usize,
 }
 
+/// Who may do the cluster-level duties, and how their writes are fenced.
+enum Leadership {
+    /// Control planes on a shared store: the elected leader, writing with
+    /// its guard.
+    Elected(Arc<LeaderElection>),
+    /// The only process on its store (`keel serve` on SQLite: the data dir
+    /// is locked to it): always the leader, writing by compare-and-swap.
+    Sole,
+}
+
 /// The control plane's reconciler for cluster-level duties. It acts only
 /// while its [`LeaderElection`] says this control plane leads, and writes
 /// only with the leader's guard: a deposed leader cannot place or take
@@ -207,7 +217,7 @@ pub struct ClusterController {
     store: TypedStore,
     clock: Arc<dyn Clock>,
     cfg: LifecycleConfig,
-    election: Arc<LeaderElection>,
+    leadership: Leadership,
     /// Kept across passes: nodes are judged on this controller's clock.
     liveness: std::sync::Mutex<Liveness>,
 }
@@ -224,13 +234,47 @@ impl ClusterController {
             store,
             clock,
             cfg,
-            election,
+            leadership: Leadership::Elected(election),
             liveness: Default::default(),
         }
     }
 
+    /// The same duties for a process that is alone on its store (SQLite):
+    /// it always leads, and compare-and-swap alone fences its writes.
+    pub fn sole(store: TypedStore, clock: Arc<dyn Clock>, cfg: LifecycleConfig) -> Self {
+        Self {
+            store,
+            clock,
+            cfg,
+            leadership: Leadership::Sole,
+            liveness: Default::default(),
+        }
+    }
+
+    /// The election this controller follows; `None` for a sole one.
+    pub fn elected_by(&self) -> Option<&Arc<LeaderElection>> {
+        match &self.leadership {
+            Leadership::Elected(election) => Some(election),
+            Leadership::Sole => None,
+        }
+    }
+
+    /// The election of an elected controller.
+    ///
+    /// # Panics
+    /// On a [`ClusterController::sole`] one, which has none.
     pub fn election(&self) -> &Arc<LeaderElection> {
-        &self.election
+        self.elected_by()
+            .expect("election() of a sole cluster controller")
+    }
+
+    fn is_leader(&self) -> bool {
+        self.elected_by().is_none_or(|e| e.is_leader())
+    }
+
+    fn who(&self) -> String {
+        self.elected_by()
+            .map_or_else(|| "sole".to_string(), |e| e.id().to_string())
     }
 
     /// One pass, if this control plane leads: takes over the VMs of lost
@@ -238,20 +282,22 @@ impl ClusterController {
     /// leader, nothing was done. A `GuardLost` error means leadership was
     /// lost under it: the election is told, and nothing more is written.
     pub async fn reconcile(&self) -> Result<Option<PassReport>, StoreError> {
-        let Some(guard) = self.election.guard() else {
+        let Some(election) = self.elected_by() else {
+            return self.pass(Fence::Cas).await.map(Some);
+        };
+        let Some(guard) = election.guard() else {
             return Ok(None);
         };
-        match self.pass(&guard).await {
+        match self.pass(Fence::Guard(&guard)).await {
             Err(e @ StoreError::GuardLost { .. }) => {
-                self.election.lost(&guard);
+                election.lost(&guard);
                 Err(e)
             }
             other => other.map(Some),
         }
     }
 
-    async fn pass(&self, guard: &Guard) -> Result<PassReport, StoreError> {
-        let fence = Fence::Guard(guard);
+    async fn pass(&self, fence: Fence<'_>) -> Result<PassReport, StoreError> {
         let now = self.clock.now_ms();
         let nodes = ClusterState::read_nodes(&self.store).await?;
         let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
@@ -304,10 +350,13 @@ impl ClusterController {
     /// Runs until `stop` turns true: idle while following, passing while
     /// leading. Store outages are retried, never fatal.
     pub async fn run(&self, mut stop: watch::Receiver<bool>) {
-        let mut leading = self.election.subscribe();
+        // A sole controller leads for good: its sender lives as long as
+        // the loop, so `changed` never fires.
+        let (_always, sole) = watch::channel(true);
+        let mut leading = self.elected_by().map_or(sole, |e| e.subscribe());
         let retry = Duration::from_millis(self.cfg.retry_ms);
         while !*stop.borrow() {
-            if !self.election.is_leader() {
+            if !self.is_leader() {
                 tokio::select! {
                     _ = leading.changed() => {}
                     _ = tokio::time::sleep(retry) => {}
@@ -337,13 +386,13 @@ impl ClusterController {
         let (_, revision) = raw.list(LEADER_KEY).await?;
         let mut vm_watch = raw.watch(VMS_PREFIX, revision + 1).await?;
         let mut node_watch = raw.watch(NODES_PREFIX, revision + 1).await?;
-        tracing::info!(candidate = %self.election.id(), "leading: placing VMs, watching for lost nodes");
+        tracing::info!(candidate = %self.who(), "leading: placing VMs, watching for lost nodes");
         let mut due = self.clock.now_ms();
         let mut unplaced = 0;
         loop {
             if self.clock.now_ms() >= due {
                 let Some(report) = self.reconcile().await? else {
-                    tracing::info!(candidate = %self.election.id(), "no longer leading");
+                    tracing::info!(candidate = %self.who(), "no longer leading");
                     return Ok(());
                 };
                 if report.placed + report.taken_over > 0 {
@@ -376,7 +425,7 @@ impl ClusterController {
                     None => return Ok(()),
                 },
                 _ = leading.changed() => {
-                    if !self.election.is_leader() {
+                    if !self.is_leader() {
                         return Ok(());
                     }
                 }
@@ -402,8 +451,12 @@ fn needs_placement(event: &WatchEvent) -> bool {
 /// Runs a control plane's election and cluster controller until `stop`
 /// turns true; the election resigns at the end.
 pub async fn run_control_plane(cluster: Arc<ClusterController>, stop: watch::Receiver<bool>) {
-    let election = cluster.election().clone();
-    tokio::join!(election.run(stop.clone()), cluster.run(stop));
+    match cluster.elected_by().cloned() {
+        Some(election) => {
+            tokio::join!(election.run(stop.clone()), cluster.run(stop));
+        }
+        None => cluster.run(stop).await,
+    }
 }
 
 #[cfg(test)]

@@ -31,11 +31,13 @@ pub struct LifecycleConfig {
     /// domain on its node, so they are gone before its lease runs out.
     /// Must be well below `node_lease_ms`.
     pub self_fence_ms: Millis,
-    /// Whether this node agent also does the cluster-level work: placing
-    /// VMs that have no node and taking over the VMs of lost nodes. True
-    /// in single-process mode (every agent may, the compare-and-swap picks
-    /// one writer); false under a control plane, whose elected leader does
-    /// it with guarded writes (`ClusterController`).
+    /// Whether this VM controller also does the cluster-level work itself:
+    /// placing VMs that have no node and taking over the VMs of lost nodes
+    /// (every agent may, the compare-and-swap picks one writer). Keel's
+    /// processes set it false and run the `ClusterController` instead
+    /// (`ClusterController::sole` for `keel serve` on SQLite, elected on
+    /// etcd); the default stays true only for the simulation harnesses,
+    /// which drive VM controllers alone, until they run it too.
     pub cluster_duties: bool,
     /// The directory this node keeps VM disks in, if other nodes share it
     /// (mounted at the same path); `None`: the disks are node-local.

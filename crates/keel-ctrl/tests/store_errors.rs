@@ -1,5 +1,6 @@
 //! A store failure is reported as a store failure, with its cause: never
-//! as a hypervisor error, never as "instance state unknown".
+//! as a hypervisor error, never as "instance state unknown". And the
+//! compare-and-swap fence of a process alone on its store (SQLite).
 
 use std::sync::Arc;
 
@@ -120,4 +121,32 @@ async fn an_unreadable_snapshot_holds_the_restore_and_says_the_store_failed() {
         !message.contains("lookup failed") && !message.contains("cannot list domains"),
         "a store failure read as a node failure: {message}"
     );
+}
+
+/// `keel serve` on SQLite runs the control plane's cluster controller,
+/// leading for good: it places without any election (no `/leader` key),
+/// by compare-and-swap.
+#[tokio::test]
+async fn a_sole_cluster_controller_places_without_an_election() {
+    let vm = VirtualMachine::new("web", spec(PowerState::Running));
+    let (_memory, store, ctrl) = world(vm, OpKind::Get, "/nothing").await;
+    let cluster = keel_ctrl::ClusterController::sole(
+        store.clone(),
+        Arc::new(ManualClock::new(1_000_000)),
+        LifecycleConfig::default(),
+    );
+    assert!(cluster.elected_by().is_none());
+    let report = cluster.reconcile().await.unwrap().expect("always leading");
+    assert_eq!(report.placed, 1, "{report:?}");
+    assert_eq!(
+        record(&store, "web").await.status.node.as_deref(),
+        Some("local")
+    );
+    assert!(store
+        .raw()
+        .get(keel_ctrl::keys::LEADER_KEY)
+        .await
+        .unwrap()
+        .is_none());
+    drop(ctrl);
 }

@@ -35,6 +35,7 @@ pub struct Metrics {
     unrequested_exits: Family<Labels, Counter>,
     migrations_finished: Family<Labels, Histogram>,
     undecodable: Gauge,
+    forbidden_transitions: Gauge,
 }
 
 impl Default for Metrics {
@@ -95,8 +96,15 @@ impl Metrics {
             "Stored records that could not be decoded when last read: lists skip them; each is logged and recorded as an event naming its key",
             undecodable.clone(),
         );
+        let forbidden_transitions = Gauge::default();
+        registry.register(
+            "forbidden_transitions",
+            "Writes of a VM record this process refused since it started because the phase change is forbidden (keel_api::Phase::may_become): each is a bug, logged with both phases",
+            forbidden_transitions.clone(),
+        );
         Self {
             undecodable,
+            forbidden_transitions,
             registry,
             vms,
             migrations,
@@ -147,6 +155,9 @@ impl Metrics {
         }
         self.undecodable
             .set(store.undecodable().current().len() as i64);
+        let (refused, _) = keel_ctrl::transitions::refused_so_far();
+        self.forbidden_transitions
+            .set(i64::try_from(refused).unwrap_or(i64::MAX));
         let mut out = String::new();
         encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         Ok(out)
@@ -275,6 +286,7 @@ mod tests {
         let m = Metrics::new();
         let text = m.render(&store).await.unwrap();
         assert!(text.contains("keel_undecodable_records 0"), "{text}");
+        assert!(text.contains("keel_forbidden_transitions 0"), "{text}");
         store
             .raw()
             .put("/vms/broken", b"[]".to_vec(), Precondition::Absent)

@@ -1,5 +1,7 @@
 //! `keel serve`: with `--store sqlite` (the default), the SQLite store,
-//! the VM controller, the node heartbeat and the HTTP API in one process.
+//! the VM controller, the cluster controller (always leading: this process
+//! alone uses the store), the node heartbeat and the HTTP API in one
+//! process.
 //! With `--store etcd://…` it is a control plane: the HTTP API plus the
 //! leader election and the cluster controller (placement, takeover of lost
 //! nodes' VMs), and no node agent unless `--agent` (see `agent` for
@@ -256,9 +258,19 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     let (stop, stop_rx) = watch::channel(false);
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
+        // Placement and the takeover of lost nodes' VMs are the cluster
+        // controller's, as under a control plane.
+        cluster_duties: false,
         shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
         ..cfg.lifecycle.clone()
     };
+    // The same cluster controller as a control plane's, leading for good:
+    // this process alone uses the store (the data dir is locked).
+    let cluster = Arc::new(ClusterController::sole(
+        store.clone(),
+        clock.clone(),
+        lifecycle.clone(),
+    ));
     let metrics = Arc::new(Metrics::new());
     let ctrl = Arc::new(
         VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle)
@@ -269,7 +281,13 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     ctrl.heartbeat_and_renew(Some(&facts))
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
-    let controller = tokio::spawn(run_vm_controller(ctrl, clock.clone(), stop_rx.clone()));
+    let controller = tokio::spawn({
+        let vms = run_vm_controller(ctrl, clock.clone(), stop_rx.clone());
+        let cluster = run_control_plane(cluster, stop_rx.clone());
+        async move {
+            tokio::join!(vms, cluster);
+        }
+    });
     let console = Some(api::NodeAccess {
         node: cfg.node.clone(),
         hv: hv.clone(),

@@ -489,6 +489,14 @@ fn no_import_cycles_between_files() {
     for root in &roots {
         graph(&load(&ws, root), &mut g);
     }
+    if std::env::var_os("KEEL_ROOM_MAP").is_some() {
+        // `KEEL_ROOM_MAP=1 cargo test -p keel --test room_map -- --nocapture`
+        // prints who imports whom, for ARCHITECTURE.md's room map.
+        for (from, to) in &g {
+            let to: Vec<_> = to.keys().map(String::as_str).collect();
+            eprintln!("{from} -> {}", to.join(" "));
+        }
+    }
     let mut failures = Vec::new();
     for group in strongly_connected(&g) {
         let text = describe(&g, &group);

@@ -12,7 +12,8 @@ use crate::{MigrationController, ReconcileError, SnapshotController, SnapshotErr
 
 #[async_trait]
 pub trait Reconciler: Send + Sync + 'static {
-    type Error: std::fmt::Display + Send + Sync + 'static;
+    /// An error with its cause in `source()`; logged as the whole chain.
+    type Error: std::error::Error + Send + Sync + 'static;
 
     /// Names this reconciler's keys in logs and metrics.
     fn kind(&self) -> &'static str;

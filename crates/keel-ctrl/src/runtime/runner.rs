@@ -55,7 +55,7 @@ impl<R: Reconciler> AnyReconciler for Erased<R> {
         match self.inner.reconcile(key).await {
             Ok(next) => Ok(next),
             Err(err) => {
-                tracing::warn!(kind, key, attempts, %err, "reconcile failed");
+                tracing::warn!(kind, key, attempts, err = %crate::error_chain(&err), "reconcile failed");
                 self.observer.reconcile_failed(kind);
                 Err(self.inner.error_policy(&err, attempts))
             }
