@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use keel_api::{Firmware, Image, ImageKind};
 
-use super::layout::opt_escape;
+use super::opts::opt_escape;
 use crate::images::ImageStore;
 use crate::DomainSpec;
 

@@ -154,7 +154,7 @@ fn multipart(parts: &[(&str, &str)]) -> String {
 pub fn drive_arg(image: &Path) -> String {
     format!(
         "file={},if=virtio,format=raw,readonly=on,id=cidata",
-        super::layout::opt_escape(image)
+        super::opts::opt_escape(image)
     )
 }
 

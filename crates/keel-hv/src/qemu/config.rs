@@ -4,7 +4,7 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::accel::AccelChoice;
+use super::accel_choice::AccelChoice;
 use super::keeper;
 
 #[derive(Debug, Clone)]

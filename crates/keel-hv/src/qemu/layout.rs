@@ -47,6 +47,7 @@ use std::path::{Path, PathBuf};
 use keel_api::{Accelerator, Millis};
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
+use super::opts::opt_escape;
 use crate::{DomainSpec, ExitCause};
 
 /// Linux `sun_path` is 108 bytes including the NUL.
@@ -293,11 +294,6 @@ pub fn run_state(status: &str) -> crate::DomainState {
         // which is transient here because QEMU exits on guest power-off.
         _ => Paused,
     }
-}
-
-/// QEMU option values are comma separated; a literal comma is doubled.
-pub fn opt_escape(path: &Path) -> String {
-    path.to_string_lossy().replace(',', ",,")
 }
 
 /// Writes `value` as JSON to a temporary file and renames it into place, so

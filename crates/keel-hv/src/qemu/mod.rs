@@ -20,6 +20,7 @@
 //! construction.
 
 mod accel;
+mod accel_choice;
 pub mod boot;
 pub mod cloud_init;
 mod config;
@@ -32,6 +33,7 @@ mod launch;
 mod layout;
 mod migration;
 mod monitor;
+mod opts;
 pub mod network;
 mod proc;
 mod qmp;

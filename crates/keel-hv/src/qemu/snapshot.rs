@@ -40,7 +40,7 @@ use keel_api::{validate_name, DiskSpec};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::layout::opt_escape;
+use super::opts::opt_escape;
 use super::migration::{query_migrate, read_outgoing, Stage};
 use super::monitor::Domain;
 use super::qmp::{QmpClient, QmpError};
