@@ -40,9 +40,9 @@ use keel_api::{validate_name, DiskSpec};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::opts::opt_escape;
 use super::migration::{query_migrate, read_outgoing, Stage};
 use super::monitor::Domain;
+use super::opts::opt_escape;
 use super::qmp::{QmpClient, QmpError};
 use super::{unavailable, QemuDriver};
 use crate::{DomainState, HvError, Hypervisor};

@@ -31,11 +31,9 @@ use super::console_proxy::{self, Remote};
 use super::extract::{NameParam, QueryParams};
 use super::{ApiError, AppState};
 
-/// The most of a console log one request returns.
-pub const MAX_LOG_BYTES: u64 = 1 << 20;
-
-/// Sent as the header of every log response.
-pub const INSTANCE_HEADER: &str = "x-keel-instance";
+// The wire contract of the log endpoint, shared with the proxy that
+// passes it on (kept there, so the proxy needs nothing of this file).
+pub use super::console_proxy::{INSTANCE_HEADER, MAX_LOG_BYTES};
 
 /// Where a VM's console is.
 enum Console {

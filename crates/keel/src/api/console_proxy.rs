@@ -14,8 +14,13 @@ use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Error as WsError};
 
-use super::console::INSTANCE_HEADER;
 use super::ApiError;
+
+/// The most of a console log one request returns.
+pub const MAX_LOG_BYTES: u64 = 1 << 20;
+
+/// Sent as the header of every log response.
+pub const INSTANCE_HEADER: &str = "x-keel-instance";
 
 /// The agent that holds a VM's console.
 #[derive(Debug, Clone)]
@@ -103,7 +108,7 @@ fn fetch(url: &str, auth: Option<&HeaderValue>) -> Result<Fetched, String> {
     let body = resp
         .body_mut()
         .with_config()
-        .limit(2 * super::console::MAX_LOG_BYTES)
+        .limit(2 * MAX_LOG_BYTES)
         .read_to_vec()
         .map_err(|e| e.to_string())?;
     Ok((status, content_type, instance, body))
