@@ -57,17 +57,31 @@ fn image_error(err: ImageError) -> ApiError {
 /// `PUT /api/v1/images/{name}?kind=disk|kernel|initrd`, the file as the body.
 pub async fn import(
     State(state): State<AppState>,
-    NameParam(name): NameParam,
-    mut query: QueryParams,
+    name: Result<NameParam, ApiError>,
+    query: Result<QueryParams, ApiError>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let kind = match query.take("kind")? {
-        None => ImageKind::Disk,
-        Some(k) => k.parse().map_err(ApiError::invalid)?,
-    };
-    query.finish()?;
-    let key = image_key(&name);
     let mut stream = body.into_data_stream();
+    let parsed = name.and_then(|NameParam(name)| {
+        let mut query = query?;
+        let kind = match query.take("kind")? {
+            None => ImageKind::Disk,
+            Some(k) => k.parse().map_err(ApiError::invalid)?,
+        };
+        query.finish()?;
+        Ok((name, kind))
+    });
+    // A refusal is answered only once the body is read (and dropped): a
+    // client still sending when the connection closes sees a broken pipe,
+    // never the answer naming the bad field.
+    let (name, kind) = match parsed {
+        Ok(parsed) => parsed,
+        Err(refused) => {
+            while let Some(Ok(_)) = stream.next().await {}
+            return Err(refused);
+        }
+    };
+    let key = image_key(&name);
     // Early, so a name in use costs no disk writes; the create below is
     // what decides. The body is still read (and dropped): a client whose
     // upload is cut off mid-send sees a broken pipe, not this answer.
