@@ -47,6 +47,9 @@ pub struct VirtualMachine {
     /// A restore the user asked for and the controller has not finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<RestoreRequest>,
+    /// The user's last `keel vm migrate` (handled once `status.migrate_outcome` names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate: Option<crate::MigrateRequest>,
     #[serde(default)]
     pub status: VmStatus,
 }
@@ -318,6 +321,9 @@ pub struct VmStatus {
     /// boots on blank disks in place of its own.
     #[serde(default)]
     pub disks_used: bool,
+    /// How the user's last migration request ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_outcome: Option<crate::MigrateOutcome>,
 }
 
 /// Where a VM's disks are, as the nodes that can see them say.
@@ -388,6 +394,11 @@ pub struct Eviction {
     pub next_attempt_at: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// This eviction carries out the user's `migrate` request (whose
+    /// `requested_at` is `drain_requested_at`), not a drain: no retries,
+    /// no fallback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub user: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -484,6 +495,7 @@ impl VirtualMachine {
             power_intent: None,
             deletion_requested_at: None,
             restore: None,
+            migrate: None,
             status: VmStatus::default(),
         }
     }

@@ -29,7 +29,18 @@ pub(crate) fn decide_eviction(
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Option<Step> {
-    let drain = cluster.drain.as_ref()?;
+    // A user's migration under way is seen through even if a drain began
+    // meanwhile (it moves the VM off too); one not begun yet is moot once
+    // the drain moved the VM.
+    let user_migrating = vm.status.eviction.as_ref().is_some_and(|e| e.user);
+    let drain = match cluster.drain.as_ref() {
+        Some(drain) if !user_migrating => drain,
+        _ => {
+            return crate::user_migrate_decide::decide_user_migration(
+                vm, inst, state, cluster, now, cfg,
+            )
+        }
+    };
     let windows = drain.windows;
     let ev = match &vm.status.eviction {
         Some(ev) if ev.drain_requested_at == drain.requested_at => ev,
@@ -48,6 +59,7 @@ pub(crate) fn decide_eviction(
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             return Some(Step::Persist {
                 vm: Box::new(next),
@@ -174,12 +186,27 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
-    next.status.eviction = None;
     next.status.phase = Phase::Running;
     next.status.message = Some(format!(
         "migrated from node {} to node {} by migration {}",
         m.source_node, m.target_node, m.id
     ));
+    if let Some(ev) = vm.status.eviction.as_ref().filter(|e| e.user) {
+        next.status.migrate_outcome = Some(keel_api::MigrateOutcome {
+            requested_at: ev.drain_requested_at,
+            migration: Some(m.id.clone()),
+            succeeded: true,
+            message: format!(
+                "{}{}",
+                next.status.message.as_deref().unwrap_or_default(),
+                m.status
+                    .downtime_ms
+                    .map(|d| format!(", downtime {d} ms"))
+                    .unwrap_or_default()
+            ),
+        });
+    }
+    next.status.eviction = None;
     next
 }
 
@@ -281,7 +308,7 @@ fn free_target(
 
 /// Reserves the migration to `target` on the record (or reuses the
 /// reservation) and creates it, with the drain's tuning.
-fn reserve_and_create(
+pub(crate) fn reserve_and_create(
     vm: &VirtualMachine,
     inst: &Instance,
     target: &str,
@@ -508,12 +535,14 @@ mod tests {
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             let cluster = ClusterView {
                 drain: Some(drain.clone()),
                 migration: migration_phase.map(|p| migration(1, p, "vm-1")),
                 targets: vec!["b".into()],
                 in_flight: vec![],
+                drain_evictions_waiting: 0,
             };
             let inst = vm.status.instance.clone().unwrap();
             let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg)
@@ -620,6 +649,7 @@ mod tests {
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             assert_eq!(migrations_to_collect(Some(&v), &ms), expected, "{named:?}");
         }
