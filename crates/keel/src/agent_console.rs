@@ -95,7 +95,10 @@ fn router(state: AppState, token: Token) -> Router {
     Router::new()
         .route("/api/v1/vms/{name}/console", get(api::console::attach))
         .route("/api/v1/vms/{name}/console/log", get(api::console::log))
-        .layer(middleware::from_fn_with_state(token, crate::api::require_token::require_token))
+        .layer(middleware::from_fn_with_state(
+            token,
+            crate::api::require_token::require_token,
+        ))
         .with_state(state)
 }
 
