@@ -29,18 +29,7 @@ pub(crate) fn decide_eviction(
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Option<Step> {
-    // A user's migration under way is seen through even if a drain began
-    // meanwhile (it moves the VM off too); one not begun yet is moot once
-    // the drain moved the VM.
-    let user_migrating = vm.status.eviction.as_ref().is_some_and(|e| e.user);
-    let drain = match cluster.drain.as_ref() {
-        Some(drain) if !user_migrating => drain,
-        _ => {
-            return crate::user_migrate_decide::decide_user_migration(
-                vm, inst, state, cluster, now, cfg,
-            )
-        }
-    };
+    let drain = cluster.drain.as_ref()?;
     let windows = drain.windows;
     let ev = match &vm.status.eviction {
         Some(ev) if ev.drain_requested_at == drain.requested_at => ev,

@@ -31,8 +31,14 @@ pub(crate) fn decide_user_migration(
     let poll = Step::Wait {
         requeue_at: now + cfg.poll_ms,
     };
+    // One under way is seen through even if a drain began meanwhile (it
+    // moves the VM off too); one not begun yet is left to the drain, and
+    // is moot once the drain moved the VM.
     if let Some(ev) = vm.status.eviction.as_ref().filter(|e| e.user) {
         return Some(follow(vm, ev, inst, cluster, now, poll));
+    }
+    if cluster.drain.is_some() {
+        return None;
     }
     let req = vm.pending_migration()?;
     if let Some(m) = &cluster.migration {
