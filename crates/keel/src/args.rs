@@ -42,7 +42,7 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Restore a VM from one of its snapshots; it comes back in the power state it had.
     Restore(RestoreArgs),
-    /// List live migrations (made by node drains).
+    /// List live migrations (made by node drains and `keel vm migrate`).
     Migration(MigrationCommand),
     /// Check this host for running Keel: QEMU, KVM, disk space, the store.
     Doctor(DoctorArgs),
