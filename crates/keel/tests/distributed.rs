@@ -918,7 +918,9 @@ async fn keel_vm_migrate_moves_a_vm_between_agents() {
         vm.status.last_exit.is_none(),
         "migrated, not restarted: {vm:?}"
     );
-    assert_eq!(c.executing("web").len(), 1);
+    // The target resumes once the record names it.
+    let (node, _) = c.running("web").await;
+    assert_eq!(node, to);
     let out = keel(args("vm get web")).await.unwrap();
     let shown = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(shown.contains("succeeded: migrated from node"), "{shown}");
