@@ -785,7 +785,9 @@ impl VirtualMachine {
             from_node: node,
             to: to.map(str::to_string),
         });
-        self.generation += 1;
+        // Not a spec change: the generation (which `--wait` of power
+        // requests compares with the observed one) stays; the store's
+        // revision guards the write.
         Ok(())
     }
 

@@ -1192,6 +1192,7 @@ fn migrate_refusals_name_the_field() {
     let vm = &resp.json()["vm"];
     assert_eq!(vm["migrate"]["to"], "ready");
     assert_eq!(vm["migrate"]["from_node"], "test-node");
+    assert_eq!(vm["generation"], 1, "not a spec change");
     // The node `ready` has no agent: its migration stays pending, and the
     // request in flight refuses another.
     server.wait_vm("web", "migration reserved", |v| {
