@@ -154,3 +154,43 @@ async fn a_drain_goes_first_when_the_limit_binds() {
         assert!(!c.executing_on("a", name), "{name} still on a");
     }
 }
+
+/// A drain that begins while a user migration is under way lets it end
+/// (here: its target never gets ready, so it fails at its start deadline),
+/// then moves the VM itself; the request, survived by an agent restart,
+/// is never carried out again once the VM left its node.
+#[tokio::test]
+async fn a_drain_during_a_user_migration_lets_it_end_then_moves_the_vm() {
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOn).await;
+    c.add_node("c").await;
+    c.run(1_000).await;
+    c.agents[1].migrations_stuck = true;
+    request(&c, "vm", Some("b")).await;
+    c.restart_agent("a");
+    c.run(2_000).await;
+    let ev = c
+        .vm("vm")
+        .await
+        .status
+        .eviction
+        .expect("user migration reserved");
+    assert!(ev.user && ev.migration.is_some(), "{ev:?}");
+    c.drain("a").await;
+    c.run(10_000).await;
+    // Still the user's attempt: the drain does not start a second one.
+    let ms = c.migrations_of("vm").await;
+    assert_eq!(ms.len(), 1, "{ms:?}");
+    assert!(c.vm("vm").await.status.eviction.unwrap().user);
+    c.run(150_000).await;
+    c.agents[1].migrations_stuck = false;
+    c.run(60_000).await;
+    let vm = c.vm("vm").await;
+    let outcome = vm.status.migrate_outcome.clone().expect("outcome");
+    assert!(!outcome.succeeded, "{outcome:?}");
+    let node = vm.status.instance.as_ref().unwrap().node.clone();
+    assert_ne!(node, "a", "the drain moved it: {}", c.explain("vm").await);
+    assert!(c.executing_on(&node, "vm"));
+    let count = c.migrations_of("vm").await.len();
+    c.run(30_000).await;
+    assert_eq!(c.migrations_of("vm").await.len(), count, "nothing more");
+}
