@@ -16,6 +16,7 @@ pub mod node;
 pub mod readiness;
 pub mod snapshot;
 mod transitions;
+pub mod user_migration;
 pub mod validation;
 pub mod vm;
 
@@ -32,6 +33,7 @@ pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
 pub use readiness::{GuestAddress, InstanceReadiness, Readiness};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
+pub use user_migration::{MigrateOutcome, MigrateRequest};
 pub use validation::ValidationError;
 pub use vm::*;
 

@@ -47,6 +47,9 @@ pub struct VirtualMachine {
     /// A restore the user asked for and the controller has not finished.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore: Option<RestoreRequest>,
+    /// The user's last `keel vm migrate` (handled once `status.migrate_outcome` names it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate: Option<crate::MigrateRequest>,
     #[serde(default)]
     pub status: VmStatus,
 }
@@ -318,6 +321,9 @@ pub struct VmStatus {
     /// boots on blank disks in place of its own.
     #[serde(default)]
     pub disks_used: bool,
+    /// How the user's last migration request ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate_outcome: Option<crate::MigrateOutcome>,
 }
 
 /// Where a VM's disks are, as the nodes that can see them say.
@@ -388,6 +394,11 @@ pub struct Eviction {
     pub next_attempt_at: Option<Millis>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// This eviction carries out the user's `migrate` request (whose
+    /// `requested_at` is `drain_requested_at`), not a drain: no retries,
+    /// no fallback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub user: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -484,6 +495,7 @@ impl VirtualMachine {
             power_intent: None,
             deletion_requested_at: None,
             restore: None,
+            migrate: None,
             status: VmStatus::default(),
         }
     }
@@ -699,6 +711,84 @@ impl VirtualMachine {
             self.spec.power = power;
             self.generation += 1;
         }
+    }
+
+    /// The user's migration request still to be carried out, if any.
+    pub fn pending_migration(&self) -> Option<&crate::MigrateRequest> {
+        let req = self.migrate.as_ref()?;
+        let handled = self
+            .status
+            .migrate_outcome
+            .as_ref()
+            .is_some_and(|o| o.requested_at == req.requested_at);
+        let here = self.status.instance.as_ref().map(|i| i.node.as_str());
+        (!handled && here == Some(req.from_node.as_str())).then_some(req)
+    }
+
+    /// Records a request to move the running instance (to node `to`, or
+    /// wherever the scheduler says). Refused, naming the field, unless the
+    /// VM runs and nothing else moves or stops it. (Whether its node is
+    /// being drained, and whether `to` can take it, the caller checks
+    /// against the node records.)
+    pub fn request_migration(
+        &mut self,
+        to: Option<&str>,
+        now: Millis,
+    ) -> Result<(), ValidationError> {
+        let refuse = |field: &str, why: String| Err(ValidationError::new(field, why));
+        if self.deletion_requested_at.is_some() {
+            return refuse(
+                "deletion_requested_at",
+                format!("VM {} is being deleted", self.name),
+            );
+        }
+        if let Some(r) = &self.restore {
+            return refuse(
+                "restore",
+                format!(
+                    "VM {} is being restored from snapshot {}",
+                    self.name, r.snapshot
+                ),
+            );
+        }
+        let node = match &self.status.instance {
+            Some(inst) if self.status.phase == Phase::Running && self.wants_running() => {
+                inst.node.clone()
+            }
+            _ => {
+                return refuse(
+                    "status.phase",
+                    format!(
+                        "VM {} is {:?}, not Running: only a running VM migrates",
+                        self.name, self.status.phase
+                    ),
+                )
+            }
+        };
+        if let Some(to) = to {
+            crate::validate_name("to", to)?;
+            if to == node {
+                return refuse("to", format!("VM {} already runs on node {to}", self.name));
+            }
+        }
+        if let Some(pending) = self.pending_migration() {
+            return refuse(
+                "migrate",
+                format!(
+                    "VM {} is already being migrated (requested at {})",
+                    self.name, pending.requested_at
+                ),
+            );
+        }
+        self.migrate = Some(crate::MigrateRequest {
+            requested_at: now,
+            from_node: node,
+            to: to.map(str::to_string),
+        });
+        // Not a spec change: the generation (which `--wait` of power
+        // requests compares with the observed one) stays; the store's
+        // revision guards the write.
+        Ok(())
     }
 
     fn refuse_if_deleting(&self) -> Result<(), ValidationError> {

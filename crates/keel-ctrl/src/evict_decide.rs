@@ -48,6 +48,7 @@ pub(crate) fn decide_eviction(
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             return Some(Step::Persist {
                 vm: Box::new(next),
@@ -174,12 +175,27 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
-    next.status.eviction = None;
     next.status.phase = Phase::Running;
     next.status.message = Some(format!(
         "migrated from node {} to node {} by migration {}",
         m.source_node, m.target_node, m.id
     ));
+    if let Some(ev) = vm.status.eviction.as_ref().filter(|e| e.user) {
+        next.status.migrate_outcome = Some(keel_api::MigrateOutcome {
+            requested_at: ev.drain_requested_at,
+            migration: Some(m.id.clone()),
+            succeeded: true,
+            message: format!(
+                "{}{}",
+                next.status.message.as_deref().unwrap_or_default(),
+                m.status
+                    .downtime_ms
+                    .map(|d| format!(", downtime {d} ms"))
+                    .unwrap_or_default()
+            ),
+        });
+    }
+    next.status.eviction = None;
     next
 }
 
@@ -281,7 +297,7 @@ fn free_target(
 
 /// Reserves the migration to `target` on the record (or reuses the
 /// reservation) and creates it, with the drain's tuning.
-fn reserve_and_create(
+pub(crate) fn reserve_and_create(
     vm: &VirtualMachine,
     inst: &Instance,
     target: &str,
@@ -508,12 +524,14 @@ mod tests {
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             let cluster = ClusterView {
                 drain: Some(drain.clone()),
                 migration: migration_phase.map(|p| migration(1, p, "vm-1")),
                 targets: vec!["b".into()],
                 in_flight: vec![],
+                drain_evictions_waiting: 0,
             };
             let inst = vm.status.instance.clone().unwrap();
             let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg)
@@ -620,6 +638,7 @@ mod tests {
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
+                user: false,
             });
             assert_eq!(migrations_to_collect(Some(&v), &ms), expected, "{named:?}");
         }

@@ -27,6 +27,7 @@ pub mod snapshot_controller;
 pub mod step;
 mod stop;
 pub mod transitions;
+mod user_migrate_decide;
 pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;

@@ -106,6 +106,7 @@ mod tests {
             failed_attempts: 0,
             next_attempt_at: None,
             message: None,
+            user: false,
         });
         v
     }

@@ -46,4 +46,7 @@ pub struct ClusterView {
     /// Every migration in flight in the cluster (for the drain's limits on
     /// parallel migrations).
     pub in_flight: Vec<Migration>,
+    /// VMs on draining nodes still waiting for a migration: they go before
+    /// user migrations when the cluster's limit binds.
+    pub drain_evictions_waiting: usize,
 }

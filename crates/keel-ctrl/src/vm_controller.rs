@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, Event, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase, Snapshot,
-    VirtualMachine,
+    Clock, Event, EvictionPhase, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase,
+    Snapshot, VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedStore};
@@ -743,7 +743,9 @@ impl VmController {
             None => None,
         };
         let me = self.store.get::<Node>(&node_key(&self.cfg.node)).await?;
-        let Some(drain) = me.and_then(|n| n.value.draining().cloned()) else {
+        let drain = me.and_then(|n| n.value.draining().cloned());
+        // A user's migration to start needs the same look around as a drain.
+        if drain.is_none() && vm.pending_migration().is_none() {
             return Ok(ClusterView {
                 migration,
                 ..ClusterView::default()
@@ -770,11 +772,29 @@ impl VmController {
             .map(|(_, e)| e.value)
             .filter(|m| !m.status.phase.is_final())
             .collect();
+        let draining: Vec<&str> = nodes
+            .iter()
+            .filter(|n| n.draining().is_some())
+            .map(|n| n.name.as_str())
+            .collect();
+        let drain_evictions_waiting = vms
+            .iter()
+            .filter(|v| {
+                v.status
+                    .instance
+                    .as_ref()
+                    .is_some_and(|i| draining.contains(&i.node.as_str()))
+                    && v.status.eviction.as_ref().is_none_or(|e| {
+                        !e.user && e.phase == EvictionPhase::Submitting && e.migration.is_none()
+                    })
+            })
+            .count();
         Ok(ClusterView {
-            drain: Some(drain),
+            drain,
             migration,
             targets,
             in_flight,
+            drain_evictions_waiting,
         })
     }
 

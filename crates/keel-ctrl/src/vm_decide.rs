@@ -23,6 +23,7 @@ use crate::config::LifecycleConfig;
 use crate::evict_decide::decide_eviction;
 use crate::step::{backoff, persist_if_changed, HvAction, Step};
 use crate::stop::{agent_shutdown_at, begin_stop, grace_end};
+use crate::user_migrate_decide::decide_user_migration;
 use crate::view::{ClusterView, Observed, RestoreSource};
 
 pub fn decide(
@@ -170,6 +171,9 @@ fn instance_alive(
     // migration controller to cancel a migration in flight, since the VM
     // no longer wants it), not retried against for the drain's windows.
     if should_stop(vm).is_none() {
+        if let Some(step) = decide_user_migration(vm, inst, state, cluster, now, cfg) {
+            return step;
+        }
         if let Some(step) = decide_eviction(vm, inst, state, cluster, now, cfg) {
             return step;
         }

@@ -42,7 +42,7 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Restore a VM from one of its snapshots; it comes back in the power state it had.
     Restore(RestoreArgs),
-    /// List live migrations (made by node drains).
+    /// List live migrations (made by node drains and `keel vm migrate`).
     Migration(MigrationCommand),
     /// Check this host for running Keel: QEMU, KVM, disk space, the store.
     Doctor(DoctorArgs),
@@ -422,6 +422,24 @@ pub enum VmVerb {
     /// Attach to the VM's serial console (like `virsh console`); Ctrl-]
     /// detaches.
     Console { name: String },
+    /// Live-migrate a running VM to another node (the drain's tuning and
+    /// limits; drains go first). A failure leaves it running where it is.
+    Migrate(MigrateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct MigrateArgs {
+    pub name: String,
+    /// The node to move to (default: the scheduler's best candidate).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Wait until the migration is over; print its outcome, transport and
+    /// downtime (exit status 1 if it failed).
+    #[arg(long)]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 600, requires = "wait")]
+    pub timeout: u64,
 }
 
 #[derive(Debug, Args)]

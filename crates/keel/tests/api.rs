@@ -1025,6 +1025,7 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
         ("/api/v1/nodes/{name}/drain", vec!["post"]),
         ("/api/v1/nodes/{name}/freeze", vec!["post"]),
         ("/api/v1/vms/{name}/restore", vec!["post"]),
+        ("/api/v1/vms/{name}/migrate", vec!["post"]),
         ("/api/v1/vms/{name}/snapshots", vec!["get", "post"]),
         ("/api/v1/vms/{name}/snapshots/{snap}", vec!["get", "delete"]),
         ("/api/v1/migrations", vec!["get"]),
@@ -1123,4 +1124,81 @@ fn newer_records_are_served_and_undecodable_ones_reported() {
     assert_eq!(events[0]["event"]["key"], "/vms/broken", "{events}");
     let metrics = server.get("/metrics").text;
     assert!(metrics.contains("keel_undecodable_records 1"), "{metrics}");
+}
+
+/// `POST /api/v1/vms/{name}/migrate` refuses, naming the field, what it
+/// cannot do; an accepted request is kept on the record, and a second one
+/// while it is carried out is refused.
+#[test]
+fn migrate_refusals_name_the_field() {
+    let server = TestServer::start();
+    let refused = |path: &str, body: &str, status: u16, field: &str| {
+        let resp = server.send("POST", path, body);
+        assert_eq!(resp.status, status, "{path} {body}: {}", resp.text);
+        assert_eq!(resp.json()["field"], field, "{path} {body}: {}", resp.text);
+        resp.json()["error"].as_str().unwrap().to_string()
+    };
+    refused("/api/v1/vms/nope/migrate", "{}", 404, "name");
+    server.create_vm(
+        "off",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.wait_settled_stopped("off");
+    refused("/api/v1/vms/off/migrate", "{}", 409, "status.phase");
+    server.create_vm("web", small_spec());
+    server.wait_vm("web", "run", |v| phase(v) == "Running");
+    refused("/api/v1/vms/web/migrate", r#"{"bogus":1}"#, 400, "bogus");
+    refused("/api/v1/vms/web/migrate", r#"{"to":"Bad Name"}"#, 422, "to");
+    let msg = refused(
+        "/api/v1/vms/web/migrate",
+        r#"{"to":"test-node"}"#,
+        409,
+        "to",
+    );
+    assert!(msg.contains("already runs on node test-node"), "{msg}");
+    refused("/api/v1/vms/web/migrate", r#"{"to":"ghost"}"#, 404, "to");
+    // Other nodes, as their agents would have registered them: one
+    // cordoned, one silent for long, one ready.
+    let me = server.get("/api/v1/nodes/test-node").json();
+    let me = me.get("node").cloned().unwrap_or(me);
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for (name, cordoned, heartbeat) in [
+        ("cordoned", true, now_ms),
+        ("silent", false, now_ms - 3_600_000),
+        ("ready", false, now_ms + 60_000),
+    ] {
+        let mut node = me.clone();
+        node["name"] = json!(name);
+        node["cordoned"] = json!(cordoned);
+        node["status"]["last_heartbeat"] = json!(heartbeat);
+        server.put_raw(&format!("/nodes/{name}"), &node);
+    }
+    let msg = refused("/api/v1/vms/web/migrate", r#"{"to":"cordoned"}"#, 409, "to");
+    assert!(msg.contains("cordoned"), "{msg}");
+    let msg = refused("/api/v1/vms/web/migrate", r#"{"to":"silent"}"#, 409, "to");
+    assert!(msg.contains("not ready"), "{msg}");
+    // A stale revision is refused as for every other write.
+    let resp = server.send(
+        "POST",
+        "/api/v1/vms/web/migrate?revision=1",
+        r#"{"to":"ready"}"#,
+    );
+    assert_eq!(resp.status, 409, "{}", resp.text);
+    let resp = server.send("POST", "/api/v1/vms/web/migrate", r#"{"to":"ready"}"#);
+    assert_eq!(resp.status, 202, "{}", resp.text);
+    let vm = &resp.json()["vm"];
+    assert_eq!(vm["migrate"]["to"], "ready");
+    assert_eq!(vm["migrate"]["from_node"], "test-node");
+    assert_eq!(vm["generation"], 1, "not a spec change");
+    // The node `ready` has no agent: its migration stays pending, and the
+    // request in flight refuses another.
+    server.wait_vm("web", "migration reserved", |v| {
+        v["vm"]["status"]["eviction"]["migration"].is_string()
+    });
+    refused("/api/v1/vms/web/migrate", "{}", 409, "migrate");
+    let ms = server.get("/api/v1/migrations?vm=web").json();
+    assert_eq!(ms["items"][0]["migration"]["target_node"], "ready", "{ms}");
 }

@@ -864,3 +864,71 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     c.check_one_instance(&["web", "quiet"]);
     c.shutdown().await;
 }
+
+/// `keel vm migrate NAME --to NODE --wait` through the CLI, against a
+/// control plane and two sim agents on etcd: the VM moves live (same
+/// guest, no stop), the CLI prints the outcome, transport and downtime,
+/// `keel vm get` shows it, and a second request to where it runs is
+/// refused naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keel_vm_migrate_moves_a_vm_between_agents() {
+    let Some(mut c) = Cluster::new("vm-migrate").await else {
+        return;
+    };
+    c.control_plane("cp").await;
+    c.agent("n1").await;
+    c.agent("n2").await;
+    c.create_vm("web").await;
+    let (from, _) = c.running("web").await;
+    let to = if from == "n1" { "n2" } else { "n1" };
+    let cp = format!("http://{}", c.planes["cp"].addr());
+    let token = c.planes["cp"].token().to_string();
+    let keel = move |args: Vec<String>| {
+        let (cp, token) = (cp.clone(), token.clone());
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
+                .args(&args)
+                .env("KEEL_SERVER", cp)
+                .env("KEEL_TOKEN", token)
+                .env("KEEL_CONFIG", "")
+                .output()
+                .expect("run keel")
+        })
+    };
+    let args = |s: &str| s.split(' ').map(String::from).collect::<Vec<_>>();
+    let out = keel(args(&format!(
+        "vm migrate web --to {to} --wait --timeout 60"
+    )))
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("migration Succeeded"), "{stdout}");
+    assert!(stdout.contains(&format!("from {from} to {to}")), "{stdout}");
+    assert!(stdout.contains("transport "), "{stdout}");
+    assert!(stdout.contains("downtime "), "{stdout}");
+    eprintln!("{stdout}");
+    let vm = c.vm("web").await;
+    assert_eq!(vm.status.instance.as_ref().unwrap().node, to);
+    assert!(
+        vm.status.last_exit.is_none(),
+        "migrated, not restarted: {vm:?}"
+    );
+    // The target resumes once the record names it.
+    let (node, _) = c.running("web").await;
+    assert_eq!(node, to);
+    let out = keel(args("vm get web")).await.unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(shown.contains("succeeded: migrated from node"), "{shown}");
+    let out = keel(args(&format!("vm migrate web --to {to}")))
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(err.contains(&format!("already runs on node {to}")), "{err}");
+    c.shutdown().await;
+}

@@ -1,5 +1,5 @@
 //! `GET /api/v1/migrations[?vm=NAME]`: live migration attempts (made by
-//! node drains), oldest first. Read-only: the controllers write them.
+//! node drains and `keel vm migrate`), oldest first. Read-only: the controllers write them.
 
 use axum::extract::State;
 use axum::Json;

@@ -12,6 +12,7 @@ pub mod events;
 mod extract;
 pub mod freeze;
 pub mod images;
+pub mod migrate;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
@@ -74,6 +75,7 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/vms/{name}/stop", post(vms::stop))
         .route("/api/v1/vms/{name}/restart", post(vms::restart))
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
+        .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))
         .route("/api/v1/vms/{name}/console/log", get(console::log))
         .route(

@@ -153,6 +153,13 @@ pub fn spec() -> Value {
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/RestoreVmRequest"}}}},
                 "responses": with(vm_ok("202", "Restore recorded; `restore` is cleared when done, `power_intent` once the VM is back in that state"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
             }},
+            "/api/v1/vms/{name}/migrate": {"post": {
+                "summary": "Live-migrate the running VM (to `to`, or the scheduler's best node) with a drain's tuning and limits; a failure leaves it running where it is, the reason in status.migrate_outcome",
+                "operationId": "migrateVm",
+                "parameters": [name_param, revision_query, if_match],
+                "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/MigrateVmRequest"}}}},
+                "responses": with(vm_ok("202", "Migration requested; `status.migrate_outcome` tells how it ended"), errors(&["400", "401", "404", "409", "413", "422", "503"]))
+            }},
             "/api/v1/vms/{name}/console": {"get": {
                 "summary": "Attach to the serial console: a WebSocket (Upgrade: websocket) carrying raw console bytes both ways in binary messages; one session per instance (409 while one is attached); 501 when the VM's node is not this server's",
                 "operationId": "attachConsole",
@@ -440,6 +447,10 @@ fn schemas() -> Value {
         }},
         "CreateSnapshotRequest": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"}
+        }},
+        "MigrateVmRequest": {"type": "object", "additionalProperties": false, "properties": {
+            "to": {"$ref": "#/components/schemas/Name"},
+            "revision": {"type": "integer", "minimum": 0}
         }},
         "RestoreVmRequest": {"type": "object", "additionalProperties": false, "required": ["snapshot"], "properties": {
             "snapshot": {"$ref": "#/components/schemas/Name"},

@@ -12,6 +12,7 @@ mod node;
 pub mod output;
 mod snapshot;
 mod vm;
+mod vm_migrate;
 mod wait;
 
 pub use client::{encode, ApiFailure, Client};

@@ -24,6 +24,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Delete(args) => delete(&client, out, args),
         VmVerb::Logs(args) => logs(&client, args),
         VmVerb::Console { name } => super::console::run(&client, &name),
+        VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
     }
 }
 
@@ -173,6 +174,7 @@ fn describe(resp: &VmResponse) -> String {
         ("readiness", vm.spec.readiness.to_string()),
     ];
     pairs.extend(super::net::describe(vm));
+    pairs.extend(super::vm_migrate::describe(vm));
     for (k, v) in [
         ("kernel", &vm.spec.boot.kernel),
         ("initrd", &vm.spec.boot.initrd),
