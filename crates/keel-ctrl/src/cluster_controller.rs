@@ -462,29 +462,7 @@ pub async fn run_control_plane(cluster: Arc<ClusterController>, stop: watch::Rec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{PowerState, RunPolicy, VmSpec};
-
-    fn vm(name: &str, node: Option<&str>) -> VirtualMachine {
-        let mut v = VirtualMachine::new(
-            name,
-            VmSpec {
-                cpus: 1,
-                memory_mib: 64,
-                disks: vec![],
-                boot: Default::default(),
-                run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-            },
-        );
-        v.status.node = node.map(str::to_string);
-        v
-    }
+    use crate::schedule::tests::vm;
 
     /// The load index a pass keeps by hand always equals a recount, so
     /// placement after many writes still spreads VMs evenly.

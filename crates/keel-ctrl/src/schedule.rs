@@ -137,11 +137,12 @@ pub fn placement(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use keel_api::{BootSpec, PowerState, RunPolicy, VmSpec};
 
-    fn vm(name: &str, node: Option<&str>) -> VirtualMachine {
+    /// A small VM, placed on `node` or not (shared with other modules' tests).
+    pub(crate) fn vm(name: &str, node: Option<&str>) -> VirtualMachine {
         let mut v = VirtualMachine::new(
             name,
             VmSpec {
