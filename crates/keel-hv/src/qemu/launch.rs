@@ -76,11 +76,7 @@ impl QemuDriver {
         incoming: bool,
     ) -> Result<Option<String>, HvError> {
         let instance = &spec.instance;
-        let op = if incoming {
-            "prepare incoming migration"
-        } else {
-            "start"
-        };
+        let op = start_op(incoming);
         let failed = |reason: String| HvError::Failed {
             instance: instance.clone(),
             op,
@@ -257,11 +253,7 @@ impl QemuDriver {
         incoming: bool,
     ) -> Result<Option<String>, HvError> {
         let instance = &spec.instance;
-        let op = if incoming {
-            "prepare incoming migration"
-        } else {
-            "start"
-        };
+        let op = start_op(incoming);
         let invalid = |reason: String| HvError::Failed {
             instance: instance.clone(),
             op,
@@ -442,5 +434,15 @@ pub(super) fn tail(path: &Path) -> String {
         "(empty)".into()
     } else {
         joined
+    }
+}
+
+/// The operation a start names in its errors: a migration target's start
+/// is its preparation.
+fn start_op(incoming: bool) -> &'static str {
+    if incoming {
+        "prepare incoming migration"
+    } else {
+        "start"
     }
 }
