@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    all_logs, cli, guest_channel, qemus_of, serving_url, skipped, store_spec, test_guest, vm_json,
-    wait_nodes, wait_running, Keel, KillAll,
+    all_logs, cli, guest_channel, qemus_of, serving_url, skipped, spawn_control_plane, store_spec,
+    test_guest, vm_json, wait_nodes, wait_running, Keel, KillAll,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -39,41 +39,10 @@ async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() 
     let guest_dir = guest.to_string_lossy().into_owned();
 
     let cp_dir = dir("cp");
-    let mut cp = Keel::spawn(
-        "control plane",
-        &[
-            "serve",
-            "--store",
-            &store,
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "cp",
-            "--data-dir",
-            &cp_dir,
-        ],
-    );
-    let agent_args = |node: &str, data: &str| -> Vec<String> {
-        [
-            "agent",
-            "--store",
-            &store,
-            "--node",
-            node,
-            "--data-dir",
-            data,
-            "--accel",
-            "tcg",
-            "--guest-dir",
-            &guest_dir,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
+    let mut cp = spawn_control_plane(&store, &cp_dir, &[]);
     let spawn_agent = |node: &str| {
-        let args = agent_args(node, &dir(node));
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        Keel::spawn(node, &args)
+        let extra = ["--accel", "tcg", "--guest-dir", &guest_dir];
+        procs::spawn_agent(&store, node, &dir(node), &extra)
     };
     let mut agents = vec![spawn_agent("n1"), spawn_agent("n2")];
     let logs = |cp: &Keel, agents: &[Keel]| all_logs(cp, agents);

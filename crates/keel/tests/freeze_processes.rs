@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    all_logs, cli, processes_naming, qemus_of, serving_url, skipped, store_spec, test_guest,
-    vm_json, wait_nodes, wait_running, Keel, KillAll,
+    all_logs, cli, processes_naming, qemus_of, serving_url, skipped, spawn_control_plane,
+    store_spec, test_guest, vm_json, wait_nodes, wait_running, Keel, KillAll,
 };
 use serde_json::Value;
 
@@ -76,30 +76,9 @@ async fn sigterm_freezes_the_node_and_the_agent_readopts_or_the_keeper_fences() 
     let disks = dir("disks");
 
     let cp_dir = dir("cp");
-    let mut cp = Keel::spawn(
-        "control plane",
-        &[
-            "serve",
-            "--store",
-            &store,
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "cp",
-            "--data-dir",
-            &cp_dir,
-        ],
-    );
+    let mut cp = spawn_control_plane(&store, &cp_dir, &[]);
     let spawn_agent = |node: &str| {
-        let data = dir(node);
-        let args = [
-            "agent",
-            "--store",
-            &store,
-            "--node",
-            node,
-            "--data-dir",
-            &data,
+        let extra = [
             "--disk-dir",
             &disks,
             "--accel",
@@ -109,7 +88,7 @@ async fn sigterm_freezes_the_node_and_the_agent_readopts_or_the_keeper_fences() 
             "--restart-freeze",
             "20s",
         ];
-        Keel::spawn(node, &args)
+        procs::spawn_agent(&store, node, &dir(node), &extra)
     };
     let mut agents = vec![spawn_agent("n1"), spawn_agent("n2")];
     let logs = |cp: &Keel, agents: &[Keel]| all_logs(cp, agents);

@@ -17,8 +17,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use procs::{
-    all_logs, cli, qemus_of, serving_url, skipped, store_spec, test_guest, vm_json, wait_nodes,
-    wait_running, Keel, KillAll,
+    all_logs, cli, qemus_of, serving_url, skipped, spawn_control_plane, store_spec, test_guest,
+    vm_json, wait_nodes, wait_running, KillAll,
 };
 
 fn keel_ok(args: &[&str]) {
@@ -60,44 +60,21 @@ async fn a_drain_between_two_agents_moves_the_guest_over_tls() {
             &dir(node),
         ]);
     }
-    let mut cp = Keel::spawn(
-        "control plane",
-        &[
-            "serve",
-            "--store",
-            &store,
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "cp",
-            "--data-dir",
-            &dir("cp"),
-        ],
-    );
+    let mut cp = spawn_control_plane(&store, &dir("cp"), &[]);
     // Port ranges of their own per test process, so parallel runs differ.
     let base = 41_000 + (std::process::id() % 400) * 20;
     let spawn_agent = |node: &str, first: u32| {
-        let (data, listen) = (dir(node), format!("127.0.0.1:{first}-{}", first + 9));
-        Keel::spawn(
-            node,
-            &[
-                "agent",
-                "--store",
-                &store,
-                "--node",
-                node,
-                "--data-dir",
-                &data,
-                "--disk-dir",
-                &disks,
-                "--accel",
-                "tcg",
-                "--guest-dir",
-                &guest_dir,
-                "--migration-listen",
-                &listen,
-            ],
-        )
+        let listen = format!("127.0.0.1:{first}-{}", first + 9);
+        let extra = [
+            "--disk-dir",
+            &disks,
+            "--accel",
+            "tcg",
+            "--guest-dir",
+            &guest_dir,
+        ];
+        let extra = [&extra[..], &["--migration-listen", &listen]].concat();
+        procs::spawn_agent(&store, node, &dir(node), &extra)
     };
     let agents = vec![spawn_agent("n1", base), spawn_agent("n2", base + 10)];
     let logs = || all_logs(&cp, &agents);

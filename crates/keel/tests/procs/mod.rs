@@ -181,6 +181,41 @@ pub fn test_guest() -> std::path::PathBuf {
     guest
 }
 
+/// A control plane (`keel serve`, node name `cp`) on `store` with data dir
+/// `data_dir`, on an ephemeral loopback port (see [`serving_url`]), with
+/// `extra` flags after.
+pub fn spawn_control_plane(store: &str, data_dir: &str, extra: &[&str]) -> Keel {
+    let mut args = vec![
+        "serve",
+        "--store",
+        store,
+        "--listen",
+        "127.0.0.1:0",
+        "--node",
+        "cp",
+        "--data-dir",
+        data_dir,
+    ];
+    args.extend_from_slice(extra);
+    Keel::spawn("control plane", &args)
+}
+
+/// A node agent `node` on `store` with data dir `data_dir`, with `extra`
+/// flags after.
+pub fn spawn_agent(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> Keel {
+    let mut args = vec![
+        "agent",
+        "--store",
+        store,
+        "--node",
+        node,
+        "--data-dir",
+        data_dir,
+    ];
+    args.extend_from_slice(extra);
+    Keel::spawn(node, &args)
+}
+
 /// Every process's log, for a failure message.
 pub fn all_logs(cp: &Keel, agents: &[Keel]) -> String {
     std::iter::once(cp.log())
