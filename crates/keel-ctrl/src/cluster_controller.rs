@@ -9,7 +9,6 @@
 //! ([`Fence::Guard`]: the [`ClusterController`] of the elected control
 //! plane, whose writes stop applying the moment its leader key is gone).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,27 +20,25 @@ use crate::config::LifecycleConfig;
 use crate::election::LeaderElection;
 use crate::events::{record_event, report_undecodable};
 use crate::fence::Fence;
-use crate::keys::{migrations_of_prefix, vm_key, LEADER_KEY, NODES_PREFIX, VMS_PREFIX};
+use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
 use crate::liveness::Liveness;
-use crate::schedule::{placement, NodeLoad};
+use crate::schedule::placement;
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
+use crate::vm_index::VmIndex;
 
 /// Longest a leader goes without a pass. Passes are driven by changes and
 /// by the next node-lease deadline; this is only a backstop.
 const MAX_IDLE_MS: Millis = 10_000;
 
-/// Every node, and every VM with the revision it was read at, and the
-/// reader's view of which nodes are alive.
+/// Every node, every VM (indexed, with the revision it was read at), and
+/// the reader's view of which nodes are alive.
 pub(crate) struct ClusterState {
     pub nodes: Vec<Node>,
-    pub vms: Vec<VirtualMachine>,
-    pub revisions: Vec<Revision>,
+    pub vms: VmIndex,
     pub liveness: Liveness,
-    /// Where each VM sits in `vms`, and how many VMs each node owns: kept
-    /// up to date with every write, so a pass over N VMs stays linear.
-    positions: HashMap<String, usize>,
-    load: NodeLoad,
+    /// The nodes the last pass found lost.
+    pub lost: Vec<String>,
 }
 
 impl ClusterState {
@@ -50,43 +47,48 @@ impl ClusterState {
         Ok(nodes.into_iter().map(|(_, e)| e.value).collect())
     }
 
+    /// The VMs as listed now, and the revision of the list (a watch from
+    /// just after it misses nothing).
+    pub async fn read_vms(store: &TypedStore) -> Result<(VmIndex, Revision), StoreError> {
+        let (vms, revision) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
+        let index = VmIndex::of(vms.into_iter().map(|(_, e)| (e.value, e.revision)));
+        Ok((index, revision))
+    }
+
     pub async fn read(
         store: &TypedStore,
         nodes: Vec<Node>,
         liveness: Liveness,
     ) -> Result<Self, StoreError> {
-        let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        let (vms, revisions): (Vec<VirtualMachine>, Vec<Revision>) =
-            vms.into_iter().map(|(_, e)| (e.value, e.revision)).unzip();
-        let positions = vms
-            .iter()
-            .enumerate()
-            .map(|(i, vm)| (vm.name.clone(), i))
-            .collect();
-        let load = NodeLoad::of(&vms);
+        let (vms, _) = Self::read_vms(store).await?;
         Ok(Self {
             nodes,
             vms,
-            revisions,
             liveness,
-            positions,
-            load,
+            lost: Vec::new(),
         })
     }
 
     /// Keeps the view current after this writer's own write.
     fn written(&mut self, vm: VirtualMachine, revision: Revision) {
-        match self.positions.get(&vm.name).copied() {
-            Some(i) => {
-                self.load.replace(&self.vms[i], &vm);
-                self.vms[i] = vm;
-                self.revisions[i] = revision;
-            }
-            None => {
-                self.load.add(&vm);
-                self.positions.insert(vm.name.clone(), self.vms.len());
-                self.vms.push(vm);
-                self.revisions.push(revision);
+        self.vms.upsert(vm, revision);
+    }
+
+    /// Whether a change (already applied) calls for a pass now: a VM
+    /// without a node, one whose record cannot be read (look anyway: it is
+    /// reported), or one that came to a node the last pass found lost.
+    fn needs_pass(&self, event: &WatchEvent) -> bool {
+        let WatchEvent::Put(entry) = event else {
+            return false;
+        };
+        let Some(name) = name_of(VMS_PREFIX, &entry.key) else {
+            return false;
+        };
+        match self.vms.get(name) {
+            None => true,
+            Some(v) => {
+                v.vm.owner_node()
+                    .is_none_or(|owner| self.lost.iter().any(|l| l == owner))
             }
         }
     }
@@ -105,7 +107,14 @@ pub(crate) async fn place(
     cfg: &LifecycleConfig,
     fence: Fence<'_>,
 ) -> Result<Millis, StoreError> {
-    let Some(next) = placement(vm, &state.nodes, &state.load, &state.liveness, now, cfg) else {
+    let Some(next) = placement(
+        vm,
+        &state.nodes,
+        state.vms.load(),
+        &state.liveness,
+        now,
+        cfg,
+    ) else {
         return Ok(now + cfg.retry_ms);
     };
     if transitions::check(vm, &next).is_err() {
@@ -144,9 +153,14 @@ pub(crate) async fn take_over(
     fence: Fence<'_>,
 ) -> Result<usize, StoreError> {
     let mut taken = 0;
-    for i in 0..state.vms.len() {
-        let vm = &state.vms[i];
-        let Some(owner) = vm.owner_node().filter(|o| lost.iter().any(|l| l == o)) else {
+    let owned: Vec<(VirtualMachine, Revision)> = lost
+        .iter()
+        .flat_map(|node| state.vms.owned_by(node))
+        .map(|v| (v.vm.clone(), v.revision))
+        .collect();
+    for (vm, read_at) in owned {
+        let vm = &vm;
+        let Some(owner) = vm.owner_node() else {
             continue;
         };
         let owner = owner.to_string();
@@ -171,10 +185,7 @@ pub(crate) async fn take_over(
         if transitions::check(vm, &next).is_err() {
             continue;
         }
-        match fence
-            .update(store, &vm_key(&vm.name), &next, state.revisions[i])
-            .await
-        {
+        match fence.update(store, &vm_key(&vm.name), &next, read_at).await {
             Ok(revision) => {
                 tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
                 record_event(store, vm, &next, revision, now, fence).await;
@@ -282,13 +293,27 @@ impl ClusterController {
     /// leader, nothing was done. A `GuardLost` error means leadership was
     /// lost under it: the election is told, and nothing more is written.
     pub async fn reconcile(&self) -> Result<Option<PassReport>, StoreError> {
+        if !self.is_leader() {
+            return Ok(None);
+        }
+        let mut state = ClusterState::read(&self.store, Vec::new(), Liveness::default()).await?;
+        self.reconcile_over(&mut state).await
+    }
+
+    /// One pass over `state`, whose VMs are the caller's to keep current
+    /// (the leader's watch does); the nodes are read afresh, as node
+    /// liveness is judged by their heartbeats.
+    async fn reconcile_over(
+        &self,
+        state: &mut ClusterState,
+    ) -> Result<Option<PassReport>, StoreError> {
         let Some(election) = self.elected_by() else {
-            return self.pass(Fence::Cas).await.map(Some);
+            return self.pass(Fence::Cas, state).await.map(Some);
         };
         let Some(guard) = election.guard() else {
             return Ok(None);
         };
-        match self.pass(Fence::Guard(&guard)).await {
+        match self.pass(Fence::Guard(&guard), state).await {
             Err(e @ StoreError::GuardLost { .. }) => {
                 election.lost(&guard);
                 Err(e)
@@ -297,13 +322,17 @@ impl ClusterController {
         }
     }
 
-    async fn pass(&self, fence: Fence<'_>) -> Result<PassReport, StoreError> {
+    async fn pass(
+        &self,
+        fence: Fence<'_>,
+        state: &mut ClusterState,
+    ) -> Result<PassReport, StoreError> {
         let now = self.clock.now_ms();
-        let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
+        state.nodes = ClusterState::read_nodes(&self.store).await?;
         state.liveness = {
             let mut liveness = self.liveness.lock().expect("liveness lock");
-            liveness.observe(&state.nodes, &state.vms, now);
+            let vms = &state.vms;
+            liveness.observe_with(&state.nodes, |node| vms.newest_instance_on(node), now);
             liveness.clone()
         };
         let mut report = PassReport {
@@ -318,25 +347,21 @@ impl ClusterController {
         let lost = state.liveness.lost(None, now, &self.cfg);
         tracing::trace!(?lost, liveness = ?state.liveness, "nodes judged");
         if !lost.is_empty() {
-            report.taken_over = take_over(&self.store, &mut state, &lost, now, fence).await?;
+            report.taken_over = take_over(&self.store, state, &lost, now, fence).await?;
         }
-        for i in 0..state.vms.len() {
-            if state.vms[i].owner_node().is_some() {
+        state.lost = lost;
+        let unplaced: Vec<String> = state.vms.unplaced().map(str::to_string).collect();
+        for name in unplaced {
+            let Some(entry) = state.vms.get(&name) else {
                 continue;
-            }
-            let vm = state.vms[i].clone();
-            let revision = state.revisions[i];
-            let again = place(
-                &self.store,
-                &mut state,
-                &vm,
-                revision,
-                now,
-                &self.cfg,
-                fence,
-            )
-            .await?;
-            if state.vms[i].owner_node().is_some() {
+            };
+            let (vm, revision) = (entry.vm.clone(), entry.revision);
+            let again = place(&self.store, state, &vm, revision, now, &self.cfg, fence).await?;
+            if state
+                .vms
+                .get(&name)
+                .is_some_and(|v| v.vm.owner_node().is_some())
+            {
                 report.placed += 1;
             } else {
                 report.unplaced += 1;
@@ -383,15 +408,23 @@ impl ClusterController {
         leading: &mut watch::Receiver<bool>,
     ) -> Result<(), StoreError> {
         let raw = self.store.raw();
-        let (_, revision) = raw.list(LEADER_KEY).await?;
+        // One list, then the watch from just after it keeps the VMs current.
+        let (vms, revision) = ClusterState::read_vms(&self.store).await?;
         let mut vm_watch = raw.watch(VMS_PREFIX, revision + 1).await?;
         let mut node_watch = raw.watch(NODES_PREFIX, revision + 1).await?;
-        tracing::info!(candidate = %self.who(), "leading: placing VMs, watching for lost nodes");
+        let mut state = ClusterState {
+            nodes: Vec::new(),
+            vms,
+            liveness: Liveness::default(),
+            lost: Vec::new(),
+        };
+        tracing::info!(candidate = %self.who(), vms = state.vms.len(),
+            "leading: placing VMs, watching for lost nodes");
         let mut due = self.clock.now_ms();
         let mut unplaced = 0;
         loop {
             if self.clock.now_ms() >= due {
-                let Some(report) = self.reconcile().await? else {
+                let Some(report) = self.reconcile_over(&mut state).await? else {
                     tracing::info!(candidate = %self.who(), "no longer leading");
                     return Ok(());
                 };
@@ -406,7 +439,8 @@ impl ClusterController {
                 _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
                 event = vm_watch.next() => match event {
                     Some(Ok(event)) => {
-                        if needs_placement(&event) {
+                        state.vms.apply(&event);
+                        if state.needs_pass(&event) {
                             due = self.clock.now_ms();
                         }
                     }
@@ -439,15 +473,6 @@ impl ClusterController {
     }
 }
 
-/// A VM record without a node (or one that cannot be read: look anyway).
-fn needs_placement(event: &WatchEvent) -> bool {
-    match event {
-        WatchEvent::Put(entry) => serde_json::from_slice::<VirtualMachine>(&entry.value)
-            .map_or(true, |vm| vm.owner_node().is_none()),
-        WatchEvent::Deleted { .. } => false,
-    }
-}
-
 /// Runs a control plane's election and cluster controller until `stop`
 /// turns true; the election resigns at the end.
 pub async fn run_control_plane(cluster: Arc<ClusterController>, stop: watch::Receiver<bool>) {
@@ -456,48 +481,5 @@ pub async fn run_control_plane(cluster: Arc<ClusterController>, stop: watch::Rec
             tokio::join!(election.run(stop.clone()), cluster.run(stop));
         }
         None => cluster.run(stop).await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::schedule::tests::vm;
-
-    /// The load index a pass keeps by hand always equals a recount, so
-    /// placement after many writes still spreads VMs evenly.
-    #[test]
-    fn the_view_keeps_its_node_load_equal_to_a_recount() {
-        let vms = vec![vm("a", Some("n1")), vm("b", None), vm("c", Some("n2"))];
-        let mut state = ClusterState {
-            nodes: vec![],
-            positions: vms
-                .iter()
-                .enumerate()
-                .map(|(i, v)| (v.name.clone(), i))
-                .collect(),
-            load: NodeLoad::of(&vms),
-            revisions: vec![1; vms.len()],
-            vms,
-            liveness: Liveness::default(),
-        };
-        let writes = [
-            vm("b", Some("n1")),
-            vm("a", None),
-            vm("d", Some("n2")),
-            vm("c", Some("n1")),
-            vm("d", Some("n2")),
-        ];
-        for (i, w) in writes.into_iter().enumerate() {
-            state.written(w, 10 + i as u64);
-            assert_eq!(state.load, NodeLoad::of(&state.vms), "after write {i}");
-            let names: Vec<&str> = state.vms.iter().map(|v| v.name.as_str()).collect();
-            for (name, pos) in &state.positions {
-                assert_eq!(names[*pos], name);
-            }
-        }
-        assert_eq!(state.vms.len(), 4);
-        assert_eq!(state.load.on_node_besides("n1", &vm("x", None)), 2);
-        assert_eq!(state.load.on_node_besides("n1", &vm("b", Some("n1"))), 1);
     }
 }

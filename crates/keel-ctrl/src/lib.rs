@@ -31,6 +31,7 @@ mod user_migrate_decide;
 pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;
+pub mod vm_index;
 
 pub use cluster_controller::{run_control_plane, ClusterController, PassReport};
 pub use config::LifecycleConfig;

@@ -60,15 +60,31 @@ impl Liveness {
     /// the dead between the read of the nodes and of the VMs has started
     /// something, and is not judged by a heartbeat older than that.
     pub fn observe(&mut self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) {
+        self.observe_with(
+            nodes,
+            |node| {
+                vms.iter()
+                    .filter_map(|v| v.status.instance.as_ref())
+                    .filter(|i| i.node == node)
+                    .map(|i| i.created_at)
+                    .max()
+                    .unwrap_or(0)
+            },
+            now,
+        );
+    }
+
+    /// Like [`Liveness::observe`], with the newest instance per node
+    /// looked up by `newest_instance` (an index keeps it, where a scan of
+    /// every VM for every node would cost nodes × VMs).
+    pub fn observe_with(
+        &mut self,
+        nodes: &[Node],
+        newest_instance: impl Fn(&str) -> Millis,
+        now: Millis,
+    ) {
         for node in nodes {
-            let newest = vms
-                .iter()
-                .filter_map(|v| v.status.instance.as_ref())
-                .filter(|i| i.node == node.name)
-                .map(|i| i.created_at)
-                .max()
-                .unwrap_or(0);
-            self.observe_node(node, newest, now);
+            self.observe_node(node, newest_instance(&node.name), now);
         }
         self.nodes
             .retain(|name, _| nodes.iter().any(|n| n.name == *name));

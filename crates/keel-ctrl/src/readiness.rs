@@ -121,14 +121,28 @@ impl GuestProbes {
     }
 
     /// Forgets instances no longer recorded for `vm` (keeps `current`).
+    /// Looks only at the names that start like `vm`'s instances: it runs
+    /// on every reconcile, and a scan of every slot made each one cost as
+    /// much as the node has VMs.
     pub fn forget_others(&self, vm: &str, current: Option<&str>) {
         let prefix = format!("{vm}-");
-        self.slots.lock().expect("probe slots").retain(|id, s| {
-            !id.starts_with(&prefix)
-                || Some(id.as_str()) == current
-                || s.in_flight
-                || !id[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
-        });
+        let mut slots = self.slots.lock().expect("probe slots");
+        let stale: Vec<String> = slots
+            .range::<str, _>((
+                std::ops::Bound::Included(prefix.as_str()),
+                std::ops::Bound::Unbounded,
+            ))
+            .take_while(|(id, _)| id.starts_with(&prefix))
+            .filter(|(id, s)| {
+                Some(id.as_str()) != current
+                    && !s.in_flight
+                    && id[prefix.len()..].bytes().all(|b| b.is_ascii_digit())
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in stale {
+            slots.remove(&id);
+        }
     }
 }
 
@@ -214,6 +228,39 @@ mod tests {
     use super::*;
     use keel_api::{BootSpec, PowerState, RunPolicy, VmSpec};
     use keel_hv::{AgentState, GuestIp};
+
+    /// Only the VM's own earlier instances go: not the current one, not
+    /// one in flight, and not those of VMs whose names merely start alike.
+    #[test]
+    fn forget_others_drops_only_this_vms_earlier_instances() {
+        let clock: Arc<dyn Clock> = Arc::new(keel_api::ManualClock::new(0));
+        let hv = Arc::new(keel_hv::sim::SimHypervisor::new(
+            clock.clone(),
+            1,
+            Default::default(),
+        ));
+        let probes = GuestProbes::new(hv, clock);
+        for id in ["a-1", "a-2", "a-3", "a-b-4", "ab-5", "b-6"] {
+            probes
+                .slots
+                .lock()
+                .unwrap()
+                .insert(id.into(), Slot::default());
+        }
+        probes
+            .slots
+            .lock()
+            .unwrap()
+            .get_mut("a-3")
+            .unwrap()
+            .in_flight = true;
+        probes.forget_others("a", Some("a-2"));
+        let left: Vec<String> = probes.slots.lock().unwrap().keys().cloned().collect();
+        assert_eq!(left, ["a-2", "a-3", "a-b-4", "ab-5", "b-6"]);
+        probes.forget_others("a", None);
+        let left: Vec<String> = probes.slots.lock().unwrap().keys().cloned().collect();
+        assert_eq!(left, ["a-3", "a-b-4", "ab-5", "b-6"]);
+    }
 
     fn vm(readiness: Readiness) -> (VirtualMachine, Instance) {
         let vm = VirtualMachine::new(

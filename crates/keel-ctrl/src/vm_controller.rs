@@ -20,11 +20,12 @@ use crate::keys::{
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
-use crate::schedule::{candidate_nodes, NodeLoad};
+use crate::schedule::candidate_nodes;
 use crate::step::{HvAction, Step};
 use crate::transitions::{self, ForbiddenTransition};
 use crate::view::{ClusterView, Observed, RestoreSource};
 use crate::vm_decide::decide;
+use crate::vm_index::VmIndex;
 
 /// The cause is in `source()`, never repeated in the message: print the
 /// chain (`error_chain`) to see all of it.
@@ -152,9 +153,9 @@ impl VmController {
 
     /// `nodes` (and the VMs read after them) taken into this agent's
     /// liveness view at `now`; the view.
-    fn observe_nodes(&self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) -> Liveness {
+    fn observe_nodes(&self, nodes: &[Node], vms: &VmIndex, now: Millis) -> Liveness {
         let mut liveness = self.liveness.lock().expect("liveness lock");
-        liveness.observe(nodes, vms, now);
+        liveness.observe_with(nodes, |node| vms.newest_instance_on(node), now);
         liveness.clone()
     }
 
@@ -754,13 +755,12 @@ impl VmController {
         let now = self.clock.now_ms();
         let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
         let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
-        let (vms, _) = self.store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
+        let (vms, _) = ClusterState::read_vms(&self.store).await?;
         let liveness = self.observe_nodes(&nodes, &vms, now);
         let targets = candidate_nodes(
             vm,
             &nodes,
-            &NodeLoad::of(&vms),
+            vms.load(),
             Some(&self.cfg.node),
             &liveness,
             now,
@@ -777,8 +777,10 @@ impl VmController {
             .filter(|n| n.draining().is_some())
             .map(|n| n.name.as_str())
             .collect();
-        let drain_evictions_waiting = vms
+        let drain_evictions_waiting = draining
             .iter()
+            .flat_map(|node| vms.owned_by(node))
+            .map(|v| &v.vm)
             .filter(|v| {
                 v.status
                     .instance

@@ -15,6 +15,10 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod table;
+
+use table::{DomainTable, Timed};
+
 use crate::{
     DomainExit, DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor,
     MigrationProgress, NodeFacts,
@@ -136,6 +140,20 @@ struct Outgoing {
     reported: bool,
 }
 
+impl Timed for SimDomain {
+    /// Mirrors `SimState::advance`: everything it moves forward on the
+    /// clock alone.
+    fn may_move(&self) -> bool {
+        !self.state.is_exited()
+            && (self.state == DomainState::Starting
+                || self.incoming.is_some()
+                || self.outgoing.is_some()
+                || self.crash_at.is_some()
+                || self.guest.agent_shutdown_at.is_some()
+                || self.powerdown_requested_at.is_some())
+    }
+}
+
 impl SimDomain {
     /// The process ends now. A migration it was still sending breaks off.
     fn exit(&mut self, cause: ExitCause, now: Millis) {
@@ -176,7 +194,7 @@ struct SimDisks {
 
 #[derive(Debug)]
 struct SimState {
-    domains: BTreeMap<String, SimDomain>,
+    domains: DomainTable<SimDomain>,
     rng: ChaCha8Rng,
     config: SimConfig,
     starts_per_vm: BTreeMap<String, u32>,
@@ -233,7 +251,7 @@ impl SimHypervisor {
             exits: tokio::sync::broadcast::channel(1024).0,
             released: Default::default(),
             state: Arc::new(Mutex::new(SimState {
-                domains: BTreeMap::new(),
+                domains: DomainTable::default(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
                 config,
                 starts_per_vm: BTreeMap::new(),
@@ -349,12 +367,12 @@ impl SimHypervisor {
     pub fn power_failure(&self) {
         let now = self.clock.now_ms();
         let mut s = self.lock();
-        for d in s.domains.values_mut() {
+        s.domains.settle_all(|d| {
             if !d.state.is_exited() {
                 // A migration cut off mid-stream never hands over.
                 d.exit(ExitCause::Killed, now);
             }
-        }
+        });
         s.domains.clear();
         s.fence_deadline = None;
         s.log.push("power failure".into());
@@ -558,10 +576,12 @@ impl SimState {
     fn advance(&mut self, now: Millis) {
         if let Some(deadline) = self.fence_deadline.filter(|d| now >= *d) {
             let mut fenced = Vec::new();
-            for d in self.domains.values_mut().filter(|d| !d.state.is_exited()) {
-                d.exit(ExitCause::Killed, deadline);
-                fenced.push(d.spec.instance.clone());
-            }
+            self.domains.settle_all(|d| {
+                if !d.state.is_exited() {
+                    d.exit(ExitCause::Killed, deadline);
+                    fenced.push(d.spec.instance.clone());
+                }
+            });
             if !fenced.is_empty() {
                 self.log
                     .push(format!("fence lease lapsed: killed {fenced:?}"));
@@ -569,15 +589,15 @@ impl SimState {
         }
         let boot_ms = self.config.boot_ms;
         let shutdown_ms = self.config.graceful_shutdown_ms;
-        for d in self.domains.values_mut() {
+        self.domains.advance(|d| {
             if d.state.is_exited() {
-                continue;
+                return;
             }
             if let Some(inc) = &d.incoming {
                 if inc.aborted.load(Ordering::SeqCst) {
                     d.state = DomainState::Exited(ExitCause::Crashed);
                     d.incoming = None;
-                    continue;
+                    return;
                 }
                 match inc.completes_at {
                     Some(at) if now >= at => {
@@ -591,25 +611,25 @@ impl SimState {
                     }
                     _ => {}
                 }
-                continue;
+                return;
             }
             if let Some(out) = &d.outgoing {
                 if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
                     // Handed over: the source stays paused until told to quit.
                     d.state = DomainState::Paused;
-                    continue;
+                    return;
                 }
             }
             if let Some(at) = d.crash_at {
                 if now >= at {
                     d.exit(ExitCause::Crashed, at);
-                    continue;
+                    return;
                 }
             }
             if let Some(at) = d.guest.agent_shutdown_at {
                 if now >= at + shutdown_ms {
                     d.exit(ExitCause::Poweroff, at + shutdown_ms);
-                    continue;
+                    return;
                 }
             }
             if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
@@ -617,13 +637,13 @@ impl SimState {
                 let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
                 if now >= off_at {
                     d.exit(ExitCause::Poweroff, off_at);
-                    continue;
+                    return;
                 }
             }
             if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
                 d.state = DomainState::Running;
             }
-        }
+        });
     }
 
     fn chance(&mut self, p: f64) -> bool {

@@ -1,0 +1,244 @@
+//! Every VM record, indexed the ways cluster-level duties look them up:
+//! the VMs without a node, the VMs of each node, how many each node has,
+//! and the newest instance each node recorded.
+//!
+//! A pass that lists the whole store and then scans every VM for every
+//! node made 10,000 VMs cost 10,000 decodes per pass and a pass per
+//! create. The index is built from one list and then kept current by the
+//! watch opened right after it (a reflector, in kube-rs' words), so a pass
+//! costs what it acts on: the unplaced VMs and those of lost nodes.
+//!
+//! The index may lag the store by the events not yet delivered. That is
+//! safe because nothing is written from it without the revision it was
+//! read at: a write over a stale entry is refused (`Conflict`) and the VM
+//! is looked at again once its newer record arrives.
+
+use std::collections::{BTreeSet, HashMap};
+
+use keel_api::{Millis, VirtualMachine};
+use keel_store::{Revision, WatchEvent};
+
+use crate::keys::{name_of, VMS_PREFIX};
+use crate::schedule::NodeLoad;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexedVm {
+    pub vm: VirtualMachine,
+    /// The record's `mod_revision`: the token its next write is made under.
+    pub revision: Revision,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct VmIndex {
+    vms: HashMap<String, IndexedVm>,
+    /// Names of VMs with no node (neither an instance nor a placement).
+    unplaced: BTreeSet<String>,
+    /// Names of the VMs each node owns (`VirtualMachine::owner_node`).
+    by_owner: HashMap<String, BTreeSet<String>>,
+    load: NodeLoad,
+    /// The newest `created_at` of an instance recorded on each node, as
+    /// ever seen here: a node that records a new instance is alive.
+    newest_instance: HashMap<String, Millis>,
+}
+
+impl VmIndex {
+    pub fn of(entries: impl IntoIterator<Item = (VirtualMachine, Revision)>) -> Self {
+        let mut index = Self::default();
+        for (vm, revision) in entries {
+            index.upsert(vm, revision);
+        }
+        index
+    }
+
+    /// Takes in `vm` as written at `revision`, unless a newer record of it
+    /// is already here (an event for a write this process already took in
+    /// arrives after it).
+    pub fn upsert(&mut self, vm: VirtualMachine, revision: Revision) {
+        if let Some(old) = self.vms.get(&vm.name) {
+            if old.revision > revision {
+                return;
+            }
+        }
+        self.forget(&vm.name);
+        if let Some(inst) = &vm.status.instance {
+            let newest = self.newest_instance.entry(inst.node.clone()).or_default();
+            *newest = (*newest).max(inst.created_at);
+        }
+        match vm.owner_node() {
+            Some(node) => {
+                self.by_owner
+                    .entry(node.to_string())
+                    .or_default()
+                    .insert(vm.name.clone());
+            }
+            None => {
+                self.unplaced.insert(vm.name.clone());
+            }
+        }
+        self.load.add(&vm);
+        self.vms.insert(vm.name.clone(), IndexedVm { vm, revision });
+    }
+
+    /// The VM named `name` is gone as of `revision` (deleted, or its record
+    /// can no longer be read: a list skips those too).
+    pub fn remove(&mut self, name: &str, revision: Revision) {
+        if self.vms.get(name).is_some_and(|v| v.revision <= revision) {
+            self.forget(name);
+        }
+    }
+
+    fn forget(&mut self, name: &str) {
+        let Some(old) = self.vms.remove(name) else {
+            return;
+        };
+        self.load.remove(&old.vm);
+        match old.vm.owner_node() {
+            Some(node) => {
+                if let Some(names) = self.by_owner.get_mut(node) {
+                    names.remove(name);
+                    if names.is_empty() {
+                        self.by_owner.remove(node);
+                    }
+                }
+            }
+            None => {
+                self.unplaced.remove(name);
+            }
+        }
+    }
+
+    /// Applies one change from the watch on [`VMS_PREFIX`]. A record that
+    /// does not decode leaves the index, as a list would skip it.
+    pub fn apply(&mut self, event: &WatchEvent) {
+        let Some(name) = name_of(VMS_PREFIX, event.key()) else {
+            return;
+        };
+        match event {
+            WatchEvent::Put(entry) => {
+                match serde_json::from_slice::<VirtualMachine>(&entry.value) {
+                    Ok(vm) if vm.name == name => self.upsert(vm, entry.mod_revision),
+                    _ => self.remove(name, entry.mod_revision),
+                }
+            }
+            WatchEvent::Deleted { revision, .. } => self.remove(name, *revision),
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&IndexedVm> {
+        self.vms.get(name)
+    }
+
+    pub fn len(&self) -> usize {
+        self.vms.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.vms.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &IndexedVm> {
+        self.vms.values()
+    }
+
+    /// Names of the VMs without a node, in name order.
+    pub fn unplaced(&self) -> impl Iterator<Item = &str> {
+        self.unplaced.iter().map(String::as_str)
+    }
+
+    /// The VMs `node` owns, in name order.
+    pub fn owned_by<'a>(&'a self, node: &str) -> impl Iterator<Item = &'a IndexedVm> + 'a {
+        self.by_owner
+            .get(node)
+            .into_iter()
+            .flatten()
+            .filter_map(|name| self.vms.get(name))
+    }
+
+    pub fn load(&self) -> &NodeLoad {
+        &self.load
+    }
+
+    /// The newest instance ever seen recorded on `node` (0 for none).
+    pub fn newest_instance_on(&self, node: &str) -> Millis {
+        self.newest_instance.get(node).copied().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::tests::vm;
+    use keel_store::Entry;
+
+    fn put(v: &VirtualMachine, revision: Revision) -> WatchEvent {
+        WatchEvent::Put(Entry {
+            key: format!("{VMS_PREFIX}{}", v.name),
+            value: serde_json::to_vec(v).unwrap(),
+            create_revision: 1,
+            mod_revision: revision,
+        })
+    }
+
+    /// Whatever order writes arrive in, the index equals one built from
+    /// scratch out of the newest record of each VM: unplaced set, owners,
+    /// and load all agree with a recount.
+    #[test]
+    fn the_index_always_equals_a_rebuild_from_the_newest_records() {
+        let mut index = VmIndex::default();
+        let mut newest: HashMap<String, (VirtualMachine, Revision)> = HashMap::new();
+        let steps: Vec<(VirtualMachine, Revision)> = vec![
+            (vm("a", None), 1),
+            (vm("b", Some("n1")), 2),
+            (vm("a", Some("n2")), 4),
+            // A stale event for a write already taken in: ignored.
+            (vm("a", None), 3),
+            (vm("c", Some("n1")), 5),
+            (vm("b", None), 6),
+        ];
+        for (v, rev) in steps {
+            index.apply(&put(&v, rev));
+            let keep = newest.get(&v.name).is_none_or(|(_, r)| *r <= rev);
+            if keep {
+                newest.insert(v.name.clone(), (v, rev));
+            }
+            let rebuilt = VmIndex::of(newest.values().cloned());
+            assert_eq!(index.load(), rebuilt.load());
+            assert_eq!(
+                index.unplaced().collect::<Vec<_>>(),
+                rebuilt.unplaced().collect::<Vec<_>>()
+            );
+            for node in ["n1", "n2"] {
+                let names = |i: &VmIndex| -> Vec<String> {
+                    i.owned_by(node).map(|v| v.vm.name.clone()).collect()
+                };
+                assert_eq!(names(&index), names(&rebuilt), "owned by {node}");
+            }
+        }
+        assert_eq!(index.unplaced().collect::<Vec<_>>(), ["b"]);
+        assert_eq!(index.get("a").unwrap().revision, 4);
+
+        // A deletion older than the record it would remove is ignored.
+        index.apply(&WatchEvent::Deleted {
+            key: format!("{VMS_PREFIX}c"),
+            revision: 4,
+        });
+        assert!(index.get("c").is_some());
+        index.apply(&WatchEvent::Deleted {
+            key: format!("{VMS_PREFIX}c"),
+            revision: 7,
+        });
+        assert!(index.get("c").is_none());
+        assert_eq!(index.owned_by("n1").count(), 0);
+        assert_eq!(index.load().on_node_besides("n2", &vm("x", None)), 1);
+
+        // A record that no longer decodes leaves the index, as a list skips it.
+        index.apply(&WatchEvent::Put(Entry {
+            key: format!("{VMS_PREFIX}a"),
+            value: b"not json".to_vec(),
+            create_revision: 1,
+            mod_revision: 8,
+        }));
+        assert!(index.get("a").is_none());
+        assert_eq!(index.len(), 1);
+    }
+}
