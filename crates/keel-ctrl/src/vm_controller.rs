@@ -25,7 +25,7 @@ use crate::step::{HvAction, Step};
 use crate::transitions::{self, ForbiddenTransition};
 use crate::view::{ClusterView, Observed, RestoreSource};
 use crate::vm_decide::decide;
-use crate::vm_index::VmIndex;
+use crate::vm_index::{VmIndex, VmReflector};
 
 /// The cause is in `source()`, never repeated in the message: print the
 /// chain (`error_chain`) to see all of it.
@@ -122,6 +122,9 @@ pub struct VmController {
     lease: Arc<NodeLease>,
     /// Readiness probes of this node's guests.
     probes: crate::readiness::GuestProbes,
+    /// Every VM record, kept current by the runtime's watch; read where a
+    /// decision looks at the whole cluster (drains, migrations).
+    vm_index: Arc<VmReflector>,
 }
 
 impl VmController {
@@ -143,7 +146,14 @@ impl VmController {
             liveness: Default::default(),
             lease: Default::default(),
             probes,
+            vm_index: Default::default(),
         }
+    }
+
+    /// The index of every VM this controller reads; whoever watches the
+    /// VM records for it (the runtime) keeps it current.
+    pub fn vm_reflector(&self) -> &Arc<VmReflector> {
+        &self.vm_index
     }
 
     /// This node's lease as this agent counts it.
@@ -755,23 +765,48 @@ impl VmController {
         let now = self.clock.now_ms();
         let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
         let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
-        let (vms, _) = ClusterState::read_vms(&self.store).await?;
-        let liveness = self.observe_nodes(&nodes, &vms, now);
-        let targets = candidate_nodes(
-            vm,
-            &nodes,
-            vms.load(),
-            Some(&self.cfg.node),
-            &liveness,
-            now,
-            &self.cfg,
-        );
+        // The index the runtime keeps; listed here only without one (no
+        // runtime behind this controller, or its watch broke).
+        let around = |vms: &VmIndex| self.look_around(vm, &nodes, vms, now);
+        let (targets, drain_evictions_waiting) = match self.vm_index.read(around) {
+            Some(found) => found,
+            None => around(&ClusterState::read_vms(&self.store).await?.0),
+        };
         let (all, _) = self.store.list::<Migration>(MIGRATIONS_PREFIX).await?;
         let in_flight = all
             .into_iter()
             .map(|(_, e)| e.value)
             .filter(|m| !m.status.phase.is_final())
             .collect();
+        Ok(ClusterView {
+            drain,
+            migration,
+            targets,
+            in_flight,
+            drain_evictions_waiting,
+        })
+    }
+
+    /// Where `vm` could move now, best first, and how many VMs on
+    /// draining nodes still wait for a migration: the part of the view
+    /// that looks at every VM, answered from an index of them.
+    fn look_around(
+        &self,
+        vm: &VirtualMachine,
+        nodes: &[Node],
+        vms: &VmIndex,
+        now: Millis,
+    ) -> (Vec<String>, usize) {
+        let liveness = self.observe_nodes(nodes, vms, now);
+        let targets = candidate_nodes(
+            vm,
+            nodes,
+            vms.load(),
+            Some(&self.cfg.node),
+            &liveness,
+            now,
+            &self.cfg,
+        );
         let draining: Vec<&str> = nodes
             .iter()
             .filter(|n| n.draining().is_some())
@@ -791,13 +826,7 @@ impl VmController {
                     })
             })
             .count();
-        Ok(ClusterView {
-            drain,
-            migration,
-            targets,
-            in_flight,
-            drain_evictions_waiting,
-        })
+        (targets, drain_evictions_waiting)
     }
 
     /// Ends domains on this node that no VM record (and no migration in

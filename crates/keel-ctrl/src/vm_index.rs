@@ -14,9 +14,10 @@
 //! is looked at again once its newer record arrives.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Mutex;
 
 use keel_api::{Millis, VirtualMachine};
-use keel_store::{Revision, WatchEvent};
+use keel_store::{Entry, Revision, WatchEvent};
 
 use crate::keys::{name_of, VMS_PREFIX};
 use crate::schedule::NodeLoad;
@@ -164,11 +165,52 @@ impl VmIndex {
     }
 }
 
+/// A [`VmIndex`] shared between the reader of a watch, which keeps it
+/// current, and reconciles, which read it. Empty (`None`) until the first
+/// list and again from a broken watch until the next list: a reader then
+/// lists for itself rather than trust an index that misses changes.
+#[derive(Debug, Default)]
+pub struct VmReflector {
+    index: Mutex<Option<VmIndex>>,
+}
+
+impl VmReflector {
+    /// Starts over from a list of every VM record (undecodable ones are
+    /// left out, as a typed list leaves them out).
+    pub fn reset(&self, entries: &[Entry]) {
+        let index = VmIndex::of(entries.iter().filter_map(|e| {
+            let name = name_of(VMS_PREFIX, &e.key)?;
+            let vm: VirtualMachine = serde_json::from_slice(&e.value).ok()?;
+            (vm.name == name).then_some((vm, e.mod_revision))
+        }));
+        *self.lock() = Some(index);
+    }
+
+    pub fn apply(&self, event: &WatchEvent) {
+        if let Some(index) = self.lock().as_mut() {
+            index.apply(event);
+        }
+    }
+
+    /// The watch broke: changes may be missed until the next list.
+    pub fn lost(&self) {
+        *self.lock() = None;
+    }
+
+    /// `read` of the current index; `None` while there is none.
+    pub fn read<R>(&self, read: impl FnOnce(&VmIndex) -> R) -> Option<R> {
+        self.lock().as_ref().map(read)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<VmIndex>> {
+        self.index.lock().expect("vm index lock")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::schedule::tests::vm;
-    use keel_store::Entry;
 
     fn put(v: &VirtualMachine, revision: Revision) -> WatchEvent {
         WatchEvent::Put(Entry {

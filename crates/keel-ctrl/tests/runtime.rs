@@ -27,10 +27,19 @@ async fn running_vm(w: &mut World, name: &str) -> String {
     vm.status.instance.unwrap().id
 }
 
+/// The VM controller's index of every VM, as the runtime keeps it.
+fn indexed(w: &World, name: &str) -> Option<Option<VirtualMachine>> {
+    w.ctrl
+        .vm_reflector()
+        .read(|index| index.get(name).map(|v| v.vm.clone()))
+}
+
 /// For each seed: a guest's own power-off is noticed at the instant the
 /// driver reports it (not at the VM's next scheduled look), and after the
 /// store's watches break, a change made meanwhile (never delivered as an
-/// event) is acted on once the runtime has listed again.
+/// event) is acted on once the runtime has listed again. All along, the
+/// VM index the controller reads matches the store while the watches are
+/// open, and is withdrawn while they are broken.
 #[tokio::test]
 async fn exit_hints_and_a_broken_watch_go_through_the_runtime() {
     for seed in 0..8 {
@@ -58,9 +67,12 @@ async fn exit_hints_and_a_broken_watch_go_through_the_runtime() {
         let next_look = w.runtime.due_at("vm", "web").expect("re-checked");
         assert!(next_look > w.now() + w.cfg.retry_ms, "seed {seed}");
 
+        assert_eq!(indexed(&w, "web"), Some(w.get("web").await), "seed {seed}");
+
         // The watches break; the start asked for meanwhile is no event.
         w.memory.fail_watches("the store restarted");
         w.reconcile_due().await;
+        assert_eq!(indexed(&w, "web"), None, "seed {seed}: kept without a watch");
         w.user_op("web", VirtualMachine::request_start)
             .await
             .unwrap();
@@ -94,6 +106,7 @@ async fn exit_hints_and_a_broken_watch_go_through_the_runtime() {
             w.get("web").await.unwrap().status.stop.is_some(),
             "seed {seed}: the reopened watch did not deliver"
         );
+        assert_eq!(indexed(&w, "web"), Some(w.get("web").await), "seed {seed}");
     }
 }
 

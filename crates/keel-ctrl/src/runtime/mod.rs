@@ -100,6 +100,7 @@ impl Runtime {
             vms.config().retry_ms,
             cfg,
         );
+        runtime.source.reflect_vms(vms.vm_reflector().clone());
         runtime.add(vms);
         runtime.add(snapshots);
         runtime.add(migrations);

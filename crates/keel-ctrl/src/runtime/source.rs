@@ -15,6 +15,7 @@ use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 
 use super::event::Event;
 use crate::keys::{MIGRATIONS_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
+use crate::vm_index::VmReflector;
 
 /// The prefixes whose changes wake reconciles.
 pub const WATCHED_PREFIXES: [&str; 3] = [VMS_PREFIX, SNAPSHOTS_PREFIX, MIGRATIONS_PREFIX];
@@ -35,6 +36,8 @@ pub struct EventSource {
     relist_at: Millis,
     retry_ms: Millis,
     exits: Option<broadcast::Receiver<DomainExit>>,
+    /// Kept current with the VM records listed and watched here.
+    vms: Option<Arc<VmReflector>>,
 }
 
 impl EventSource {
@@ -50,7 +53,15 @@ impl EventSource {
             relist_at: 0,
             retry_ms,
             exits,
+            vms: None,
         }
+    }
+
+    /// Keeps `vms` current with every VM record this source lists and
+    /// every change it takes in, before the change is handed on: a
+    /// reconcile woken by a change finds it in the index.
+    pub fn reflect_vms(&mut self, vms: Arc<VmReflector>) {
+        self.vms = Some(vms);
     }
 
     /// When the watches are due to be opened again, while they are closed.
@@ -66,16 +77,24 @@ impl EventSource {
     /// list; every record found as an event. On failure nothing is open
     /// and the next try is `retry_ms` after `now`.
     pub async fn relist(&mut self, now: Millis) -> Result<Vec<Event>, StoreError> {
-        self.watches = None;
-        self.relist_at = now + self.retry_ms;
+        self.broke(now);
         let mut events = Vec::new();
         let mut opened = Vec::with_capacity(WATCHED_PREFIXES.len());
+        let mut vm_records = Vec::new();
         for prefix in WATCHED_PREFIXES {
             let (entries, revision) = self.store.list(prefix).await?;
             opened.push(self.store.watch(prefix, revision + 1).await?);
-            events.extend(entries.into_iter().map(|e| Event::Listed { key: e.key }));
+            events.extend(entries.iter().map(|e| Event::Listed { key: e.key.clone() }));
+            if prefix == VMS_PREFIX {
+                vm_records = entries;
+            }
         }
         self.watches = opened.try_into().ok();
+        // Only now that its watch is open and stays so: an index without
+        // a watch behind it would silently fall behind.
+        if let Some(vms) = &self.vms {
+            vms.reset(&vm_records);
+        }
         Ok(events)
     }
 
@@ -83,6 +102,9 @@ impl EventSource {
     pub fn broke(&mut self, now: Millis) {
         self.watches = None;
         self.relist_at = now + self.retry_ms;
+        if let Some(vms) = &self.vms {
+            vms.lost();
+        }
     }
 
     /// The next thing that has already arrived, without waiting: exits
@@ -94,12 +116,13 @@ impl EventSource {
         }
         let watches = self.watches.as_mut()?;
         let mut cx = Context::from_waker(Waker::noop());
-        for watch in watches.iter_mut() {
+        for (i, watch) in watches.iter_mut().enumerate() {
             // Polled once and dropped: a watch's `next` is a channel
             // receive, which loses nothing when cancelled.
             let next = std::pin::pin!(watch.next());
             if let Poll::Ready(item) = next.poll(&mut cx) {
-                return Some(incoming(item));
+                let vms = (i == 0).then_some(self.vms.as_deref()).flatten();
+                return Some(incoming(item, vms));
             }
         }
         None
@@ -114,9 +137,9 @@ impl EventSource {
         };
         tokio::select! {
             exit = next_exit(exits) => Incoming::Event(Event::Exited(exit)),
-            item = vms.next() => incoming(item),
-            item = snapshots.next() => incoming(item),
-            item = migrations.next() => incoming(item),
+            item = vms.next() => incoming(item, self.vms.as_deref()),
+            item = snapshots.next() => incoming(item, None),
+            item = migrations.next() => incoming(item, None),
         }
     }
 
@@ -137,11 +160,21 @@ impl EventSource {
     }
 }
 
-fn incoming(item: Option<Result<WatchEvent, StoreError>>) -> Incoming {
+/// `item` as the runtime takes it, once `reflector` (of the watch it came
+/// from) has taken it in.
+fn incoming(
+    item: Option<Result<WatchEvent, StoreError>>,
+    reflector: Option<&VmReflector>,
+) -> Incoming {
     match item {
-        Some(Ok(event)) => Incoming::Event(Event::Changed {
-            key: event.key().to_string(),
-        }),
+        Some(Ok(event)) => {
+            if let Some(vms) = reflector {
+                vms.apply(&event);
+            }
+            Incoming::Event(Event::Changed {
+                key: event.key().to_string(),
+            })
+        }
         Some(Err(err)) => Incoming::Broken(Some(err)),
         None => Incoming::Broken(None),
     }
