@@ -72,7 +72,11 @@ async fn exit_hints_and_a_broken_watch_go_through_the_runtime() {
         // The watches break; the start asked for meanwhile is no event.
         w.memory.fail_watches("the store restarted");
         w.reconcile_due().await;
-        assert_eq!(indexed(&w, "web"), None, "seed {seed}: kept without a watch");
+        assert_eq!(
+            indexed(&w, "web"),
+            None,
+            "seed {seed}: kept without a watch"
+        );
         w.user_op("web", VirtualMachine::request_start)
             .await
             .unwrap();

@@ -17,7 +17,7 @@ use rand_chacha::ChaCha8Rng;
 
 mod table;
 
-use table::{DomainTable, Timed};
+use table::{DomainTable, NextChange};
 
 use crate::{
     DomainExit, DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor,
@@ -140,17 +140,40 @@ struct Outgoing {
     reported: bool,
 }
 
-impl Timed for SimDomain {
-    /// Mirrors `SimState::advance`: everything it moves forward on the
-    /// clock alone.
-    fn may_move(&self) -> bool {
-        !self.state.is_exited()
-            && (self.state == DomainState::Starting
-                || self.incoming.is_some()
-                || self.outgoing.is_some()
-                || self.crash_at.is_some()
-                || self.guest.agent_shutdown_at.is_some()
-                || self.powerdown_requested_at.is_some())
+impl SimDomain {
+    /// When `SimState::advance` will next change this domain on the clock
+    /// alone: the earliest moment among those it checks, in its order of
+    /// precedence.
+    fn next_change(&self, now: Millis, boot_ms: Millis, shutdown_ms: Millis) -> NextChange {
+        if self.state.is_exited() {
+            return NextChange::Never;
+        }
+        if self.incoming.is_some() {
+            // Its source may abort it at any moment.
+            return NextChange::Always;
+        }
+        let mut moments = Vec::new();
+        if let Some(out) = &self.outgoing {
+            if !out.fails && !out.unconfirmed && !out.cancelled {
+                if now >= out.completes_at {
+                    // Handed over: it stays paused until told to quit.
+                    return NextChange::Never;
+                }
+                moments.push(out.completes_at);
+            }
+        }
+        moments.extend(self.crash_at);
+        moments.extend(self.guest.agent_shutdown_at.map(|at| at + shutdown_ms));
+        if let (Some(at), false) = (self.powerdown_requested_at, self.ignores_powerdown) {
+            moments.push(at.max(self.started_at + boot_ms) + shutdown_ms);
+        }
+        if self.state == DomainState::Starting {
+            moments.push(self.started_at + boot_ms);
+        }
+        match moments.into_iter().min() {
+            Some(at) => NextChange::At(at),
+            None => NextChange::Never,
+        }
     }
 }
 
@@ -589,61 +612,65 @@ impl SimState {
         }
         let boot_ms = self.config.boot_ms;
         let shutdown_ms = self.config.graceful_shutdown_ms;
-        self.domains.advance(|d| {
-            if d.state.is_exited() {
-                return;
-            }
-            if let Some(inc) = &d.incoming {
-                if inc.aborted.load(Ordering::SeqCst) {
-                    d.state = DomainState::Exited(ExitCause::Crashed);
-                    d.incoming = None;
+        self.domains.advance(
+            now,
+            |d| {
+                if d.state.is_exited() {
                     return;
                 }
-                match inc.completes_at {
-                    Some(at) if now >= at => {
-                        if inc.fails {
-                            d.state = DomainState::Exited(ExitCause::Crashed);
-                            d.incoming = None;
-                        } else {
-                            // Everything arrived: paused until resumed.
-                            d.state = DomainState::Paused;
-                        }
+                if let Some(inc) = &d.incoming {
+                    if inc.aborted.load(Ordering::SeqCst) {
+                        d.state = DomainState::Exited(ExitCause::Crashed);
+                        d.incoming = None;
+                        return;
                     }
-                    _ => {}
-                }
-                return;
-            }
-            if let Some(out) = &d.outgoing {
-                if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
-                    // Handed over: the source stays paused until told to quit.
-                    d.state = DomainState::Paused;
+                    match inc.completes_at {
+                        Some(at) if now >= at => {
+                            if inc.fails {
+                                d.state = DomainState::Exited(ExitCause::Crashed);
+                                d.incoming = None;
+                            } else {
+                                // Everything arrived: paused until resumed.
+                                d.state = DomainState::Paused;
+                            }
+                        }
+                        _ => {}
+                    }
                     return;
                 }
-            }
-            if let Some(at) = d.crash_at {
-                if now >= at {
-                    d.exit(ExitCause::Crashed, at);
-                    return;
+                if let Some(out) = &d.outgoing {
+                    if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
+                        // Handed over: the source stays paused until told to quit.
+                        d.state = DomainState::Paused;
+                        return;
+                    }
                 }
-            }
-            if let Some(at) = d.guest.agent_shutdown_at {
-                if now >= at + shutdown_ms {
-                    d.exit(ExitCause::Poweroff, at + shutdown_ms);
-                    return;
+                if let Some(at) = d.crash_at {
+                    if now >= at {
+                        d.exit(ExitCause::Crashed, at);
+                        return;
+                    }
                 }
-            }
-            if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
-                // A guest still booting acts on the button once it is up.
-                let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
-                if now >= off_at {
-                    d.exit(ExitCause::Poweroff, off_at);
-                    return;
+                if let Some(at) = d.guest.agent_shutdown_at {
+                    if now >= at + shutdown_ms {
+                        d.exit(ExitCause::Poweroff, at + shutdown_ms);
+                        return;
+                    }
                 }
-            }
-            if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
-                d.state = DomainState::Running;
-            }
-        });
+                if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
+                    // A guest still booting acts on the button once it is up.
+                    let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
+                    if now >= off_at {
+                        d.exit(ExitCause::Poweroff, off_at);
+                        return;
+                    }
+                }
+                if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
+                    d.state = DomainState::Running;
+                }
+            },
+            |d| d.next_change(now, boot_ms, shutdown_ms),
+        );
     }
 
     fn chance(&mut self, p: f64) -> bool {

@@ -1,40 +1,55 @@
-//! The sim's domains, and which of them time can still change.
+//! The sim's domains, and when time alone will next change each of them.
 //!
 //! Moving every domain forward on every call made each call cost as much
-//! as the node has domains: a node with 10,000 running guests did 10,000
-//! checks per lookup. Most domains sit still (running, nothing pending)
-//! until a call changes them, so the table remembers the ones that may
-//! move by themselves: those touched mutably since the last advance, and
-//! those with something pending on the clock. Advancing looks only at them,
-//! with the same outcome as looking at all.
+//! as the node has domains: a node with 10,000 guests did 10,000 checks
+//! per lookup. A domain changes by itself only at known moments (its boot
+//! ends, its power-off completes, a crash is due), so the table keeps an
+//! agenda of those moments and steps a domain only when one has come, when
+//! a call has touched it since, or when it waits on something outside the
+//! clock. Stepping a domain at the first call at or after its moment is
+//! what stepping it at every call did: the step acts only once the moment
+//! has come.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ops::Deref;
 
-/// A domain that may change with time alone.
-pub(super) trait Timed {
-    /// Whether advancing the clock may change it without any call.
-    fn may_move(&self) -> bool;
+use keel_api::Millis;
+
+/// When time alone may next change a domain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum NextChange {
+    /// Not without a call.
+    Never,
+    At(Millis),
+    /// It waits on something besides the clock: step it every time.
+    Always,
 }
 
 #[derive(Debug)]
 pub(super) struct DomainTable<D> {
     domains: BTreeMap<String, D>,
-    /// A superset of the domains whose `may_move` is true.
-    moving: BTreeSet<String>,
+    /// Changed by a call since the last advance: their moment is unknown.
+    touched: BTreeSet<String>,
+    agenda: BTreeSet<(Millis, String)>,
+    /// Each domain's place in `agenda`.
+    due: HashMap<String, Millis>,
+    always: BTreeSet<String>,
 }
 
 impl<D> Default for DomainTable<D> {
     fn default() -> Self {
         Self {
             domains: BTreeMap::new(),
-            moving: BTreeSet::new(),
+            touched: BTreeSet::new(),
+            agenda: BTreeSet::new(),
+            due: HashMap::new(),
+            always: BTreeSet::new(),
         }
     }
 }
 
 /// Reads go straight to the map; every way to change a domain goes through
-/// the table, so none escapes `moving`.
+/// the table, so none escapes it.
 impl<D> Deref for DomainTable<D> {
     type Target = BTreeMap<String, D>;
     fn deref(&self) -> &Self::Target {
@@ -42,53 +57,92 @@ impl<D> Deref for DomainTable<D> {
     }
 }
 
-impl<D: Timed> DomainTable<D> {
+impl<D> DomainTable<D> {
     pub fn get_mut(&mut self, instance: &str) -> Option<&mut D> {
         let d = self.domains.get_mut(instance)?;
-        if !self.moving.contains(instance) {
-            self.moving.insert(instance.to_string());
+        if !self.touched.contains(instance) {
+            self.touched.insert(instance.to_string());
         }
         Some(d)
     }
 
     pub fn insert(&mut self, instance: String, domain: D) -> Option<D> {
-        self.moving.insert(instance.clone());
+        self.touched.insert(instance.clone());
         self.domains.insert(instance, domain)
     }
 
     pub fn remove(&mut self, instance: &str) -> Option<D> {
-        self.moving.remove(instance);
+        self.unschedule(instance);
+        self.touched.remove(instance);
         self.domains.remove(instance)
     }
 
     pub fn clear(&mut self) {
-        self.moving.clear();
-        self.domains.clear();
+        *self = Self::default();
     }
 
-    /// Changes every domain so that none can move by itself any more (the
-    /// host lost power, the fence lapsed: every process is gone). Marking
-    /// them all would cost a copy of every name per call while the lapse
-    /// lasts.
+    /// Changes every domain so that none can change by itself any more
+    /// (the host lost power, the fence lapsed: every process is gone).
+    /// Touching them all would cost a copy of every name per call while
+    /// the lapse lasts.
     pub fn settle_all(&mut self, mut change: impl FnMut(&mut D)) {
         for d in self.domains.values_mut() {
             change(d);
-            debug_assert!(!d.may_move(), "settle_all left a domain that moves");
+        }
+        self.touched.clear();
+        self.agenda.clear();
+        self.due.clear();
+        self.always.clear();
+    }
+
+    /// Steps every domain whose moment has come by `now`, every touched
+    /// one, and every one that waits on more than the clock; then files
+    /// each under its next moment (`next_change`).
+    pub fn advance(
+        &mut self,
+        now: Millis,
+        mut step: impl FnMut(&mut D),
+        next_change: impl Fn(&D) -> NextChange,
+    ) {
+        let mut stepping: BTreeSet<String> = std::mem::take(&mut self.touched);
+        while let Some((at, _)) = self.agenda.first() {
+            if *at > now {
+                break;
+            }
+            let (_, instance) = self.agenda.pop_first().expect("looked at first");
+            self.due.remove(&instance);
+            stepping.insert(instance);
+        }
+        stepping.extend(self.always.iter().cloned());
+        for instance in stepping {
+            let Some(d) = self.domains.get_mut(&instance) else {
+                continue;
+            };
+            step(d);
+            let next = next_change(d);
+            self.schedule(instance, next);
         }
     }
 
-    /// Calls `step` on every domain that may move, and forgets those that
-    /// can no longer move by themselves.
-    pub fn advance(&mut self, mut step: impl FnMut(&mut D)) {
-        let domains = &mut self.domains;
-        self.moving
-            .retain(|instance| match domains.get_mut(instance) {
-                Some(d) => {
-                    step(d);
-                    d.may_move()
-                }
-                None => false,
-            });
+    fn schedule(&mut self, instance: String, next: NextChange) {
+        self.unschedule(&instance);
+        match next {
+            NextChange::Never => {}
+            NextChange::At(at) => {
+                self.due.insert(instance.clone(), at);
+                self.agenda.insert((at, instance));
+            }
+            NextChange::Always => {
+                self.always.insert(instance);
+            }
+        }
+    }
+
+    fn unschedule(&mut self, instance: &str) {
+        if let Some(at) = self.due.remove(instance) {
+            self.agenda.remove(&(at, instance.to_string()));
+        }
+        self.always.remove(instance);
     }
 }
 
@@ -96,43 +150,91 @@ impl<D: Timed> DomainTable<D> {
 mod tests {
     use super::*;
 
-    #[derive(Debug)]
-    struct Countdown(u32);
-    impl Timed for Countdown {
-        fn may_move(&self) -> bool {
-            self.0 > 0
-        }
+    /// A domain that flips to `done` at `at`, or waits on a flag outside
+    /// the clock.
+    #[derive(Debug, Default)]
+    struct Timer {
+        at: Option<Millis>,
+        outside: bool,
+        steps: u32,
+        done: bool,
     }
 
-    fn tick(table: &mut DomainTable<Countdown>) -> usize {
-        let mut stepped = 0;
-        table.advance(|d| {
-            stepped += 1;
-            d.0 = d.0.saturating_sub(1);
-        });
-        stepped
+    fn tick(table: &mut DomainTable<Timer>, now: Millis) {
+        table.advance(
+            now,
+            |d| {
+                d.steps += 1;
+                if d.at.is_some_and(|at| now >= at) {
+                    d.done = true;
+                    d.at = None;
+                }
+            },
+            |d| match (d.outside, d.at) {
+                (true, _) => NextChange::Always,
+                (false, Some(at)) => NextChange::At(at),
+                (false, None) => NextChange::Never,
+            },
+        );
     }
 
-    /// A domain that has settled is not looked at again until something
-    /// touches it; a touched one is looked at once more even if it cannot
-    /// move, so no change made through the table is missed.
+    /// Each domain is stepped when it is inserted or touched, at the first
+    /// advance at or after its moment, and every time while it waits on
+    /// something outside the clock; never otherwise.
     #[test]
-    fn only_domains_that_may_move_are_stepped() {
+    fn domains_are_stepped_at_their_moment_when_touched_or_always() {
         let mut t = DomainTable::default();
-        t.insert("a".into(), Countdown(2));
-        t.insert("b".into(), Countdown(0));
-        assert_eq!(tick(&mut t), 2, "both were just inserted");
-        assert_eq!(tick(&mut t), 1, "b settled; a has one to go");
-        assert_eq!(tick(&mut t), 0, "both settled");
-        t.get_mut("b").unwrap().0 = 1;
-        assert_eq!(tick(&mut t), 1, "b was touched");
-        assert_eq!(t["b"].0, 0);
-        assert_eq!(tick(&mut t), 0);
-        t.settle_all(|d| d.0 = 0);
-        assert_eq!(tick(&mut t), 0, "settled by settle_all");
-        t.remove("a");
-        t.get_mut("b");
-        assert_eq!(tick(&mut t), 1);
-        assert_eq!(t.len(), 1);
+        t.insert(
+            "boot".into(),
+            Timer {
+                at: Some(100),
+                ..Default::default()
+            },
+        );
+        t.insert("idle".into(), Timer::default());
+        t.insert(
+            "waits".into(),
+            Timer {
+                outside: true,
+                ..Default::default()
+            },
+        );
+        tick(&mut t, 0);
+        let steps = |t: &DomainTable<Timer>| -> Vec<u32> {
+            ["boot", "idle", "waits"].map(|n| t[n].steps).to_vec()
+        };
+        assert_eq!(steps(&t), [1, 1, 1], "all were just inserted");
+        tick(&mut t, 50);
+        assert_eq!(steps(&t), [1, 1, 2], "nothing due; `waits` always");
+        assert!(!t["boot"].done);
+        tick(&mut t, 130);
+        assert_eq!(steps(&t), [2, 1, 3]);
+        assert!(t["boot"].done, "stepped at the first advance past 100");
+        tick(&mut t, 500);
+        assert_eq!(steps(&t), [2, 1, 4], "boot has no moment left");
+
+        t.get_mut("idle").unwrap().at = Some(600);
+        tick(&mut t, 510);
+        assert_eq!(steps(&t), [2, 2, 5], "idle was touched");
+        tick(&mut t, 600);
+        assert!(t["idle"].done);
+
+        // A touch moves a domain's moment: the old one is forgotten.
+        let boot = t.get_mut("boot").unwrap();
+        (boot.at, boot.done) = (Some(700), false);
+        tick(&mut t, 601);
+        t.get_mut("boot").unwrap().at = Some(900);
+        tick(&mut t, 602);
+        tick(&mut t, 800);
+        assert!(!t["boot"].done, "the moment moved from 700 to 900");
+        tick(&mut t, 900);
+        assert!(t["boot"].done);
+
+        t.remove("waits");
+        let before = t["idle"].steps;
+        t.settle_all(|d| d.at = None);
+        tick(&mut t, 1_000);
+        assert_eq!(t["idle"].steps, before, "settled: nothing left to step");
+        assert_eq!(t.len(), 2);
     }
 }
