@@ -900,6 +900,18 @@ impl VmController {
             }
         };
         for d in domains {
+            // The recorded instance, as the index has it: the usual case,
+            // answered without a read per domain on every pass. Anything
+            // else is read afresh before a domain is ended.
+            let recorded_here = self.vm_index.read(|index| {
+                index
+                    .get(&d.vm)
+                    .and_then(|v| v.vm.status.instance.as_ref())
+                    .is_some_and(|inst| inst.id == d.instance)
+            });
+            if recorded_here == Some(true) {
+                continue;
+            }
             let store_err = |source| ReconcileError::Store {
                 vm: d.vm.clone(),
                 source,
