@@ -203,31 +203,12 @@ impl Hypervisor for QemuDriver {
         Ok(self.info_of(&domain, state))
     }
 
-    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
-        let dir = self.inner.layout.instances_dir();
-        let entries = std::fs::read_dir(&dir).map_err(|e| HvError::Unavailable {
-            instance: "*".into(),
-            op: "list",
-            reason: format!("{}: {e}", dir.display()),
-        })?;
-        let mut names: Vec<String> = entries
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| validate_name("instance", n).is_ok())
-            .collect();
-        names.sort();
-        let mut out = Vec::with_capacity(names.len());
-        for name in names {
-            match self.info(&name).await {
-                Ok(info) => out.push(info),
-                // Cleaned up between the directory read and the lookup.
-                Err(HvError::NotFound { .. }) => {}
-                // A domain whose state is unknown makes the whole listing
-                // unknown: callers use it to prove a VM has no live instance.
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(out)
+    async fn list(&self) -> Result<crate::DomainListing, HvError> {
+        self.list_domains().await
+    }
+
+    async fn domains_of(&self, vm: &str) -> Result<Vec<DomainInfo>, HvError> {
+        self.domains_of_vm(vm).await
     }
 
     async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
@@ -287,11 +268,11 @@ impl Hypervisor for QemuDriver {
         let _vm = self.lock_vm(vm).await;
         // Refuse rather than pull disks from under a running guest.
         let live: Vec<String> = self
-            .list()
+            .domains_of(vm)
             .await
             .map_err(|e| storage(format!("cannot prove no instance is live: {e}")))?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .map(|d| d.instance)
             .collect();
         if !live.is_empty() {

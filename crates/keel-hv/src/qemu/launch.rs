@@ -261,6 +261,8 @@ impl QemuDriver {
         };
         validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
         validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        // Its VM's domains are found by this name (see `listing`).
+        crate::check_instance_name(spec, op)?;
         for (i, disk) in spec.disks.iter().enumerate() {
             validate_name(&format!("disks[{i}].name"), &disk.name)
                 .map_err(|e| invalid(e.to_string()))?;

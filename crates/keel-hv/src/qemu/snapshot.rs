@@ -297,10 +297,10 @@ impl QemuDriver {
             }
         }
         let live: Vec<_> = self
-            .list()
+            .domains_of(vm)
             .await?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .collect();
         let executing: Vec<_> = live
             .iter()
@@ -617,7 +617,7 @@ impl QemuDriver {
         // Never under a running guest: it would keep its cached view of a
         // disk that changed beneath it.
         let live: Vec<String> = self
-            .list()
+            .domains_of(vm)
             .await
             .map_err(|e| {
                 storage(
@@ -627,7 +627,7 @@ impl QemuDriver {
                 )
             })?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .map(|d| d.instance)
             .collect();
         if !live.is_empty() {
