@@ -9,7 +9,7 @@ use keel_api::{validate_name, Clock, SystemClock};
 
 use super::monitor::Phase;
 use super::proc::PidFd;
-use super::{network, unavailable, QemuDriver};
+use super::{blocking, network, unavailable, QemuDriver};
 use crate::{
     DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, MigrationProgress, NodeFacts,
 };
@@ -179,7 +179,8 @@ impl Hypervisor for QemuDriver {
         // Recorded before the signal: whoever sees the exit (this monitor, or
         // a later Keel's scan) attributes it to us.
         let marker = format!("{}\n", SystemClock.now_ms());
-        std::fs::write(&domain.paths.kill_marker, marker)
+        tokio::fs::write(&domain.paths.kill_marker, marker)
+            .await
             .map_err(|e| unavailable(instance, "kill", format!("write kill marker: {e}")))?;
         match PidFd::open_verified(pid, &domain.marker) {
             Ok(fd) => {
@@ -239,12 +240,15 @@ impl Hypervisor for QemuDriver {
                 reason: e.to_string(),
             });
         }
-        let removed = domain.paths.remove_sockets().and_then(|()| {
-            match std::fs::remove_dir_all(&domain.paths.dir) {
+        let paths = domain.paths.clone();
+        let removed = blocking::unblocked("cleanup", move || {
+            paths.remove_sockets()?;
+            match std::fs::remove_dir_all(&paths.dir) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
                 _ => Ok(()),
             }
-        });
+        })
+        .await;
         if let Err(e) = removed {
             return Err(HvError::Failed {
                 instance: instance.to_string(),
@@ -281,11 +285,10 @@ impl Hypervisor for QemuDriver {
                 live.join(", ")
             )));
         }
+        // Whole disk images: can take long, and on shared storage longer.
         let dir = self.inner.layout.vm_disks(vm);
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(storage(format!("remove {}: {e}", dir.display()))),
-        }
+        blocking::remove_dir_all(dir.clone())
+            .await
+            .map_err(|e| storage(format!("remove {}: {e}", dir.display())))
     }
 }

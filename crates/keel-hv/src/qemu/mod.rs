@@ -22,6 +22,7 @@
 
 mod accel;
 mod accel_choice;
+mod blocking;
 pub mod boot;
 pub mod cloud_init;
 mod config;
