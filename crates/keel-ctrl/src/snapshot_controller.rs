@@ -214,8 +214,8 @@ impl SnapshotController {
                 Ok(info) => Access::NotNow(format!("instance {} is {:?}", inst.id, info.state)),
                 Err(e) => Access::NotNow(e.to_string()),
             },
-            None => match self.hv.list().await {
-                Ok(all) if all.iter().any(|d| d.vm == vm.name) => {
+            None => match self.hv.domains_of(&vm.name).await {
+                Ok(domains) if !domains.is_empty() => {
                     Access::NotNow(format!("VM {} has an instance being cleaned up", vm.name))
                 }
                 Ok(_) => Access::Offline,

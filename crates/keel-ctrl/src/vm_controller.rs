@@ -467,17 +467,27 @@ impl VmController {
     /// This agent cannot renew its lease: before it runs out and another
     /// node starts these VMs, end every domain here.
     pub async fn self_fence(&self) {
-        let Ok(domains) = self.hv.list().await else {
-            tracing::error!(node = %self.cfg.node, "self-fence: cannot list domains");
-            return;
-        };
-        for d in domains.iter().filter(|d| !d.state.is_exited()) {
-            tracing::error!(node = %self.cfg.node, vm = %d.vm, instance = %d.instance,
-                "self-fence: lease not renewed, ending instance");
-            if let Err(err) = self.hv.kill(&d.instance).await {
-                tracing::error!(instance = %d.instance, %err, "self-fence: kill failed");
+        let listing = match self.hv.list().await {
+            Ok(listing) => listing,
+            Err(err) => {
+                tracing::error!(node = %self.cfg.node, %err, "self-fence: cannot list domains");
+                return;
             }
+        };
+        // A domain whose state nobody could read may be running: it is
+        // ended too. All at once, so one slow kill delays no other.
+        let mut kills = tokio::task::JoinSet::new();
+        for instance in listing.instances() {
+            tracing::error!(node = %self.cfg.node, instance,
+                "self-fence: lease not renewed, ending instance");
+            let (hv, instance) = (self.hv.clone(), instance.to_string());
+            kills.spawn(async move {
+                if let Err(err) = hv.kill(&instance).await {
+                    tracing::error!(instance, %err, "self-fence: kill failed");
+                }
+            });
         }
+        kills.join_all().await;
     }
 
     /// VMs owned by a node whose lease has run out move back to the
@@ -892,14 +902,20 @@ impl VmController {
     }
 
     async fn end_stray_domains(&self) -> Result<(), ReconcileError> {
-        let domains = match self.hv.list().await {
-            Ok(d) => d,
+        let listing = match self.hv.list().await {
+            Ok(listing) => listing,
             Err(err) => {
                 tracing::debug!(%err, "garbage collection: cannot list domains");
                 return Ok(());
             }
         };
-        for d in domains {
+        // A domain nobody can read is neither ended nor cleaned up: it may
+        // be the recorded instance, or one mid-handover. The others go on.
+        for u in &listing.unknown {
+            tracing::debug!(instance = %u.instance, err = %u.error,
+                "garbage collection: domain state unknown, left alone");
+        }
+        for d in listing.domains {
             // The recorded instance, as the index has it: the usual case,
             // answered without a read per domain on every pass. Anything
             // else is read afresh before a domain is ended.
@@ -1007,8 +1023,10 @@ impl VmController {
                 Err(err) => Observed::Unknown(err.to_string()),
             },
             None => {
-                let domains: Vec<keel_hv::DomainInfo> = match self.hv.list().await {
-                    Ok(all) => all.into_iter().filter(|d| d.vm == vm.name).collect(),
+                // This VM's domains only: another VM's hung domain neither
+                // delays nor blocks this one's start.
+                let domains = match self.hv.domains_of(&vm.name).await {
+                    Ok(domains) => domains,
                     Err(err) => return Observed::Unknown(err.to_string()),
                 };
                 if let Some(why) = self.unhanded_target(vm, &domains).await {

@@ -8,6 +8,7 @@ use common::{spec, World};
 use keel_api::{ExitKind, Phase, PowerState, RunPolicy, VirtualMachine};
 use keel_ctrl::RuntimeConfig;
 use keel_hv::sim::{SimConfig, SimFaults};
+use keel_hv::Hypervisor;
 
 fn sim() -> SimConfig {
     SimConfig {
@@ -181,6 +182,115 @@ async fn with_one_reconcile_at_a_time_the_hung_call_holds_up_every_vm() {
     let web = w.get("web").await.unwrap();
     assert_eq!(web.status.stop, None, "{web:?}");
     assert_eq!(web.status.phase, Phase::Running);
+}
+
+/// A VM whose domain cannot be looked at (its calls hang) keeps no other
+/// VM on the node from starting: a new VM's look asks the node for its own
+/// domains only (`Hypervisor::domains_of`), not for every domain's state.
+#[tokio::test]
+async fn a_hung_lookup_of_one_vms_domain_does_not_keep_another_vm_from_starting() {
+    let mut w = World::new(12, sim()).await;
+    let stuck = running_vm(&mut w, "stuck").await;
+    w.hv.hang_calls(&stuck);
+    w.schedule("stuck");
+    w.reconcile_due().await;
+    assert_eq!(w.hv.hanging_calls(), 1, "the stuck VM's look hangs");
+
+    let created = w.now();
+    w.create("web", spec(RunPolicy::Manual, PowerState::Running, 60))
+        .await;
+    w.run_for(5_000).await;
+    let web = w.get("web").await.unwrap();
+    assert_eq!(web.status.phase, Phase::Running, "{web:?}");
+    let instance = web.status.instance.unwrap();
+    assert_eq!(instance.created_at, created, "started at its first look");
+    assert_eq!(w.hv.hanging_calls(), 1, "the stuck VM's look still hangs");
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+    w.hv.release_calls(&stuck);
+    w.reconcile_due().await;
+    assert_eq!(w.runtime.in_flight(), 0);
+}
+
+/// ...but a VM's own domain that cannot be looked at holds its start: an
+/// untracked domain of the VM whose state nobody can read may be running,
+/// and "unknown" is never "absent".
+#[tokio::test]
+async fn a_vms_own_unreadable_domain_holds_its_start() {
+    let mut w = World::new(13, sim()).await;
+    w.create("cache", spec(RunPolicy::Manual, PowerState::Stopped, 60))
+        .await;
+    w.run_for(2_000).await;
+    assert_eq!(w.get("cache").await.unwrap().status.phase, Phase::Stopped);
+    // Left by an earlier agent, unknown to the record, and not answering.
+    w.hv.start(&keel_hv::DomainSpec {
+        vm: "cache".into(),
+        instance: "cache-orphan".into(),
+        cpus: 1,
+        memory_mib: 64,
+        disks: vec![],
+        boot: Default::default(),
+        create_disks: true,
+        network: Default::default(),
+        cloud_init: None,
+        images: vec![],
+    })
+    .await
+    .unwrap();
+    w.hv.hang_calls("cache-orphan");
+    w.user_op("cache", VirtualMachine::request_start)
+        .await
+        .unwrap();
+    w.run_for(10_000).await;
+    let vm = w.get("cache").await.unwrap();
+    assert_eq!(vm.status.instance, None, "{vm:?}");
+    assert_eq!(w.hv.live_instances("cache"), ["cache-orphan"]);
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+    // Readable again: adopted and stopped by the normal rules, or started
+    // after; never a second instance beside it.
+    w.hv.release_calls("cache-orphan");
+    w.run_for(30_000).await;
+    assert!(w.hv.violations().is_empty(), "{:?}", w.hv.violations());
+}
+
+/// Garbage collection ends the domains no record accounts for, but never
+/// one it cannot read (it may be running, maybe mid-handover): that one is
+/// left alone, not even asked, and the others are still ended.
+#[tokio::test]
+async fn garbage_collection_leaves_an_unreadable_domain_alone_and_ends_the_others() {
+    let w = World::new(14, sim()).await;
+    for instance in ["ghost-1", "stray-1"] {
+        let vm = instance.trim_end_matches("-1");
+        w.hv.start(&keel_hv::DomainSpec {
+            vm: vm.into(),
+            instance: instance.into(),
+            cpus: 1,
+            memory_mib: 64,
+            disks: vec![],
+            boot: Default::default(),
+            create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
+            images: vec![],
+        })
+        .await
+        .unwrap();
+    }
+    w.hv.hang_calls("ghost-1");
+    // Bounded only so that a broken build fails instead of hanging.
+    tokio::time::timeout(std::time::Duration::from_secs(10), w.ctrl.collect_garbage())
+        .await
+        .expect("garbage collection waited on the unreadable domain")
+        .unwrap();
+    assert!(
+        w.hv.live_instances("stray").is_empty(),
+        "the stray is ended"
+    );
+    assert_eq!(w.hv.live_instances("ghost"), ["ghost-1"]);
+    assert_eq!(
+        w.hv.hanging_calls(),
+        0,
+        "nothing asked the unreadable domain"
+    );
 }
 
 /// Wall-clock milliseconds that follow tokio's clock, so a test on

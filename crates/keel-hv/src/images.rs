@@ -247,7 +247,8 @@ impl ImageStore {
         let path = self
             .path(image)
             .ok_or_else(|| rejected(&name, "not a valid image name"))?;
-        let meta = match std::fs::metadata(&path) {
+        // The image dir is shared in a cluster: even a stat may be slow.
+        let meta = match tokio::fs::metadata(&path).await {
             Ok(m) if m.is_file() => m,
             Ok(_) => return Err(ImageError::Missing { name, path }),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {

@@ -95,6 +95,81 @@ pub struct DomainInfo {
     pub started_at: Millis,
 }
 
+/// Every domain a node knows, each on its own: one whose state could not
+/// be read is listed apart with its reason, and never counts as absent.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DomainListing {
+    /// The domains whose state was read, exited ones included.
+    pub domains: Vec<DomainInfo>,
+    /// The domains that exist but could not be looked at (a hung QMP, an
+    /// unreadable launch record): they may be running.
+    pub unknown: Vec<UnknownDomain>,
+}
+
+/// A domain that exists, in a state nobody could read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnknownDomain {
+    pub instance: String,
+    /// `None` when not even its VM is known (its launch record is unreadable).
+    pub vm: Option<String>,
+    pub error: HvError,
+}
+
+impl DomainListing {
+    /// The domains of `vm`, or the error of the first domain that is, or may
+    /// be, one of `vm`'s and could not be read: unknown is never absent.
+    pub fn of_vm(self, vm: &str) -> Result<Vec<DomainInfo>, HvError> {
+        if let Some(u) = self
+            .unknown
+            .into_iter()
+            .find(|u| u.vm.as_deref().is_none_or(|v| v == vm))
+        {
+            return Err(u.error);
+        }
+        Ok(self.domains.into_iter().filter(|d| d.vm == vm).collect())
+    }
+
+    /// No domain at all, known or unknown.
+    pub fn is_empty(&self) -> bool {
+        self.domains.is_empty() && self.unknown.is_empty()
+    }
+
+    /// Every instance that is not known to have exited, unknown ones
+    /// included: what a node that must end all its guests (self-fencing)
+    /// kills.
+    pub fn instances(&self) -> impl Iterator<Item = &str> {
+        self.domains
+            .iter()
+            .filter(|d| !d.state.is_exited())
+            .map(|d| d.instance.as_str())
+            .chain(self.unknown.iter().map(|u| u.instance.as_str()))
+    }
+}
+
+/// Instances of a VM are named `<vm>-<suffix>` (the controller's
+/// `<vm>-<seq>`); drivers refuse any other name, so the domains of one VM
+/// are found by name without looking at anyone else's.
+pub fn instance_prefix(vm: &str) -> String {
+    format!("{vm}-")
+}
+
+/// Refuses a spec whose instance is not named after its VM (see
+/// [`instance_prefix`]).
+pub fn check_instance_name(spec: &DomainSpec, op: &'static str) -> Result<(), HvError> {
+    match spec.instance.strip_prefix(&instance_prefix(&spec.vm)) {
+        Some(suffix) if !suffix.is_empty() => Ok(()),
+        _ => Err(HvError::Failed {
+            instance: spec.instance.clone(),
+            op,
+            reason: format!(
+                "instance names of VM {} must start with {:?}",
+                spec.vm,
+                instance_prefix(&spec.vm)
+            ),
+        }),
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeFacts {
     pub hypervisor: String,
@@ -238,8 +313,17 @@ pub trait Hypervisor: Send + Sync + 'static {
 
     async fn info(&self, instance: &str) -> Result<DomainInfo, HvError>;
 
-    /// Every domain this node knows, exited ones included.
-    async fn list(&self) -> Result<Vec<DomainInfo>, HvError>;
+    /// Every domain this node knows, exited ones included, each on its own:
+    /// a domain whose state cannot be read is in `unknown`, with its reason.
+    /// Fails only when the node's domains cannot be enumerated at all.
+    async fn list(&self) -> Result<DomainListing, HvError>;
+
+    /// The domains of one VM, exited ones included. Fails if one of them
+    /// (or one that may be one of them) cannot be read; other VMs' domains
+    /// neither delay nor fail it in drivers that override this default.
+    async fn domains_of(&self, vm: &str) -> Result<Vec<DomainInfo>, HvError> {
+        self.list().await?.of_vm(vm)
+    }
 
     /// Forgets an exited domain and removes its runtime files. Refuses a
     /// domain that has not exited; `NotFound` if already forgotten.
@@ -412,5 +496,86 @@ fn unsupported(vm: &str, op: &'static str, snapshot: &str) -> HvError {
         vm: vm.to_string(),
         op,
         reason: format!("snapshot {snapshot}: not supported by this driver"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn domain(vm: &str, instance: &str, state: DomainState) -> DomainInfo {
+        DomainInfo {
+            instance: instance.into(),
+            vm: vm.into(),
+            state,
+            pid: None,
+            started_at: 0,
+        }
+    }
+
+    fn unknown(vm: Option<&str>, instance: &str) -> UnknownDomain {
+        UnknownDomain {
+            instance: instance.into(),
+            vm: vm.map(Into::into),
+            error: HvError::Unavailable {
+                instance: instance.into(),
+                op: "list",
+                reason: "QMP timed out".into(),
+            },
+        }
+    }
+
+    #[test]
+    fn a_vms_domains_fail_only_on_an_unknown_one_that_may_be_its() {
+        let listing = DomainListing {
+            domains: vec![
+                domain("web", "web-1", DomainState::Running),
+                domain("db", "db-1", DomainState::Running),
+            ],
+            unknown: vec![unknown(Some("db"), "db-2")],
+        };
+        let web = listing.clone().of_vm("web").unwrap();
+        assert_eq!(web, [domain("web", "web-1", DomainState::Running)]);
+        let err = listing.clone().of_vm("db").unwrap_err();
+        assert!(matches!(err, HvError::Unavailable { instance, .. } if instance == "db-2"));
+        // Whose it is nobody knows: it may be anyone's.
+        let mut anyones = listing;
+        anyones.unknown.push(unknown(None, "web-9"));
+        assert!(anyones.of_vm("web").is_err());
+    }
+
+    #[test]
+    fn fencing_covers_unknown_domains_and_skips_exited_ones() {
+        let listing = DomainListing {
+            domains: vec![
+                domain("web", "web-1", DomainState::Running),
+                domain("web", "web-0", DomainState::Exited(ExitCause::Killed)),
+            ],
+            unknown: vec![unknown(None, "db-2")],
+        };
+        let fenced: Vec<&str> = listing.instances().collect();
+        assert_eq!(fenced, ["web-1", "db-2"]);
+    }
+
+    #[test]
+    fn instance_names_must_carry_their_vms_prefix() {
+        let spec = |vm: &str, instance: &str| DomainSpec {
+            vm: vm.into(),
+            instance: instance.into(),
+            cpus: 1,
+            memory_mib: 64,
+            disks: vec![],
+            boot: Default::default(),
+            create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
+            images: vec![],
+        };
+        assert!(check_instance_name(&spec("web", "web-1"), "start").is_ok());
+        assert!(check_instance_name(&spec("web", "web-1-1"), "start").is_ok());
+        for bad in ["web", "web-", "db-1", "webx-1"] {
+            let err = check_instance_name(&spec("web", bad), "start").unwrap_err();
+            assert!(matches!(err, HvError::Failed { .. }), "{bad}: {err:?}");
+        }
     }
 }

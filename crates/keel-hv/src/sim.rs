@@ -20,8 +20,8 @@ mod table;
 use table::{DomainTable, NextChange};
 
 use crate::{
-    DomainExit, DomainInfo, DomainSpec, DomainState, ExitCause, HvError, Hypervisor,
-    MigrationProgress, NodeFacts,
+    check_instance_name, instance_prefix, DomainExit, DomainInfo, DomainListing, DomainSpec,
+    DomainState, ExitCause, HvError, Hypervisor, MigrationProgress, NodeFacts, UnknownDomain,
 };
 
 #[derive(Debug, Clone)]
@@ -53,7 +53,7 @@ impl Default for SimConfig {
 /// Probabilities are per call (0.0 = never).
 #[derive(Debug, Clone, Default)]
 pub struct SimFaults {
-    /// `info` and `list` fail with `Unavailable`.
+    /// `info`, `list` and `domains_of` fail with `Unavailable`.
     pub lookup_unavailable: f64,
     /// `start`, `shutdown`, `kill`, `cleanup` fail with `Unavailable` without acting.
     pub op_unavailable: f64,
@@ -468,8 +468,10 @@ impl SimHypervisor {
     }
 
     /// From now on every call naming `instance` (info, shutdown, kill,
-    /// cleanup, guest agent calls) hangs until [`Self::release_calls`], as
-    /// a call on a QMP socket that never answers.
+    /// cleanup, guest agent calls, `domains_of` its VM) hangs until
+    /// [`Self::release_calls`], as a call on a QMP socket that never
+    /// answers; `list` reports it unknown, as the QEMU driver's bounded
+    /// look does.
     pub fn hang_calls(&self, instance: &str) {
         self.lock().hung.insert(instance.to_string());
     }
@@ -744,6 +746,16 @@ impl SimState {
             })
     }
 
+    /// The domains of `vm`: a range of the map, by the instances' names.
+    fn domains_of<'a>(&'a self, vm: &'a str) -> impl Iterator<Item = &'a SimDomain> + 'a {
+        let prefix = instance_prefix(vm);
+        self.domains
+            .range(prefix.clone()..)
+            .take_while(move |(instance, _)| instance.starts_with(&prefix))
+            .map(|(_, d)| d)
+            .filter(move |d| d.spec.vm == vm)
+    }
+
     fn info_of(&self, instance: &str) -> Result<DomainInfo, HvError> {
         let d = self
             .domains
@@ -785,6 +797,7 @@ impl Hypervisor for SimHypervisor {
 
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
         let now = self.clock.now_ms();
+        check_instance_name(spec, "start")?;
         let mut s = self.lock();
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(&spec.instance, "start", p)?;
@@ -894,12 +907,49 @@ impl Hypervisor for SimHypervisor {
         s.info_of(instance)
     }
 
-    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
+    async fn list(&self) -> Result<DomainListing, HvError> {
         let mut s = self.lock();
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable("*", "list", p)?;
-        let names: Vec<String> = s.domains.keys().cloned().collect();
-        names.iter().map(|n| s.info_of(n)).collect()
+        let mut listing = DomainListing::default();
+        for (instance, d) in s.domains.iter() {
+            if s.hung.contains(instance) {
+                // As the QEMU driver's bounded QMP look gives up on a hung
+                // socket: listed, in a state nobody knows.
+                listing.unknown.push(UnknownDomain {
+                    instance: instance.clone(),
+                    vm: Some(d.spec.vm.clone()),
+                    error: HvError::Unavailable {
+                        instance: instance.clone(),
+                        op: "list",
+                        reason: "calls to this domain hang".into(),
+                    },
+                });
+            } else {
+                listing.domains.push(s.info_of(instance)?);
+            }
+        }
+        Ok(listing)
+    }
+
+    async fn domains_of(&self, vm: &str) -> Result<Vec<DomainInfo>, HvError> {
+        // Only this VM's domains, by name; a hung one of them hangs this
+        // call as it hangs `info`, another VM's is never waited for.
+        let hung: Vec<String> = {
+            let s = self.lock();
+            s.domains_of(vm)
+                .filter(|d| s.hung.contains(&d.spec.instance))
+                .map(|d| d.spec.instance.clone())
+                .collect()
+        };
+        for instance in &hung {
+            self.hang_point(instance).await;
+        }
+        let mut s = self.lock();
+        let p = s.config.faults.lookup_unavailable;
+        s.maybe_unavailable(&format!("{}*", instance_prefix(vm)), "list", p)?;
+        let instances: Vec<String> = s.domains_of(vm).map(|d| d.spec.instance.clone()).collect();
+        instances.iter().map(|i| s.info_of(i)).collect()
     }
 
     async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
@@ -948,6 +998,7 @@ impl Hypervisor for SimHypervisor {
     async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
         let now = self.clock.now_ms();
         let uri = format!("sim://{}/{}", self.node, spec.instance);
+        check_instance_name(spec, "prepare incoming")?;
         {
             let mut s = self.lock();
             let p = s.config.faults.op_unavailable;

@@ -51,8 +51,11 @@ async fn boots_to_the_ready_marker_under_tcg() {
     let ticks = ch.ticks().await.unwrap();
     assert!(!ticks.boot_id.is_empty());
     let listed = hv.list().await.unwrap();
-    assert_eq!(listed.len(), 1);
-    assert_eq!(listed[0].instance, "web-1");
+    assert!(listed.unknown.is_empty(), "{listed:?}");
+    assert_eq!(listed.domains.len(), 1);
+    assert_eq!(listed.domains[0].instance, "web-1");
+    assert_eq!(hv.domains_of("web").await.unwrap(), listed.domains);
+    assert!(hv.domains_of("we").await.unwrap().is_empty());
 
     let err = hv.start(&spec("web", "web-1")).await.unwrap_err();
     assert_eq!(
@@ -230,9 +233,15 @@ async fn unreachable_qmp_on_a_live_process_is_unavailable() {
     fx.reopen().await;
     let hv = fx.hv();
 
+    // Listed on its own as unknown, with the reason; never as absent.
+    let listing = hv.list().await.unwrap();
+    assert!(listing.domains.is_empty(), "{listing:?}");
+    assert_eq!(listing.unknown.len(), 1, "{listing:?}");
+    assert_eq!(listing.unknown[0].vm.as_deref(), Some("web"));
     for err in [
         hv.info("web-1").await.unwrap_err(),
-        hv.list().await.unwrap_err(),
+        listing.unknown[0].error.clone(),
+        hv.domains_of("web").await.unwrap_err(),
         hv.shutdown("web-1").await.unwrap_err(),
     ] {
         assert!(
@@ -282,6 +291,78 @@ async fn a_frozen_qemu_is_unavailable_not_exited() {
     assert_eq!(hv.info("web-1").await.unwrap().state, DomainState::Running);
     hv.kill("web-1").await.unwrap();
     hv.cleanup("web-1").await.unwrap();
+}
+
+/// One stopped QEMU (its QMP never answers) is listed as unknown on its
+/// own, beside the running one; and the domains of another VM are read
+/// without waiting for it, even of a VM whose name it extends (`web-1-1`
+/// is VM `web-1`'s, found among `web-…` by name and never asked).
+#[tokio::test]
+async fn a_hung_domain_is_listed_unknown_and_delays_no_other_vms_lookup() {
+    const QMP_TIMEOUT: Duration = Duration::from_secs(3);
+    let Some(fx) = Fixture::with(|mut c| {
+        c.qmp_timeout = QMP_TIMEOUT;
+        c
+    })
+    .await
+    else {
+        return;
+    };
+    let hv = fx.hv();
+    fx.boot("web-1", "web-1-1").await;
+    fx.boot("web", "web-1").await;
+    let stopped = hv.pid("web-1-1").unwrap() as i32;
+    // SAFETY: kill(2) on the QEMU this test started.
+    unsafe { libc::kill(stopped, libc::SIGSTOP) };
+
+    let t = Instant::now();
+    let listing = hv.list().await.unwrap();
+    let listed_in = t.elapsed();
+    eprintln!("list with one stopped QEMU: {listed_in:?}");
+    assert_eq!(listing.domains.len(), 1, "{listing:?}");
+    assert_eq!(
+        (
+            listing.domains[0].instance.as_str(),
+            listing.domains[0].state
+        ),
+        ("web-1", DomainState::Running)
+    );
+    assert_eq!(listing.unknown.len(), 1, "{listing:?}");
+    let unknown = &listing.unknown[0];
+    assert_eq!(
+        (unknown.instance.as_str(), unknown.vm.as_deref()),
+        ("web-1-1", Some("web-1"))
+    );
+    assert!(
+        matches!(&unknown.error, HvError::Unavailable { instance, .. } if instance == "web-1-1"),
+        "{unknown:?}"
+    );
+    assert!(listed_in < QMP_TIMEOUT * 3, "bounded: {listed_in:?}");
+    assert_eq!(listing.instances().count(), 2, "both are to be fenced");
+
+    let t = Instant::now();
+    let web = hv.domains_of("web").await.unwrap();
+    let looked_in = t.elapsed();
+    eprintln!("domains_of(web) beside the stopped QEMU: {looked_in:?}");
+    assert_eq!(web, listing.domains);
+    assert!(
+        looked_in < QMP_TIMEOUT / 2,
+        "waited for the stopped QEMU: {looked_in:?}"
+    );
+    // Its own VM's lookup fails: unknown is never absent.
+    let err = hv.domains_of("web-1").await.unwrap_err();
+    assert!(
+        matches!(&err, HvError::Unavailable { instance, .. } if instance == "web-1-1"),
+        "{err:?}"
+    );
+
+    // SAFETY: as above.
+    unsafe { libc::kill(stopped, libc::SIGCONT) };
+    for instance in ["web-1-1", "web-1"] {
+        hv.kill(instance).await.unwrap();
+        hv.cleanup(instance).await.unwrap();
+    }
+    assert!(hv.list().await.unwrap().is_empty());
 }
 
 #[tokio::test]

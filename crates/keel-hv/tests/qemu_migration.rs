@@ -518,18 +518,18 @@ async fn tls_migration_and_a_target_of_another_ca() {
     ));
     plain.kill("web-4").await.unwrap();
     plain.cleanup("web-4").await.unwrap();
-    let web5 = spec("web5", "web-5");
+    let web5 = spec("web5", "web5-1");
     boot(&plain, &web5).await;
     let uri = b
-        .prepare_incoming(&target_spec(&web5, "web-6"))
+        .prepare_incoming(&target_spec(&web5, "web5-2"))
         .await
         .unwrap();
-    let err = plain.migrate("web-5", &uri).await.unwrap_err();
+    let err = plain.migrate("web5-1", &uri).await.unwrap_err();
     assert!(
         err.to_string().contains("no migration credentials"),
         "{err}"
     );
-    for (hv, instance) in [(&b, "web-6"), (&plain, "web-5"), (&b, "web-2")] {
+    for (hv, instance) in [(&b, "web5-2"), (&plain, "web5-1"), (&b, "web-2")] {
         hv.kill(instance).await.unwrap();
         hv.cleanup(instance).await.unwrap();
     }

@@ -102,7 +102,7 @@ async fn probe_kvm(config: &QemuConfig, scratch: &Path, runtime: &Path) -> Resul
                 status = child.wait() => Err(format!(
                     "kvm probe failed: qemu exited ({}): {}",
                     status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
-                    tail(&paths.qemu_log),
+                    tail(&paths.qemu_log).await,
                 )),
             };
             // The probe guest has served its purpose either way.

@@ -219,7 +219,8 @@ impl QemuDriver {
     pub(super) async fn agent_freeze(&self, instance: &str) -> Result<u32, HvError> {
         let domain = self.live_domain(instance, "freeze filesystems")?;
         // Recorded first: if Keel dies before the thaw, adoption thaws.
-        std::fs::write(&domain.paths.fs_frozen, b"frozen\n")
+        tokio::fs::write(&domain.paths.fs_frozen, b"frozen\n")
+            .await
             .map_err(|e| failed(instance, "freeze filesystems", e))?;
         let freeze_timeout = self.inner.config.freeze_timeout;
         self.with_agent(instance, "freeze filesystems", move |s| {
@@ -236,7 +237,7 @@ impl QemuDriver {
                 Box::pin(async move { s.fs_thaw(timeout).await })
             })
             .await?;
-        let _ = std::fs::remove_file(&domain.paths.fs_frozen);
+        let _ = tokio::fs::remove_file(&domain.paths.fs_frozen).await;
         Ok(thawed)
     }
 

@@ -12,9 +12,9 @@ use std::process::Stdio;
 
 use keel_api::validate_name;
 
-use super::boot;
 use super::layout::rename_noreplace;
 use super::QemuDriver;
+use super::{blocking, boot};
 use crate::{DomainSpec, HvError};
 
 impl QemuDriver {
@@ -44,7 +44,11 @@ impl QemuDriver {
         let mut paths = Vec::new();
         for disk in disks {
             let path = self.inner.layout.disk(vm, &disk.name);
-            if !create && !path.exists() {
+            // The disk dir may be shared storage: even a stat can hang.
+            let exists = tokio::fs::try_exists(&path)
+                .await
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            if !create && !exists {
                 return Err(format!(
                     "disk {} of VM {vm} is missing at {}: the VM has run on its disks, so no \
                      blank one is made in its place (wrong node, or shared storage not mounted?)",
@@ -52,7 +56,7 @@ impl QemuDriver {
                     path.display()
                 ));
             }
-            if !path.exists() {
+            if !exists {
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
                 let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
@@ -74,15 +78,27 @@ impl QemuDriver {
                             })?;
                     cmd.args(["-F", image.format.as_str(), "-b"]).arg(path);
                 }
-                let out = cmd
+                let qemu_img = self.inner.config.qemu_img.display();
+                let timeout = self.inner.config.storage_timeout;
+                // Killed if it outlives its timeout (the future is dropped).
+                let run = cmd
                     .arg(&tmp)
                     .arg(format!("{}M", disk.size_mib))
                     .stdin(Stdio::null())
-                    .output()
-                    .await
-                    .map_err(|e| format!("run {}: {e}", self.inner.config.qemu_img.display()))?;
+                    .kill_on_drop(true)
+                    .output();
+                let out = match tokio::time::timeout(timeout, run).await {
+                    Ok(out) => out.map_err(|e| format!("run {qemu_img}: {e}"))?,
+                    Err(_) => {
+                        let _ = blocking::remove_file(tmp).await;
+                        return Err(format!(
+                            "{qemu_img} create {}: no answer within {timeout:?}",
+                            path.display()
+                        ));
+                    }
+                };
                 if !out.status.success() {
-                    let _ = std::fs::remove_file(&tmp);
+                    let _ = blocking::remove_file(tmp).await;
                     return Err(format!(
                         "qemu-img create {} ({}): {}",
                         path.display(),
@@ -90,11 +106,16 @@ impl QemuDriver {
                         String::from_utf8_lossy(&out.stderr).trim()
                     ));
                 }
-                match rename_noreplace(&tmp, &path) {
+                let (from, to) = (tmp.clone(), path.clone());
+                match blocking::unblocked("move a new disk into place", move || {
+                    rename_noreplace(&from, &to)
+                })
+                .await
+                {
                     Ok(()) => {}
                     // Another start created it meanwhile; theirs is as good.
                     Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                        let _ = std::fs::remove_file(&tmp);
+                        let _ = blocking::remove_file(tmp).await;
                     }
                     Err(e) => return Err(format!("{}: {e}", path.display())),
                 }
@@ -107,10 +128,24 @@ impl QemuDriver {
     /// The VM's own UEFI variable store beside its disks, copied from
     /// OVMF's template when missing (first UEFI start). An incoming target
     /// uses the source's and never makes one.
-    pub(super) fn ensure_uefi_vars(&self, spec: &DomainSpec, incoming: bool) -> Result<(), String> {
+    pub(super) async fn ensure_uefi_vars(
+        &self,
+        spec: &DomainSpec,
+        incoming: bool,
+    ) -> Result<(), String> {
         if spec.boot.firmware != Some(keel_api::Firmware::Uefi) {
             return Ok(());
         }
+        // A copy and two fsyncs on the disk dir: on the blocking pool.
+        let (driver, spec) = (self.clone(), spec.clone());
+        let done = blocking::unblocked("UEFI variable store", move || {
+            Ok(driver.ensure_uefi_vars_blocking(&spec, incoming))
+        })
+        .await;
+        done.unwrap_or_else(|e| Err(e.to_string()))
+    }
+
+    fn ensure_uefi_vars_blocking(&self, spec: &DomainSpec, incoming: bool) -> Result<(), String> {
         let vm_dir = self.inner.layout.vm_disks(&spec.vm);
         let vars = vm_dir.join(boot::UEFI_VARS);
         if vars.is_file() {
@@ -150,12 +185,28 @@ impl QemuDriver {
     /// the source is running on them. A missing one means the disk dir is
     /// not the storage the source uses; creating a blank image would hand
     /// the guest an empty disk.
-    pub(super) fn existing_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
+    pub(super) async fn existing_disks(&self, spec: &DomainSpec) -> Result<Vec<PathBuf>, HvError> {
+        let paths: Vec<PathBuf> = spec
+            .disks
+            .iter()
+            .map(|disk| self.inner.layout.disk(&spec.vm, &disk.name))
+            .collect();
+        // Stats on the (shared) disk dir: on the blocking pool.
+        let checked = paths.clone();
+        let present = blocking::unblocked("look for the source's disks", move || {
+            Ok(checked.iter().map(|p| p.is_file()).collect::<Vec<bool>>())
+        })
+        .await
+        .map_err(|e| HvError::Failed {
+            instance: spec.instance.clone(),
+            op: "prepare incoming migration",
+            reason: e.to_string(),
+        })?;
         spec.disks
             .iter()
-            .map(|disk| {
-                let path = self.inner.layout.disk(&spec.vm, &disk.name);
-                if path.is_file() {
+            .zip(paths.into_iter().zip(present))
+            .map(|(disk, (path, present))| {
+                if present {
                     Ok(path)
                 } else {
                     Err(HvError::Failed {

@@ -9,7 +9,7 @@ use keel_api::{validate_name, Clock, SystemClock};
 
 use super::monitor::Phase;
 use super::proc::PidFd;
-use super::{network, unavailable, QemuDriver};
+use super::{blocking, network, unavailable, QemuDriver};
 use crate::{
     DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, MigrationProgress, NodeFacts,
 };
@@ -179,7 +179,8 @@ impl Hypervisor for QemuDriver {
         // Recorded before the signal: whoever sees the exit (this monitor, or
         // a later Keel's scan) attributes it to us.
         let marker = format!("{}\n", SystemClock.now_ms());
-        std::fs::write(&domain.paths.kill_marker, marker)
+        tokio::fs::write(&domain.paths.kill_marker, marker)
+            .await
             .map_err(|e| unavailable(instance, "kill", format!("write kill marker: {e}")))?;
         match PidFd::open_verified(pid, &domain.marker) {
             Ok(fd) => {
@@ -203,31 +204,12 @@ impl Hypervisor for QemuDriver {
         Ok(self.info_of(&domain, state))
     }
 
-    async fn list(&self) -> Result<Vec<DomainInfo>, HvError> {
-        let dir = self.inner.layout.instances_dir();
-        let entries = std::fs::read_dir(&dir).map_err(|e| HvError::Unavailable {
-            instance: "*".into(),
-            op: "list",
-            reason: format!("{}: {e}", dir.display()),
-        })?;
-        let mut names: Vec<String> = entries
-            .flatten()
-            .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| validate_name("instance", n).is_ok())
-            .collect();
-        names.sort();
-        let mut out = Vec::with_capacity(names.len());
-        for name in names {
-            match self.info(&name).await {
-                Ok(info) => out.push(info),
-                // Cleaned up between the directory read and the lookup.
-                Err(HvError::NotFound { .. }) => {}
-                // A domain whose state is unknown makes the whole listing
-                // unknown: callers use it to prove a VM has no live instance.
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(out)
+    async fn list(&self) -> Result<crate::DomainListing, HvError> {
+        self.list_domains().await
+    }
+
+    async fn domains_of(&self, vm: &str) -> Result<Vec<DomainInfo>, HvError> {
+        self.domains_of_vm(vm).await
     }
 
     async fn cleanup(&self, instance: &str) -> Result<(), HvError> {
@@ -258,12 +240,15 @@ impl Hypervisor for QemuDriver {
                 reason: e.to_string(),
             });
         }
-        let removed = domain.paths.remove_sockets().and_then(|()| {
-            match std::fs::remove_dir_all(&domain.paths.dir) {
+        let paths = domain.paths.clone();
+        let removed = blocking::unblocked("cleanup", move || {
+            paths.remove_sockets()?;
+            match std::fs::remove_dir_all(&paths.dir) {
                 Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
                 _ => Ok(()),
             }
-        });
+        })
+        .await;
         if let Err(e) = removed {
             return Err(HvError::Failed {
                 instance: instance.to_string(),
@@ -287,11 +272,11 @@ impl Hypervisor for QemuDriver {
         let _vm = self.lock_vm(vm).await;
         // Refuse rather than pull disks from under a running guest.
         let live: Vec<String> = self
-            .list()
+            .domains_of(vm)
             .await
             .map_err(|e| storage(format!("cannot prove no instance is live: {e}")))?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .map(|d| d.instance)
             .collect();
         if !live.is_empty() {
@@ -300,11 +285,10 @@ impl Hypervisor for QemuDriver {
                 live.join(", ")
             )));
         }
+        // Whole disk images: can take long, and on shared storage longer.
         let dir = self.inner.layout.vm_disks(vm);
-        match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(storage(format!("remove {}: {e}", dir.display()))),
-        }
+        blocking::remove_dir_all(dir.clone())
+            .await
+            .map_err(|e| storage(format!("remove {}: {e}", dir.display())))
     }
 }

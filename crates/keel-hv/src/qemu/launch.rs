@@ -11,13 +11,11 @@ use std::time::{Duration, Instant};
 
 use keel_api::{validate_name, Clock, SystemClock};
 
-use super::layout::{
-    self, rename_noreplace, write_json_atomic, InstancePaths, LaunchPlan, LaunchRecord,
-};
+use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRecord};
 use super::monitor::{Domain, Phase, ProcessWatch};
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
-use super::{boot, cloud_init, keeper, network, QemuDriver};
+use super::{blocking, boot, cloud_init, keeper, network, QemuDriver};
 use crate::{DomainSpec, HvError};
 
 impl QemuDriver {
@@ -88,13 +86,15 @@ impl QemuDriver {
             .await
             .map_err(&failed)?;
         let disks = if incoming {
-            self.existing_disks(spec)?
+            self.existing_disks(spec).await?
         } else {
             self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks, &images)
                 .await
                 .map_err(&failed)?
         };
-        self.ensure_uefi_vars(spec, incoming).map_err(&failed)?;
+        self.ensure_uefi_vars(spec, incoming)
+            .await
+            .map_err(&failed)?;
         let mut plan = self.plan(spec, disks, &images)?;
         plan.incoming = incoming;
         let args = plan.args();
@@ -113,24 +113,47 @@ impl QemuDriver {
             .layout
             .instances_dir()
             .join(format!(".staging-{instance}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&staging);
-        let staged = InstancePaths::new(staging.clone(), staging.clone());
-        let prepared = std::fs::create_dir(&staging)
-            .and_then(|()| plan.paths.prepare_sockets())
-            .and_then(|()| match &spec.cloud_init {
-                Some(ci) => cloud_init::Seed::render(&spec.vm, ci).write_image(&staged.seed),
-                None => Ok(()),
-            })
-            .and_then(|()| write_json_atomic(&staged.spec, &record));
+        // Directories, the seed image, fsyncs: on the blocking pool.
+        let seed = spec
+            .cloud_init
+            .as_ref()
+            .map(|ci| cloud_init::Seed::render(&spec.vm, ci));
+        let record = layout::json_bytes(&record).map_err(|e| failed(e.to_string()))?;
+        let (dir, paths) = (staging.clone(), plan.paths.clone());
+        let prepared = blocking::unblocked("prepare the instance dir", move || {
+            let _ = std::fs::remove_dir_all(&dir);
+            let staged = InstancePaths::new(dir.clone(), dir.clone());
+            let prepared = std::fs::create_dir(&dir)
+                .and_then(|()| paths.prepare_sockets())
+                .and_then(|()| match &seed {
+                    Some(seed) => seed.write_image(&staged.seed),
+                    None => Ok(()),
+                })
+                .and_then(|()| layout::write_bytes_atomic(&staged.spec, &record));
+            if prepared.is_err() {
+                let _ = std::fs::remove_dir_all(&dir);
+                let _ = paths.remove_sockets();
+            }
+            prepared
+        })
+        .await;
         if let Err(e) = prepared {
-            let _ = std::fs::remove_dir_all(&staging);
-            let _ = plan.paths.remove_sockets();
             return Err(failed(format!("{}: {e}", staging.display())));
         }
-        if let Err(e) = rename_noreplace(&staging, &plan.paths.dir)
-            .and_then(|()| layout::sync_dir(&self.inner.layout.instances_dir()))
-        {
-            let _ = std::fs::remove_dir_all(&staging);
+        let (dir, to, instances) = (
+            staging.clone(),
+            plan.paths.dir.clone(),
+            self.inner.layout.instances_dir(),
+        );
+        let claimed = blocking::unblocked("claim the instance dir", move || {
+            let claimed = rename_noreplace(&dir, &to).and_then(|()| layout::sync_dir(&instances));
+            if claimed.is_err() {
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+            claimed
+        })
+        .await;
+        if let Err(e) = claimed {
             // The socket dir is not removed here: it may be the live
             // instance's that owns the directory we lost the race for.
             return Err(match e.kind() {
@@ -144,17 +167,20 @@ impl QemuDriver {
         }
 
         let remove_dir = || {
-            if let Err(e) = network::release(instance) {
-                tracing::warn!(instance = %instance, error = %e, "failed start: tap not removed");
-            }
-            let _ = std::fs::remove_dir_all(&plan.paths.dir);
-            let _ = plan.paths.remove_sockets();
+            let (instance, paths) = (instance.clone(), plan.paths.clone());
+            blocking::unblocked("remove a failed start's files", move || {
+                if let Err(e) = network::release(&instance) {
+                    tracing::warn!(instance = %instance, error = %e, "failed start: tap not removed");
+                }
+                let _ = std::fs::remove_dir_all(&paths.dir);
+                paths.remove_sockets()
+            })
         };
         // After the directory is ours: a tap made for a start that lost the
         // race for it would belong to nobody.
         if let Some(nic) = &plan.nic {
             if let Err(e) = nic.prepare() {
-                remove_dir();
+                let _ = remove_dir().await;
                 return Err(failed(e.to_string()));
             }
         }
@@ -166,7 +192,7 @@ impl QemuDriver {
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
-                remove_dir();
+                let _ = remove_dir().await;
                 return Err(failed(format!(
                     "spawn {}: {e}",
                     keeper
@@ -238,8 +264,8 @@ impl QemuDriver {
                     let _ = fd.signal(libc::SIGKILL);
                     let _ = tokio::time::timeout(Duration::from_secs(10), fd.exited()).await;
                 }
-                let log = tail(&plan.paths.qemu_log);
-                remove_dir();
+                let log = tail(&plan.paths.qemu_log).await;
+                let _ = remove_dir().await;
                 Err(failed(format!("{reason}; qemu log: {log}")))
             }
         }
@@ -261,6 +287,8 @@ impl QemuDriver {
         };
         validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
         validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        // Its VM's domains are found by this name (see `listing`).
+        crate::check_instance_name(spec, op)?;
         for (i, disk) in spec.disks.iter().enumerate() {
             validate_name(&format!("disks[{i}].name"), &disk.name)
                 .map_err(|e| invalid(e.to_string()))?;
@@ -425,8 +453,8 @@ fn spawn_in_own_session(
 }
 
 /// The last lines of a log, on one line, for error messages.
-pub(super) fn tail(path: &Path) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
+pub(super) async fn tail(path: &Path) -> String {
+    let text = tokio::fs::read_to_string(path).await.unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     let start = lines.len().saturating_sub(5);
     let joined = lines[start..].join(" | ");

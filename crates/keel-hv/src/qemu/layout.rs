@@ -303,11 +303,20 @@ pub fn run_state(status: &str) -> crate::DomainState {
 /// looking as if it never ended, or a launch record lost, a live one as
 /// if it never began).
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> io::Result<()> {
+    write_bytes_atomic(path, &json_bytes(value)?)
+}
+
+/// The bytes [`write_json_atomic`] writes.
+pub fn json_bytes<T: Serialize>(value: &T) -> io::Result<Vec<u8>> {
+    serde_json::to_vec_pretty(value).map_err(io::Error::other)
+}
+
+/// [`write_json_atomic`] of bytes already serialized.
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     use std::io::Write;
     let tmp = path.with_extension("json.tmp");
-    let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
     let mut file = std::fs::File::create(&tmp)?;
-    file.write_all(&bytes)?;
+    file.write_all(bytes)?;
     file.sync_all()?;
     std::fs::rename(&tmp, path)?;
     sync_dir(path.parent().unwrap_or(Path::new(".")))

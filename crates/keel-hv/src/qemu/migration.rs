@@ -67,10 +67,10 @@ use serde_json::{json, Value};
 
 mod precopy;
 
-use super::layout::{read_json, write_json_atomic, InstancePaths, MAX_SOCKET_PATH};
+use super::layout::{read_json, InstancePaths, MAX_SOCKET_PATH};
 use super::monitor::Phase;
 use super::qmp::{QmpClient, QmpError};
-use super::{unavailable, QemuDriver};
+use super::{blocking, unavailable, QemuDriver};
 use crate::{DomainState, HvError, MigrationParams, MigrationProgress};
 
 /// `migration-out.json`: this instance was told to send itself to `uri`.
@@ -545,13 +545,14 @@ impl QemuDriver {
         };
         // Before the command: an instance with a migration under way always
         // has its record, whatever happens to this call.
-        write_json_atomic(&domain.paths.migration_out, &record)
+        blocking::write_json(&domain.paths.migration_out, &record)
+            .await
             .map_err(|e| unavailable(instance, OP, format!("write migration record: {e}")))?;
         if paused_source {
             tracing::info!(instance, ?qemu, "TCG dirty tracking loses writes before QEMU 9.0: pausing the source for the migration");
             if let Err(e) = client.execute("stop", None).await {
                 let _ = client.execute("cont", None).await;
-                let _ = std::fs::remove_file(&domain.paths.migration_out);
+                let _ = blocking::remove_file(domain.paths.migration_out.clone()).await;
                 return Err(qmp_err(e));
             }
         }
@@ -568,7 +569,7 @@ impl QemuDriver {
                 if paused_source {
                     let _ = client.execute("cont", None).await;
                 }
-                let _ = std::fs::remove_file(&domain.paths.migration_out);
+                let _ = blocking::remove_file(domain.paths.migration_out.clone()).await;
                 Err(qmp_err(e))
             }
             // No answer: it may have started; the record stays and a retry
@@ -651,7 +652,7 @@ impl QemuDriver {
         );
         if terminal && rec.outcome.as_ref() != Some(&progress) {
             rec.outcome = Some(progress.clone());
-            if let Err(e) = write_json_atomic(&domain.paths.migration_out, &rec) {
+            if let Err(e) = blocking::write_json(&domain.paths.migration_out, &rec).await {
                 // Only matters once the process is gone; QEMU still knows.
                 tracing::warn!(instance, "cannot record migration outcome: {e}");
             }
@@ -750,7 +751,7 @@ impl QemuDriver {
             "resumed the source paused for a migration that did not hand over"
         );
         rec.source_resumed = true;
-        if let Err(e) = write_json_atomic(&paths.migration_out, &*rec) {
+        if let Err(e) = blocking::write_json(&paths.migration_out, &*rec).await {
             tracing::warn!("cannot record the resumed source: {e}");
         }
         Ok(())

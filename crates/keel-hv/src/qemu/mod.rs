@@ -14,13 +14,15 @@
 //! on storage both nodes share (`QemuConfig::disk_dir`).
 //!
 //! The driver itself, by topic: [`config`] (what it is told), [`registry`]
-//! (finding and adopting instances), [`disks`] (images a start needs),
+//! (finding and adopting instances), [`listing`] (all domains, or one VM's,
+//! each looked at on its own), [`disks`] (images a start needs),
 //! [`launch`] (spawning QEMU and rolling back a failed start) and
 //! [`hypervisor`] (the trait). This file holds the driver's state and its
 //! construction.
 
 mod accel;
 mod accel_choice;
+mod blocking;
 pub mod boot;
 pub mod cloud_init;
 mod config;
@@ -31,6 +33,7 @@ mod hypervisor;
 pub mod keeper;
 mod launch;
 mod layout;
+mod listing;
 mod migration;
 mod monitor;
 pub mod network;

@@ -44,7 +44,7 @@ use super::migration::{query_migrate, read_outgoing, Stage};
 use super::monitor::Domain;
 use super::opts::opt_escape;
 use super::qmp::{QmpClient, QmpError};
-use super::{unavailable, QemuDriver};
+use super::{blocking, unavailable, QemuDriver};
 use crate::{DomainState, HvError, Hypervisor};
 use uefi_vars::VarsStore;
 
@@ -297,10 +297,10 @@ impl QemuDriver {
             }
         }
         let live: Vec<_> = self
-            .list()
+            .domains_of(vm)
             .await?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .collect();
         let executing: Vec<_> = live
             .iter()
@@ -382,7 +382,8 @@ impl QemuDriver {
                 .map_err(|e| e.into_hv(vm, OP, what(disk)))?;
         }
         let vars = self.uefi_vars(vm);
-        vars.save(name).map_err(|e| {
+        let saved = name.to_string();
+        vars.step(move |v| v.save(&saved)).await.map_err(|e| {
             storage(
                 vm,
                 OP,
@@ -394,7 +395,8 @@ impl QemuDriver {
                 for undo in &paths[..i] {
                     let _ = self.img_snapshot(ImgOp::Delete, name, undo).await;
                 }
-                let _ = vars.remove(name);
+                let removed = name.to_string();
+                let _ = vars.step(move |v| v.remove(&removed)).await;
                 return Err(e.into_hv(vm, OP, what(disk)));
             }
         }
@@ -490,25 +492,29 @@ impl QemuDriver {
         // A guest that is paused already (not by us) stays paused.
         let pause = status.status == "running";
         if pause {
-            std::fs::write(&domain.paths.snapshot_paused, format!("{name}\n")).map_err(|e| {
-                unavailable(instance, OP, format!("VM {vm}: write pause marker: {e}"))
-            })?;
+            tokio::fs::write(&domain.paths.snapshot_paused, format!("{name}\n"))
+                .await
+                .map_err(|e| {
+                    unavailable(instance, OP, format!("VM {vm}: write pause marker: {e}"))
+                })?;
             if let Err(e) = client.execute("stop", None).await {
                 // Not paused (or unknown): resume to be sure, then give up.
                 let _ = client.execute("cont", None).await;
-                let _ = std::fs::remove_file(&domain.paths.snapshot_paused);
+                let _ = blocking::remove_file(domain.paths.snapshot_paused.clone()).await;
                 return Err(fail(format!("snapshot {name}: stop"), e));
             }
         }
         // With the guest paused, like the disks: one consistent set.
         let vars = self.uefi_vars(vm);
-        let vars_saved = vars.save(name);
+        let saved = name.to_string();
+        let vars_saved = vars.step(move |v| v.save(&saved)).await;
         let taken = match &vars_saved {
             Ok(_) => self.snapshot_devices(&client, &devices, name).await,
             Err(_) => Ok(()),
         };
         if taken.is_err() {
-            let _ = vars.remove(name);
+            let removed = name.to_string();
+            let _ = vars.step(move |v| v.remove(&removed)).await;
         }
         let resumed = if pause {
             client.execute("cont", None).await.map(drop)
@@ -517,7 +523,7 @@ impl QemuDriver {
         };
         match &resumed {
             Ok(()) => {
-                let _ = std::fs::remove_file(&domain.paths.snapshot_paused);
+                let _ = blocking::remove_file(domain.paths.snapshot_paused.clone()).await;
             }
             // The marker stays: the next snapshot call, or the next driver
             // adopting the instance, resumes it.
@@ -617,7 +623,7 @@ impl QemuDriver {
         // Never under a running guest: it would keep its cached view of a
         // disk that changed beneath it.
         let live: Vec<String> = self
-            .list()
+            .domains_of(vm)
             .await
             .map_err(|e| {
                 storage(
@@ -627,7 +633,7 @@ impl QemuDriver {
                 )
             })?
             .into_iter()
-            .filter(|d| d.vm == vm && !d.state.is_exited())
+            .filter(|d| !d.state.is_exited())
             .map(|d| d.instance)
             .collect();
         if !live.is_empty() {
@@ -646,7 +652,7 @@ impl QemuDriver {
         for disk in disks {
             let path = self.inner.layout.disk(vm, &disk.name);
             let what = format!("snapshot {name} of disk {}", disk.name);
-            if !path.is_file() {
+            if !is_file(&path).await {
                 return Err(storage(
                     vm,
                     OP,
@@ -671,13 +677,18 @@ impl QemuDriver {
                 .await
                 .map_err(|e| e.into_hv(vm, OP, format!("snapshot {name} of disk {}", disk.name)))?;
         }
-        let vars = self.uefi_vars(vm).restore(name).map_err(|e| {
-            storage(
-                vm,
-                OP,
-                format!("snapshot {name} of the UEFI variables: {e}"),
-            )
-        })?;
+        let restored = name.to_string();
+        let vars = self
+            .uefi_vars(vm)
+            .step(move |v| v.restore(&restored))
+            .await
+            .map_err(|e| {
+                storage(
+                    vm,
+                    OP,
+                    format!("snapshot {name} of the UEFI variables: {e}"),
+                )
+            })?;
         tracing::info!(
             vm,
             snapshot = name,
@@ -739,7 +750,7 @@ impl QemuDriver {
                 }
                 // Offline, or not attached to the live instance.
                 None => {
-                    if !path.is_file() {
+                    if !is_file(&path).await {
                         continue;
                     }
                     let info = self
@@ -754,13 +765,17 @@ impl QemuDriver {
                 }
             }
         }
-        self.uefi_vars(vm).remove(name).map_err(|e| {
-            storage(
-                vm,
-                OP,
-                format!("snapshot {name} of the UEFI variables: {e}"),
-            )
-        })?;
+        let removed = name.to_string();
+        self.uefi_vars(vm)
+            .step(move |v| v.remove(&removed))
+            .await
+            .map_err(|e| {
+                storage(
+                    vm,
+                    OP,
+                    format!("snapshot {name} of the UEFI variables: {e}"),
+                )
+            })?;
         tracing::info!(
             vm,
             snapshot = name,
@@ -777,18 +792,36 @@ impl QemuDriver {
     }
 }
 
+impl VarsStore {
+    /// One step on the store (copies and fsyncs in the disk dir), on the
+    /// blocking pool.
+    async fn step<T: Send + 'static>(
+        &self,
+        step: impl FnOnce(&VarsStore) -> std::io::Result<T> + Send + 'static,
+    ) -> std::io::Result<T> {
+        let vars = self.clone();
+        blocking::unblocked("UEFI variable store", move || step(&vars)).await
+    }
+}
+
+/// Whether `path` is a file, asked off the async threads (disks may be
+/// on shared storage). An error reads as "no".
+async fn is_file(path: &Path) -> bool {
+    tokio::fs::metadata(path).await.is_ok_and(|m| m.is_file())
+}
+
 /// `cont` for a guest this module paused and did not get to resume.
 /// Only a guest still `paused` is resumed: one that is, say, `postmigrate`
 /// must never be.
 async fn resume_if_left_paused(domain: &Domain, client: &QmpClient) -> Result<(), QmpError> {
-    if !domain.paths.snapshot_paused.exists() {
+    if !is_file(&domain.paths.snapshot_paused).await {
         return Ok(());
     }
     if client.query_status().await?.status == "paused" {
         client.execute("cont", None).await?;
         tracing::warn!(instance = %domain.instance, "resumed a guest an interrupted snapshot left paused");
     }
-    let _ = std::fs::remove_file(&domain.paths.snapshot_paused);
+    let _ = blocking::remove_file(domain.paths.snapshot_paused.clone()).await;
     Ok(())
 }
 

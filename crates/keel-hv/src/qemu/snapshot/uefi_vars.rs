@@ -26,6 +26,7 @@ use super::super::layout::rename_noreplace;
 pub const SNAPSHOTS_DIR: &str = "uefi-vars.snapshots";
 
 /// A VM's variable store and its snapshots' copies.
+#[derive(Debug, Clone)]
 pub struct VarsStore {
     live: PathBuf,
     copies: PathBuf,
