@@ -2,16 +2,22 @@
 //! the `prometheus-client` crate in the OpenMetrics text format, which
 //! Prometheus scrapes natively.
 
+mod tally;
+
+use std::sync::Arc;
+
 use keel_api::{ExitKind, Migration, MigrationPhase, Phase, StopReason, VirtualMachine};
 use keel_ctrl::keys::{MIGRATIONS_PREFIX, VMS_PREFIX};
 use keel_ctrl::LifecycleObserver;
-use keel_store::{StoreError, TypedStore};
+use keel_store::{Store, StoreError, TypedStore};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use tally::PhaseTally;
+use tokio::sync::watch;
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -36,6 +42,20 @@ pub struct Metrics {
     migrations_finished: Family<Labels, Histogram>,
     undecodable: Gauge,
     forbidden_transitions: Gauge,
+    /// VMs and migrations by phase, kept by watching the store (see
+    /// [`Metrics::keep_counts`]); a scrape lists only while they are not.
+    vm_phases: Arc<PhaseTally>,
+    migration_phases: Arc<PhaseTally>,
+}
+
+fn vm_phase(value: &[u8]) -> Option<usize> {
+    let vm: VirtualMachine = serde_json::from_slice(value).ok()?;
+    Some(phase_index(vm.status.phase))
+}
+
+fn migration_phase(value: &[u8]) -> Option<usize> {
+    let m: Migration = serde_json::from_slice(value).ok()?;
+    MIGRATION_PHASES.iter().position(|p| *p == m.status.phase)
 }
 
 impl Default for Metrics {
@@ -103,6 +123,12 @@ impl Metrics {
             forbidden_transitions.clone(),
         );
         Self {
+            vm_phases: Arc::new(PhaseTally::new(VMS_PREFIX, PHASES.len(), vm_phase)),
+            migration_phases: Arc::new(PhaseTally::new(
+                MIGRATIONS_PREFIX,
+                MIGRATION_PHASES.len(),
+                migration_phase,
+            )),
             undecodable,
             forbidden_transitions,
             registry,
@@ -130,28 +156,54 @@ impl Metrics {
             .inc();
     }
 
+    /// Keeps the counts of VMs and migrations by phase current from the
+    /// store's watch until `stop` turns true, so a scrape costs the same
+    /// whatever the number of VMs.
+    pub async fn keep_counts(&self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
+        tokio::join!(
+            self.vm_phases.clone().keep(store.clone(), stop.clone()),
+            self.migration_phases.clone().keep(store, stop),
+        );
+    }
+
     /// Counts the VMs in the store by phase (every phase, zeros included)
     /// and encodes all metrics.
     pub async fn render(&self, store: &TypedStore) -> Result<String, StoreError> {
-        let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        let mut counts = [0i64; PHASES.len()];
-        for (_, entry) in &vms {
-            counts[phase_index(entry.value.status.phase)] += 1;
-        }
-        for (phase, count) in PHASES.iter().zip(counts) {
+        let vm_counts = match self.vm_phases.counts() {
+            Some(counts) => counts,
+            None => {
+                let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
+                let mut counts = vec![0i64; PHASES.len()];
+                for (_, entry) in &vms {
+                    counts[phase_index(entry.value.status.phase)] += 1;
+                }
+                counts
+            }
+        };
+        for (phase, count) in PHASES.iter().zip(vm_counts) {
             self.vms
                 .get_or_create(&vec![("phase", format!("{phase:?}"))])
                 .set(count);
         }
-        let (migrations, _) = store.list::<Migration>(MIGRATIONS_PREFIX).await?;
-        for phase in MIGRATION_PHASES {
-            let count = migrations
-                .iter()
-                .filter(|(_, m)| m.value.status.phase == phase)
-                .count();
+        let migration_counts = match self.migration_phases.counts() {
+            Some(counts) => counts,
+            None => {
+                let (migrations, _) = store.list::<Migration>(MIGRATIONS_PREFIX).await?;
+                MIGRATION_PHASES
+                    .iter()
+                    .map(|phase| {
+                        migrations
+                            .iter()
+                            .filter(|(_, m)| m.value.status.phase == *phase)
+                            .count() as i64
+                    })
+                    .collect()
+            }
+        };
+        for (phase, count) in MIGRATION_PHASES.iter().zip(migration_counts) {
             self.migrations
                 .get_or_create(&vec![("phase", format!("{phase:?}"))])
-                .set(count as i64);
+                .set(count);
         }
         self.undecodable
             .set(store.undecodable().current().len() as i64);

@@ -272,6 +272,10 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         lifecycle.clone(),
     ));
     let metrics = Arc::new(Metrics::new());
+    tokio::spawn({
+        let (metrics, raw, stop) = (metrics.clone(), store.raw().clone(), stop_rx.clone());
+        async move { metrics.keep_counts(raw, stop).await }
+    });
     let ctrl = Arc::new(
         VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle)
             .with_observer(metrics.clone()),
@@ -373,6 +377,10 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     }
     let (stop, stop_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::new());
+    tokio::spawn({
+        let (metrics, raw, stop) = (metrics.clone(), raw.clone(), stop_rx.clone());
+        async move { metrics.keep_counts(raw, stop).await }
+    });
     let (agent, hypervisor) = if cfg.agent {
         let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
         let agent = NodeAgent::spawn(

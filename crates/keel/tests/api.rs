@@ -1050,7 +1050,17 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
     );
     server.wait_settled_stopped("m");
     let _ = server.request("GET", "/api/v1/vms", None, None, &[]);
-    let r = server.get("/metrics");
+    // The counts follow the store's watch, so they may trail the record
+    // just read by the time it takes an event to arrive.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let r = loop {
+        let r = server.get("/metrics");
+        if r.text.contains("keel_vms{phase=\"Stopped\"} 1") || std::time::Instant::now() > deadline
+        {
+            break r;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     assert_eq!(r.status, 200);
     assert!(r
         .header("content-type")
