@@ -484,3 +484,30 @@ async fn takeover_waits_while_a_migration_of_the_vm_is_unreadable() {
     let report = a.reconcile().await.unwrap().expect("a leads");
     assert_eq!(report.taken_over, 1, "{report:?}");
 }
+
+/// One pass places a burst of new VMs evenly: each choice counts towards
+/// the load the next one sees, although the writes go out together.
+#[tokio::test]
+async fn one_pass_spreads_a_burst_evenly() {
+    let w = World::new();
+    let a = w.control_plane("a");
+    round(&[a.election()]).await;
+    let _n1 = w.agent("n1").await;
+    let _n2 = w.agent("n2").await;
+    let _n3 = w.agent("n3").await;
+    for i in 0..30 {
+        w.create_vm(&format!("vm-{i:02}")).await;
+    }
+    let report = a.reconcile().await.unwrap().expect("a leads");
+    assert_eq!((report.placed, report.unplaced), (30, 0));
+    let mut per_node = std::collections::BTreeMap::<String, usize>::new();
+    for i in 0..30 {
+        let node = w.vm(&format!("vm-{i:02}")).await.status.node.unwrap();
+        *per_node.entry(node).or_default() += 1;
+    }
+    assert_eq!(
+        per_node.values().copied().collect::<Vec<_>>(),
+        [10, 10, 10],
+        "{per_node:?}"
+    );
+}
