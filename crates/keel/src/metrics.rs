@@ -43,10 +43,15 @@ pub struct Metrics {
     undecodable: Gauge,
     forbidden_transitions: Gauge,
     /// VMs and migrations by phase, kept by watching the store (see
-    /// [`Metrics::keep_counts`]); a scrape lists only while they are not.
+    /// [`Metrics::count_from`]); a scrape lists only while they are not.
     vm_phases: Arc<PhaseTally>,
     migration_phases: Arc<PhaseTally>,
+    /// Where to keep the counts from, until the first scrape starts it.
+    counting: std::sync::Mutex<Option<CountFrom>>,
 }
+
+/// The store to count from, and when to stop.
+type CountFrom = (Arc<dyn Store>, watch::Receiver<bool>);
 
 fn vm_phase(value: &[u8]) -> Option<usize> {
     let vm: VirtualMachine = serde_json::from_slice(value).ok()?;
@@ -123,6 +128,7 @@ impl Metrics {
             forbidden_transitions.clone(),
         );
         Self {
+            counting: Default::default(),
             vm_phases: Arc::new(PhaseTally::new(VMS_PREFIX, PHASES.len(), vm_phase)),
             migration_phases: Arc::new(PhaseTally::new(
                 MIGRATIONS_PREFIX,
@@ -156,19 +162,26 @@ impl Metrics {
             .inc();
     }
 
-    /// Keeps the counts of VMs and migrations by phase current from the
-    /// store's watch until `stop` turns true, so a scrape costs the same
-    /// whatever the number of VMs.
-    pub async fn keep_counts(&self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
-        tokio::join!(
-            self.vm_phases.clone().keep(store.clone(), stop.clone()),
-            self.migration_phases.clone().keep(store, stop),
-        );
+    /// From the first scrape on, keeps the counts of VMs and migrations by
+    /// phase current from `store`'s watch until `stop` turns true, so a
+    /// scrape costs the same whatever the number of VMs. Not before: a
+    /// process nobody scrapes adds no watcher to every VM write.
+    pub fn count_from(&self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
+        *self.counting.lock().expect("metrics lock") = Some((store, stop));
+    }
+
+    fn start_counting(&self) {
+        let Some((store, stop)) = self.counting.lock().expect("metrics lock").take() else {
+            return;
+        };
+        tokio::spawn(self.vm_phases.clone().keep(store.clone(), stop.clone()));
+        tokio::spawn(self.migration_phases.clone().keep(store, stop));
     }
 
     /// Counts the VMs in the store by phase (every phase, zeros included)
     /// and encodes all metrics.
     pub async fn render(&self, store: &TypedStore) -> Result<String, StoreError> {
+        self.start_counting();
         let vm_counts = match self.vm_phases.counts() {
             Some(counts) => counts,
             None => {

@@ -272,10 +272,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         lifecycle.clone(),
     ));
     let metrics = Arc::new(Metrics::new());
-    tokio::spawn({
-        let (metrics, raw, stop) = (metrics.clone(), store.raw().clone(), stop_rx.clone());
-        async move { metrics.keep_counts(raw, stop).await }
-    });
+    metrics.count_from(store.raw().clone(), stop_rx.clone());
     let ctrl = Arc::new(
         VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle)
             .with_observer(metrics.clone()),
@@ -377,10 +374,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     }
     let (stop, stop_rx) = watch::channel(false);
     let metrics = Arc::new(Metrics::new());
-    tokio::spawn({
-        let (metrics, raw, stop) = (metrics.clone(), raw.clone(), stop_rx.clone());
-        async move { metrics.keep_counts(raw, stop).await }
-    });
+    metrics.count_from(raw.clone(), stop_rx.clone());
     let (agent, hypervisor) = if cfg.agent {
         let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
         let agent = NodeAgent::spawn(
