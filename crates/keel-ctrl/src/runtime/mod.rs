@@ -100,11 +100,17 @@ impl Runtime {
             vms.config().retry_ms,
             cfg,
         );
-        runtime.source.reflect_vms(vms.vm_reflector().clone());
+        runtime.reflect_vms(vms.vm_reflector().clone());
         runtime.add(vms);
         runtime.add(snapshots);
         runtime.add(migrations);
         runtime
+    }
+
+    /// Keeps `vms` current with the VM records this runtime lists and
+    /// watches (see [`VmController::vm_reflector`]).
+    pub fn reflect_vms(&mut self, vms: Arc<crate::vm_index::VmReflector>) {
+        self.source.reflect_vms(vms);
     }
 
     pub fn add<R: Reconciler>(&mut self, reconciler: Arc<R>) {

@@ -50,6 +50,8 @@ pub struct Agent {
     vms_stuck_flag: Arc<AtomicBool>,
     /// The agent runs but cannot reach the store.
     pub partitioned: Arc<AtomicBool>,
+    /// VM records the agent read from the store.
+    pub vm_reads: Arc<std::sync::atomic::AtomicU64>,
     pub last_heartbeat_ok: Millis,
 }
 
@@ -161,9 +163,11 @@ impl Cluster {
         let partitioned = Arc::new(AtomicBool::new(false));
         let stuck = Arc::new(AtomicBool::new(false));
         let vms_stuck_flag = Arc::new(AtomicBool::new(false));
+        let vm_reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let (vms, migrations, runtime) =
-            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck_flag);
+            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck_flag, &vm_reads);
         Agent {
+            vm_reads,
             name: name.to_string(),
             hv,
             vms,
@@ -186,15 +190,15 @@ impl Cluster {
         partitioned: &Arc<AtomicBool>,
         stuck: &Arc<AtomicBool>,
         vms_stuck: &Arc<AtomicBool>,
+        vm_reads: &Arc<std::sync::atomic::AtomicU64>,
     ) -> (Arc<VmController>, Arc<MigrationController>, Runtime) {
         let shared: Arc<dyn Clock> = Arc::new(SkewedClock {
             base: self.clock.clone(),
             offset_ms: self.skew_ms.get(name).copied().unwrap_or(0),
         });
-        let store = TypedStore::new(Arc::new(FaultyStore::partitionable(
-            self.store.raw().clone(),
-            partitioned.clone(),
-        )));
+        let mut faulty = FaultyStore::partitionable(self.store.raw().clone(), partitioned.clone());
+        faulty.vm_reads = vm_reads.clone();
+        let store = TypedStore::new(Arc::new(faulty));
         let cfg = LifecycleConfig {
             node: name.to_string(),
             // One fabric: every node sees the same disks.
@@ -216,6 +220,7 @@ impl Cluster {
             vms.config().retry_ms,
             &RuntimeConfig::default(),
         );
+        runtime.reflect_vms(vms.vm_reflector().clone());
         runtime.add(Arc::new(Stuckable {
             inner: vms.clone(),
             stuck: vms_stuck.clone(),
@@ -246,6 +251,7 @@ impl Cluster {
                 &a.partitioned,
                 &a.stuck,
                 &a.vms_stuck_flag,
+                &a.vm_reads,
             );
             let a = &mut self.agents[i];
             a.vms = vms;
@@ -264,8 +270,9 @@ impl Cluster {
         );
         let stuck = self.agents[i].stuck.clone();
         let vms_stuck = self.agents[i].vms_stuck_flag.clone();
+        let vm_reads = self.agents[i].vm_reads.clone();
         let (vms, migrations, runtime) =
-            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck);
+            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck, &vm_reads);
         let a = &mut self.agents[i];
         a.vms = vms;
         a.migrations = migrations;

@@ -2,7 +2,7 @@
 //! rate (a flaky network), or all of them while `partitioned` (one agent
 //! cut off from the store).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -15,6 +15,8 @@ pub struct FaultyStore {
     rng: Mutex<ChaCha8Rng>,
     pub fail_rate: Mutex<f64>,
     pub partitioned: Arc<AtomicBool>,
+    /// How many VM records were read through this store.
+    pub vm_reads: Arc<AtomicU64>,
 }
 
 impl FaultyStore {
@@ -24,6 +26,7 @@ impl FaultyStore {
             rng: Mutex::new(ChaCha8Rng::seed_from_u64(seed ^ 0x5eed)),
             fail_rate: Mutex::new(0.0),
             partitioned: Arc::new(AtomicBool::new(false)),
+            vm_reads: Default::default(),
         }
     }
 
@@ -55,6 +58,9 @@ impl FaultyStore {
 impl Store for FaultyStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
         self.fault(key)?;
+        if key.starts_with("/vms/") {
+            self.vm_reads.fetch_add(1, Ordering::SeqCst);
+        }
         self.inner.get(key).await
     }
     async fn put(
