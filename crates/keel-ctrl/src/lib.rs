@@ -42,6 +42,7 @@ pub use migration_controller::MigrationController;
 pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;
 pub use runtime::{run_controllers, run_vm_controller, Reconciler, Runtime, RuntimeConfig};
+pub use runtime::{run_vm_controller_with, DEFAULT_MAX_CONCURRENT_RECONCILES};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use step::{HvAction, Step};
 pub use view::{ClusterView, Observed, RestoreSource};

@@ -12,7 +12,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, Node, SystemClock};
-use keel_ctrl::{run_vm_controller, LifecycleConfig, LifecycleObserver, VmController};
+use keel_ctrl::{
+    run_vm_controller_with, LifecycleConfig, LifecycleObserver, RuntimeConfig, VmController,
+};
 use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::AccelChoice;
 use keel_hv::sim::SimConfig;
@@ -45,6 +47,7 @@ impl NodeAgent {
         clock: Arc<dyn Clock>,
         lifecycle: LifecycleConfig,
         observer: Arc<dyn LifecycleObserver>,
+        runtime: &RuntimeConfig,
     ) -> anyhow::Result<Self> {
         let node = lifecycle.node.clone();
         let facts = hv.facts().await;
@@ -57,7 +60,12 @@ impl NodeAgent {
             .await
             .with_context(|| format!("registering node {node}"))?;
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(run_vm_controller(ctrl.clone(), clock, stop_rx));
+        let task = tokio::spawn(run_vm_controller_with(
+            ctrl.clone(),
+            clock,
+            runtime.clone(),
+            stop_rx,
+        ));
         tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = ?facts.accelerator, "node agent running");
         Ok(Self {
             node,
@@ -206,6 +214,8 @@ pub struct AgentConfig {
     /// Where to serve this node's consoles (`--console-listen`); `None`:
     /// nowhere.
     pub listen: Option<std::net::SocketAddr>,
+    /// The controller runtime's settings (`--max-concurrent-reconciles`).
+    pub runtime: keel_ctrl::RuntimeConfig,
 }
 
 impl AgentConfig {
@@ -231,6 +241,7 @@ impl AgentConfig {
             restart_freeze_ms: 5 * 60 * 1000,
             migration: Default::default(),
             listen: None,
+            runtime: Default::default(),
         }
     }
 
@@ -362,6 +373,7 @@ async fn start_locked(
         clock.clone(),
         lifecycle,
         Arc::new(keel_ctrl::NoObserver),
+        &cfg.runtime,
     )
     .await?;
     let consoles = match cfg.listen {
@@ -448,6 +460,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         args.insecure_migration,
     )?;
     cfg.listen = args.console_listen;
+    cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

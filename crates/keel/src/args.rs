@@ -200,6 +200,12 @@ pub struct ServeArgs {
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// How many reconciles (of distinct VMs, snapshots, migrations) this
+    /// node runs at once; one VM is never reconciled twice at once.
+    #[arg(long, env = "KEEL_MAX_CONCURRENT_RECONCILES", value_name = "N",
+          value_parser = parse_max_concurrent_reconciles,
+          default_value_t = keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES)]
+    pub max_concurrent_reconciles: usize,
 }
 
 /// `keel agent`: a node agent without API, for a cluster on etcd.
@@ -262,6 +268,21 @@ pub struct AgentArgs {
     /// `keel serve` and `keel agent` on a host.)
     #[arg(long, env = "KEEL_CONSOLE_LISTEN")]
     pub console_listen: Option<std::net::SocketAddr>,
+    /// How many reconciles (of distinct VMs, snapshots, migrations) this
+    /// node runs at once; one VM is never reconciled twice at once.
+    #[arg(long, env = "KEEL_MAX_CONCURRENT_RECONCILES", value_name = "N",
+          value_parser = parse_max_concurrent_reconciles,
+          default_value_t = keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES)]
+    pub max_concurrent_reconciles: usize,
+}
+
+/// `--max-concurrent-reconciles N`: at least 1.
+pub fn parse_max_concurrent_reconciles(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a count of reconciles: {e}")),
+    }
 }
 
 /// `--migration-listen ADDR:FIRST-LAST`.
@@ -757,6 +778,24 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn max_concurrent_reconciles_defaults_to_the_runtimes_and_refuses_zero() {
+        let serve = |extra: &[&str]| {
+            let mut argv = vec!["keel", "serve"];
+            argv.extend_from_slice(extra);
+            match Cli::try_parse_from(argv).map(|c| c.command) {
+                Ok(Command::Serve(args)) => Ok(args.max_concurrent_reconciles),
+                Ok(_) => panic!("not serve"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(serve(&[]), Ok(keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES));
+        assert_eq!(serve(&["--max-concurrent-reconciles", "4"]), Ok(4));
+        let err = serve(&["--max-concurrent-reconciles", "0"]).unwrap_err();
+        assert!(err.contains("--max-concurrent-reconciles"), "{err}");
+        assert!(serve(&["--max-concurrent-reconciles", "many"]).is_err());
     }
 
     #[test]

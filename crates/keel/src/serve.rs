@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, SystemClock};
 use keel_ctrl::{
-    run_control_plane, run_vm_controller, ClusterController, ElectionConfig, LeaderElection,
+    run_control_plane, run_vm_controller_with, ClusterController, ElectionConfig, LeaderElection,
     LifecycleConfig, VmController,
 };
 use keel_hv::images::ImageStore;
@@ -85,6 +85,8 @@ pub struct ServeConfig {
     pub agent: bool,
     /// With an etcd store: the leader election's timings.
     pub election: ElectionConfig,
+    /// The controller runtime's settings (`--max-concurrent-reconciles`).
+    pub runtime: keel_ctrl::RuntimeConfig,
 }
 
 impl ServeConfig {
@@ -112,6 +114,7 @@ impl ServeConfig {
             store: StoreSpec::Sqlite,
             agent: false,
             election: ElectionConfig::default(),
+            runtime: Default::default(),
         }
     }
 
@@ -283,7 +286,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
     let controller = tokio::spawn({
-        let vms = run_vm_controller(ctrl, clock.clone(), stop_rx.clone());
+        let vms = run_vm_controller_with(ctrl, clock.clone(), cfg.runtime.clone(), stop_rx.clone());
         let cluster = run_control_plane(cluster, stop_rx.clone());
         async move {
             tokio::join!(vms, cluster);
@@ -383,6 +386,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
             clock.clone(),
             lifecycle.clone(),
             metrics.clone(),
+            &cfg.runtime,
         )
         .await?;
         (Some(agent), Some(hv))
@@ -506,6 +510,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
     cfg.image_dir = args.image_dir;
+    cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

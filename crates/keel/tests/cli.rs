@@ -557,3 +557,65 @@ fn serve_shuts_down_cleanly_on_sigterm() {
         "server still answering"
     );
 }
+
+/// `--max-concurrent-reconciles 0` (flag or environment) is a usage error
+/// naming the flag, for `keel serve` and `keel agent` alike, before
+/// anything starts.
+#[test]
+fn max_concurrent_reconciles_of_zero_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let data_dir = dir.path().to_str().unwrap();
+    let serve = ["serve", "--hypervisor", "sim", "--listen", "127.0.0.1:0"];
+    let agent = [
+        "agent",
+        "--store",
+        "etcd://127.0.0.1:1",
+        "--hypervisor",
+        "sim",
+    ];
+    for command in [&serve[..], &agent[..]] {
+        for by_env in [false, true] {
+            let mut cmd = Command::new(env!("CARGO_BIN_EXE_keel"));
+            cmd.args(command)
+                .args(["--data-dir", data_dir])
+                // No settings file of the host's.
+                .env("KEEL_CONFIG", "")
+                .env_remove("KEEL_MAX_CONCURRENT_RECONCILES");
+            if by_env {
+                cmd.env("KEEL_MAX_CONCURRENT_RECONCILES", "0");
+            } else {
+                cmd.args(["--max-concurrent-reconciles", "0"]);
+            }
+            // Bounded: a build that accepted 0 would start serving.
+            let mut child = cmd
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap();
+            let deadline = std::time::Instant::now() + common::DEADLINE;
+            while child.try_wait().unwrap().is_none() {
+                if std::time::Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("{command:?} env={by_env}: started instead of refusing 0");
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let out = child.wait_with_output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{command:?} env={by_env}: {stderr}"
+            );
+            assert!(
+                stderr.contains("--max-concurrent-reconciles") && stderr.contains("at least 1"),
+                "{command:?} env={by_env}: {stderr}"
+            );
+        }
+    }
+    assert!(
+        std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+        "nothing started"
+    );
+}

@@ -244,17 +244,20 @@ pub async fn run_vm_controller(
     clock: Arc<dyn Clock>,
     stop: watch::Receiver<bool>,
 ) {
+    run_vm_controller_with(vms, clock, RuntimeConfig::default(), stop).await
+}
+
+/// [`run_vm_controller`] with the runtime's settings (`keel serve` and
+/// `keel agent --max-concurrent-reconciles`).
+pub async fn run_vm_controller_with(
+    vms: Arc<VmController>,
+    clock: Arc<dyn Clock>,
+    cfg: RuntimeConfig,
+    stop: watch::Receiver<bool>,
+) {
     let snapshots = Arc::new(vms.snapshot_controller());
     let migrations = Arc::new(vms.migration_controller());
-    run_controllers(
-        vms,
-        snapshots,
-        migrations,
-        clock,
-        &RuntimeConfig::default(),
-        stop,
-    )
-    .await
+    run_controllers(vms, snapshots, migrations, clock, &cfg, stop).await
 }
 
 /// Runs until `stop` turns true. Store outages are retried, never fatal.
