@@ -7,7 +7,7 @@ use keel_api::{
     Snapshot, VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
-use keel_store::{StoreError, TypedStore};
+use keel_store::{StoreError, TypedEntry, TypedStore};
 
 use crate::cluster_controller::{self, ClusterState};
 use crate::config::LifecycleConfig;
@@ -15,7 +15,7 @@ use crate::events::{put_event, record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{
     migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix, vm_key,
-    MIGRATIONS_PREFIX, NODES_PREFIX, VMS_PREFIX,
+    MIGRATIONS_PREFIX, VMS_PREFIX,
 };
 use crate::liveness::Liveness;
 use crate::node_lease::{LeasePlan, NodeLease};
@@ -25,7 +25,7 @@ use crate::step::{HvAction, Step};
 use crate::transitions::{self, ForbiddenTransition};
 use crate::view::{ClusterView, Observed, RestoreSource};
 use crate::vm_decide::decide;
-use crate::vm_index::{VmIndex, VmReflector};
+use crate::vm_index::{ClusterReflector, VmIndex};
 
 /// The cause is in `source()`, never repeated in the message: print the
 /// chain (`error_chain`) to see all of it.
@@ -124,7 +124,7 @@ pub struct VmController {
     probes: crate::readiness::GuestProbes,
     /// Every VM record, kept current by the runtime's watch; read where a
     /// decision looks at the whole cluster (drains, migrations).
-    vm_index: Arc<VmReflector>,
+    vm_index: Arc<ClusterReflector>,
 }
 
 impl VmController {
@@ -152,7 +152,7 @@ impl VmController {
 
     /// The index of every VM this controller reads; whoever watches the
     /// VM records for it (the runtime) keeps it current.
-    pub fn vm_reflector(&self) -> &Arc<VmReflector> {
+    pub fn reflector(&self) -> &Arc<ClusterReflector> {
         &self.vm_index
     }
 
@@ -527,12 +527,7 @@ impl VmController {
             vm: name.to_string(),
             source,
         };
-        let Some(entry) = self
-            .store
-            .get::<VirtualMachine>(&key)
-            .await
-            .map_err(store_err)?
-        else {
+        let Some(entry) = self.record(&key, name).await.map_err(store_err)? else {
             return Ok(None);
         };
         let vm = entry.value;
@@ -656,6 +651,29 @@ impl VmController {
                     Err(source) => Err(store_err(source)),
                 }
             }
+        }
+    }
+
+    /// The VM's record with the revision to write it under: from the index
+    /// the runtime keeps, else from the store. The index is as fresh as the
+    /// change that woke this look, and nothing is started or recorded from
+    /// it but by a compare-and-swap on that revision, which a newer record
+    /// refuses; a store read is only a snapshot a little less old. A VM the
+    /// index does not know is read from the store.
+    async fn record(
+        &self,
+        key: &str,
+        name: &str,
+    ) -> Result<Option<TypedEntry<VirtualMachine>>, StoreError> {
+        let indexed = self.vm_index.read(|index| {
+            index.get(name).map(|v| TypedEntry {
+                value: v.vm.clone(),
+                revision: v.revision,
+            })
+        });
+        match indexed.flatten() {
+            Some(entry) => Ok(Some(entry)),
+            None => self.store.get::<VirtualMachine>(key).await,
         }
     }
 
@@ -785,8 +803,15 @@ impl VmController {
                 .map(|e| e.value),
             None => None,
         };
-        let me = self.store.get::<Node>(&node_key(&self.cfg.node)).await?;
-        let drain = me.and_then(|n| n.value.draining().cloned());
+        let me = match self.vm_index.node(&self.cfg.node) {
+            Some(me) => me,
+            None => self
+                .store
+                .get::<Node>(&node_key(&self.cfg.node))
+                .await?
+                .map(|e| e.value),
+        };
+        let drain = me.and_then(|n| n.draining().cloned());
         // A user's migration to start needs the same look around as a drain.
         if drain.is_none() && vm.pending_migration().is_none() {
             return Ok(ClusterView {
@@ -795,8 +820,10 @@ impl VmController {
             });
         };
         let now = self.clock.now_ms();
-        let (nodes, _) = self.store.list::<Node>(NODES_PREFIX).await?;
-        let nodes: Vec<Node> = nodes.into_iter().map(|(_, e)| e.value).collect();
+        let nodes = match self.vm_index.nodes() {
+            Some(nodes) => nodes,
+            None => ClusterState::read_nodes(&self.store).await?,
+        };
         // The index the runtime keeps; listed here only without one (no
         // runtime behind this controller, or its watch broke).
         let around = |vms: &VmIndex| self.look_around(vm, &nodes, vms, now);
@@ -1180,7 +1207,10 @@ impl VmController {
         revision: u64,
     ) -> Result<Option<u64>, ReconcileError> {
         match self.store.update(key, vm, revision).await {
-            Ok(rev) => Ok(Some(rev)),
+            Ok(rev) => {
+                self.vm_index.written(vm, rev);
+                Ok(Some(rev))
+            }
             Err(StoreError::Conflict { .. }) => Ok(None),
             Err(source) => Err(ReconcileError::Store {
                 vm: vm.name.clone(),

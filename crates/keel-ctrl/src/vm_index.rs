@@ -13,13 +13,13 @@
 //! read at: a write over a stale entry is refused (`Conflict`) and the VM
 //! is looked at again once its newer record arrives.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Mutex;
 
-use keel_api::{Millis, VirtualMachine};
+use keel_api::{Millis, Node, VirtualMachine};
 use keel_store::{Entry, Revision, WatchEvent};
 
-use crate::keys::{name_of, VMS_PREFIX};
+use crate::keys::{name_of, NODES_PREFIX, VMS_PREFIX};
 use crate::schedule::NodeLoad;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -165,30 +165,64 @@ impl VmIndex {
     }
 }
 
-/// A [`VmIndex`] shared between the reader of a watch, which keeps it
-/// current, and reconciles, which read it. Empty (`None`) until the first
-/// list and again from a broken watch until the next list: a reader then
-/// lists for itself rather than trust an index that misses changes.
+/// The VM records ([`VmIndex`]) and node records, shared between the
+/// reader of their watches, which keeps them current, and reconciles,
+/// which read them. Empty (`None`) until the first list and again from a
+/// broken watch until the next list: a reader then reads the store for
+/// itself rather than trust records that miss changes.
 #[derive(Debug, Default)]
-pub struct VmReflector {
-    index: Mutex<Option<VmIndex>>,
+pub struct ClusterReflector {
+    state: Mutex<Option<Reflected>>,
 }
 
-impl VmReflector {
-    /// Starts over from a list of every VM record (undecodable ones are
-    /// left out, as a typed list leaves them out).
-    pub fn reset(&self, entries: &[Entry]) {
-        let index = VmIndex::of(entries.iter().filter_map(|e| {
+#[derive(Debug)]
+struct Reflected {
+    vms: VmIndex,
+    nodes: BTreeMap<String, Node>,
+}
+
+impl ClusterReflector {
+    /// Starts over from a list of every VM record and every node record
+    /// (undecodable ones are left out, as a typed list leaves them out).
+    pub fn reset(&self, vms: &[Entry], nodes: &[Entry]) {
+        let vms = VmIndex::of(vms.iter().filter_map(|e| {
             let name = name_of(VMS_PREFIX, &e.key)?;
             let vm: VirtualMachine = serde_json::from_slice(&e.value).ok()?;
             (vm.name == name).then_some((vm, e.mod_revision))
         }));
-        *self.lock() = Some(index);
+        let nodes = nodes
+            .iter()
+            .filter_map(|e| decoded_node(&e.key, &e.value))
+            .map(|n| (n.name.clone(), n))
+            .collect();
+        *self.lock() = Some(Reflected { vms, nodes });
     }
 
+    /// Takes in one change from the watch on VM or node records.
     pub fn apply(&self, event: &WatchEvent) {
-        if let Some(index) = self.lock().as_mut() {
-            index.apply(event);
+        let mut state = self.lock();
+        let Some(state) = state.as_mut() else {
+            return;
+        };
+        if let Some(name) = name_of(NODES_PREFIX, event.key()) {
+            let node = match event {
+                WatchEvent::Put(e) => decoded_node(&e.key, &e.value),
+                WatchEvent::Deleted { .. } => None,
+            };
+            match node {
+                Some(node) => state.nodes.insert(name.to_string(), node),
+                None => state.nodes.remove(name),
+            };
+        } else {
+            state.vms.apply(event);
+        }
+    }
+
+    /// This process's own write of `vm` at `revision`: taken in now, so
+    /// its next look does not wait for the watch to bring it back.
+    pub fn written(&self, vm: &VirtualMachine, revision: Revision) {
+        if let Some(state) = self.lock().as_mut() {
+            state.vms.upsert(vm.clone(), revision);
         }
     }
 
@@ -197,14 +231,33 @@ impl VmReflector {
         *self.lock() = None;
     }
 
-    /// `read` of the current index; `None` while there is none.
+    /// `read` of the current VM index; `None` while there is none.
     pub fn read<R>(&self, read: impl FnOnce(&VmIndex) -> R) -> Option<R> {
-        self.lock().as_ref().map(read)
+        self.lock().as_ref().map(|s| read(&s.vms))
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<VmIndex>> {
-        self.index.lock().expect("vm index lock")
+    /// Every node record, in name order; `None` while there is no index.
+    pub fn nodes(&self) -> Option<Vec<Node>> {
+        self.lock()
+            .as_ref()
+            .map(|s| s.nodes.values().cloned().collect())
     }
+
+    /// `name`'s record (`Some(None)`: there is none); `None` while there
+    /// is no index.
+    pub fn node(&self, name: &str) -> Option<Option<Node>> {
+        self.lock().as_ref().map(|s| s.nodes.get(name).cloned())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Reflected>> {
+        self.state.lock().expect("cluster reflector lock")
+    }
+}
+
+fn decoded_node(key: &str, value: &[u8]) -> Option<Node> {
+    let name = name_of(NODES_PREFIX, key)?;
+    let node: Node = serde_json::from_slice(value).ok()?;
+    (node.name == name).then_some(node)
 }
 
 #[cfg(test)]

@@ -31,7 +31,7 @@ async fn running_vm(w: &mut World, name: &str) -> String {
 /// The VM controller's index of every VM, as the runtime keeps it.
 fn indexed(w: &World, name: &str) -> Option<Option<VirtualMachine>> {
     w.ctrl
-        .vm_reflector()
+        .reflector()
         .read(|index| index.get(name).map(|v| v.vm.clone()))
 }
 

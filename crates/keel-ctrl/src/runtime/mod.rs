@@ -100,7 +100,7 @@ impl Runtime {
             vms.config().retry_ms,
             cfg,
         );
-        runtime.reflect_vms(vms.vm_reflector().clone());
+        runtime.reflect(vms.reflector().clone());
         runtime.add(vms);
         runtime.add(snapshots);
         runtime.add(migrations);
@@ -108,9 +108,9 @@ impl Runtime {
     }
 
     /// Keeps `vms` current with the VM records this runtime lists and
-    /// watches (see [`VmController::vm_reflector`]).
-    pub fn reflect_vms(&mut self, vms: Arc<crate::vm_index::VmReflector>) {
-        self.source.reflect_vms(vms);
+    /// watches (see [`VmController::reflector`]).
+    pub fn reflect(&mut self, vms: Arc<crate::vm_index::ClusterReflector>) {
+        self.source.reflect(vms);
     }
 
     pub fn add<R: Reconciler>(&mut self, reconciler: Arc<R>) {

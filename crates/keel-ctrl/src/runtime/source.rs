@@ -14,11 +14,18 @@ use keel_store::{Store, StoreError, Watch, WatchEvent};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 
 use super::event::Event;
-use crate::keys::{MIGRATIONS_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
-use crate::vm_index::VmReflector;
+use crate::keys::{MIGRATIONS_PREFIX, NODES_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
+use crate::vm_index::ClusterReflector;
 
-/// The prefixes whose changes wake reconciles.
-pub const WATCHED_PREFIXES: [&str; 3] = [VMS_PREFIX, SNAPSHOTS_PREFIX, MIGRATIONS_PREFIX];
+/// The prefixes watched: changes of the first three wake reconciles; node
+/// records are watched for the [`ClusterReflector`] (a node's own drain,
+/// its neighbours for targets), and wake no reconcile by themselves.
+pub const WATCHED_PREFIXES: [&str; 4] = [
+    VMS_PREFIX,
+    SNAPSHOTS_PREFIX,
+    MIGRATIONS_PREFIX,
+    NODES_PREFIX,
+];
 
 /// What arrived: an event, or news that the watches ended.
 #[derive(Debug)]
@@ -31,13 +38,13 @@ pub enum Incoming {
 pub struct EventSource {
     store: Arc<dyn Store>,
     /// Open watches, in [`WATCHED_PREFIXES`] order; `None` while broken.
-    watches: Option<[Watch; 3]>,
+    watches: Option<[Watch; 4]>,
     /// When to list again while broken.
     relist_at: Millis,
     retry_ms: Millis,
     exits: Option<broadcast::Receiver<DomainExit>>,
     /// Kept current with the VM records listed and watched here.
-    vms: Option<Arc<VmReflector>>,
+    vms: Option<Arc<ClusterReflector>>,
 }
 
 impl EventSource {
@@ -60,7 +67,7 @@ impl EventSource {
     /// Keeps `vms` current with every VM record this source lists and
     /// every change it takes in, before the change is handed on: a
     /// reconcile woken by a change finds it in the index.
-    pub fn reflect_vms(&mut self, vms: Arc<VmReflector>) {
+    pub fn reflect(&mut self, vms: Arc<ClusterReflector>) {
         self.vms = Some(vms);
     }
 
@@ -81,19 +88,22 @@ impl EventSource {
         let mut events = Vec::new();
         let mut opened = Vec::with_capacity(WATCHED_PREFIXES.len());
         let mut vm_records = Vec::new();
+        let mut node_records = Vec::new();
         for prefix in WATCHED_PREFIXES {
             let (entries, revision) = self.store.list(prefix).await?;
             opened.push(self.store.watch(prefix, revision + 1).await?);
             events.extend(entries.iter().map(|e| Event::Listed { key: e.key.clone() }));
-            if prefix == VMS_PREFIX {
-                vm_records = entries;
+            match prefix {
+                VMS_PREFIX => vm_records = entries,
+                NODES_PREFIX => node_records = entries,
+                _ => {}
             }
         }
         self.watches = opened.try_into().ok();
         // Only now that its watch is open and stays so: an index without
         // a watch behind it would silently fall behind.
         if let Some(vms) = &self.vms {
-            vms.reset(&vm_records);
+            vms.reset(&vm_records, &node_records);
         }
         Ok(events)
     }
@@ -121,7 +131,8 @@ impl EventSource {
             // receive, which loses nothing when cancelled.
             let next = std::pin::pin!(watch.next());
             if let Poll::Ready(item) = next.poll(&mut cx) {
-                let vms = (i == 0).then_some(self.vms.as_deref()).flatten();
+                let reflected = i == 0 || WATCHED_PREFIXES[i] == NODES_PREFIX;
+                let vms = reflected.then_some(self.vms.as_deref()).flatten();
                 return Some(incoming(item, vms));
             }
         }
@@ -132,7 +143,7 @@ impl EventSource {
     /// watches closed, waits for exits only.
     pub async fn next(&mut self) -> Incoming {
         let exits = &mut self.exits;
-        let Some([vms, snapshots, migrations]) = self.watches.as_mut() else {
+        let Some([vms, snapshots, migrations, nodes]) = self.watches.as_mut() else {
             return Incoming::Event(Event::Exited(next_exit(exits).await));
         };
         tokio::select! {
@@ -140,6 +151,7 @@ impl EventSource {
             item = vms.next() => incoming(item, self.vms.as_deref()),
             item = snapshots.next() => incoming(item, None),
             item = migrations.next() => incoming(item, None),
+            item = nodes.next() => incoming(item, self.vms.as_deref()),
         }
     }
 
@@ -164,7 +176,7 @@ impl EventSource {
 /// from) has taken it in.
 fn incoming(
     item: Option<Result<WatchEvent, StoreError>>,
-    reflector: Option<&VmReflector>,
+    reflector: Option<&ClusterReflector>,
 ) -> Incoming {
     match item {
         Some(Ok(event)) => {

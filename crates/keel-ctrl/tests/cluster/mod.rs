@@ -220,7 +220,7 @@ impl Cluster {
             vms.config().retry_ms,
             &RuntimeConfig::default(),
         );
-        runtime.reflect_vms(vms.vm_reflector().clone());
+        runtime.reflect(vms.reflector().clone());
         runtime.add(Arc::new(Stuckable {
             inner: vms.clone(),
             stuck: vms_stuck.clone(),
