@@ -222,20 +222,9 @@ async fn a_vms_own_unreadable_domain_holds_its_start() {
     w.run_for(2_000).await;
     assert_eq!(w.get("cache").await.unwrap().status.phase, Phase::Stopped);
     // Left by an earlier agent, unknown to the record, and not answering.
-    w.hv.start(&keel_hv::DomainSpec {
-        vm: "cache".into(),
-        instance: "cache-orphan".into(),
-        cpus: 1,
-        memory_mib: 64,
-        disks: vec![],
-        boot: Default::default(),
-        create_disks: true,
-        network: Default::default(),
-        cloud_init: None,
-        images: vec![],
-    })
-    .await
-    .unwrap();
+    w.hv.start(&keel_hv::DomainSpec::bare("cache", "cache-orphan", 1, 64))
+        .await
+        .unwrap();
     w.hv.hang_calls("cache-orphan");
     w.user_op("cache", VirtualMachine::request_start)
         .await
@@ -260,20 +249,9 @@ async fn garbage_collection_leaves_an_unreadable_domain_alone_and_ends_the_other
     let w = World::new(14, sim()).await;
     for instance in ["ghost-1", "stray-1"] {
         let vm = instance.trim_end_matches("-1");
-        w.hv.start(&keel_hv::DomainSpec {
-            vm: vm.into(),
-            instance: instance.into(),
-            cpus: 1,
-            memory_mib: 64,
-            disks: vec![],
-            boot: Default::default(),
-            create_disks: true,
-            network: Default::default(),
-            cloud_init: None,
-            images: vec![],
-        })
-        .await
-        .unwrap();
+        w.hv.start(&keel_hv::DomainSpec::bare(vm, instance, 1, 64))
+            .await
+            .unwrap();
     }
     w.hv.hang_calls("ghost-1");
     // Bounded only so that a broken build fails instead of hanging.

@@ -154,20 +154,9 @@ async fn delete_waits_while_the_domain_lookup_fails() {
     w.run_for(2_000).await;
     assert_eq!(w.get("cache").await.unwrap().status.phase, Phase::Stopped);
     // An instance the record does not know about (left by a crashed agent).
-    w.hv.start(&DomainSpec {
-        vm: "cache".into(),
-        instance: "cache-orphan".into(),
-        cpus: 1,
-        memory_mib: 64,
-        disks: vec![],
-        boot: Default::default(),
-        create_disks: true,
-        network: Default::default(),
-        cloud_init: None,
-        images: vec![],
-    })
-    .await
-    .unwrap();
+    w.hv.start(&DomainSpec::bare("cache", "cache-orphan", 1, 64))
+        .await
+        .unwrap();
     w.hv.set_faults(SimFaults {
         lookup_unavailable: 1.0,
         ..Default::default()

@@ -146,20 +146,9 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                 if untracked && rng.gen_bool(0.2) {
                     // An instance left behind by an earlier agent, unknown to the record.
                     let orphan = format!("{name}-orphan-{step}");
-                    w.hv.start(&DomainSpec {
-                        vm: name.to_string(),
-                        instance: orphan.clone(),
-                        cpus: 1,
-                        memory_mib: 64,
-                        disks: vec![],
-                        boot: Default::default(),
-                        create_disks: true,
-                        network: Default::default(),
-                        cloud_init: None,
-                        images: vec![],
-                    })
-                    .await
-                    .ok();
+                    w.hv.start(&DomainSpec::bare(name, &orphan, 1, 64))
+                        .await
+                        .ok();
                     orphans.insert(orphan.clone());
                     trace.push(format!("step {step}: orphan {orphan} planted"));
                     continue;

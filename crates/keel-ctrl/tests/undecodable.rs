@@ -171,20 +171,9 @@ async fn garbage_collection_spares_a_domain_an_unreadable_migration_may_serve() 
         },
     );
     // An incoming migration target whose VM record is not here (yet).
-    hv.start(&DomainSpec {
-        vm: "ghost".into(),
-        instance: "ghost-7".into(),
-        cpus: 1,
-        memory_mib: 64,
-        disks: vec![],
-        boot: Default::default(),
-        create_disks: true,
-        network: Default::default(),
-        cloud_init: None,
-        images: vec![],
-    })
-    .await
-    .unwrap();
+    hv.start(&DomainSpec::bare("ghost", "ghost-7", 1, 64))
+        .await
+        .unwrap();
     let key = "/migrations/ghost/ghost-m1";
     let rev = store
         .raw()

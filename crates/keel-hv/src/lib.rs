@@ -56,6 +56,25 @@ pub struct DomainSpec {
     pub images: Vec<keel_api::Image>,
 }
 
+impl DomainSpec {
+    /// A domain of `vm` with no disks, the default boot, network and no
+    /// images: a guest nothing is asked of but to exist.
+    pub fn bare(vm: &str, instance: &str, cpus: u32, memory_mib: u64) -> Self {
+        Self {
+            vm: vm.into(),
+            instance: instance.into(),
+            cpus,
+            memory_mib,
+            disks: vec![],
+            boot: Default::default(),
+            create_disks: true,
+            network: Default::default(),
+            cloud_init: None,
+            images: vec![],
+        }
+    }
+}
+
 /// Launch records written before `create_disks` existed came from starts
 /// that created disks as needed.
 fn create_disks_default() -> bool {
@@ -559,18 +578,7 @@ mod tests {
 
     #[test]
     fn instance_names_must_carry_their_vms_prefix() {
-        let spec = |vm: &str, instance: &str| DomainSpec {
-            vm: vm.into(),
-            instance: instance.into(),
-            cpus: 1,
-            memory_mib: 64,
-            disks: vec![],
-            boot: Default::default(),
-            create_disks: true,
-            network: Default::default(),
-            cloud_init: None,
-            images: vec![],
-        };
+        let spec = |vm: &str, instance: &str| DomainSpec::bare(vm, instance, 1, 64);
         assert!(check_instance_name(&spec("web", "web-1"), "start").is_ok());
         assert!(check_instance_name(&spec("web", "web-1-1"), "start").is_ok());
         for bad in ["web", "web-", "db-1", "webx-1"] {

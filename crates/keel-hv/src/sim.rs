@@ -1425,18 +1425,7 @@ mod tests {
     use keel_api::ManualClock;
 
     fn spec(vm: &str, instance: &str) -> DomainSpec {
-        DomainSpec {
-            vm: vm.into(),
-            instance: instance.into(),
-            cpus: 1,
-            memory_mib: 64,
-            disks: vec![],
-            boot: Default::default(),
-            create_disks: true,
-            network: Default::default(),
-            cloud_init: None,
-            images: vec![],
-        }
+        DomainSpec::bare(vm, instance, 1, 64)
     }
 
     #[tokio::test]

@@ -704,18 +704,7 @@ mod tests {
             disks: "/k/disks".into(),
             runtime: "/run/keel".into(),
         };
-        let spec = DomainSpec {
-            vm: "web".into(),
-            instance: "web-1".into(),
-            cpus: 1,
-            memory_mib: 128,
-            disks: vec![],
-            boot: Default::default(),
-            create_disks: true,
-            network: Default::default(),
-            cloud_init: None,
-            images: vec![],
-        };
+        let spec = DomainSpec::bare("web", "web-1", 1, 128);
         // As an older Keel wrote it: no socket_dir key at all.
         let mut old = serde_json::json!({
             "spec": spec, "started_at": 1, "accelerator": Accelerator::Tcg, "argv": []
