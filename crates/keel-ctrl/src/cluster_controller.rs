@@ -23,7 +23,7 @@ use crate::events::{record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
 use crate::liveness::Liveness;
-use crate::schedule::placement;
+use crate::schedule::{placement, NodeLoad};
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
 use crate::vm_index::VmIndex;
@@ -108,32 +108,16 @@ pub(crate) async fn place(
     cfg: &LifecycleConfig,
     fence: Fence<'_>,
 ) -> Result<Millis, StoreError> {
-    let Some(next) = placement(
-        vm,
-        &state.nodes,
-        state.vms.load(),
-        &state.liveness,
-        now,
-        cfg,
-    ) else {
+    let Some(next) = choose(vm, state, state.vms.load(), now, cfg) else {
         return Ok(now + cfg.retry_ms);
     };
-    if transitions::check(vm, &next).is_err() {
-        return Ok(now + cfg.retry_ms);
-    }
     let again = if next.status.node.is_some() {
         now
     } else {
         now + cfg.retry_ms
     };
-    match fence
-        .update(store, &vm_key(&vm.name), &next, revision)
-        .await
-    {
+    match write_placement(store, fence, &next, revision).await {
         Ok(revision) => {
-            if let Some(node) = &next.status.node {
-                tracing::info!(vm = %vm.name, %node, "placed");
-            }
             state.written(next, revision);
             Ok(again)
         }
@@ -141,6 +125,35 @@ pub(crate) async fn place(
         Err(StoreError::Conflict { .. }) => Ok(again),
         Err(e) => Err(e),
     }
+}
+
+/// `vm`'s record with its placement (or why there is none) given `load`,
+/// if that changes it and is an allowed change.
+fn choose(
+    vm: &VirtualMachine,
+    state: &ClusterState,
+    load: &NodeLoad,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Option<VirtualMachine> {
+    placement(vm, &state.nodes, load, &state.liveness, now, cfg)
+        .filter(|next| transitions::check(vm, next).is_ok())
+}
+
+/// Writes a placement chosen from the record read at `revision`.
+async fn write_placement(
+    store: &TypedStore,
+    fence: Fence<'_>,
+    next: &VirtualMachine,
+    revision: Revision,
+) -> Result<Revision, StoreError> {
+    let written = fence
+        .update(store, &vm_key(&next.name), next, revision)
+        .await?;
+    if let Some(node) = &next.status.node {
+        tracing::info!(vm = %next.name, %node, "placed");
+    }
+    Ok(written)
 }
 
 /// Placement writes a pass keeps in flight at once: one at a time, a
@@ -165,9 +178,7 @@ async fn place_all(
         let Some(entry) = state.vms.get(name) else {
             continue;
         };
-        let next = placement(&entry.vm, &state.nodes, &load, &state.liveness, now, cfg)
-            .filter(|next| transitions::check(&entry.vm, next).is_ok());
-        match next {
+        match choose(&entry.vm, state, &load, now, cfg) {
             Some(next) => {
                 load.replace(&entry.vm, &next);
                 writes.push((next, entry.revision));
@@ -180,9 +191,7 @@ async fn place_all(
     }
     let outcomes: Vec<(VirtualMachine, Result<Revision, StoreError>)> = stream::iter(writes)
         .map(|(next, revision)| async move {
-            let written = fence
-                .update(store, &vm_key(&next.name), &next, revision)
-                .await;
+            let written = write_placement(store, fence, &next, revision).await;
             (next, written)
         })
         .buffer_unordered(PLACEMENTS_IN_FLIGHT)
@@ -193,9 +202,6 @@ async fn place_all(
         let placed = next.status.node.is_some();
         match written {
             Ok(revision) => {
-                if let Some(node) = &next.status.node {
-                    tracing::info!(vm = %next.name, %node, "placed");
-                }
                 state.written(next, revision);
                 if placed {
                     report.placed += 1;

@@ -519,9 +519,6 @@ impl VmController {
     /// One look at one VM. Returns when to look again (`None`: the record
     /// is gone). An error means the step was not completed; retry later.
     pub async fn reconcile(&self, name: &str) -> Result<Option<Millis>, ReconcileError> {
-        if self.looked_after_elsewhere(name) {
-            return Ok(None);
-        }
         let key = vm_key(name);
         let store_err = |source| ReconcileError::Store {
             vm: name.to_string(),
@@ -635,6 +632,7 @@ impl VmController {
                 }
                 match self.store.delete(&key, entry.revision).await {
                     Ok(revision) => {
+                        self.vm_index.deleted(name, revision);
                         tracing::info!(vm = name, "deleted");
                         let event = Event {
                             at: now,
@@ -659,7 +657,9 @@ impl VmController {
     /// change that woke this look, and nothing is started or recorded from
     /// it but by a compare-and-swap on that revision, which a newer record
     /// refuses; a store read is only a snapshot a little less old. A VM the
-    /// index does not know is read from the store.
+    /// index does not know is read from the store. (Every agent is woken by
+    /// every VM's change; a store read each time only to find the VM is
+    /// another node's cost ten agents ten reads per write.)
     async fn record(
         &self,
         key: &str,
@@ -675,25 +675,6 @@ impl VmController {
             Some(entry) => Ok(Some(entry)),
             None => self.store.get::<VirtualMachine>(key).await,
         }
-    }
-
-    /// Whether the index says `name` is another node's (or, without
-    /// cluster duties, the leader's to place), so this node has nothing to
-    /// do for it. Every agent is woken by every VM's every change; a store
-    /// read each time only to find the VM is someone else's cost ten
-    /// agents ten reads per write. The index has taken in the change that
-    /// woke this reconcile before it was woken, so a VM that has just
-    /// become this node's is never skipped; without an index, the store
-    /// is read.
-    fn looked_after_elsewhere(&self, name: &str) -> bool {
-        self.vm_index
-            .read(|index| {
-                index.get(name).is_some_and(|v| match v.vm.owner_node() {
-                    Some(node) => node != self.cfg.node,
-                    None => !self.cfg.cluster_duties,
-                })
-            })
-            .unwrap_or(false)
     }
 
     /// `step` with the instance's readiness brought up to date, for an

@@ -137,10 +137,6 @@ impl VmIndex {
         self.vms.is_empty()
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &IndexedVm> {
-        self.vms.values()
-    }
-
     /// Names of the VMs without a node, in name order.
     pub fn unplaced(&self) -> impl Iterator<Item = &str> {
         self.unplaced.iter().map(String::as_str)
@@ -223,6 +219,13 @@ impl ClusterReflector {
     pub fn written(&self, vm: &VirtualMachine, revision: Revision) {
         if let Some(state) = self.lock().as_mut() {
             state.vms.upsert(vm.clone(), revision);
+        }
+    }
+
+    /// This process deleted `name`'s record at `revision`.
+    pub fn deleted(&self, name: &str, revision: Revision) {
+        if let Some(state) = self.lock().as_mut() {
+            state.vms.remove(name, revision);
         }
     }
 
