@@ -156,6 +156,15 @@ impl ImgError {
     }
 }
 
+/// A step on snapshot `name`'s copy of `vm`'s UEFI variables failed.
+fn uefi_vars_failed(vm: &str, op: &'static str, name: &str, e: impl std::fmt::Display) -> HvError {
+    storage(
+        vm,
+        op,
+        format!("snapshot {name} of the UEFI variables: {e}"),
+    )
+}
+
 fn storage(vm: &str, op: &'static str, reason: String) -> HvError {
     HvError::Storage {
         vm: vm.to_string(),
@@ -383,13 +392,9 @@ impl QemuDriver {
         }
         let vars = self.uefi_vars(vm);
         let saved = name.to_string();
-        vars.step(move |v| v.save(&saved)).await.map_err(|e| {
-            storage(
-                vm,
-                OP,
-                format!("snapshot {name} of the UEFI variables: {e}"),
-            )
-        })?;
+        vars.step(move |v| v.save(&saved))
+            .await
+            .map_err(|e| uefi_vars_failed(vm, OP, name, e))?;
         for (i, (disk, path)) in disks.iter().zip(&paths).enumerate() {
             if let Err(e) = self.img_snapshot(ImgOp::Create, name, path).await {
                 for undo in &paths[..i] {
@@ -682,13 +687,7 @@ impl QemuDriver {
             .uefi_vars(vm)
             .step(move |v| v.restore(&restored))
             .await
-            .map_err(|e| {
-                storage(
-                    vm,
-                    OP,
-                    format!("snapshot {name} of the UEFI variables: {e}"),
-                )
-            })?;
+            .map_err(|e| uefi_vars_failed(vm, OP, name, e))?;
         tracing::info!(
             vm,
             snapshot = name,
@@ -769,13 +768,7 @@ impl QemuDriver {
         self.uefi_vars(vm)
             .step(move |v| v.remove(&removed))
             .await
-            .map_err(|e| {
-                storage(
-                    vm,
-                    OP,
-                    format!("snapshot {name} of the UEFI variables: {e}"),
-                )
-            })?;
+            .map_err(|e| uefi_vars_failed(vm, OP, name, e))?;
         tracing::info!(
             vm,
             snapshot = name,
