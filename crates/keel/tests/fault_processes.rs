@@ -20,12 +20,12 @@ mod procs;
 
 use std::collections::BTreeMap;
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use procs::{cli, qemus_of, skipped, store_spec, test_guest, vm_json, Keel, KillAll};
+use procs::{cli, qemus_of, vm_json, Keel, Workdir};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -82,22 +82,21 @@ fn seconds_env(name: &str, default: u64) -> u64 {
 #[ignore = "minutes long: scripts/test runs it with --ignored --nocapture"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
-    if skipped() {
+    let Some(work) = Workdir::start("faults") else {
         return;
-    }
-    let guest = test_guest();
+    };
     let seed = seconds_env("KEEL_FAULT_SEED", rand::random::<u16>() as u64);
     let chaos = Duration::from_secs(seconds_env("KEEL_FAULT_SECONDS", 150));
     eprintln!("fault test: seed {seed} (replay with KEEL_FAULT_SEED={seed}), chaos {chaos:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
-    let store = store_spec("faults");
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().canonicalize().unwrap();
-    let _kill_all = KillAll(root.clone());
-    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
+    let (root, store, guest_dir) = (
+        work.root.clone(),
+        work.store.clone(),
+        work.guest_dir.clone(),
+    );
+    let dir = |name: &str| work.dir(name);
     let disks = dir("disks");
-    let guest_dir = guest.to_string_lossy().into_owned();
 
     let mut members: Vec<Member> = Vec::new();
     let mut servers = Vec::new();
@@ -339,5 +338,4 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     assert_eq!(worst, 1, "a VM ran twice at once\n{}", detail());
     assert_eq!(present, VMS.len(), "records lost\n{}", detail());
     assert_eq!(done, VMS.len(), "not converged\n{}", detail());
-    let _: PathBuf = root;
 }

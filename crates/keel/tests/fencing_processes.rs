@@ -21,22 +21,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    all_logs, cli, guest_channel, qemus_of, serving_url, skipped, spawn_control_plane, store_spec,
-    test_guest, vm_json, wait_nodes, wait_running, Keel, KillAll,
+    all_logs, cli, guest_channel, qemus_of, serving_url, spawn_control_plane, vm_json, wait_nodes,
+    wait_running, Keel, Workdir,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_owning_agent_never_leaves_two_instances_or_blank_disks() {
-    if skipped() {
+    let Some(work) = Workdir::start("fencing") else {
         return;
-    }
-    let guest = test_guest();
-    let store = store_spec("fencing");
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().canonicalize().unwrap();
-    let _kill_all = KillAll(root.clone());
-    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
-    let guest_dir = guest.to_string_lossy().into_owned();
+    };
+    let (root, store, guest_dir) = (
+        work.root.clone(),
+        work.store.clone(),
+        work.guest_dir.clone(),
+    );
+    let dir = |name: &str| work.dir(name);
 
     let cp_dir = dir("cp");
     let mut cp = spawn_control_plane(&store, &cp_dir, &[]);

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use procs::{
-    all_logs, cli, processes_naming, qemus_of, serving_url, skipped, spawn_control_plane,
-    store_spec, test_guest, vm_json, wait_nodes, wait_running, Keel, KillAll,
+    all_logs, cli, processes_naming, qemus_of, serving_url, spawn_control_plane, vm_json,
+    wait_nodes, wait_running, Keel, Workdir,
 };
 use serde_json::Value;
 
@@ -63,16 +63,15 @@ fn node_json(root: &Path, server: &str, name: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_freezes_the_node_and_the_agent_readopts_or_the_keeper_fences() {
-    if skipped() {
+    let Some(work) = Workdir::start("freeze") else {
         return;
-    }
-    let guest = test_guest();
-    let store = store_spec("freeze");
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().canonicalize().unwrap();
-    let _kill_all = KillAll(root.clone());
-    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
-    let guest_dir = guest.to_string_lossy().into_owned();
+    };
+    let (root, store, guest_dir) = (
+        work.root.clone(),
+        work.store.clone(),
+        work.guest_dir.clone(),
+    );
+    let dir = |name: &str| work.dir(name);
     let disks = dir("disks");
 
     let cp_dir = dir("cp");

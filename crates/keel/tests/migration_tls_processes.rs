@@ -17,8 +17,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use procs::{
-    all_logs, cli, qemus_of, serving_url, skipped, spawn_control_plane, store_spec, test_guest,
-    vm_json, wait_nodes, wait_running, KillAll,
+    all_logs, cli, qemus_of, serving_url, spawn_control_plane, vm_json, wait_nodes, wait_running,
+    Workdir,
 };
 
 fn keel_ok(args: &[&str]) {
@@ -36,16 +36,15 @@ fn keel_ok(args: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_between_two_agents_moves_the_guest_over_tls() {
-    if skipped() {
+    let Some(work) = Workdir::start("migration-tls") else {
         return;
-    }
-    let guest = test_guest();
-    let store = store_spec("migration-tls");
-    let tmp = tempfile::tempdir().unwrap();
-    let root = tmp.path().canonicalize().unwrap();
-    let _kill_all = KillAll(root.clone());
-    let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
-    let guest_dir = guest.to_string_lossy().into_owned();
+    };
+    let (root, store, guest_dir) = (
+        work.root.clone(),
+        work.store.clone(),
+        work.guest_dir.clone(),
+    );
+    let dir = |name: &str| work.dir(name);
     let (disks, ca) = (dir("disks"), dir("ca"));
 
     keel_ok(&["cluster", "init-ca", "--ca-dir", &ca]);

@@ -71,6 +71,42 @@ impl Drop for Keel {
     }
 }
 
+/// Where a process test runs: a private directory whose processes are all
+/// SIGKILLed when it ends (before the directory goes), a store namespace
+/// of its own and the test guest. `None` when such tests are skipped.
+pub struct Workdir {
+    pub root: std::path::PathBuf,
+    pub store: String,
+    /// The test guest's directory, for `--guest-dir`.
+    pub guest_dir: String,
+    // Dropped in this order: the processes, then their directory.
+    _kill_all: KillAll,
+    _tmp: tempfile::TempDir,
+}
+
+impl Workdir {
+    pub fn start(test: &str) -> Option<Self> {
+        if skipped() {
+            return None;
+        }
+        let guest_dir = test_guest().to_string_lossy().into_owned();
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        Some(Self {
+            _kill_all: KillAll(root.clone()),
+            root,
+            store: store_spec(test),
+            guest_dir,
+            _tmp: tmp,
+        })
+    }
+
+    /// `name` under the root, as a flag value.
+    pub fn dir(&self, name: &str) -> String {
+        self.root.join(name).to_string_lossy().into_owned()
+    }
+}
+
 /// SIGKILLs everything whose command line names `root` (QEMUs, keepers).
 pub struct KillAll(pub std::path::PathBuf);
 
