@@ -1,8 +1,10 @@
 //! The NIC and the cloud-init seed against real QEMU and the test guest:
-//! DHCP from user-mode networking and a guest port reached through its
-//! published loopback port; the guest's MAC is the spec's, also after a
-//! restart; a bridge tap inside a network namespace the test creates; the
-//! seed read back inside the guest.
+//! DHCP from user-mode networking (passt) and a guest port reached through
+//! its published loopback port; the guest's MAC is the spec's, also after a
+//! restart; a user-mode guest reaches a host outside but nothing on its
+//! host's loopback, in network namespaces the test creates; a bridge tap
+//! inside a network namespace the test creates; the seed read back inside
+//! the guest.
 
 mod common;
 
@@ -37,7 +39,7 @@ async fn ask(ch: &mut GuestChannel, command: &str, prefix: &str) -> String {
     answer[prefix.len()..].trim().to_string()
 }
 
-/// An HTTP GET through `port`, retried briefly: slirp accepts the host
+/// An HTTP GET through `port`, retried briefly: passt accepts the host
 /// connection at once, the guest's httpd may still be starting.
 fn http_get(port: u16) -> String {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -83,7 +85,11 @@ async fn user_mode_dhcp_published_port_and_a_stable_mac() {
     let t = Instant::now();
     let ip = ask(&mut ch, "net dhcp", "IP ").await;
     eprintln!("DHCP lease {ip} after {:?}", t.elapsed());
-    assert_eq!(ip, "10.0.2.15/24", "slirp's first lease");
+    assert_eq!(
+        Some(ip),
+        keel_hv::qemu::passt::guest_address(),
+        "passt leases the host's own address"
+    );
     ask(&mut ch, "serve 8080 hello-from-the-guest", "OK serve").await;
     let t = Instant::now();
     let body = http_get(port);
@@ -132,6 +138,171 @@ async fn the_cloud_init_seed_is_readable_in_the_guest() {
     assert!(user.contains(&format!("\"{key}\"")), "{user}");
     drop(ch);
     stop_and_cleanup(hv, "ci-vm-1").await;
+}
+
+const ISOLATION_CHILD_ENV: &str = "KEEL_ISOLATION_CHILD";
+/// The guest's host and a host "outside" it, in namespaces of the test's:
+/// a veth pair from 198.18.0.1 (the node, default route via the outside)
+/// to 198.18.0.2 (the outside). 198.18.0.0/15 is the benchmarking range;
+/// nothing of it leaves the namespaces.
+const NODE_ADDR: &str = "198.18.0.1";
+const OUTSIDE_ADDR: &str = "198.18.0.2";
+
+/// A user-mode guest's way out works, and no way leads into its host's
+/// loopback: QEMU's slirp used to map the gateway to 127.0.0.1, so any
+/// guest read loopback-only services (etcd and the admin token in it).
+/// The parent half makes the two namespaces and runs this same test again
+/// inside the node's (`ip netns exec`).
+#[test]
+fn a_user_mode_guest_reaches_outside_but_not_its_hosts_loopback() {
+    if std::env::var_os(ISOLATION_CHILD_ENV).is_some() {
+        return isolation_child();
+    }
+    if common::guest_dir().is_none() {
+        return;
+    }
+    assert!(
+        netns_possible(),
+        "the isolation test needs root and iproute2"
+    );
+    let id = std::process::id();
+    let node = Netns(format!("keel-n{id}"));
+    let outside = Netns(format!("keel-o{id}"));
+    ip(&["netns", "add", &node.0]);
+    ip(&["netns", "add", &outside.0]);
+    let (veth_n, veth_o) = (format!("kvn{id}"), format!("kvo{id}"));
+    ip(&[
+        "link", "add", &veth_n, "type", "veth", "peer", "name", &veth_o,
+    ]);
+    ip(&["link", "set", &veth_n, "netns", &node.0]);
+    ip(&["link", "set", &veth_o, "netns", &outside.0]);
+    for (ns, dev, addr) in [
+        (&node.0, &veth_n, NODE_ADDR),
+        (&outside.0, &veth_o, OUTSIDE_ADDR),
+    ] {
+        ip(&["-n", ns, "link", "set", "lo", "up"]);
+        ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev]);
+        ip(&["-n", ns, "link", "set", dev, "up"]);
+    }
+    ip(&[
+        "-n",
+        &node.0,
+        "route",
+        "add",
+        "default",
+        "via",
+        OUTSIDE_ADDR,
+    ]);
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &node.0])
+        .arg(&exe)
+        .args([
+            "--exact",
+            "a_user_mode_guest_reaches_outside_but_not_its_hosts_loopback",
+            "--nocapture",
+        ])
+        .env(ISOLATION_CHILD_ENV, &outside.0)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("--- inside {} ---\n{text}", node.0);
+    assert!(out.status.success(), "the namespaced half failed");
+    assert!(text.contains("1 passed"), "the namespaced half ran nothing");
+}
+
+/// Answers every connection with `word` and a newline, for the test's
+/// lifetime.
+fn answer_with(listener: TcpListener, word: &'static str) {
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let _ = conn.write_all(format!("{word}\n").as_bytes());
+        }
+    });
+}
+
+/// A listener in the namespace `ns` (a thread of ours moved there: a
+/// socket stays in the namespace it was made in).
+fn listen_in_namespace(ns: &str, addr: &str) -> TcpListener {
+    let ns = ns.to_string();
+    let addr = addr.to_string();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd;
+        let f = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
+        // SAFETY: setns on a namespace file we hold open; it moves only
+        // this thread, which ends after binding.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        TcpListener::bind(addr).unwrap()
+    })
+    .join()
+    .unwrap()
+}
+
+fn isolation_child() {
+    let outside_ns = std::env::var(ISOLATION_CHILD_ENV).unwrap();
+    // What a guest must never read: a service on the host's loopback, and
+    // one on all of the host's addresses.
+    let secret = TcpListener::bind("127.0.0.1:0").unwrap();
+    let secret_port = secret.local_addr().unwrap().port();
+    answer_with(secret, "HOST-LOOPBACK-SECRET");
+    let everywhere = TcpListener::bind("0.0.0.0:0").unwrap();
+    let everywhere_port = everywhere.local_addr().unwrap().port();
+    answer_with(everywhere, "HOST-ADDRESS-SECRET");
+    // What a guest may reach: a host outside, at the secret's port too.
+    answer_with(
+        listen_in_namespace(&outside_ns, &format!("{OUTSIDE_ADDR}:8080")),
+        "OUTSIDE",
+    );
+    answer_with(
+        listen_in_namespace(&outside_ns, &format!("{OUTSIDE_ADDR}:{secret_port}")),
+        "OUTSIDE-AT-THE-SECRETS-PORT",
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let fx = Fixture::new().await.expect("guest present in the child");
+        let hv = fx.hv();
+        let s = spec("iso", "iso-1");
+        let ch = boot(hv, &s).await;
+        let mut ch = ch.with_timeout(Duration::from_secs(40));
+        assert_eq!(
+            ask(&mut ch, "net dhcp", "IP ").await,
+            format!("{NODE_ADDR}/24"),
+            "the guest has its host's address"
+        );
+        assert_eq!(
+            ask(&mut ch, &format!("fetch {OUTSIDE_ADDR} 8080"), "").await,
+            "GOT OUTSIDE",
+            "the way out works"
+        );
+        // The gateway is the outside host itself, not the host's loopback.
+        let via_gateway = ask(&mut ch, &format!("fetch {OUTSIDE_ADDR} {secret_port}"), "").await;
+        assert_eq!(via_gateway, "GOT OUTSIDE-AT-THE-SECRETS-PORT");
+        for (target, port) in [
+            // slirp's name for the host's loopback; routed out (to the
+            // outside namespace, which has no route back) and lost.
+            ("10.0.2.2", secret_port),
+            // The guest's own loopback and its own address.
+            ("127.0.0.1", secret_port),
+            (NODE_ADDR, everywhere_port),
+            (NODE_ADDR, secret_port),
+        ] {
+            let got = ask(&mut ch, &format!("fetch {target} {port}"), "").await;
+            assert!(
+                got.starts_with("ERR") && !got.contains("SECRET"),
+                "the guest reached {target}:{port} on its host: {got}"
+            );
+        }
+        drop(ch);
+        stop_and_cleanup(hv, "iso-1").await;
+    });
 }
 
 /// Root, `ip` and a kernel with bridges: a bridge test inside a namespace.

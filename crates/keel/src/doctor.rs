@@ -101,6 +101,7 @@ pub fn run(args: &DoctorArgs) -> Vec<Check> {
     let qemu_version = qemu.1;
     checks.push(qemu.0);
     checks.push(check_qemu_img(qemu_version));
+    checks.push(check_passt());
     checks.push(check_kvm(&args.qemu));
     checks.push(check_firmware());
     checks.push(check_data_dir(&args.data_dir));
@@ -178,6 +179,41 @@ fn check_qemu_img(qemu: Option<(u32, u32, u32)>) -> Check {
             ),
             _ => Check::ok("qemu-img", line),
         },
+    }
+}
+
+/// passt is the network of every user-mode guest: without it such a VM
+/// cannot start.
+fn check_passt() -> Check {
+    match std::process::Command::new("passt")
+        .arg("--version")
+        .output()
+    {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            let line = text.lines().next().unwrap_or("passt").trim();
+            match keel_hv::qemu::passt::guest_address() {
+                Some(addr) => Check::ok(
+                    "passt",
+                    format!("{line}; user-mode guests get {addr}, this host's address, and no way into its loopback"),
+                ),
+                None => Check::fail(
+                    "passt",
+                    format!("{line}, but this host has no IPv4 default route, and passt gives guests nothing without one"),
+                    "configure a default route, or use bridge networking (--network bridge=NAME)",
+                ),
+            }
+        }
+        Ok(out) => Check::fail(
+            "passt",
+            format!("passt --version failed ({})", out.status),
+            "apt-get install passt",
+        ),
+        Err(e) => Check::fail(
+            "passt",
+            format!("cannot run passt ({e}): VMs on the user-mode network cannot start"),
+            "apt-get install passt",
+        ),
     }
 }
 

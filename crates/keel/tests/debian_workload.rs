@@ -307,22 +307,24 @@ fn debian_import_ssh_restart_snapshot_stop_restore() {
     assert_eq!(env.ssh_ok("hostname").trim(), "deb");
     assert_eq!(env.ssh_ok("id -un").trim(), "debian");
 
-    // The agent reports the guest's DHCP address from user-mode networking;
-    // it may take a look or two after the first answer.
+    // The agent reports the guest's DHCP address from user-mode networking
+    // (passt leases the host's own); it may take a look or two after the
+    // first answer.
+    let leased = keel_hv::qemu::passt::guest_address().expect("a default route");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let vm = env.vm();
         let addrs = &vm["status"]["instance"]["readiness"]["addresses"];
         if addrs
             .as_array()
-            .is_some_and(|a| a.iter().any(|x| x["address"] == "10.0.2.15/24"))
+            .is_some_and(|a| a.iter().any(|x| x["address"] == leased.as_str()))
         {
             assert_eq!(vm["status"]["instance"]["readiness"]["hostname"], "deb");
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "no 10.0.2.15 from the agent: {vm}"
+            "no {leased} from the agent: {vm}"
         );
         std::thread::sleep(Duration::from_secs(1));
     }

@@ -45,6 +45,8 @@ pub struct QemuConfig {
     pub storage_timeout: Duration,
     pub qemu_binary: PathBuf,
     pub qemu_img: PathBuf,
+    /// The user-mode network of guests ([`super::passt`]).
+    pub passt_binary: PathBuf,
     /// Used when a spec's boot section leaves the kernel unset, and by the
     /// KVM probe.
     pub default_kernel: Option<PathBuf>,
@@ -93,6 +95,7 @@ impl QemuConfig {
             storage_timeout: Duration::from_secs(60),
             qemu_binary: "qemu-system-x86_64".into(),
             qemu_img: "qemu-img".into(),
+            passt_binary: "passt".into(),
             default_kernel: None,
             default_initrd: None,
             default_cmdline: "console=ttyS0 panic=-1 quiet".into(),

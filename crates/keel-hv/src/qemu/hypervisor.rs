@@ -9,7 +9,7 @@ use keel_api::{validate_name, Clock, SystemClock};
 
 use super::monitor::Phase;
 use super::proc::PidFd;
-use super::{blocking, network, unavailable, QemuDriver};
+use super::{blocking, network, passt, unavailable, QemuDriver};
 use crate::{
     DomainInfo, DomainSpec, DomainState, HvError, Hypervisor, MigrationProgress, NodeFacts,
 };
@@ -231,8 +231,21 @@ impl Hypervisor for QemuDriver {
                 state,
             });
         }
-        // The tap first: if it cannot go, the instance stays known and the
-        // next cleanup tries again.
+        // The network first (passt, whose listeners the next instance needs
+        // at once; the tap): if it cannot go, the instance stays known and
+        // the next cleanup tries again.
+        let dir = domain.paths.dir.clone();
+        let passt_gone = blocking::unblocked("wait for passt", move || {
+            passt::await_gone(&dir).map_err(io::Error::other)
+        })
+        .await;
+        if let Err(e) = passt_gone {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: e.to_string(),
+            });
+        }
         if let Err(e) = network::release(instance) {
             return Err(HvError::Failed {
                 instance: instance.to_string(),

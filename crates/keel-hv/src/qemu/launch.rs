@@ -4,6 +4,7 @@
 //! any step fails.
 
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRec
 use super::monitor::{Domain, Phase, ProcessWatch};
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
-use super::{blocking, boot, cloud_init, keeper, network, QemuDriver};
+use super::{blocking, boot, cloud_init, keeper, network, passt, QemuDriver};
 use crate::{DomainSpec, HvError};
 
 impl QemuDriver {
@@ -184,11 +185,31 @@ impl QemuDriver {
                 return Err(failed(e.to_string()));
             }
         }
+        // QEMU's end of the user-mode network. Held only until QEMU has it:
+        // once QEMU's end closes, passt exits.
+        let net = match plan.nic.as_ref().map(|n| &n.backend) {
+            Some(network::Backend::User { forwards }) => {
+                match passt::start(&self.inner.config.passt_binary, forwards, &plan.paths.dir).await
+                {
+                    Ok(fd) => Some(fd),
+                    Err(reason) => {
+                        let _ = remove_dir().await;
+                        return Err(failed(reason));
+                    }
+                }
+            }
+            _ => None,
+        };
         let keeper = self.inner.config.keeper.as_ref();
         let spawned = match keeper {
-            Some(k) => spawn_keeper(k, &self.inner.lease, &plan),
-            None => spawn_qemu(&self.inner.config.qemu_binary, &plan),
+            Some(k) => spawn_keeper(k, &self.inner.lease, &plan, net.as_ref()),
+            None => spawn(
+                tokio::process::Command::new(&self.inner.config.qemu_binary),
+                &plan,
+                net.as_ref(),
+            ),
         };
+        drop(net);
         let mut child = match spawned {
             Ok(child) => child,
             Err(e) => {
@@ -401,18 +422,29 @@ impl QemuDriver {
 /// Spawns QEMU from an argument vector (no shell) in a new session, with
 /// stdout/stderr appended to `qemu.log`. The caller owns the child.
 pub(super) fn spawn_qemu(binary: &Path, plan: &LaunchPlan) -> io::Result<tokio::process::Child> {
-    let mut cmd = tokio::process::Command::new(binary);
+    spawn(tokio::process::Command::new(binary), plan, None)
+}
+
+/// QEMU with its arguments, `net` (QEMU's end of passt's socket, if any) at
+/// [`passt::QEMU_NET_FD`].
+fn spawn(
+    mut cmd: tokio::process::Command,
+    plan: &LaunchPlan,
+    net: Option<&OwnedFd>,
+) -> io::Result<tokio::process::Child> {
     cmd.args(plan.args());
-    spawn_in_own_session(cmd, plan)
+    spawn_in_own_session(cmd, plan, net)
 }
 
 /// Spawns a fence keeper for the instance (which then starts QEMU from the
 /// instance's `spec.json`), like [`spawn_qemu`]: its output and QEMU's go
-/// to `qemu.log`. The caller owns the keeper child.
+/// to `qemu.log`. The keeper keeps `net` where QEMU, its child, expects it.
+/// The caller owns the keeper child.
 fn spawn_keeper(
     keeper: &keeper::KeeperCommand,
     lease: &keeper::FenceLease,
     plan: &LaunchPlan,
+    net: Option<&OwnedFd>,
 ) -> io::Result<tokio::process::Child> {
     let mut cmd = tokio::process::Command::new(&keeper.program);
     cmd.args(&keeper.args)
@@ -420,7 +452,7 @@ fn spawn_keeper(
         .arg(&plan.paths.dir)
         .arg("--lease")
         .arg(lease.path());
-    spawn_in_own_session(cmd, plan)
+    spawn_in_own_session(cmd, plan, net)
 }
 
 /// Runs `cmd` in the instance dir, output appended to `qemu.log`, in a new
@@ -430,6 +462,7 @@ fn spawn_keeper(
 fn spawn_in_own_session(
     mut cmd: tokio::process::Command,
     plan: &LaunchPlan,
+    net: Option<&OwnedFd>,
 ) -> io::Result<tokio::process::Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -440,13 +473,18 @@ fn spawn_in_own_session(
         .stdout(log.try_clone()?)
         .stderr(log)
         .kill_on_drop(false);
-    // SAFETY: setsid is async-signal-safe and touches no memory of ours.
+    let net = net.map(|fd| fd.as_raw_fd());
+    // SAFETY: setsid, dup2 and fcntl are async-signal-safe and touch no
+    // memory of ours.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }
-            Ok(())
+            match net {
+                Some(fd) => passt::inherit_as(fd, passt::QEMU_NET_FD),
+                None => Ok(()),
+            }
         });
     }
     cmd.spawn()

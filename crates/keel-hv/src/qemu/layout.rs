@@ -593,7 +593,7 @@ mod tests {
             ]
         );
         assert!(joined.contains(
-            "-netdev user,id=net0,hostname=web -device virtio-net-pci,netdev=net0,mac=52:54:00:00:00:01,romfile="
+            "-netdev stream,id=net0,server=off,addr.type=fd,addr.str=3 -device virtio-net-pci,netdev=net0,mac=52:54:00:00:00:01,romfile="
         ));
         // The cmdline stays one argument, spaces and all.
         assert!(args.iter().any(|a| a == "console=ttyS0 quiet"));

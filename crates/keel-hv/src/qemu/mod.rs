@@ -38,6 +38,7 @@ mod migration;
 mod monitor;
 pub mod network;
 mod opts;
+pub mod passt;
 mod proc;
 mod qmp;
 mod registry;

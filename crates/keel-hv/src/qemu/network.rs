@@ -3,8 +3,10 @@
 //!
 //! Every VM has one `virtio-net-pci` NIC with the MAC from its spec. Two
 //! backends:
-//! - *user* (default): QEMU's user-mode network (slirp). No privileges; the
-//!   guest gets 10.0.2.15 by DHCP; `hostfwd` rules publish host ports.
+//! - *user* (default): user-mode networking by a `passt` process of the
+//!   instance's ([`super::passt`]), over a socketpair. No privileges; the
+//!   guest gets the host's address by DHCP and no way into the host's
+//!   loopback; passt's listeners publish host ports.
 //! - *bridge*: a persistent tap (`TUNSETIFF` + `TUNSETPERSIST`), attached to
 //!   the named bridge (`SIOCBRADDIF`) and brought up, all by ioctl from
 //!   Keel: QEMU runs under `-sandbox …spawn=deny`, so it could not run
@@ -27,15 +29,8 @@ pub struct NicPlan {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Backend {
-    User {
-        /// DHCP hands the guest this host name (the VM's name).
-        hostname: String,
-        forwards: Vec<PortForward>,
-    },
-    Tap {
-        tap: String,
-        bridge: String,
-    },
+    User { forwards: Vec<PortForward> },
+    Tap { tap: String, bridge: String },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -68,7 +63,6 @@ impl NicPlan {
             .ok_or_else(|| NetError::Mac(spec.mac.clone().unwrap_or_default()))?;
         let backend = match spec.mode {
             NetworkMode::User => Backend::User {
-                hostname: vm.to_string(),
                 forwards: spec.publish.clone(),
             },
             NetworkMode::Bridge => Backend::Tap {
@@ -83,17 +77,12 @@ impl NicPlan {
     /// (names, addresses, ports), so nothing needs QEMU's comma escaping.
     pub fn args(&self) -> Vec<String> {
         let netdev = match &self.backend {
-            Backend::User { hostname, forwards } => {
-                let mut s = format!("user,id=net0,hostname={hostname}");
-                for f in forwards {
-                    // Empty guest address: the DHCP address slirp hands out.
-                    s.push_str(&format!(
-                        ",hostfwd={}:{}:{}-:{}",
-                        f.protocol, f.host_address, f.host_port, f.guest_port
-                    ));
-                }
-                s
-            }
+            // passt's end of the socketpair is at a fixed descriptor; the
+            // published ports are passt's arguments, not QEMU's.
+            Backend::User { .. } => format!(
+                "stream,id=net0,server=off,addr.type=fd,addr.str={}",
+                super::passt::QEMU_NET_FD
+            ),
             Backend::Tap { tap, .. } => {
                 format!("tap,id=net0,ifname={tap},script=no,downscript=no")
             }
@@ -335,7 +324,7 @@ mod tests {
     }
 
     #[test]
-    fn user_mode_publishes_each_forward() {
+    fn user_mode_is_passts_socket_and_publishes_through_passt() {
         let mut s = spec(NetworkMode::User);
         s.publish = vec![
             PortForward {
@@ -351,12 +340,18 @@ mod tests {
                 protocol: Protocol::Udp,
             },
         ];
-        let args = NicPlan::new("web", "web-1", &s).unwrap().args();
+        let plan = NicPlan::new("web", "web-1", &s).unwrap();
         assert_eq!(
-            args,
+            plan.backend,
+            Backend::User {
+                forwards: s.publish.clone()
+            }
+        );
+        assert_eq!(
+            plan.args(),
             [
                 "-netdev",
-                "user,id=net0,hostname=web,hostfwd=tcp:127.0.0.1:2222-:22,hostfwd=udp:0.0.0.0:5353-:53",
+                "stream,id=net0,server=off,addr.type=fd,addr.str=3",
                 "-device",
                 "virtio-net-pci,netdev=net0,mac=52:54:00:12:34:56,romfile="
             ]
