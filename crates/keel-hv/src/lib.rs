@@ -16,6 +16,7 @@
 pub mod guest;
 pub mod guest_info;
 pub mod images;
+pub mod ownership;
 pub mod qemu;
 pub mod sim;
 

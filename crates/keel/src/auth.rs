@@ -167,6 +167,8 @@ fn read_existing(path: &Path) -> anyhow::Result<Option<Token>> {
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
     };
+    // A token another user wrote would be theirs to know.
+    keel_hv::ownership::ensure_owned("token file", path)?;
     let mode = meta.permissions().mode() & 0o777;
     // Group read is allowed (a token file shared with the keel group);
     // group write and any access by others are not.

@@ -80,6 +80,9 @@ pub(crate) fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
     if !meta.is_dir() {
         bail!("{} is not a directory", dir.display());
     }
+    // Before the chmod below: a directory another user made stays theirs
+    // whatever its mode, and they could replace the token in it.
+    keel_hv::ownership::ensure_owned("data directory", dir)?;
     let mode = meta.permissions().mode() & 0o777;
     if mode != 0o700 {
         tracing::warn!(dir = %dir.display(), mode = format!("{mode:o}"), "data directory was not private; making it 0700");

@@ -471,3 +471,68 @@ fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// A data directory or token file another user owns is refused at start,
+/// naming the owner: whatever its mode, its owner could replace the token
+/// in it (a chmod by Keel used to leave such a directory theirs).
+#[test]
+fn a_data_dir_or_token_file_another_user_owns_is_refused_naming_the_owner() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: only root can give a directory to another user");
+        return;
+    }
+    let scratch = tempfile::tempdir().unwrap();
+    let theirs = scratch.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+    let err = refused_start(&theirs);
+    assert!(
+        err.contains("data directory") && err.contains("owned by uid 65534"),
+        "{err}"
+    );
+    assert!(
+        !theirs.join("token").exists(),
+        "a token was written into a foreign directory"
+    );
+
+    let ours = scratch.path().join("ours");
+    std::fs::create_dir(&ours).unwrap();
+    let token = ours.join("token");
+    std::fs::write(&token, "their-chosen-token\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&token, Some(65534), None).unwrap();
+    let err = refused_start(&ours);
+    assert!(
+        err.contains("token file") && err.contains("owned by uid 65534"),
+        "{err}"
+    );
+}
+
+/// Starts `keel serve` on `data_dir` and returns what it said when it
+/// refused to start; fails the test if it serves (bounded: 20 s).
+fn refused_start(data_dir: &Path) -> String {
+    let mut child = keel()
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(data_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "keel serve started on {}: {}",
+                data_dir.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}

@@ -65,6 +65,8 @@ pub enum TlsError {
     },
     #[error("{}: {reason}", path.display())]
     Invalid { path: PathBuf, reason: String },
+    #[error(transparent)]
+    NotOwned(#[from] crate::ownership::OwnershipError),
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
@@ -80,10 +82,13 @@ fn write_file(dir: &Path, name: &str, content: &str, secret: bool) -> Result<(),
     let path = dir.join(name);
     let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
     let mode = if secret { 0o600 } else { 0o644 };
+    // A leftover (or planted) file or symlink at the temporary name is
+    // removed, not followed: the key is written only into a file this call
+    // created (O_EXCL).
+    let _ = std::fs::remove_file(&tmp);
     let written = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(mode)
         .open(&tmp)
         .and_then(|mut f| {
@@ -104,7 +109,13 @@ fn private_dir(dir: &Path) -> Result<(), TlsError> {
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(io_err(dir))
+        .map_err(io_err(dir))?;
+    owned(dir)
+}
+
+/// Refuses a credentials directory another user owns ([`crate::ownership`]).
+fn owned(dir: &Path) -> Result<(), TlsError> {
+    Ok(crate::ownership::ensure_owned("TLS directory", dir)?)
 }
 
 fn ca_params() -> Result<CertificateParams, TlsError> {
@@ -167,6 +178,7 @@ pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> 
         path: out_dir.to_path_buf(),
         reason: e.to_string(),
     })?;
+    owned(ca_dir)?;
     let ca_key_path = ca_dir.join(CA_KEY);
     let ca_cert_path = ca_dir.join(CA_CERT);
     let ca_key_pem = std::fs::read_to_string(&ca_key_path).map_err(io_err(&ca_key_path))?;
@@ -237,6 +249,7 @@ pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> 
 /// present, parseable as PEM of the right kind, and the keys private to
 /// this user (mode 0600 or stricter). Why not, otherwise.
 pub fn check_creds(dir: &Path) -> Result<(), TlsError> {
+    owned(dir)?;
     for (name, secret) in [
         (CA_CERT, false),
         (SERVER_CERT, false),
