@@ -334,7 +334,8 @@ impl ImageStore {
         name: &str,
         file: &Path,
     ) -> Result<(ImageFormat, u64), ImageError> {
-        let run = tokio::process::Command::new(&self.qemu_img)
+        let mut cmd = tokio::process::Command::new(&self.qemu_img);
+        let run = crate::unprivileged::without_capabilities(&mut cmd)
             .args(["info", "--output=json"])
             .arg(file)
             .stdin(Stdio::null())

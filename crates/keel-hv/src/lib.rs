@@ -19,6 +19,7 @@ pub mod images;
 pub mod ownership;
 pub mod qemu;
 pub mod sim;
+pub mod unprivileged;
 
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
 

@@ -163,6 +163,32 @@ async fn killing_the_keeper_ends_its_qemu() {
     assert!(state.is_exited(), "{state:?}");
 }
 
+/// Neither the keeper nor its QEMU holds any capability, though this test
+/// (root) holds them all: a guest that breaks out of QEMU finds no
+/// privilege there (the units' ambient CAP_NET_ADMIN used to reach QEMU).
+#[tokio::test]
+async fn the_keeper_and_its_qemu_run_without_capabilities() {
+    let Some(fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::from_secs(60)).await.unwrap();
+    fx.boot("web", "web-1").await;
+    let pid = fx.hv().pid("web-1").unwrap();
+    let keeper = parent_of(pid);
+    for (what, pid) in [("QEMU", pid), ("keeper", keeper)] {
+        let [inh, prm, eff, bnd, amb] = keel_hv::unprivileged::capabilities_of(pid).unwrap();
+        assert_eq!(
+            (inh, prm, eff, amb),
+            (0, 0, 0, 0),
+            "{what} (pid {pid}) holds capabilities"
+        );
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            assert_eq!(bnd, 0, "{what} (pid {pid}) could regain capabilities");
+        }
+    }
+}
+
 /// Under a lapsed lease nothing starts, and nothing is left behind.
 #[tokio::test]
 async fn nothing_starts_under_a_lapsed_lease() {

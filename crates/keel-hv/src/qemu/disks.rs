@@ -61,6 +61,7 @@ impl QemuDriver {
                 // crash never leaves a half-written image that looks ready.
                 let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
                 let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
+                crate::unprivileged::without_capabilities(&mut cmd);
                 cmd.args(["create", "-q", "-f", "qcow2"]);
                 if let Some(name) = &disk.image {
                     // The VM's own overlay on the verified image: the image

@@ -458,7 +458,8 @@ fn spawn_keeper(
 /// Runs `cmd` in the instance dir, output appended to `qemu.log`, in a new
 /// session and process group of its own: no controlling terminal, so
 /// neither a Ctrl-C nor a hangup aimed at Keel reaches it, and it outlives
-/// this process.
+/// this process. Without any capability ([`crate::unprivileged`]): a
+/// keeper passes none on to its QEMU.
 fn spawn_in_own_session(
     mut cmd: tokio::process::Command,
     plan: &LaunchPlan,
@@ -474,17 +475,17 @@ fn spawn_in_own_session(
         .stderr(log)
         .kill_on_drop(false);
     let net = net.map(|fd| fd.as_raw_fd());
-    // SAFETY: setsid, dup2 and fcntl are async-signal-safe and touch no
-    // memory of ours.
+    // SAFETY: setsid, dup2, fcntl, prctl and capset are async-signal-safe
+    // and touch no memory of ours.
     unsafe {
         cmd.pre_exec(move || {
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }
-            match net {
-                Some(fd) => passt::inherit_as(fd, passt::QEMU_NET_FD),
-                None => Ok(()),
+            if let Some(fd) = net {
+                passt::inherit_as(fd, passt::QEMU_NET_FD)?;
             }
+            crate::unprivileged::drop_capabilities_in_child()
         });
     }
     cmd.spawn()

@@ -186,6 +186,7 @@ fn delete_tap(tap: &str) -> Result<(), NetError> {
 
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
+const TUNSETOWNER: libc::c_ulong = 0x4004_54cc;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const SIOCBRADDIF: libc::c_ulong = 0x89a2;
@@ -267,6 +268,14 @@ fn tun_persist(name: &str, persist: bool) -> io::Result<()> {
     let mut req = IfReq::new(name)?;
     req.set_short(IFF_TAP | IFF_NO_PI);
     ioctl(&fd, TUNSETIFF, &mut req)?;
+    if persist {
+        // Owned by Keel's user: QEMU, which runs as that user without any
+        // capability, may then attach to it (a tap without an owner takes
+        // CAP_NET_ADMIN to open).
+        // SAFETY: TUNSETOWNER takes a uid by value; geteuid has no
+        // preconditions.
+        check(unsafe { libc::ioctl(fd.0, TUNSETOWNER as _, libc::geteuid() as libc::c_ulong) })?;
+    }
     // SAFETY: TUNSETPERSIST takes an int by value.
     check(unsafe { libc::ioctl(fd.0, TUNSETPERSIST as _, libc::c_int::from(persist)) })?;
     Ok(())

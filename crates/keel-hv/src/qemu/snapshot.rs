@@ -197,7 +197,8 @@ impl QemuDriver {
     /// `qemu-img <args>`, bounded by `storage_timeout`; stdout on success.
     async fn qemu_img(&self, args: &[String]) -> Result<Vec<u8>, ImgError> {
         let config = &self.inner.config;
-        let run = tokio::process::Command::new(&config.qemu_img)
+        let mut cmd = tokio::process::Command::new(&config.qemu_img);
+        let run = crate::unprivileged::without_capabilities(&mut cmd)
             .args(args)
             .stdin(Stdio::null())
             .kill_on_drop(true)
