@@ -82,7 +82,7 @@ mod tests {
         (Starting, BackOff, "the start failed: the next attempt waits"),
         (Starting, Deleting, "deletion requested while booting"),
         (Running, Pending, "the instance ended and the VM is to run again now"),
-        (Running, Starting, "the live instance reports not running (paused, an incoming migration's target)"),
+        (Running, Starting, "the live instance reports not running (paused from outside Keel); a migration's target waiting to be resumed stays Running"),
         (Running, Stopping, "a stop, restart, restore or eviction began"),
         (Running, Stopped, "the instance ended and the run policy keeps the VM off"),
         (Running, BackOff, "the guest crashed before settling: the next start waits"),

@@ -418,6 +418,12 @@ pub struct Instance {
     /// instance's node while it runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub readiness: Option<InstanceReadiness>,
+    /// The live migration that handed the guest over to this instance,
+    /// until the instance is first seen running. Its guest never stopped:
+    /// while the target waits to be resumed (paused, or still taking in the
+    /// last of the state) the VM is Running, not booting again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resuming_after: Option<String>,
 }
 
 impl Instance {
@@ -430,6 +436,7 @@ impl Instance {
             running_since: None,
             start_error: None,
             readiness: None,
+            resuming_after: None,
         }
     }
 }

@@ -172,6 +172,7 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
     next.status.instance = Some(Instance {
         running_since: Some(now),
         readiness,
+        resuming_after: Some(m.id.clone()),
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());

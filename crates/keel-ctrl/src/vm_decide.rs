@@ -275,10 +275,14 @@ fn keep_running(
     cfg: &LifecycleConfig,
 ) -> Step {
     let running = state == DomainState::Running;
+    // A migration's target not resumed yet: its guest is in the pause of
+    // the handover, not booting, and the migration controller resumes it.
+    let resuming = inst.resuming_after.is_some()
+        && matches!(state, DomainState::Paused | DomainState::Starting);
     let since = inst.running_since.or(running.then_some(now));
     let settled = since.is_some_and(|s| now >= s + cfg.boot_settle_ms);
     let status = &mut next.status;
-    status.phase = if running {
+    status.phase = if running || resuming {
         Phase::Running
     } else {
         Phase::Starting
@@ -289,6 +293,8 @@ fn keep_running(
         if running {
             // The start call failed (timed out, say), but the guest runs.
             instance.start_error = None;
+            // Resumed: from now on a pause is a pause like any other.
+            instance.resuming_after = None;
         }
     }
     if running {
@@ -898,6 +904,49 @@ mod tests {
         };
         assert_eq!(next.status.disk_home, Some(DiskHome::Node("a".into())));
         assert!(next.status.may_create_disks());
+    }
+
+    /// A migration's target is Running while it waits to be resumed; once
+    /// it has run, a pause is a pause like any other (Starting).
+    #[test]
+    fn a_handed_over_target_is_running_until_it_has_resumed() {
+        let cfg = LifecycleConfig {
+            node: "b".into(),
+            ..Default::default()
+        };
+        let mut v = vm();
+        v.status.phase = Phase::Running;
+        v.status.instance = Some(Instance {
+            running_since: Some(1_000),
+            resuming_after: Some("web-m1".into()),
+            ..Instance::new("web-2", "b", 500)
+        });
+        let look = |v: &VirtualMachine, state: DomainState| match decide(
+            v,
+            &Observed::Instance(state),
+            &ClusterView::default(),
+            2_000,
+            &cfg,
+        ) {
+            Step::Persist { vm, then: None, .. } => *vm,
+            Step::Wait { .. } => v.clone(),
+            other => panic!("{state:?}: {other:?}"),
+        };
+        for state in [DomainState::Paused, DomainState::Starting] {
+            let next = look(&v, state);
+            assert_eq!(next.status.phase, Phase::Running, "{state:?}");
+            assert!(next.status.instance.unwrap().resuming_after.is_some());
+        }
+        let resumed = look(&v, DomainState::Running);
+        assert_eq!(resumed.status.phase, Phase::Running);
+        assert_eq!(
+            resumed.status.instance.as_ref().unwrap().resuming_after,
+            None
+        );
+        assert_eq!(
+            look(&resumed, DomainState::Paused).status.phase,
+            Phase::Starting
+        );
     }
 
     #[test]

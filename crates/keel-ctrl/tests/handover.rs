@@ -285,3 +285,102 @@ async fn an_unconfirmed_handover_never_runs_the_target() {
         "the abandoned target is ended"
     );
 }
+
+/// What the VM record and the target said at one tick after the handover.
+#[derive(Debug)]
+struct Seen {
+    at: keel_api::Millis,
+    phase: Phase,
+    target: Option<DomainState>,
+}
+
+/// Carries the VM's migration (already requested) through its handover,
+/// with b's migration controller held for a few seconds once the record
+/// names the target: the target's VM controller then looks at it while it
+/// still waits paused, as a loaded machine may order those looks. Every
+/// tick from the handover on, until the target has run for a while.
+async fn through_the_handover(c: &mut Cluster) -> Vec<Seen> {
+    let m = until(c, "sending", |m| m.status.phase == MigrationPhase::Running).await;
+    let b = c.agent_index("b");
+    c.agents[b].migrations_stuck = true;
+    let mut seen: Vec<Seen> = vec![];
+    let mut target_ran_for = 0;
+    for _ in 0..200 {
+        c.tick().await;
+        let vm = c.vm("vm").await;
+        if vm.status.instance.as_ref().map(|i| &i.id) != Some(&m.target_instance) {
+            assert!(seen.is_empty(), "the record left the target: {vm:?}");
+            continue;
+        }
+        let target = target_state(c, &m).await;
+        seen.push(Seen {
+            at: c.now(),
+            phase: vm.status.phase,
+            target,
+        });
+        if seen.len() == 6 {
+            c.agents[b].migrations_stuck = false;
+        }
+        if target == Some(DomainState::Running) {
+            target_ran_for += 1;
+            if target_ran_for == 10 {
+                return seen;
+            }
+        }
+    }
+    panic!(
+        "the target never ran for long: {seen:?}\n{}",
+        c.explain("vm").await
+    );
+}
+
+/// The guest of a live migration never stopped: from the handover on, the
+/// record says Running, also while the target still waits to be resumed.
+fn running_throughout(seen: &[Seen]) {
+    assert!(
+        seen.iter().any(|s| s.target == Some(DomainState::Paused)),
+        "the target was never seen waiting after the handover: {seen:?}"
+    );
+    let fell_back: Vec<(keel_api::Millis, Phase)> = seen
+        .iter()
+        .filter(|s| s.phase != Phase::Running)
+        .map(|s| (s.at - seen[0].at, s.phase))
+        .collect();
+    assert!(
+        fell_back.is_empty(),
+        "not Running after the handover (ms after it, phase): {fell_back:?}\nall: {seen:?}"
+    );
+}
+
+/// Once the target has run, it is an instance like any other.
+async fn resumed(c: &Cluster) {
+    let inst = c.vm("vm").await.status.instance.unwrap();
+    assert_eq!(inst.resuming_after, None, "{inst:?}");
+}
+
+#[tokio::test]
+async fn a_drained_vm_is_running_from_the_handover_on() {
+    let mut c = draining().await;
+    let seen = through_the_handover(&mut c).await;
+    running_throughout(&seen);
+    resumed(&c).await;
+    let id = migration(&c).await.unwrap().id;
+    handed_over(&mut c, &id).await;
+}
+
+#[tokio::test]
+async fn a_vm_migrated_on_request_is_running_from_the_handover_on() {
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOn).await;
+    c.agent("a").hv.guest_write("vm", 1, DATA).unwrap();
+    let now = c.now();
+    c.update_vm("vm", |v| v.request_migration(Some("b"), now).unwrap())
+        .await;
+    let seen = through_the_handover(&mut c).await;
+    running_throughout(&seen);
+    resumed(&c).await;
+    let id = migration(&c).await.unwrap().id;
+    let m = handed_over(&mut c, &id).await;
+    let outcome = c.vm("vm").await.status.migrate_outcome.unwrap();
+    assert!(outcome.succeeded, "{outcome:?}");
+    assert_eq!(outcome.migration.as_deref(), Some(m.id.as_str()));
+}

@@ -64,10 +64,22 @@ async fn console_attach_runs_a_command_and_the_log_keeps_it() {
     let again = hv.open_console("con-1").await.unwrap();
     drop(again);
 
-    // What the shell printed is in the log as well.
-    let (log, len) = hv.console_tail("con-1", 1 << 20).await.unwrap();
+    // What the shell printed is in the log as well. QEMU writes a console
+    // byte to the socket before it appends it to the log, so the log may
+    // be a moment behind what the session just read.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (log, len) = loop {
+        let (log, len) = hv.console_tail("con-1", 1 << 20).await.unwrap();
+        if String::from_utf8_lossy(&log).contains("keel-42-answer") || Instant::now() >= deadline {
+            break (log, len);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let text = String::from_utf8_lossy(&log);
-    assert!(text.contains("KEEL-GUEST-READY") && text.contains("keel-42-answer"));
+    assert!(
+        text.contains("KEEL-GUEST-READY") && text.contains("keel-42-answer"),
+        "console log after 10 s: {text:?}"
+    );
     assert_eq!(len as usize, log.len());
     let (tail, _) = hv.console_tail("con-1", 16).await.unwrap();
     assert_eq!(tail.len(), 16);

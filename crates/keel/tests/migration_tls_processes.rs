@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use procs::{
-    all_logs, cli, qemus_of, serving_url, spawn_control_plane, vm_json, wait_nodes, wait_running,
+    all_logs, cli, qemus_of, serving_url, spawn_control_plane, wait_nodes, wait_running, wait_vm,
     Workdir,
 };
 
@@ -106,7 +106,18 @@ async fn a_drain_between_two_agents_moves_the_guest_over_tls() {
         logs()
     );
 
-    let vm = vm_json(&root, &server, "web").unwrap();
+    // Bounded: the drain's end says the VM left the node, not that the
+    // target's agent has looked at it since.
+    let vm = wait_vm(
+        &root,
+        &server,
+        "web",
+        &format!("run on {other}"),
+        Duration::from_secs(30),
+        |vm| vm["status"]["phase"] == "Running" && vm["status"]["instance"]["node"] == other,
+        logs,
+    )
+    .await;
     assert_eq!(vm["status"]["phase"], "Running", "{vm}");
     assert_eq!(vm["status"]["instance"]["node"], other, "{vm}");
     let out = cli(&root, &server, &["migration", "list"]);

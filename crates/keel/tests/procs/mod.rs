@@ -294,6 +294,37 @@ pub async fn wait_nodes(root: &Path, server: &str, count: usize, logs: impl Fn()
     }
 }
 
+/// Polls `keel vm get NAME` until `done` holds for the VM (its JSON) or
+/// `within` has passed. An operation's CLI may return before every field
+/// it does not wait for has settled (the target's first look after a
+/// drain, say), so a test asserting such a field waits for it, bounded.
+/// Fails saying `what` it waited for, with the VM as last seen.
+pub async fn wait_vm(
+    root: &Path,
+    server: &str,
+    name: &str,
+    what: &str,
+    within: std::time::Duration,
+    done: impl Fn(&Value) -> bool,
+    logs: impl Fn() -> String,
+) -> Value {
+    use std::time::{Duration, Instant};
+    let deadline = Instant::now() + within;
+    loop {
+        let vm = vm_json(root, server, name);
+        if let Some(vm) = vm.as_ref().filter(|vm| done(vm)) {
+            return vm.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "VM {name} did not {what} within {within:?}; last seen: {}\n{}",
+            vm.map_or("no such VM".to_string(), |vm| vm.to_string()),
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits (90 s at most) until VM `name` is Running; its (node, instance).
 pub async fn wait_running(
     root: &Path,
@@ -301,19 +332,19 @@ pub async fn wait_running(
     name: &str,
     logs: impl Fn() -> String,
 ) -> (String, String) {
-    use std::time::{Duration, Instant};
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        if let Some(vm) = vm_json(root, server, name) {
-            if vm["status"]["phase"] == "Running" {
-                let inst = &vm["status"]["instance"];
-                return (
-                    inst["node"].as_str().unwrap().to_string(),
-                    inst["id"].as_str().unwrap().to_string(),
-                );
-            }
-        }
-        assert!(Instant::now() < deadline, "{name} never ran:\n{}", logs());
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let vm = wait_vm(
+        root,
+        server,
+        name,
+        "run",
+        std::time::Duration::from_secs(90),
+        |vm| vm["status"]["phase"] == "Running",
+        logs,
+    )
+    .await;
+    let inst = &vm["status"]["instance"];
+    (
+        inst["node"].as_str().unwrap().to_string(),
+        inst["id"].as_str().unwrap().to_string(),
+    )
 }
