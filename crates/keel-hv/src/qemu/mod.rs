@@ -51,7 +51,10 @@ use std::sync::{Arc, Mutex};
 
 use keel_api::{validate_name, Accelerator};
 
-pub use accel::{AccelChoice, AccelParseError, ACCEL_ENV};
+pub use accel::{
+    forced as forced_accelerator, probe_kvm, AccelChoice, AccelParseError, AccelVerdict,
+    KvmUnavailable, ACCEL_ENV,
+};
 pub use config::{QemuConfig, QemuInitError};
 pub use layout::{default_runtime_dir, ExitRecord};
 pub use qmp::{QmpClient, QmpError, QmpEvent, ShutdownEvent, StatusInfo};
@@ -214,8 +217,10 @@ impl QemuDriver {
         )
         .map_err(QemuInitError::ImageDir)?;
         let qemu_version = qemu_version(&config.qemu_binary).await?;
-        let (accelerator, accelerator_note) =
-            accel::choose(&config, &root.join(".kvm-probe"), &layout.runtime).await;
+        let accel::AccelVerdict {
+            accelerator,
+            note: accelerator_note,
+        } = accel::choose(&config, &root.join(".kvm-probe"), &layout.runtime).await;
         tracing::info!(
             accelerator = ?accelerator,
             note = %accelerator_note,
