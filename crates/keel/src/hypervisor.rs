@@ -77,6 +77,15 @@ pub async fn make_hypervisor(
     }
 }
 
+/// `--guest-dir`, else `./target/guest` if `scripts/build-test-guest` has
+/// built it there (a checkout running its own binary).
+pub fn guest_dir_or_built(configured: Option<PathBuf>) -> Option<PathBuf> {
+    configured.or_else(|| {
+        let built = PathBuf::from("target/guest");
+        built.join("vmlinuz").is_file().then_some(built)
+    })
+}
+
 /// The image store's directory: `--image-dir`, else `<data_dir>/images`.
 pub fn image_dir(data_dir: &Path, configured: Option<&Path>) -> PathBuf {
     configured.map_or_else(|| data_dir.join("images"), Path::to_path_buf)

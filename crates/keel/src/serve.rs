@@ -499,10 +499,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut cfg = ServeConfig::new(args.data_dir, args.listen, args.hypervisor, node);
     cfg.token_file = args.token_file;
-    cfg.guest_dir = args.guest_dir.or_else(|| {
-        let built = PathBuf::from("target/guest");
-        built.join("vmlinuz").is_file().then_some(built)
-    });
+    cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
     cfg.accel = args.accel;
     cfg.demo = args.demo;
     cfg.store = args.store;
