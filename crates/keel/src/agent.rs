@@ -66,7 +66,7 @@ impl NodeAgent {
             runtime.clone(),
             stop_rx,
         ));
-        tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = ?facts.accelerator, "node agent running");
+        tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = %crate::hypervisor::accelerator_text(facts.accelerator), "node agent running");
         Ok(Self {
             node,
             ctrl,

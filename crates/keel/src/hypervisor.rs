@@ -67,7 +67,7 @@ pub async fn make_hypervisor(
                 .await
                 .context("starting the qemu driver")?;
             let facts = driver.facts().await;
-            tracing::info!(accelerator = ?facts.accelerator, note = %facts.accelerator_note, "qemu driver ready");
+            tracing::info!(accelerator = %accelerator_text(facts.accelerator), note = %facts.accelerator_note, "qemu driver ready");
             Ok(Arc::new(driver))
         }
         HypervisorKind::Sim => {
@@ -84,6 +84,11 @@ pub fn guest_dir_or_built(configured: Option<PathBuf>) -> Option<PathBuf> {
         let built = PathBuf::from("target/guest");
         built.join("vmlinuz").is_file().then_some(built)
     })
+}
+
+/// For logs: the accelerator, or `probing` while the driver settles it.
+pub fn accelerator_text(accelerator: Option<keel_api::Accelerator>) -> String {
+    accelerator.map_or_else(|| "probing".into(), |a| format!("{a:?}"))
 }
 
 /// The image store's directory: `--image-dir`, else `<data_dir>/images`.

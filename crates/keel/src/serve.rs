@@ -312,7 +312,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         %addr,
         node = %cfg.node,
         hypervisor = %facts.hypervisor,
-        accelerator = ?facts.accelerator,
+        accelerator = %crate::hypervisor::accelerator_text(facts.accelerator),
         data_dir = %cfg.data_dir.display(),
         "keel serving"
     );

@@ -8,15 +8,17 @@
 //! up after [`QemuConfig::probe_banner_timeout`] of silence instead of
 //! waiting the whole timeout.
 //!
-//! The accelerator is settled once, when the driver is built. The outcome
-//! and the reason are reported in `NodeFacts`, so an operator can see why a
-//! node emulates; `keel doctor` runs the same probe.
+//! The driver settles the accelerator in the background ([`Settling`]):
+//! its API is usable at once, and only a start waits for the verdict. The
+//! outcome and the reason are reported in `NodeFacts`, so an operator can
+//! see why a node emulates; `keel doctor` runs the same probe.
 
 use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use keel_api::Accelerator;
+use tokio::sync::watch;
 
 use super::layout::{self, InstancePaths, LaunchPlan};
 use super::proc;
@@ -96,6 +98,50 @@ impl AccelVerdict {
                 note: format!("{}; using tcg", with_sources(why)),
             },
         }
+    }
+}
+
+/// The verdict of [`choose`], reached in the background: `QemuDriver::new`
+/// must not take as long as a probe boot, since `keel serve` answers no
+/// request until it has a driver.
+#[derive(Debug, Clone)]
+pub(super) struct Settling(watch::Receiver<Option<AccelVerdict>>);
+
+impl Settling {
+    /// Probes (when there is something to probe) on a task of its own.
+    pub(super) fn start(config: QemuConfig, scratch: PathBuf, runtime: PathBuf) -> Self {
+        if config.accel != AccelChoice::Auto {
+            let (_, rx) = watch::channel(Some(forced(config.accel)));
+            return Self(rx);
+        }
+        let (tx, rx) = watch::channel(None);
+        tokio::spawn(async move {
+            let verdict = choose(&config, &scratch, &runtime).await;
+            tracing::info!(accelerator = ?verdict.accelerator, note = %verdict.note, "accelerator settled");
+            let _ = tx.send(Some(verdict));
+        });
+        Self(rx)
+    }
+
+    /// The verdict if it is in; `None` while the probe runs.
+    pub(super) fn now(&self) -> Option<AccelVerdict> {
+        self.0.borrow().clone()
+    }
+
+    /// Waits for the verdict; the probe's own timeouts bound the wait.
+    pub(super) async fn verdict(&self) -> AccelVerdict {
+        let mut rx = self.0.clone();
+        let settled = rx
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|v| v.clone());
+        // Only a probe task that panicked or was cancelled (the runtime
+        // shutting down) ends without a verdict; TCG runs anywhere.
+        settled.unwrap_or_else(|| AccelVerdict {
+            accelerator: Accelerator::Tcg,
+            note: "kvm probe ended without a verdict; using tcg".into(),
+        })
     }
 }
 
@@ -391,5 +437,27 @@ mod tests {
         let console = dir.path().join("banner-only.log");
         std::fs::write(&console, "Linux version 6.1.0\n").unwrap();
         console
+    }
+
+    #[tokio::test]
+    async fn a_forced_accelerator_is_there_at_once() {
+        let mut config = QemuConfig::new("/nonexistent");
+        config.accel = AccelChoice::Tcg;
+        let settling = Settling::start(config, "/nonexistent/p".into(), "/nonexistent/r".into());
+        assert_eq!(settling.now().unwrap().accelerator, Accelerator::Tcg);
+        assert_eq!(settling.verdict().await.note, "tcg forced by configuration");
+    }
+
+    #[tokio::test]
+    async fn auto_settles_in_the_background() {
+        let dir = tempfile::tempdir().unwrap();
+        // No guest to probe with: the probe fails at once, on any host.
+        let config = QemuConfig::new(dir.path());
+        let settling = Settling::start(config, dir.path().join("p"), dir.path().join("r"));
+        assert_eq!(settling.now(), None, "start must not wait for the probe");
+        let verdict = settling.verdict().await;
+        assert_eq!(verdict.accelerator, Accelerator::Tcg);
+        assert!(verdict.note.ends_with("; using tcg"), "{}", verdict.note);
+        assert_eq!(settling.now(), Some(verdict));
     }
 }
