@@ -652,7 +652,7 @@ async fn bench(runs: usize, guest: &Path, data_dir: &Path) -> Res<()> {
     let b = Bench::new(guest, data_dir).await?;
     eprintln!(
         "lifecycle: {runs} run(s), QEMU {:?}, 1 vCPU / 256 MiB test guest, SQLite store, data dir {}",
-        b.driver.accelerator(),
+        b.driver.accelerator().await,
         data_dir.display()
     );
     let mut stats = Stats::default();

@@ -227,7 +227,7 @@ impl VmController {
                 node.status.last_heartbeat = now;
                 node.status.disk_home = Some(self.cfg.disk_home());
                 if let Some(facts) = facts {
-                    node.status.accelerator = Some(facts.accelerator);
+                    node.status.accelerator = facts.accelerator;
                     node.status.hypervisor = Some(facts.hypervisor.clone());
                     node.status.migration = facts.migration.clone();
                     node.status.storage_id = facts.storage_id.clone();

@@ -65,7 +65,8 @@ async fn run(n: u64, memory_mib: u64) {
     let facts = nodes[0].facts().await;
     println!(
         "migration bench: {n} migrations, guest {memory_mib} MiB / 1 vCPU, {} ({:?}), unix socket",
-        facts.hypervisor, facts.accelerator
+        facts.hypervisor,
+        nodes[0].accelerator().await
     );
 
     let mut source = DomainSpec {

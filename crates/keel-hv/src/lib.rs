@@ -194,8 +194,10 @@ pub fn check_instance_name(spec: &DomainSpec, op: &'static str) -> Result<(), Hv
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeFacts {
     pub hypervisor: String,
-    pub accelerator: Accelerator,
-    /// Why this accelerator was chosen (e.g. the KVM probe's outcome).
+    /// `None` while the driver is still settling it (probing KVM).
+    pub accelerator: Option<Accelerator>,
+    /// Why this accelerator was chosen (e.g. the KVM probe's outcome), or
+    /// what is being done to choose it.
     pub accelerator_note: String,
     /// How this node receives live migrations, advertised on its record.
     pub migration: Option<keel_api::MigrationEndpoint>,

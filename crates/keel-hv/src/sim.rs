@@ -782,7 +782,7 @@ impl Hypervisor for SimHypervisor {
     async fn facts(&self) -> NodeFacts {
         NodeFacts {
             hypervisor: "sim".into(),
-            accelerator: Accelerator::Sim,
+            accelerator: Some(Accelerator::Sim),
             accelerator_note: "in-memory simulation driver".into(),
             migration: None,
             storage_id: None,

@@ -26,7 +26,7 @@ async fn boots_to_the_ready_marker_under_tcg() {
     };
     let hv = fx.hv();
     let facts = hv.facts().await;
-    assert_eq!(facts.accelerator, Accelerator::Tcg);
+    assert_eq!(facts.accelerator, Some(Accelerator::Tcg));
     assert!(
         facts.accelerator_note.contains("tcg"),
         "{}",
@@ -426,10 +426,11 @@ async fn kvm_probe_falls_back_to_tcg_with_a_note() {
     config.accel = AccelChoice::Auto;
     config.probe_timeout = Duration::from_millis(1);
     let hv = QemuDriver::new(config).await.unwrap();
+    assert_eq!(hv.accelerator().await, Accelerator::Tcg);
     let facts = hv.facts().await;
     assert_eq!(
         facts.accelerator,
-        Accelerator::Tcg,
+        Some(Accelerator::Tcg),
         "{}",
         facts.accelerator_note
     );
@@ -438,6 +439,35 @@ async fn kvm_probe_falls_back_to_tcg_with_a_note() {
     // Whichever way KVM is unavailable here, the note says so.
     assert!(note.contains("kvm"), "{note}");
     eprintln!("probe note: {note}");
+}
+
+/// The driver is built without waiting for the probe; a start issued while
+/// it runs waits for the verdict and launches under it.
+#[tokio::test]
+async fn a_start_during_the_kvm_probe_launches_under_its_verdict() {
+    let Some(guest) = guest_dir() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let _guard = KillGuard {
+        data_dir: dir.path().canonicalize().unwrap(),
+    };
+    let mut config = QemuConfig::new(dir.path()).with_test_guest(&guest);
+    config.accel = AccelChoice::Auto;
+    config.probe_banner_timeout = Duration::from_secs(2);
+    let hv = QemuDriver::new(config).await.unwrap();
+    hv.start(&spec("web", "web-1")).await.unwrap();
+    let facts = hv.facts().await;
+    let settled = facts.accelerator.expect("a start waits for the verdict");
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.path().join("instances/web-1/spec.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        record["accelerator"],
+        format!("{settled:?}"),
+        "{}",
+        facts.accelerator_note
+    );
+    hv.kill("web-1").await.unwrap();
 }
 
 /// The real probe with its default timeout, to see what this host gets:
@@ -454,11 +484,13 @@ async fn real_kvm_probe() {
     config.accel = AccelChoice::Auto;
     let t = Instant::now();
     let hv = QemuDriver::new(config).await.unwrap();
+    eprintln!("driver built after {:?}", t.elapsed());
+    let accelerator = hv.accelerator().await;
     let facts = hv.facts().await;
     eprintln!(
-        "after {:?}: {:?}: {}",
+        "settled after {:?}: {:?}: {}",
         t.elapsed(),
-        facts.accelerator,
+        accelerator,
         facts.accelerator_note
     );
 }

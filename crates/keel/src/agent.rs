@@ -66,7 +66,7 @@ impl NodeAgent {
             runtime.clone(),
             stop_rx,
         ));
-        tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = ?facts.accelerator, "node agent running");
+        tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = %crate::hypervisor::accelerator_text(facts.accelerator), "node agent running");
         Ok(Self {
             node,
             ctrl,
@@ -444,10 +444,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         None => host::default_node_name()?,
     };
     let mut cfg = AgentConfig::new(args.store, args.data_dir, node, args.hypervisor);
-    cfg.guest_dir = args.guest_dir.or_else(|| {
-        let built = PathBuf::from("target/guest");
-        built.join("vmlinuz").is_file().then_some(built)
-    });
+    cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
     cfg.accel = args.accel;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;

@@ -119,6 +119,14 @@ pub struct DoctorArgs {
     /// QEMU binary to check.
     #[arg(long, env = "KEEL_QEMU", default_value = "qemu-system-x86_64")]
     pub qemu: PathBuf,
+    /// The guest `keel serve` probes KVM with (see `keel serve --help`);
+    /// doctor boots it the same way to tell which accelerator serve uses.
+    #[arg(long, env = "KEEL_GUEST_DIR")]
+    pub guest_dir: Option<PathBuf>,
+    /// The accelerator `keel serve` is configured with: auto (probe KVM),
+    /// kvm or tcg.
+    #[arg(long, env = "KEEL_ACCEL", default_value = "auto")]
+    pub accel: keel_hv::qemu::AccelChoice,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,

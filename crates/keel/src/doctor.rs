@@ -9,6 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
+use anyhow::Context;
+use keel_hv::qemu::{
+    forced_accelerator, probe_kvm, AccelChoice, AccelVerdict, KvmUnavailable, QemuConfig,
+};
 use serde::Serialize;
 
 use crate::args::DoctorArgs;
@@ -102,7 +106,7 @@ pub fn run(args: &DoctorArgs) -> Vec<Check> {
     checks.push(qemu.0);
     checks.push(check_qemu_img(qemu_version));
     checks.push(check_passt());
-    checks.push(check_kvm(&args.qemu));
+    checks.push(check_kvm(args));
     checks.push(check_firmware());
     checks.push(check_data_dir(&args.data_dir));
     let disk_dir = args
@@ -217,84 +221,109 @@ fn check_passt() -> Check {
     }
 }
 
-/// Opens /dev/kvm and starts QEMU paused with `-accel kvm -cpu host`: vCPU
-/// creation is where nested KVM fails (an MSR QEMU cannot set aborts it),
-/// and with `-S` no guest code runs, so this takes about a second.
-fn check_kvm(qemu: &Path) -> Check {
+/// Runs the driver's own KVM probe (it boots the test guest under KVM, see
+/// `keel_hv::qemu::probe_kvm`) and reports what `keel serve` will do with
+/// its outcome: a weaker check here (e.g. only creating a vCPU) would pass
+/// on hosts where the probe, and so serve, falls back to TCG. A probe guest
+/// of its own, in a private directory, leaves a running Keel's alone.
+fn check_kvm(args: &DoctorArgs) -> Check {
     const NAME: &str = "kvm";
-    let kvm = Path::new("/dev/kvm");
-    if !kvm.exists() {
-        return Check::warn(
+    let mut config = QemuConfig::new(std::env::temp_dir());
+    config.qemu_binary = args.qemu.clone();
+    config.accel = args.accel;
+    if let Some(dir) = crate::hypervisor::guest_dir_or_built(args.guest_dir.clone()) {
+        // The driver is handed the directory canonicalized, as here.
+        config = config.with_test_guest(&dir.canonicalize().unwrap_or(dir));
+    }
+    if config.accel == AccelChoice::Tcg {
+        return Check::ok(
             NAME,
-            "/dev/kvm not present: guests will run under TCG (software emulation, about 10x slower)",
-            "load kvm_intel or kvm_amd, enable virtualisation in the firmware, or nested virtualisation on the host's hypervisor",
+            format!(
+                "serve will use TCG: {} (--accel or KEEL_ACCEL), so it runs no KVM probe",
+                forced_accelerator(AccelChoice::Tcg).note
+            ),
         );
     }
-    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open(kvm) {
-        return Check::warn(
-            NAME,
-            format!("/dev/kvm not usable by this user ({e}): guests will run under TCG"),
-            "add the user Keel runs as to group kvm (the package's keel user is), then log in again",
-        );
-    }
-    let child = Command::new(qemu)
-        .args([
-            "-accel",
-            "kvm",
-            "-cpu",
-            "host",
-            "-machine",
-            "q35",
-            "-nodefaults",
-            "-display",
-            "none",
-            "-S",
-            "-m",
-            "64",
-        ])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match child {
-        Ok(c) => c,
+    let probed = match probe_in_scratch(&config) {
+        Ok(outcome) => outcome,
         Err(e) => {
             return Check::warn(
                 NAME,
-                format!("could not start {} to probe KVM: {e}", qemu.display()),
-                "fix the qemu check first",
+                format!("could not run the KVM probe: {e:#}"),
+                "run doctor where it may create a directory in $TMPDIR",
             )
         }
     };
-    let began = Instant::now();
-    while began.elapsed() < Duration::from_secs(3) {
-        if let Ok(Some(_)) = child.try_wait() {
-            let mut err = String::new();
-            if let Some(mut stderr) = child.stderr.take() {
-                use std::io::Read;
-                let _ = stderr.read_to_string(&mut err);
-            }
-            let why = err
-                .lines()
-                .find(|l| l.contains("error"))
-                .or_else(|| err.lines().next())
-                .unwrap_or("no message")
-                .trim()
-                .to_string();
-            return Check::warn(
+    if config.accel == AccelChoice::Kvm {
+        return match probed {
+            Ok(_) => Check::ok(
                 NAME,
-                format!("QEMU cannot use KVM here ({why}); Keel's driver probes the same and falls back to TCG"),
-                "on nested virtualisation, update the outer hypervisor or run Keel on bare metal; KEEL_ACCEL=tcg skips the probe",
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+                format!(
+                    "serve will use KVM: {} (--accel or KEEL_ACCEL); the probe agrees: {}",
+                    forced_accelerator(AccelChoice::Kvm).note,
+                    AccelVerdict::of_probe(&probed).note
+                ),
+            ),
+            Err(KvmUnavailable::NoGuest) => Check::ok(
+                NAME,
+                format!(
+                    "serve will use KVM: {} (--accel or KEEL_ACCEL); not probed: {}",
+                    forced_accelerator(AccelChoice::Kvm).note,
+                    KvmUnavailable::NoGuest
+                ),
+            ),
+            Err(why) => Check::warn(
+                NAME,
+                format!(
+                    "serve will use KVM, forced by --accel or KEEL_ACCEL, but KVM does not run the test \
+                     guest here ({}): guests may hang or not start",
+                    keel_ctrl::error_chain(&why)
+                ),
+                "unset KEEL_ACCEL (auto falls back to TCG), or fix KVM (see the reason)",
+            ),
+        };
     }
-    let _ = child.kill();
-    let _ = child.wait();
-    Check::ok(
-        NAME,
-        "/dev/kvm usable and QEMU creates a KVM vCPU with -cpu host",
-    )
+    let verdict = AccelVerdict::of_probe(&probed);
+    match &probed {
+        Ok(_) => Check::ok(NAME, format!("serve will use KVM: {}", verdict.note)),
+        Err(why) => Check::warn(
+            NAME,
+            format!(
+                "serve will use TCG (software emulation, about 10x slower): {}",
+                verdict.note
+            ),
+            kvm_fix(why),
+        ),
+    }
+}
+
+/// The probe with its files in a directory of doctor's own, removed after.
+fn probe_in_scratch(config: &QemuConfig) -> anyhow::Result<Result<Duration, KvmUnavailable>> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = std::env::temp_dir().join(format!("keel-doctor-{}", std::process::id()));
+    let runtime = dir.join("run");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&runtime)
+        .with_context(|| format!("creating {}", runtime.display()))?;
+    let outcome = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting a runtime for the probe")?
+        .block_on(probe_kvm(config, &dir.join("probe"), &runtime));
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(outcome)
+}
+
+fn kvm_fix(why: &KvmUnavailable) -> String {
+    match why {
+        KvmUnavailable::Missing => "load kvm_intel or kvm_amd, enable virtualisation in the firmware, or nested virtualisation on the host's hypervisor".into(),
+        KvmUnavailable::NotUsable(_) => "add the user Keel runs as to group kvm (the package's keel user is), then log in again".into(),
+        KvmUnavailable::NoGuest => "give serve (and doctor) the test guest with --guest-dir or KEEL_GUEST_DIR (scripts/build-test-guest builds it): without a guest the driver cannot probe KVM".into(),
+        KvmUnavailable::Scratch { .. } | KvmUnavailable::Spawn(_) => "fix the qemu check first, and make $TMPDIR writable".into(),
+        KvmUnavailable::QemuExited { .. } | KvmUnavailable::Silent { .. } | KvmUnavailable::NotReady { .. } => "on nested virtualisation, update the outer hypervisor or run Keel on bare metal; KEEL_ACCEL=tcg skips the probe".into(),
+    }
 }
 
 fn check_firmware() -> Check {

@@ -67,7 +67,7 @@ pub async fn make_hypervisor(
                 .await
                 .context("starting the qemu driver")?;
             let facts = driver.facts().await;
-            tracing::info!(accelerator = ?facts.accelerator, note = %facts.accelerator_note, "qemu driver ready");
+            tracing::info!(accelerator = %accelerator_text(facts.accelerator), note = %facts.accelerator_note, "qemu driver ready");
             Ok(Arc::new(driver))
         }
         HypervisorKind::Sim => {
@@ -75,6 +75,20 @@ pub async fn make_hypervisor(
             Ok(Arc::new(SimHypervisor::new(clock, seed, cfg.sim.clone())))
         }
     }
+}
+
+/// `--guest-dir`, else `./target/guest` if `scripts/build-test-guest` has
+/// built it there (a checkout running its own binary).
+pub fn guest_dir_or_built(configured: Option<PathBuf>) -> Option<PathBuf> {
+    configured.or_else(|| {
+        let built = PathBuf::from("target/guest");
+        built.join("vmlinuz").is_file().then_some(built)
+    })
+}
+
+/// For logs: the accelerator, or `probing` while the driver settles it.
+pub fn accelerator_text(accelerator: Option<keel_api::Accelerator>) -> String {
+    accelerator.map_or_else(|| "probing".into(), |a| format!("{a:?}"))
 }
 
 /// The image store's directory: `--image-dir`, else `<data_dir>/images`.

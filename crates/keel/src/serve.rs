@@ -312,7 +312,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         %addr,
         node = %cfg.node,
         hypervisor = %facts.hypervisor,
-        accelerator = ?facts.accelerator,
+        accelerator = %crate::hypervisor::accelerator_text(facts.accelerator),
         data_dir = %cfg.data_dir.display(),
         "keel serving"
     );
@@ -499,10 +499,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     };
     let mut cfg = ServeConfig::new(args.data_dir, args.listen, args.hypervisor, node);
     cfg.token_file = args.token_file;
-    cfg.guest_dir = args.guest_dir.or_else(|| {
-        let built = PathBuf::from("target/guest");
-        built.join("vmlinuz").is_file().then_some(built)
-    });
+    cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
     cfg.accel = args.accel;
     cfg.demo = args.demo;
     cfg.store = args.store;

@@ -304,6 +304,96 @@ fn doctor_prints_each_check_with_a_fix() {
     }
 }
 
+/// Doctor and serve on one host name the same accelerator for the same
+/// reason: doctor runs the driver's KVM probe, not a weaker check of its own
+/// that passes where serve then falls back to TCG. And serve answers before
+/// its probe has a verdict.
+#[test]
+fn doctor_names_the_accelerator_serve_settles_on() {
+    let Some(work) = procs::Workdir::start("doctor_accel") else {
+        return;
+    };
+    let doctor = |accel: &str| {
+        let out = keel()
+            .args(["doctor", "--json", "--accel", accel, "--guest-dir"])
+            .arg(&work.guest_dir)
+            .arg("--data-dir")
+            .arg(work.root.join("doctor"))
+            .output()
+            .unwrap();
+        let checks: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let kvm = checks
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "kvm")
+            .unwrap()
+            .clone();
+        (
+            kvm["status"].clone(),
+            kvm["detail"].as_str().unwrap().to_string(),
+        )
+    };
+    let (status, detail) = doctor("tcg");
+    assert_eq!(status, "ok", "{detail}");
+    assert!(
+        detail.starts_with("serve will use TCG: tcg forced by configuration"),
+        "{detail}"
+    );
+    let (_, detail) = doctor("auto");
+
+    let serve = Keel::spawn(
+        "serve",
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            &work.dir("serve"),
+            "--runtime-dir",
+            &work.dir("run"),
+            "--guest-dir",
+            &work.guest_dir,
+        ],
+    );
+    // The probe's own timeouts (5 s of silence, 20 s to the marker) bound this.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let settled = loop {
+        let log = serve.log();
+        if let Some(line) = log.lines().find(|l| l.contains("accelerator settled")) {
+            break line.to_string();
+        }
+        assert!(Instant::now() < deadline, "no verdict:\n{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let accelerator = settled
+        .split(" accelerator=")
+        .nth(1)
+        .and_then(|a| a.split_whitespace().next())
+        .unwrap();
+    let note = settled.split(" note=").nth(1).unwrap();
+    match accelerator {
+        "Tcg" => assert_eq!(
+            detail,
+            format!("serve will use TCG (software emulation, about 10x slower): {note}")
+        ),
+        "Kvm" => assert!(
+            detail.starts_with("serve will use KVM: kvm probe booted the test guest in"),
+            "doctor: {detail}\nserve: {note}"
+        ),
+        other => panic!("serve settled on {other}: {settled}"),
+    }
+    // A probe that booted a guest takes seconds; the API was up before.
+    let booted = ["booted the test guest", "printed nothing", "printed no "];
+    if booted.iter().any(|b| note.contains(b)) {
+        let log = serve.log();
+        let serving = log
+            .find("keel serving")
+            .expect("serving before the verdict");
+        assert!(serving < log.find("accelerator settled").unwrap(), "{log}");
+    }
+}
+
 #[test]
 fn config_file_settings_yield_to_environment_and_flags() {
     let dir = tempfile::tempdir().unwrap();

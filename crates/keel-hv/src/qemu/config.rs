@@ -63,6 +63,10 @@ pub struct QemuConfig {
     pub accel: AccelChoice,
     /// How long the KVM probe guest may take to print its ready marker.
     pub probe_timeout: Duration,
+    /// How long the probe guest's kernel may stay silent before KVM is
+    /// judged not to run it (a working KVM prints the banner within a
+    /// second; a nested one without acceleration never does).
+    pub probe_banner_timeout: Duration,
     /// `q35` or `pc`.
     pub machine: String,
     /// Bounds every QMP command and handshake.
@@ -104,6 +108,7 @@ impl QemuConfig {
             ovmf_vars: "/usr/share/OVMF/OVMF_VARS_4M.fd".into(),
             accel: AccelChoice::Auto,
             probe_timeout: Duration::from_secs(20),
+            probe_banner_timeout: Duration::from_secs(5),
             machine: "q35".into(),
             qmp_timeout: Duration::from_secs(5),
             launch_timeout: Duration::from_secs(30),

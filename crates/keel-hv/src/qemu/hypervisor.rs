@@ -17,10 +17,14 @@ use crate::{
 #[async_trait]
 impl Hypervisor for QemuDriver {
     async fn facts(&self) -> NodeFacts {
+        let verdict = self.inner.accel.now();
         NodeFacts {
             hypervisor: self.inner.qemu_version.clone(),
-            accelerator: self.inner.accelerator,
-            accelerator_note: self.inner.accelerator_note.clone(),
+            accelerator: verdict.as_ref().map(|v| v.accelerator),
+            accelerator_note: verdict.map_or_else(
+                || "probing kvm: the verdict comes within the probe's timeout".into(),
+                |v| v.note,
+            ),
             migration: Some(self.migration_endpoint()),
             storage_id: Some(self.inner.storage_id.clone()),
         }

@@ -10,7 +10,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use keel_api::{validate_name, Clock, SystemClock};
+use keel_api::{validate_name, Accelerator, Clock, SystemClock};
 
 use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRecord};
 use super::monitor::{Domain, Phase, ProcessWatch};
@@ -22,6 +22,7 @@ use crate::{DomainSpec, HvError};
 impl QemuDriver {
     fn plan(
         &self,
+        accelerator: Accelerator,
         spec: &DomainSpec,
         disks: Vec<PathBuf>,
         images: &[(keel_api::Image, PathBuf)],
@@ -51,7 +52,7 @@ impl QemuDriver {
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
             paths: self.inner.layout.new_instance(&spec.instance),
-            accelerator: self.inner.accelerator,
+            accelerator,
             machine: config.machine.clone(),
             cpus: spec.cpus,
             memory_mib: spec.memory_mib,
@@ -96,7 +97,8 @@ impl QemuDriver {
         self.ensure_uefi_vars(spec, incoming)
             .await
             .map_err(&failed)?;
-        let mut plan = self.plan(spec, disks, &images)?;
+        let accelerator = self.accelerator().await;
+        let mut plan = self.plan(accelerator, spec, disks, &images)?;
         plan.incoming = incoming;
         let args = plan.args();
         let record = LaunchRecord {

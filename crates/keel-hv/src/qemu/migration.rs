@@ -535,7 +535,7 @@ impl QemuDriver {
         }
         let qemu = precopy::query_version(&client).await.map_err(qmp_err)?;
         let paused_source =
-            precopy::precopy_for(self.inner.accelerator, qemu) == precopy::Precopy::SourcePaused;
+            precopy::precopy_for(self.accelerator().await, qemu) == precopy::Precopy::SourcePaused;
         let record = OutgoingMigration {
             uri: uri.to_string(),
             started_at: SystemClock.now_ms(),

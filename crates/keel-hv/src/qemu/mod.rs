@@ -52,7 +52,10 @@ use std::sync::{Arc, Mutex};
 
 use keel_api::{validate_name, Accelerator};
 
-pub use accel::{AccelChoice, AccelParseError, ACCEL_ENV};
+pub use accel::{
+    forced as forced_accelerator, probe_kvm, AccelChoice, AccelParseError, AccelVerdict,
+    KvmUnavailable, ACCEL_ENV,
+};
 pub use config::{QemuConfig, QemuInitError};
 pub use layout::{default_runtime_dir, ExitRecord};
 pub use qmp::{QmpClient, QmpError, QmpEvent, ShutdownEvent, StatusInfo};
@@ -73,8 +76,8 @@ pub struct QemuDriver {
 struct Inner {
     config: QemuConfig,
     layout: Layout,
-    accelerator: Accelerator,
-    accelerator_note: String,
+    /// Read without waiting for facts; waited for by whatever launches.
+    accel: accel::Settling,
     qemu_version: String,
     /// The disk dir's identity (see [`disks::storage_identity`]).
     storage_id: String,
@@ -111,8 +114,9 @@ impl Drop for Inner {
 }
 
 impl QemuDriver {
-    /// Checks QEMU runs, settles the accelerator (probing KVM under `Auto`)
-    /// and re-adopts the instances found in the data dir.
+    /// Checks QEMU runs, starts settling the accelerator (probing KVM in
+    /// the background under `Auto`) and re-adopts the instances found in
+    /// the data dir.
     pub async fn new(config: QemuConfig) -> Result<QemuDriver, QemuInitError> {
         let data_dir_err = |reason: String| QemuInitError::DataDir {
             path: config.data_dir.clone(),
@@ -215,11 +219,15 @@ impl QemuDriver {
         )
         .map_err(QemuInitError::ImageDir)?;
         let qemu_version = qemu_version(&config.qemu_binary).await?;
-        let (accelerator, accelerator_note) =
-            accel::choose(&config, &root.join(".kvm-probe"), &layout.runtime).await;
+        let accel = accel::Settling::start(
+            config.clone(),
+            root.join(".kvm-probe"),
+            layout.runtime.clone(),
+        );
         tracing::info!(
-            accelerator = ?accelerator,
-            note = %accelerator_note,
+            accelerator = %accel
+                .now()
+                .map_or_else(|| "probing".into(), |v| format!("{:?}", v.accelerator)),
             qemu = %qemu_version,
             data_dir = %root.display(),
             "qemu driver ready"
@@ -230,8 +238,7 @@ impl QemuDriver {
             inner: Arc::new(Inner {
                 config,
                 layout,
-                accelerator,
-                accelerator_note,
+                accel,
                 qemu_version,
                 storage_id,
                 direct_io,
@@ -284,8 +291,9 @@ impl QemuDriver {
         self.inner.layout.new_instance(instance).read_pid()
     }
 
-    pub fn accelerator(&self) -> Accelerator {
-        self.inner.accelerator
+    /// The accelerator guests run under, once settled (see [`accel`]).
+    pub async fn accelerator(&self) -> Accelerator {
+        self.inner.accel.verdict().await.accelerator
     }
 
     /// The node's local lease, which this driver's keepers enforce.

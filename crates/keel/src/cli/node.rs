@@ -36,10 +36,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     let n = &item.node;
                     t.row(vec![
                         n.name.clone(),
-                        n.status
-                            .accelerator
-                            .map(|a| format!("{a:?}"))
-                            .unwrap_or_else(|| "-".into()),
+                        accelerator_text(n),
                         n.status.hypervisor.clone().unwrap_or_else(|| "-".into()),
                         ago(n.status.last_heartbeat, now),
                         cordon_text(n),
@@ -72,13 +69,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                 let n = &resp.node;
                 fields(&[
                     ("name", n.name.clone()),
-                    (
-                        "accelerator",
-                        n.status
-                            .accelerator
-                            .map(|a| format!("{a:?}"))
-                            .unwrap_or_else(|| "unknown".into()),
-                    ),
+                    ("accelerator", accelerator_text(n)),
                     (
                         "hypervisor",
                         n.status
@@ -122,6 +113,16 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
 
 fn verb_path(name: &str, verb: &str) -> String {
     format!("/api/v1/nodes/{}/{verb}", encode(name))
+}
+
+/// A node that reported its hypervisor but no accelerator is still
+/// settling it (its driver probes KVM in the background).
+fn accelerator_text(n: &Node) -> String {
+    match (n.status.accelerator, &n.status.hypervisor) {
+        (Some(a), _) => format!("{a:?}"),
+        (None, Some(_)) => "probing".into(),
+        (None, None) => "unknown".into(),
+    }
 }
 
 fn cordon_text(n: &Node) -> String {
