@@ -439,6 +439,7 @@ fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
 pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     host::init_logging();
     host::private_umask();
+    host::raise_descriptor_limit();
     let node = match args.node {
         Some(node) => node,
         None => host::default_node_name()?,

@@ -70,11 +70,16 @@ impl ConsoleServer {
         let app = router(state, token);
         let mut http_stop = stop_rx;
         let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(async move {
-                    let _ = http_stop.wait_for(|s| *s).await;
-                })
-                .await
+            let stopped = async move {
+                let _ = http_stop.wait_for(|s| *s).await;
+            };
+            crate::http_listener::serve(
+                listener,
+                app,
+                crate::http_listener::Limits::for_this_process(),
+                stopped,
+            )
+            .await
         });
         let url = format!("http://{addr}");
         tracing::info!(%url, node, "serving this node's consoles");

@@ -20,6 +20,25 @@ pub(crate) fn private_umask() {
     unsafe { libc::umask(0o077) };
 }
 
+/// Raises the soft descriptor limit to the hard one, as Go's runtime does:
+/// the soft default (often 1024) is a relic of select(2), which Keel does
+/// not use, and every guest costs a few descriptors (QMP, console, agent
+/// sockets). The HTTP listeners size their caps from the result.
+pub(crate) fn raise_descriptor_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one rlimit we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            limit.rlim_cur = limit.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
 pub(crate) fn init_logging() {
     use tracing_subscriber::filter::EnvFilter;
     use tracing_subscriber::layer::SubscriberExt;

@@ -18,6 +18,7 @@ pub mod distributed;
 pub mod doctor;
 pub mod host;
 pub mod host_tools;
+pub mod http_listener;
 pub mod hypervisor;
 pub mod metrics;
 pub mod migration_setup;

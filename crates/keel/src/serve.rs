@@ -339,11 +339,16 @@ fn serve_api(
     let mut http_stop = state.shutdown.clone();
     let app = api::router(state, token.clone());
     tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            })
-            .await
+        let stopped = async move {
+            let _ = http_stop.wait_for(|s| *s).await;
+        };
+        crate::http_listener::serve(
+            listener,
+            app,
+            crate::http_listener::Limits::for_this_process(),
+            stopped,
+        )
+        .await
     })
 }
 
@@ -493,6 +498,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
 pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     init_logging();
     private_umask();
+    crate::host::raise_descriptor_limit();
     let node = match args.node {
         Some(node) => node,
         None => default_node_name()?,
