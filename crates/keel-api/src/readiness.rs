@@ -13,7 +13,7 @@ pub const MAX_READY_TEXT: usize = 128;
 // What is kept of a guest agent's answers: a guest chooses their size, and
 // they land in the VM's record, which every store write and every API read
 // carries (an unbounded list once made a record too big for etcd to take,
-// and the VM unreconcilable). With these, a readiness stays under ~10 KiB.
+// and the VM unreconcilable). With these, a readiness stays within ~20 KiB.
 
 /// Addresses kept per guest: more than any VM `keel vm get` can usefully
 /// show; a guest with more (a container host's veths) keeps the first.
