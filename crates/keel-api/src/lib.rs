@@ -16,6 +16,7 @@ pub mod node;
 pub mod readiness;
 pub mod snapshot;
 mod transitions;
+pub mod untrusted;
 pub mod user_migration;
 pub mod validation;
 pub mod vm;

@@ -10,6 +10,26 @@ use crate::{Millis, ValidationError};
 /// The longest console text a readiness check may look for.
 pub const MAX_READY_TEXT: usize = 128;
 
+// What is kept of a guest agent's answers: a guest chooses their size, and
+// they land in the VM's record, which every store write and every API read
+// carries (an unbounded list once made a record too big for etcd to take,
+// and the VM unreconcilable). With these, a readiness stays within ~20 KiB.
+
+/// Addresses kept per guest: more than any VM `keel vm get` can usefully
+/// show; a guest with more (a container host's veths) keeps the first.
+pub const MAX_GUEST_ADDRESSES: usize = 64;
+/// Interfaces whose addresses are kept.
+pub const MAX_GUEST_INTERFACES: usize = 16;
+/// Linux names are at most 15 bytes (IFNAMSIZ); Windows reports friendly
+/// names such as `vEthernet (Default Switch)`, which run longer.
+pub const MAX_INTERFACE_NAME: usize = 64;
+/// A DNS name's limit (Linux's own host names stop at 64).
+pub const MAX_HOSTNAME: usize = 253;
+/// Any other string a guest reports (its agent's version, OS names).
+pub const MAX_GUEST_TEXT: usize = 256;
+/// A reason or note, which may quote a guest.
+pub const MAX_REASON: usize = 1024;
+
 /// `spec.readiness`, written `agent`, `console:<text>` or `none`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub enum Readiness {
@@ -121,6 +141,10 @@ pub struct InstanceReadiness {
     pub addresses: Vec<GuestAddress>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// What was cut or ignored of the agent's last answers, and why: a
+    /// guest's bad answer costs it these details, never its VM's reconcile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_note: Option<String>,
 }
 
 #[cfg(test)]

@@ -164,11 +164,12 @@ pub fn next_readiness(
         if r.agent {
             r.addresses = addresses(info);
             r.hostname = info.hostname.clone();
+            r.agent_note = info.note.clone();
         }
     }
     if r.ready_at.is_some() {
         r.reason = None;
-        return r;
+        return bound(r);
     }
     if phase != Phase::Running {
         r.reason = Some(format!("instance {} is {phase:?}", inst.id));
@@ -204,6 +205,24 @@ pub fn next_readiness(
     if r.ready_at.is_some() {
         r.reason = None;
     }
+    bound(r)
+}
+
+/// The readiness as it may be stored: the driver bounds what a guest said
+/// already, but the record's size must not depend on every driver doing so.
+fn bound(mut r: InstanceReadiness) -> InstanceReadiness {
+    use keel_api::readiness::{MAX_GUEST_ADDRESSES, MAX_HOSTNAME, MAX_INTERFACE_NAME, MAX_REASON};
+    use keel_api::untrusted::bounded;
+    r.addresses.truncate(MAX_GUEST_ADDRESSES);
+    for a in &mut r.addresses {
+        a.interface = bounded(&a.interface, MAX_INTERFACE_NAME).into_owned();
+    }
+    for text in [&mut r.reason, &mut r.agent_note].into_iter().flatten() {
+        *text = bounded(text, MAX_REASON).into_owned();
+    }
+    if let Some(h) = &mut r.hostname {
+        *h = bounded(h, MAX_HOSTNAME).into_owned();
+    }
     r
 }
 
@@ -211,11 +230,7 @@ pub fn next_readiness(
 fn addresses(info: &GuestInfo) -> Vec<GuestAddress> {
     info.ips
         .iter()
-        .filter(|ip| {
-            ip.address
-                .parse::<std::net::IpAddr>()
-                .map_or(true, |a| !a.is_loopback())
-        })
+        .filter(|ip| !ip.address.is_loopback())
         .map(|ip| GuestAddress {
             interface: ip.interface.clone(),
             address: format!("{}/{}", ip.address, ip.prefix),
@@ -295,16 +310,17 @@ mod tests {
                 ips: vec![
                     GuestIp {
                         interface: "lo".into(),
-                        address: "127.0.0.1".into(),
+                        address: [127, 0, 0, 1].into(),
                         prefix: 8,
                     },
                     GuestIp {
                         interface: "eth0".into(),
-                        address: "10.0.2.15".into(),
+                        address: [10, 0, 2, 15].into(),
                         prefix: 24,
                     },
                 ],
                 hostname: Some("web".into()),
+                note: None,
             }),
             console: None,
         }

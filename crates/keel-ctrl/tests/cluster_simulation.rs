@@ -50,6 +50,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         migration_ms: rng.gen_range(500..20_000),
         agent_ready_ms: 0,
         faults,
+        agent_answers: None,
     };
     // A third stream for the draws added with deletes, lost nodes and
     // node-local disks.

@@ -231,3 +231,46 @@ async fn live_snapshots_are_quiesced_and_always_thawed() {
     assert!(!snap.status.quiesced);
     assert_eq!(w.hv.freeze_state(&inst).unwrap().1, freezes_before);
 }
+
+/// Issue 32: a guest whose agent answers with one 20 KB interface name,
+/// 2,000 addresses and a host name full of terminal escapes. Its VM is
+/// reconciled as any other (running, ready), and what its record keeps of
+/// the guest is capped, escaped and small.
+#[tokio::test]
+async fn a_hostile_agent_answer_is_capped_and_its_vm_still_reconciles() {
+    let addrs: Vec<serde_json::Value> = (0..2_000u32)
+        .map(|i| serde_json::json!({"ip-address": format!("10.{}.{}.1", i / 256, i % 256), "prefix": 24}))
+        .chain([serde_json::json!({"ip-address": "\u{1b}[2J", "prefix": 300})])
+        .collect();
+    let mut cfg = sim();
+    cfg.agent_answers = Some(keel_hv::sim::SimAgentAnswers {
+        interfaces: serde_json::json!([{"name": "x".repeat(20_000), "ip-addresses": addrs}]),
+        host_name: serde_json::json!({"host-name": "web\u{1b}]0;pwned\u{7}\u{1b}[2J"}),
+    });
+    let mut w = World::new(3, cfg).await;
+    running(&mut w, "web", Readiness::Agent).await;
+    w.run_for(6_000).await;
+    let vm = w.get("web").await.unwrap();
+    assert_eq!(vm.status.phase, Phase::Running);
+    assert!(vm.ready_since().is_some(), "{:?}", vm.status);
+    let r = vm
+        .status
+        .instance
+        .as_ref()
+        .unwrap()
+        .readiness
+        .clone()
+        .unwrap();
+    assert_eq!(r.addresses.len(), keel_api::readiness::MAX_GUEST_ADDRESSES);
+    assert!(r
+        .addresses
+        .iter()
+        .all(|a| a.interface.len() <= keel_api::readiness::MAX_INTERFACE_NAME));
+    assert_eq!(r.hostname.as_deref(), Some("web\\x1b]0;pwned\\x07\\x1b[2J"));
+    let note = r.agent_note.as_deref().unwrap();
+    assert!(note.contains("kept 64 of 2000 addresses"), "{note}");
+    assert!(note.contains("dropped 1 addresses"), "{note}");
+    let record = serde_json::to_vec(&vm).unwrap();
+    assert!(record.len() < 16 * 1024, "{} bytes", record.len());
+    eprintln!("record of the hostile guest's VM: {} bytes", record.len());
+}

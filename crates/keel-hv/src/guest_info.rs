@@ -25,10 +25,37 @@ impl AgentState {
 /// One address of one guest interface, as the agent reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestIp {
+    /// Made [terminal-safe](keel_api::untrusted) and bounded on the way in.
     pub interface: String,
-    /// e.g. `10.0.2.15` or `fe80::1`.
-    pub address: String,
+    /// Parsed: what the guest sent was an address, not any text.
+    pub address: std::net::IpAddr,
+    /// At most 32 (IPv4) or 128 (IPv6).
     pub prefix: u8,
+}
+
+impl GuestIp {
+    /// `None` unless `address` is an IP address and `prefix` fits it.
+    pub fn parse(interface: &str, address: &str, prefix: u64) -> Option<GuestIp> {
+        let (address, prefix) = parse_address(address, prefix)?;
+        Some(GuestIp {
+            interface: guest_text(interface, keel_api::readiness::MAX_INTERFACE_NAME),
+            address,
+            prefix,
+        })
+    }
+}
+
+/// `address/prefix` if `address` is an IP address and `prefix` fits it.
+pub fn parse_address(address: &str, prefix: u64) -> Option<(std::net::IpAddr, u8)> {
+    let address: std::net::IpAddr = address.parse().ok()?;
+    let max = if address.is_ipv4() { 32 } else { 128 };
+    (prefix <= max).then_some((address, prefix as u8))
+}
+
+/// A string from the guest as it may be kept: control characters escaped
+/// (it will be printed on operators' terminals), then cut to `max` bytes.
+pub fn guest_text(raw: &str, max: usize) -> String {
+    keel_api::untrusted::bounded(&keel_api::untrusted::terminal_safe(raw), max).into_owned()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,16 +66,24 @@ pub struct GuestInfo {
     pub ips: Vec<GuestIp>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// What of the agent's answers was cut or ignored, and why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 impl GuestInfo {
     pub fn silent(reason: impl Into<String>) -> Self {
         Self {
             agent: AgentState::Silent {
-                reason: reason.into(),
+                reason: keel_api::untrusted::bounded(
+                    &reason.into(),
+                    keel_api::readiness::MAX_REASON,
+                )
+                .into_owned(),
             },
             ips: Vec::new(),
             hostname: None,
+            note: None,
         }
     }
 }

@@ -36,6 +36,17 @@ pub struct SimConfig {
     /// unless [`SimHypervisor::silence_agent`] is used).
     pub agent_ready_ms: Millis,
     pub faults: SimFaults,
+    /// What every guest's agent answers instead of the sim's own: the raw
+    /// `return` values of `guest-network-get-interfaces` and
+    /// `guest-get-host-name`, read by the QEMU driver's parser (tests of
+    /// guests that lie, or attack).
+    pub agent_answers: Option<SimAgentAnswers>,
+}
+
+#[derive(Debug, Clone)]
+pub struct SimAgentAnswers {
+    pub interfaces: serde_json::Value,
+    pub host_name: serde_json::Value,
 }
 
 impl Default for SimConfig {
@@ -46,6 +57,7 @@ impl Default for SimConfig {
             migration_ms: 5_000,
             agent_ready_ms: 0,
             faults: SimFaults::default(),
+            agent_answers: None,
         }
     }
 }
@@ -1293,19 +1305,27 @@ impl Hypervisor for SimHypervisor {
         if let Some(why) = d.agent_silence(now, agent_ready_ms) {
             return Ok(crate::GuestInfo::silent(why));
         }
+        let agent = crate::AgentState::Answering {
+            version: Some("sim".into()),
+        };
+        if let Some(answers) = &s.config.agent_answers {
+            let kept = crate::qemu::guest_agent::parse_interfaces(&answers.interfaces);
+            return Ok(crate::GuestInfo {
+                agent,
+                ips: kept.ips,
+                hostname: crate::qemu::guest_agent::parse_hostname(&answers.host_name),
+                note: (!kept.dropped.is_empty()).then(|| kept.dropped.join("; ")),
+            });
+        }
+        let d = s.domain_mut(instance)?;
         Ok(crate::GuestInfo {
-            agent: crate::AgentState::Answering {
-                version: Some("sim".into()),
-            },
+            agent,
             ips: SIM_GUEST_IPS
                 .iter()
-                .map(|(i, a, p)| crate::GuestIp {
-                    interface: i.to_string(),
-                    address: a.to_string(),
-                    prefix: *p,
-                })
+                .filter_map(|(i, a, p)| crate::GuestIp::parse(i, a, u64::from(*p)))
                 .collect(),
             hostname: Some(d.spec.vm.clone()),
+            note: None,
         })
     }
 

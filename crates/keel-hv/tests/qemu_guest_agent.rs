@@ -124,7 +124,9 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
     assert!(version.is_some());
     // No NIC in this VM: loopback only.
     assert!(
-        info.ips.iter().any(|ip| ip.address == "127.0.0.1"),
+        info.ips
+            .iter()
+            .any(|ip| ip.address.to_string() == "127.0.0.1"),
         "{info:?}"
     );
 

@@ -477,6 +477,11 @@ pub struct LogsArgs {
     /// Only the last N lines.
     #[arg(long)]
     pub tail: Option<u64>,
+    /// On a terminal too, write the log's bytes as they are (by default
+    /// the guest's control characters are shown escaped there; a pipe
+    /// always gets the bytes as they are).
+    #[arg(long)]
+    pub raw: bool,
 }
 
 #[derive(Debug, Args)]

@@ -50,7 +50,12 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            // It may quote the server, which may quote a guest.
+            let text = format!("{err:#}");
+            eprintln!(
+                "error: {}",
+                keel_api::untrusted::terminal_safe_log(text.as_bytes())
+            );
             ExitCode::FAILURE
         }
     }

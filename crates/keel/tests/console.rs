@@ -258,3 +258,145 @@ fn cli_logs_console_and_create_wait() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("timed out") && err.contains("NEVER"), "{err}");
 }
+
+/// Everything printed came from a hostile guest, or a record that kept
+/// what one sent: no character of it may drive the operator's terminal.
+/// A CR that ends a line (a guest's CR-LF, or the pty's own before each
+/// LF) is allowed.
+fn assert_terminal_safe(what: &str, out: &[u8]) {
+    let text = String::from_utf8_lossy(out);
+    let lines = text.replace("\r\n", "\n").replace("\r\n", "\n");
+    let bad: Vec<char> = lines
+        .chars()
+        .filter(|c| !matches!(c, '\n' | '\t') && keel_api::untrusted::is_unsafe_char(*c))
+        .collect();
+    assert!(bad.is_empty(), "{what} printed {bad:?}: {text:?}");
+}
+
+const PWNED: &str = "\x1b]0;pwned\x07\x1b[2J";
+
+/// Runs `keel ARGS` with its stdout on a pseudo-terminal; what it wrote.
+fn keel_on_a_terminal(server: &TestServer, args: &[&str]) -> Vec<u8> {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, OwnedFd};
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty fills two descriptors this function then owns.
+    let rc = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "openpty: {}", std::io::Error::last_os_error());
+    // SAFETY: both were just opened and are owned nowhere else.
+    let (master, slave) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_keel"));
+    cmd.args(args)
+        .env("KEEL_SERVER", &server.base)
+        .env("KEEL_DATA_DIR", server.dir.path())
+        .env_remove("KEEL_TOKEN")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(slave))
+        .stderr(Stdio::inherit());
+    let status = cmd.status().unwrap();
+    assert!(status.success(), "keel {args:?}: {status}");
+    // The child is gone and `cmd` holds the last copy of the slave: once
+    // it goes, reading the master ends (EIO) after what was written.
+    drop(cmd);
+    let mut out = Vec::new();
+    let mut master = std::fs::File::from(master);
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = master.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+/// Issue 32, item 4: a guest whose agent reports a host name and an
+/// interface full of terminal escapes, an old record's event that quotes
+/// them raw, and a console that prints them.
+#[test]
+fn guest_text_reaches_the_terminal_escaped() {
+    let server = TestServer::start_with(|cfg| {
+        cfg.sim.agent_answers = Some(keel_hv::sim::SimAgentAnswers {
+            interfaces: json!([{"name": format!("eth0{PWNED}\u{202e}"), "ip-addresses": [
+                {"ip-address": "10.0.2.15", "prefix": 24},
+                {"ip-address": format!("10.0.2.16{PWNED}"), "prefix": 24}]}]),
+            host_name: json!({"host-name": format!("web{PWNED}")}),
+        });
+    });
+    server.create_vm(
+        "app",
+        json!({"cpus": 1, "memory_mib": 64, "readiness": "agent"}),
+    );
+    let v = server.wait_vm("app", "agent answering", |v| {
+        v["vm"]["status"]["instance"]["readiness"]["hostname"].is_string()
+    });
+    let r = &v["vm"]["status"]["instance"]["readiness"];
+    assert_eq!(r["hostname"], "web\\x1b]0;pwned\\x07\\x1b[2J", "{r}");
+    assert_eq!(r["addresses"].as_array().unwrap().len(), 1, "{r}");
+    // An event as an older Keel might have stored it, quoting the guest.
+    server.put_raw(
+        "/events/app/99999999999999999999",
+        &json!({"at": 1, "vm": "app", "from": "Running", "to": "Running",
+                "reason": format!("guest said {PWNED}\u{9b}2J")}),
+    );
+    for args in [
+        &["vm", "get", "app"][..],
+        &["vm", "get", "app", "-o", "json"],
+        &["vm", "get", "app", "-o", "yaml"],
+        &["vm", "list"],
+        &["events", "app"],
+        &["events", "app", "-o", "json"],
+    ] {
+        let out = keel(&server, args, b"");
+        assert!(out.status.success(), "{args:?}");
+        assert_terminal_safe(&format!("{args:?}"), &out.stdout);
+    }
+    let out = keel(&server, &["vm", "get", "app"], b"");
+    let get = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        get.contains("hostname:") && get.contains("web\\x1b]0;pwned\\x07"),
+        "{get}"
+    );
+    let out = keel(&server, &["events", "app"], b"");
+    assert!(
+        String::from_utf8_lossy(&out.stdout)
+            .contains("guest said \\x1b]0;pwned\\x07\\x1b[2J\\u{9b}2J"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // The guest's console prints the escapes (the sim echoes its input).
+    let out = keel(
+        &server,
+        &["vm", "console", "app"],
+        format!("title{PWNED}\n").as_bytes(),
+    );
+    assert!(out.status.success());
+    let raw_log = |bytes: &[u8]| bytes.windows(PWNED.len()).any(|w| w == PWNED.as_bytes());
+    // To a pipe, the log's bytes as they are: scripts see what the guest wrote.
+    let out = keel(&server, &["vm", "logs", "app"], b"");
+    assert!(
+        raw_log(&out.stdout),
+        "{:?}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // To a terminal, escaped, lines kept; and as they are with --raw.
+    let shown = keel_on_a_terminal(&server, &["vm", "logs", "app"]);
+    assert_terminal_safe("vm logs on a terminal", &shown);
+    let shown = String::from_utf8_lossy(&shown);
+    assert!(
+        shown.contains("sim: title\\x1b]0;pwned\\x07\\x1b[2J"),
+        "{shown:?}"
+    );
+    assert!(shown.contains("KEEL-GUEST-READY boot_id=sim"), "{shown:?}");
+    let shown = keel_on_a_terminal(&server, &["vm", "logs", "app", "--raw"]);
+    assert!(raw_log(&shown), "{:?}", String::from_utf8_lossy(&shown));
+}

@@ -461,6 +461,7 @@ pub fn sim() -> SimConfig {
         migration_ms: 3_000,
         agent_ready_ms: 0,
         faults: SimFaults::default(),
+        agent_answers: None,
     }
 }
 

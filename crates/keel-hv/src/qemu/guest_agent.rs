@@ -12,6 +12,13 @@
 //!   0xFF and carries a fresh random id, and everything read before it is
 //!   discarded.
 //! - Every call is bounded by a timeout; a silent agent costs at most that.
+//! - Every reply is bounded in size ([`MAX_REPLY`]), and what is kept of it
+//!   is bounded too (addresses, interfaces, string lengths: see
+//!   `keel_api::readiness`), with control characters escaped: it ends up
+//!   in the VM's record and on operators' terminals. A reply over the bound
+//!   fails that command and ends the session (the rest of it is still in
+//!   the channel), never the probe: the guest loses those details, its VM
+//!   keeps being reconciled.
 //! - `guest-shutdown` answers nothing on success (the guest goes away).
 //!
 //! A connection is opened per session and dropped after it: QEMU serves one
@@ -26,7 +33,12 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::UnixStream;
 
+use keel_api::readiness::{
+    MAX_GUEST_ADDRESSES, MAX_GUEST_INTERFACES, MAX_GUEST_TEXT, MAX_HOSTNAME,
+};
+
 use super::qmp::ReplyBody;
+use crate::guest_info::{guest_text, parse_address};
 use crate::{GuestInfo, GuestIp};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,15 +59,24 @@ pub enum QgaError {
     Disconnected,
     #[error("guest agent I/O error: {0}")]
     Io(String),
+    #[error("guest agent reply over {} KiB, ignored", MAX_REPLY / 1024)]
+    ReplyTooLarge,
+    #[error("guest agent session abandoned after: {0}")]
+    Abandoned(String),
 }
 
-/// Longest reply line accepted; a bigger one means the peer is not QGA.
-const MAX_LINE: u64 = 1 << 20;
+/// Longest reply accepted. A real `guest-network-get-interfaces` of a guest
+/// with a dozen interfaces (statistics included) is under 10 KiB; the bound
+/// is what one reply may cost the host in memory, whatever the guest sends.
+pub const MAX_REPLY: usize = 64 * 1024;
 
 pub struct QgaSession {
     read: BufReader<OwnedReadHalf>,
     write: OwnedWriteHalf,
     timeout: Duration,
+    /// Why the session cannot be trusted to be in step any more (a reply
+    /// was cut or not awaited to its end): its next read would be the rest.
+    broken: Option<String>,
 }
 
 impl QgaSession {
@@ -77,6 +98,7 @@ impl QgaSession {
             read: BufReader::new(read),
             write,
             timeout,
+            broken: None,
         };
         session.sync().await?;
         Ok(session)
@@ -96,19 +118,7 @@ impl QgaSession {
         let read = &mut self.read;
         tokio::time::timeout(timeout, async move {
             loop {
-                // Everything up to the delimiter is a stale reply (or noise).
-                let mut skipped = Vec::new();
-                let n = read
-                    .take(MAX_LINE)
-                    .read_until(0xff, &mut skipped)
-                    .await
-                    .map_err(|e| QgaError::Io(e.to_string()))?;
-                if n == 0 {
-                    return Err(QgaError::Disconnected);
-                }
-                if skipped.last() != Some(&0xff) {
-                    continue;
-                }
+                skip_past_delimiter(read).await?;
                 let reply = read_line(read).await?;
                 if reply.get("return").and_then(Value::as_u64) == Some(u64::from(id)) {
                     return Ok(());
@@ -131,6 +141,9 @@ impl QgaSession {
         arguments: Option<Value>,
         timeout: Option<Duration>,
     ) -> Result<Value, QgaError> {
+        if let Some(why) = &self.broken {
+            return Err(QgaError::Abandoned(why.clone()));
+        }
         self.send(command, arguments).await?;
         let after = timeout.unwrap_or(self.timeout);
         let reply = tokio::time::timeout(after, read_line(&mut self.read))
@@ -138,8 +151,15 @@ impl QgaSession {
             .map_err(|_| QgaError::Timeout {
                 what: command.to_string(),
                 after,
-            })??;
-        reply_of(command, &reply)
+            })
+            .and_then(|r| r);
+        match reply {
+            Ok(reply) => reply_of(command, &reply),
+            Err(e) => {
+                self.broken = Some(format!("{command}: {e}"));
+                Err(e)
+            }
+        }
     }
 
     async fn send(&mut self, command: &str, arguments: Option<Value>) -> Result<(), QgaError> {
@@ -164,11 +184,12 @@ impl QgaSession {
         Ok(info
             .get("version")
             .and_then(Value::as_str)
-            .map(str::to_string))
+            .map(|v| guest_text(v, MAX_GUEST_TEXT)))
     }
 
-    /// Every address of every interface, loopback included.
-    pub async fn addresses(&mut self) -> Result<Vec<GuestIp>, QgaError> {
+    /// The addresses of the interfaces, loopback included, as many as are
+    /// kept (see [`parse_interfaces`]).
+    pub async fn addresses(&mut self) -> Result<Interfaces, QgaError> {
         let ifaces = self
             .execute("guest-network-get-interfaces", None, None)
             .await?;
@@ -177,9 +198,7 @@ impl QgaSession {
 
     pub async fn hostname(&mut self) -> Result<Option<String>, QgaError> {
         let v = self.execute("guest-get-host-name", None, None).await?;
-        Ok(v.get("host-name")
-            .and_then(Value::as_str)
-            .map(str::to_string))
+        Ok(parse_hostname(&v))
     }
 
     /// Freezes every freezable filesystem; the count. `timeout` bounds it
@@ -203,7 +222,7 @@ impl QgaSession {
         let v = self.execute("guest-fsfreeze-status", None, None).await?;
         v.as_str()
             .map(str::to_string)
-            .ok_or_else(|| QgaError::Protocol(format!("fsfreeze-status returned {v}")))
+            .ok_or_else(|| QgaError::Protocol(format!("fsfreeze-status returned {}", excerpt(&v))))
     }
 
     /// `guest-shutdown` (powerdown). On success the agent sends nothing, so
@@ -222,9 +241,9 @@ impl QgaSession {
 }
 
 fn count(v: &Value, command: &str) -> Result<u32, QgaError> {
-    v.as_u64()
-        .map(|n| n as u32)
-        .ok_or_else(|| QgaError::Protocol(format!("{command} returned {v}, not a count")))
+    v.as_u64().map(|n| n as u32).ok_or_else(|| {
+        QgaError::Protocol(format!("{command} returned {}, not a count", excerpt(v)))
+    })
 }
 
 fn reply_of(command: &str, msg: &Value) -> Result<Value, QgaError> {
@@ -232,12 +251,42 @@ fn reply_of(command: &str, msg: &Value) -> Result<Value, QgaError> {
         ReplyBody::Return(ret) => Ok(ret),
         ReplyBody::Error { class, desc } => Err(QgaError::Command {
             command: command.to_string(),
-            class,
-            desc,
+            class: guest_text(&class, MAX_GUEST_TEXT),
+            desc: guest_text(&desc, MAX_GUEST_TEXT),
         }),
         ReplyBody::NotAReply => Err(QgaError::Protocol(format!(
-            "expected a reply to {command}, got {msg}"
+            "expected a reply to {command}, got {}",
+            excerpt(msg)
         ))),
+    }
+}
+
+/// Enough of a guest's JSON to say what it was, safe to print.
+fn excerpt(v: &Value) -> String {
+    guest_text(&v.to_string(), 128)
+}
+
+/// Discards everything up to and including the next 0xFF, without keeping
+/// it: what precedes a sync reply is stale, and may be any size.
+async fn skip_past_delimiter(read: &mut BufReader<OwnedReadHalf>) -> Result<(), QgaError> {
+    loop {
+        let buf = read
+            .fill_buf()
+            .await
+            .map_err(|e| QgaError::Io(e.to_string()))?;
+        if buf.is_empty() {
+            return Err(QgaError::Disconnected);
+        }
+        match buf.iter().position(|b| *b == 0xff) {
+            Some(at) => {
+                read.consume(at + 1);
+                return Ok(());
+            }
+            None => {
+                let n = buf.len();
+                read.consume(n);
+            }
+        }
     }
 }
 
@@ -246,15 +295,15 @@ async fn read_line(read: &mut BufReader<OwnedReadHalf>) -> Result<Value, QgaErro
     loop {
         line.clear();
         let n = (&mut *read)
-            .take(MAX_LINE + 1)
+            .take(MAX_REPLY as u64 + 1)
             .read_until(b'\n', &mut line)
             .await
             .map_err(|e| QgaError::Io(e.to_string()))?;
         if n == 0 {
             return Err(QgaError::Disconnected);
         }
-        if n as u64 > MAX_LINE {
-            return Err(QgaError::Protocol("reply line too long".into()));
+        if n > MAX_REPLY {
+            return Err(QgaError::ReplyTooLarge);
         }
         // A stray delimiter byte (a late sync reply) is not JSON.
         let text: Vec<u8> = line.iter().copied().filter(|b| *b != 0xff).collect();
@@ -266,36 +315,80 @@ async fn read_line(read: &mut BufReader<OwnedReadHalf>) -> Result<Value, QgaErro
     }
 }
 
+/// What is kept of a `guest-network-get-interfaces` answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Interfaces {
+    pub ips: Vec<GuestIp>,
+    /// What was left out, for the readiness's note.
+    pub dropped: Vec<String>,
+}
+
 /// `guest-network-get-interfaces` → addresses, tolerating missing fields.
-pub fn parse_interfaces(v: &Value) -> Vec<GuestIp> {
-    let mut out = Vec::new();
-    for iface in v.as_array().into_iter().flatten() {
-        let name = iface
-            .get("name")
-            .and_then(Value::as_str)
-            .unwrap_or("?")
-            .to_string();
+/// Keeps the first [`MAX_GUEST_INTERFACES`] interfaces and the first
+/// [`MAX_GUEST_ADDRESSES`] addresses in all, names cut to
+/// [`keel_api::readiness::MAX_INTERFACE_NAME`], and drops what is not an IP address with a
+/// prefix that fits it.
+pub fn parse_interfaces(v: &Value) -> Interfaces {
+    let ifaces = v.as_array().map(Vec::as_slice).unwrap_or_default();
+    let mut out = Interfaces::default();
+    let (mut offered, mut unparsed) = (0usize, 0usize);
+    for iface in ifaces.iter().take(MAX_GUEST_INTERFACES) {
+        let raw_name = iface.get("name").and_then(Value::as_str).unwrap_or("?");
+        let name = guest_text(raw_name, keel_api::readiness::MAX_INTERFACE_NAME);
         for addr in iface
             .get("ip-addresses")
             .and_then(Value::as_array)
             .into_iter()
             .flatten()
         {
-            let Some(address) = addr.get("ip-address").and_then(Value::as_str) else {
+            let parsed = addr
+                .get("ip-address")
+                .and_then(Value::as_str)
+                .zip(addr.get("prefix").and_then(Value::as_u64))
+                .and_then(|(address, prefix)| parse_address(address, prefix));
+            let Some((address, prefix)) = parsed else {
+                unparsed += 1;
                 continue;
             };
-            out.push(GuestIp {
-                interface: name.clone(),
-                address: address.to_string(),
-                prefix: addr.get("prefix").and_then(Value::as_u64).unwrap_or(0) as u8,
-            });
+            offered += 1;
+            if out.ips.len() < MAX_GUEST_ADDRESSES {
+                out.ips.push(GuestIp {
+                    interface: name.clone(),
+                    address,
+                    prefix,
+                });
+            }
         }
+    }
+    if ifaces.len() > MAX_GUEST_INTERFACES {
+        out.dropped.push(format!(
+            "kept the first {MAX_GUEST_INTERFACES} of {} interfaces",
+            ifaces.len()
+        ));
+    }
+    if unparsed > 0 {
+        out.dropped.push(format!(
+            "dropped {unparsed} addresses that were not an IP address with a fitting prefix"
+        ));
+    }
+    if offered > out.ips.len() {
+        out.dropped
+            .push(format!("kept {} of {offered} addresses", out.ips.len()));
     }
     out
 }
 
-/// One bounded look: sync, version, addresses, host name. A guest whose
-/// agent does not answer is `Silent` with the reason, never an error.
+/// `guest-get-host-name` → the name, escaped and cut to [`MAX_HOSTNAME`].
+pub fn parse_hostname(v: &Value) -> Option<String> {
+    v.get("host-name")
+        .and_then(Value::as_str)
+        .map(|h| guest_text(h, MAX_HOSTNAME))
+}
+
+/// One bounded look: sync, version, host name, addresses. A guest whose
+/// agent does not answer is `Silent` with the reason, never an error; one
+/// whose answers are too big or malformed is answering, without the
+/// details it spoiled, and a note saying so.
 pub async fn probe(path: &Path, timeout: Duration) -> GuestInfo {
     let mut session = match QgaSession::open(path, timeout).await {
         Ok(s) => s,
@@ -305,15 +398,42 @@ pub async fn probe(path: &Path, timeout: Duration) -> GuestInfo {
         Ok(v) => v,
         Err(e) => return GuestInfo::silent(e.to_string()),
     };
+    let mut notes = Vec::new();
     // An agent that answers but refuses these (a guest's allow/deny list)
-    // is still answering; its addresses are just unknown.
-    let ips = session.addresses().await.unwrap_or_default();
-    let hostname = session.hostname().await.ok().flatten();
+    // is still answering; its addresses are just unknown. The host name
+    // goes first: it is small, and a spoiled address list ends the session.
+    let hostname = match session.hostname().await {
+        Ok(h) => h,
+        Err(e) => {
+            notes.extend(note_of("guest-get-host-name", &e));
+            None
+        }
+    };
+    let ips = match session.addresses().await {
+        Ok(kept) => {
+            notes.extend(kept.dropped);
+            kept.ips
+        }
+        Err(e) => {
+            notes.extend(note_of("guest-network-get-interfaces", &e));
+            Vec::new()
+        }
+    };
     GuestInfo {
         agent: crate::AgentState::Answering { version },
         ips,
         hostname,
+        note: (!notes.is_empty()).then(|| {
+            keel_api::untrusted::bounded(&notes.join("; "), keel_api::readiness::MAX_REASON)
+                .into_owned()
+        }),
     }
+}
+
+/// A refusal is the guest's choice and says nothing; any other failure is
+/// worth telling.
+fn note_of(command: &str, e: &QgaError) -> Option<String> {
+    (!matches!(e, QgaError::Command { .. })).then(|| format!("{command}: {e}"))
 }
 
 #[cfg(test)]
@@ -325,6 +445,16 @@ mod tests {
     /// session (as a real channel does after a caller timed out), then
     /// answers syncs with the delimiter and a few commands.
     async fn fake_agent(listener: UnixListener, hang_on: Option<&'static str>) {
+        fake_agent_answering(listener, hang_on, |_| None).await
+    }
+
+    /// [`fake_agent`], with the raw reply lines `answer` gives for some
+    /// commands instead of its own.
+    async fn fake_agent_answering(
+        listener: UnixListener,
+        hang_on: Option<&'static str>,
+        answer: fn(&str) -> Option<Vec<u8>>,
+    ) {
         let (stream, _) = listener.accept().await.unwrap();
         let (read, mut write) = stream.into_split();
         let mut read = BufReader::new(read);
@@ -342,6 +472,10 @@ mod tests {
             let msg: Value = serde_json::from_slice(&text).unwrap();
             let cmd = msg["execute"].as_str().unwrap().to_string();
             if Some(cmd.as_str()) == hang_on {
+                continue;
+            }
+            if let Some(raw) = answer(&cmd) {
+                write.write_all(&raw).await.unwrap();
                 continue;
             }
             let reply = match cmd.as_str() {
@@ -390,7 +524,7 @@ mod tests {
                 version: Some("7.2.0".into())
             }
         );
-        let addrs: Vec<&str> = info.ips.iter().map(|i| i.address.as_str()).collect();
+        let addrs: Vec<String> = info.ips.iter().map(|i| i.address.to_string()).collect();
         assert_eq!(addrs, ["127.0.0.1", "10.0.2.15", "fe80::5054:ff:fe12:3456"]);
         assert_eq!(info.ips[1].interface, "eth0");
         assert_eq!(info.ips[1].prefix, 24);
@@ -441,5 +575,112 @@ mod tests {
             .unwrap();
         let err = s.fs_freeze(Duration::from_millis(200)).await.unwrap_err();
         assert!(matches!(err, QgaError::Timeout { .. }), "{err}");
+    }
+
+    /// The reply of issue 32: one 20 KB interface name and 2,000 addresses
+    /// (a few of them not addresses at all), ~100 KB in all.
+    fn hostile_interfaces() -> Value {
+        let addrs: Vec<Value> = (0..2_000u32)
+            .map(|i| match i {
+                0 => json!({"ip-address": "not-an-ip\u{1b}[2J", "prefix": 8}),
+                1 => json!({"ip-address": "10.0.0.1", "prefix": 200}),
+                2 => json!({"ip-address": "10.0.0.2", "prefix": 33}),
+                3 => json!({"ip-address": "10.0.0.3"}),
+                _ => json!({"ip-address": format!("10.{}.{}.1", i / 256, i % 256), "prefix": 24}),
+            })
+            .collect();
+        let mut ifaces = vec![json!({"name": "x".repeat(20_000), "ip-addresses": addrs})];
+        for i in 0..30 {
+            ifaces.push(json!({"name": format!("veth{i}"), "ip-addresses": [
+                {"ip-address": format!("fd00::{i}"), "prefix": 64}]}));
+        }
+        Value::Array(ifaces)
+    }
+
+    #[test]
+    fn what_is_kept_of_a_hostile_interface_list_is_capped() {
+        let kept = parse_interfaces(&hostile_interfaces());
+        assert_eq!(kept.ips.len(), MAX_GUEST_ADDRESSES);
+        let name = &kept.ips[0].interface;
+        assert!(
+            name.len() <= keel_api::readiness::MAX_INTERFACE_NAME && name.ends_with('…'),
+            "{name}"
+        );
+        assert_eq!(kept.ips[0].address.to_string(), "10.0.4.1");
+        assert_eq!(kept.ips[0].prefix, 24);
+        assert_eq!(
+            kept.dropped,
+            [
+                "kept the first 16 of 31 interfaces",
+                "dropped 4 addresses that were not an IP address with a fitting prefix",
+                "kept 64 of 2011 addresses",
+            ]
+        );
+        // Within the caps, interfaces that are not the first are kept too.
+        let few = json!([
+            {"name": "eth0", "ip-addresses": [{"ip-address": "fe80::1", "prefix": 64}]},
+            {"name": "eth\u{1b}]0;pwned\u{7}1", "ip-addresses": [{"ip-address": "10.0.2.15", "prefix": 24}]}
+        ]);
+        let kept = parse_interfaces(&few);
+        assert_eq!(kept.ips.len(), 2);
+        assert!(kept.dropped.is_empty(), "{:?}", kept.dropped);
+        assert_eq!(kept.ips[1].interface, "eth\\x1b]0;pwned\\x071");
+    }
+
+    #[test]
+    fn a_hostile_host_name_is_escaped_and_cut() {
+        let h = parse_hostname(&json!({"host-name": "web\u{1b}]0;pwned\u{7}\u{1b}[2J"})).unwrap();
+        assert_eq!(h, "web\\x1b]0;pwned\\x07\\x1b[2J");
+        let h = parse_hostname(&json!({"host-name": "h".repeat(10_000)})).unwrap();
+        assert!(h.len() <= MAX_HOSTNAME, "{}", h.len());
+    }
+
+    /// The issue's ~100 KB reply, over the bound: the session ends, the
+    /// agent still counts as answering, the host name (asked first) is
+    /// kept, and the note says what happened.
+    #[tokio::test]
+    async fn an_oversized_reply_costs_the_guest_its_addresses_only() {
+        let (_dir, path, listener) = socket();
+        tokio::spawn(fake_agent_answering(listener, None, |cmd| {
+            (cmd == "guest-network-get-interfaces").then(|| {
+                let mut raw = serde_json::to_vec(&json!({"return": hostile_interfaces()})).unwrap();
+                assert!(raw.len() > MAX_REPLY, "{}", raw.len());
+                raw.push(b'\n');
+                raw
+            })
+        }));
+        let info = probe(&path, Duration::from_secs(2)).await;
+        assert!(info.agent.is_answering(), "{info:?}");
+        assert_eq!(info.hostname.as_deref(), Some("web"));
+        assert!(info.ips.is_empty());
+        assert_eq!(
+            info.note.as_deref(),
+            Some("guest-network-get-interfaces: guest agent reply over 64 KiB, ignored")
+        );
+    }
+
+    /// A guest that makes every reply an error with a huge description:
+    /// what is kept of it is bounded and printable.
+    #[tokio::test]
+    async fn a_guest_error_text_is_bounded_and_escaped() {
+        let (_dir, path, listener) = socket();
+        tokio::spawn(fake_agent_answering(listener, None, |cmd| {
+            (cmd == "guest-info").then(|| {
+                let desc = format!("\u{1b}[2J{}", "d".repeat(50_000));
+                let mut raw =
+                    serde_json::to_vec(&json!({"error": {"class": "X", "desc": desc}})).unwrap();
+                raw.push(b'\n');
+                raw
+            })
+        }));
+        let info = probe(&path, Duration::from_secs(2)).await;
+        let crate::AgentState::Silent { reason } = info.agent else {
+            panic!("{info:?}")
+        };
+        assert!(reason.len() < 400, "{}", reason.len());
+        assert!(
+            reason.starts_with("guest agent command guest-info failed: X: \\x1b[2Jddd"),
+            "{reason}"
+        );
     }
 }

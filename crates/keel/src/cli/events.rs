@@ -42,8 +42,14 @@ pub fn run(args: EventsArgs) -> anyhow::Result<()> {
     client.stream_lines::<EventItem>(&path, |item| {
         let text = match out {
             OutputFormat::Table => row(&item),
-            OutputFormat::Json => format!("{}\n", serde_json::to_string(&item)?),
-            OutputFormat::Yaml => format!("---\n{}", serde_yaml_ng::to_string(&item)?),
+            OutputFormat::Json => format!(
+                "{}\n",
+                output::json_terminal_safe(serde_json::to_string(&item)?)
+            ),
+            OutputFormat::Yaml => format!(
+                "---\n{}",
+                output::render(OutputFormat::Yaml, &item, String::new)?
+            ),
         };
         let mut stdout = std::io::stdout().lock();
         // A closed stdout (e.g. `| head`) ends the follow quietly.

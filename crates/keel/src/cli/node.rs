@@ -260,7 +260,7 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
         }
         for (vm, line) in &on_node {
             if seen.get(vm) != Some(line) {
-                eprintln!("{line}");
+                eprintln!("{}", keel_api::untrusted::terminal_safe(line));
                 seen.insert(vm.clone(), line.clone());
             }
         }
@@ -272,7 +272,8 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
         for vm_name in gone {
             seen.remove(&vm_name);
             let now = vms.items.iter().find(|i| i.vm.name == vm_name);
-            eprintln!("{}", off_node_line(&vm_name, name, now.map(|i| &i.vm)));
+            let line = off_node_line(&vm_name, name, now.map(|i| &i.vm));
+            eprintln!("{}", keel_api::untrusted::terminal_safe(&line));
         }
         if drain.completed_at.is_some() {
             return Ok(resp);

@@ -102,7 +102,7 @@ fn wait_taken(
                 .unwrap_or_default()
         );
         if last_seen.as_ref() != Some(&progress) {
-            eprintln!("{progress}");
+            eprintln!("{}", keel_api::untrusted::terminal_safe(&progress));
             last_seen = Some(progress);
         }
         match s.status.phase {

@@ -28,17 +28,30 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
     }
 }
 
+/// The log as it is for a pipe or `--raw`; on a terminal, with the guest's
+/// escape sequences shown instead of obeyed (lines stay lines).
 fn logs(client: &Client, args: LogsArgs) -> anyhow::Result<()> {
-    use std::io::Write;
+    use std::io::{IsTerminal, Write};
     let mut path = format!("/api/v1/vms/{}/console/log", encode(&args.name));
     if let Some(n) = args.tail {
         path.push_str(&format!("?tail={n}"));
     }
     let bytes = client.get_bytes(&path)?;
     let mut stdout = std::io::stdout().lock();
+    let bytes = log_for_output(bytes, stdout.is_terminal(), args.raw);
     stdout.write_all(&bytes)?;
     stdout.flush()?;
     Ok(())
+}
+
+/// What `vm logs` writes of `log`: escaped only for a terminal, and not
+/// with `--raw`.
+pub fn log_for_output(log: Vec<u8>, terminal: bool, raw: bool) -> Vec<u8> {
+    if terminal && !raw {
+        keel_api::untrusted::terminal_safe_log(&log).into_bytes()
+    } else {
+        log
+    }
 }
 
 /// The spec the flags describe (reading the files they name). Validation
@@ -224,6 +237,9 @@ fn describe(resp: &VmResponse) -> String {
                 if let Some(h) = &r.hostname {
                     pairs.push(("hostname", h.clone()));
                 }
+                if let Some(note) = &r.agent_note {
+                    pairs.push(("agent note", note.clone()));
+                }
             }
         }
         None => pairs.push(("instance", "-".into())),
@@ -327,4 +343,50 @@ fn delete(client: &Client, out: OutputFormat, args: PowerArgs) -> anyhow::Result
             )
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record stored before guest text was escaped on the way in still
+    /// prints nothing that drives a terminal.
+    #[test]
+    fn describe_escapes_what_an_old_record_kept_of_a_guest() {
+        let pwned = "\x1b]0;pwned\x07\x1b[2J";
+        let resp: VmResponse = serde_json::from_value(serde_json::json!({
+            "revision": 7,
+            "vm": {"name": "web", "generation": 1,
+                "spec": {"cpus": 1, "memory_mib": 64},
+                "status": {"phase": "Running", "instance": {
+                    "id": "web-1", "node": "n1", "created_at": 1,
+                    "readiness": {"agent": true, "hostname": format!("web{pwned}"),
+                        "reason": format!("agent said {pwned}"),
+                        "agent_note": format!("note {pwned}\u{202e}"),
+                        "addresses": [{"interface": format!("eth0{pwned}"),
+                            "address": "10.0.2.15/24"}]}}}}
+        }))
+        .unwrap();
+        let text = describe(&resp);
+        assert!(
+            !text
+                .chars()
+                .any(|c| c != '\n' && keel_api::untrusted::is_unsafe_char(c)),
+            "{text:?}"
+        );
+        assert!(text.contains("web\\x1b]0;pwned\\x07\\x1b[2J"), "{text}");
+        assert!(text.contains("(eth0\\x1b]0;pwned"), "{text}");
+        assert!(
+            text.contains("note \\x1b]0;pwned\\x07\\x1b[2J\\u{202e}"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn logs_are_escaped_only_for_a_terminal_without_raw() {
+        let log = b"ok\r\n\x1b[2Jx\n".to_vec();
+        assert_eq!(log_for_output(log.clone(), false, false), log);
+        assert_eq!(log_for_output(log.clone(), true, true), log);
+        assert_eq!(log_for_output(log, true, false), b"ok\r\n\\x1b[2Jx\n");
+    }
 }

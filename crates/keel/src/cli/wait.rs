@@ -99,7 +99,7 @@ pub fn until(
         };
         let progress = progress_line(name, &resp.vm);
         if last_seen.as_ref() != Some(&progress) {
-            eprintln!("{progress}");
+            eprintln!("{}", keel_api::untrusted::terminal_safe(&progress));
             last_seen = Some(progress);
         }
         if goal.reached(&resp.vm) {
