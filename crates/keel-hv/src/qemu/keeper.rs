@@ -80,20 +80,73 @@ pub fn boottime_ms() -> u64 {
 }
 
 /// The node's local lease: a deadline on `CLOCK_BOOTTIME`.
+///
+/// The renewer ([`FenceLease::held_open`]) keeps the file open from the
+/// start and rewrites it in place: a renewal then needs no free descriptor.
+/// 250 idle connections to an agent's console port once took the
+/// descriptors a renewal needed (`Too many open files`), and the keeper
+/// killed an AlwaysOn guest. An in-place write can be read half done, so
+/// each record carries a check of its deadline; a reader takes a record
+/// whose check fails for an unreadable one (the last deadline stays in
+/// force, so the lease can only lapse sooner, never later).
 #[derive(Debug, Clone)]
 pub struct FenceLease {
     path: PathBuf,
+    held: Option<std::sync::Arc<std::fs::File>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 struct LeaseRecord {
     /// `CLOCK_BOOTTIME` milliseconds after which guests must be gone.
     valid_until_boottime_ms: u64,
+    /// [`check_of`] the deadline; absent in records of older Keels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    check: Option<u64>,
+}
+
+/// Every in-place record is this long (padded with spaces), so a shorter
+/// one never leaves the tail of a longer one behind.
+const RECORD_LEN: usize = 96;
+
+fn check_of(deadline: u64) -> u64 {
+    (deadline ^ 0x6b65_656c_6c65_6173).rotate_left(17)
+}
+
+fn record_bytes(deadline: u64) -> Vec<u8> {
+    let record = LeaseRecord {
+        valid_until_boottime_ms: deadline,
+        check: Some(check_of(deadline)),
+    };
+    let mut bytes = serde_json::to_vec(&record).expect("a lease record serializes");
+    bytes.resize(RECORD_LEN, b' ');
+    bytes
 }
 
 impl FenceLease {
+    /// For readers (the keeper): the file is opened at every read.
     pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into() }
+        Self {
+            path: path.into(),
+            held: None,
+        }
+    }
+
+    /// For the renewer: the file opened now (created 0600 if missing) and
+    /// kept open for every renewal.
+    pub fn held_open(path: impl Into<PathBuf>) -> io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = path.into();
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(&path)?;
+        Ok(Self {
+            path,
+            held: Some(std::sync::Arc::new(file)),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -104,15 +157,38 @@ impl FenceLease {
     /// left of its self-fence window, counted from before the heartbeat that
     /// earned it was sent.
     pub fn renew(&self, valid_for: Duration) -> io::Result<()> {
-        let record = LeaseRecord {
-            valid_until_boottime_ms: boottime_ms() + valid_for.as_millis() as u64,
-        };
-        write_json_atomic(&self.path, &record)
+        use std::os::unix::fs::FileExt;
+        let deadline = boottime_ms() + valid_for.as_millis() as u64;
+        match &self.held {
+            Some(file) => {
+                file.write_all_at(&record_bytes(deadline), 0)?;
+                // A longer file of an older Keel would keep its tail.
+                if file.metadata()?.len() > RECORD_LEN as u64 {
+                    file.set_len(RECORD_LEN as u64)?;
+                }
+                file.sync_data()
+            }
+            None => write_json_atomic(
+                &self.path,
+                &LeaseRecord {
+                    valid_until_boottime_ms: deadline,
+                    check: Some(check_of(deadline)),
+                },
+            ),
+        }
     }
 
-    /// The deadline, if the file exists and reads.
+    /// The deadline, if the file exists and reads (and its check holds).
     pub fn deadline(&self) -> io::Result<Option<u64>> {
-        Ok(read_json::<LeaseRecord>(&self.path)?.map(|r| r.valid_until_boottime_ms))
+        let Some(record) = read_json::<LeaseRecord>(&self.path)? else {
+            return Ok(None);
+        };
+        match record.check {
+            Some(check) if check != check_of(record.valid_until_boottime_ms) => Err(
+                io::Error::new(io::ErrorKind::InvalidData, "lease record read half written"),
+            ),
+            _ => Ok(Some(record.valid_until_boottime_ms)),
+        }
     }
 
     /// Whether the lease is in force now.
@@ -246,5 +322,38 @@ mod tests {
         assert!(d > boottime_ms() + 29_000 && d <= boottime_ms() + 30_000);
         lease.renew(Duration::ZERO).unwrap();
         assert!(!lease.valid_now());
+    }
+
+    #[test]
+    fn a_held_lease_renews_in_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEASE_FILE);
+        // An older Keel's record, longer than the in-place one.
+        let old = format!(
+            "{{\n  \"valid_until_boottime_ms\": 1{}\n}}",
+            " ".repeat(200)
+        );
+        std::fs::write(&path, old).unwrap();
+        let held = FenceLease::held_open(&path).unwrap();
+        let reader = FenceLease::new(&path);
+        let inode = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+        let before = inode(&path);
+        held.renew(Duration::from_secs(30)).unwrap();
+        assert!(reader.valid_now());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), RECORD_LEN as u64);
+        assert_eq!(inode(&path), before, "rewritten in place");
+        held.renew(Duration::ZERO).unwrap();
+        assert!(!reader.valid_now(), "a shorter deadline takes effect");
+    }
+
+    #[test]
+    fn a_record_whose_check_fails_is_unreadable_and_an_old_one_still_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(LEASE_FILE);
+        let torn = r#"{"valid_until_boottime_ms":2999,"check":1}"#;
+        std::fs::write(&path, torn).unwrap();
+        assert!(FenceLease::new(&path).deadline().is_err());
+        std::fs::write(&path, r#"{"valid_until_boottime_ms":2999}"#).unwrap();
+        assert_eq!(FenceLease::new(&path).deadline().unwrap(), Some(2999));
     }
 }

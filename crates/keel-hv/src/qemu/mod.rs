@@ -233,7 +233,12 @@ impl QemuDriver {
             "qemu driver ready"
         );
         config.data_dir = root;
-        let lease = keeper::FenceLease::new(layout.root.join(keeper::LEASE_FILE));
+        let lease_path = layout.root.join(keeper::LEASE_FILE);
+        let lease =
+            keeper::FenceLease::held_open(&lease_path).map_err(|e| QemuInitError::DataDir {
+                path: lease_path.clone(),
+                reason: format!("open the fence lease: {e}"),
+            })?;
         let driver = QemuDriver {
             inner: Arc::new(Inner {
                 config,
