@@ -97,3 +97,84 @@ async fn console_attach_runs_a_command_and_the_log_keeps_it() {
 
     stop_and_cleanup(hv, "con-1").await;
 }
+
+/// A guest that prints without end cannot fill the host's disk: its console
+/// log and the log's previous part stay bounded, and a marker printed after
+/// a rotation is still found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_guest_keeps_its_console_log_under_the_cap() {
+    const CAP: u64 = 64 << 10;
+    let Some(fx) = Fixture::with(|mut c| {
+        c.console_log_max_bytes = CAP;
+        c.console_log_check = Duration::from_millis(200);
+        c
+    })
+    .await
+    else {
+        return;
+    };
+    let hv = fx.hv();
+    let _ch = fx.boot("flood", "flood-1").await;
+    let log = hv.console_log("flood-1");
+    let rotated = keel_hv::qemu::console_log::rotated(&log);
+    let mut console = hv.open_console("flood-1").await.unwrap();
+    console
+        .io
+        .write_all(b"yes FLOOD-FLOOD-FLOOD-FLOOD-FLOOD-FLOOD | head -c 1200000; echo AFTER-$((40+2))-ROTATION\n")
+        .await
+        .unwrap();
+    // Read what the console says, as an attached operator would, while
+    // the logs are measured.
+    let mut printed = 0u64;
+    let mut largest = (0u64, 0u64);
+    let mut buf = vec![0u8; 64 << 10];
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_secs(30) && printed < 1_100_000 {
+        if let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(100), console.io.read(&mut buf)).await
+        {
+            printed += n as u64;
+        }
+        let size = |p: &std::path::Path| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        largest = (largest.0.max(size(&log)), largest.1.max(size(&rotated)));
+    }
+    eprintln!(
+        "printed {printed} bytes in {:?}; largest log {} bytes, previous part {} bytes",
+        began.elapsed(),
+        largest.0,
+        largest.1
+    );
+    assert!(
+        printed >= 4 * CAP,
+        "the guest printed too little to tell ({printed})"
+    );
+    assert!(
+        largest.1 <= CAP,
+        "the previous part is over the cap: {largest:?}"
+    );
+    // Between two looks (200 ms) the guest may print on; 256 KiB is more
+    // than TCG's serial port gets through in that time (about 60 KiB).
+    assert!(
+        largest.0 <= CAP + (256 << 10),
+        "the log grew past its cap: {largest:?}"
+    );
+    // The flood ends; the marker printed after it (and after rotations) is
+    // still found.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let _ = tokio::time::timeout(Duration::from_millis(100), console.io.read(&mut buf)).await;
+        if hv
+            .console_contains("flood-1", "AFTER-42-ROTATION")
+            .await
+            .unwrap()
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the marker after a rotation was not found"
+        );
+    }
+    drop(console);
+    stop_and_cleanup(hv, "flood-1").await;
+}

@@ -208,6 +208,12 @@ pub struct ServeArgs {
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// The cap on each guest's console log, in MiB: past it the log is
+    /// rotated (its end kept in console.log.1), so a guest that prints
+    /// without end cannot fill the host's disk.
+    #[arg(long, env = "KEEL_CONSOLE_LOG_MAX_MIB", value_name = "MIB",
+          value_parser = parse_console_log_max_mib, default_value_t = 8)]
+    pub console_log_max_mib: u64,
     /// How many reconciles (of distinct VMs, snapshots, migrations) this
     /// node runs at once; one VM is never reconciled twice at once.
     #[arg(long, env = "KEEL_MAX_CONCURRENT_RECONCILES", value_name = "N",
@@ -250,6 +256,12 @@ pub struct AgentArgs {
     /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
     #[arg(long, env = "KEEL_RUNTIME_DIR")]
     pub runtime_dir: Option<PathBuf>,
+    /// The cap on each guest's console log, in MiB: past it the log is
+    /// rotated (its end kept in console.log.1), so a guest that prints
+    /// without end cannot fill the host's disk.
+    #[arg(long, env = "KEEL_CONSOLE_LOG_MAX_MIB", value_name = "MIB",
+          value_parser = parse_console_log_max_mib, default_value_t = 8)]
+    pub console_log_max_mib: u64,
     /// On SIGTERM (a planned restart, an upgrade): freeze the node for this
     /// long and exit without stopping the guests. Nothing of the node is
     /// taken over meanwhile; an agent back within it re-adopts the guests,
@@ -290,6 +302,15 @@ pub fn parse_max_concurrent_reconciles(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("{s:?} is not a count of reconciles: {e}")),
+    }
+}
+
+pub fn parse_console_log_max_mib(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1 (MiB)".into()),
+        Ok(n) if n > 1 << 20 => Err(format!("{n} MiB is more than a console log needs")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a size in MiB: {e}")),
     }
 }
 
@@ -809,6 +830,23 @@ mod tests {
         let err = serve(&["--max-concurrent-reconciles", "0"]).unwrap_err();
         assert!(err.contains("--max-concurrent-reconciles"), "{err}");
         assert!(serve(&["--max-concurrent-reconciles", "many"]).is_err());
+    }
+
+    #[test]
+    fn the_console_log_cap_defaults_to_8_mib_and_refuses_zero() {
+        let serve = |extra: &[&str]| {
+            let mut argv = vec!["keel", "serve"];
+            argv.extend_from_slice(extra);
+            match Cli::try_parse_from(argv).map(|c| c.command) {
+                Ok(Command::Serve(args)) => Ok(args.console_log_max_mib),
+                Ok(_) => panic!("not serve"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        assert_eq!(serve(&[]), Ok(8));
+        assert_eq!(serve(&["--console-log-max-mib", "1"]), Ok(1));
+        let err = serve(&["--console-log-max-mib", "0"]).unwrap_err();
+        assert!(err.contains("--console-log-max-mib"), "{err}");
     }
 
     #[test]

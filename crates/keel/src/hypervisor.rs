@@ -23,6 +23,8 @@ pub struct HypervisorOptions {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver keeps sockets; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    /// The cap on each instance's console log.
+    pub console_log_max_bytes: u64,
     /// The image store VMs boot from (see [`image_dir`]).
     pub image_dir: PathBuf,
     /// Run each QEMU under this fence keeper (cluster nodes); see
@@ -48,6 +50,7 @@ pub async fn make_hypervisor(
             let mut config = QemuConfig::new(cfg.data_dir.join("node"));
             config.disk_dir = cfg.disk_dir.clone();
             config.runtime_dir = cfg.runtime_dir.clone();
+            config.console_log_max_bytes = cfg.console_log_max_bytes;
             config.image_dir = Some(cfg.image_dir.clone());
             config.keeper = cfg.keeper.clone();
             if let Some(dir) = &cfg.guest_dir {

@@ -74,6 +74,7 @@ pub struct ServeConfig {
     pub disk_dir: Option<PathBuf>,
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
+    pub console_log_max_bytes: u64,
     /// The image store; default `<data_dir>/images`. In a cluster, storage
     /// every control plane and node mounts at the same path.
     pub image_dir: Option<PathBuf>,
@@ -109,6 +110,7 @@ impl ServeConfig {
             demo: false,
             disk_dir: None,
             runtime_dir: None,
+            console_log_max_bytes: keel_hv::qemu::QemuConfig::new("").console_log_max_bytes,
             image_dir: None,
             keeper: None,
             store: StoreSpec::Sqlite,
@@ -130,6 +132,7 @@ impl ServeConfig {
             data_dir: self.data_dir.clone(),
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
+            console_log_max_bytes: self.console_log_max_bytes,
             image_dir: image_dir(&self.data_dir, self.image_dir.as_deref()),
             // One host, one store: nobody else can start these VMs, so
             // guests may outlive the server for good. A control plane's
@@ -512,6 +515,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
+    cfg.console_log_max_bytes = args.console_log_max_mib << 20;
     cfg.image_dir = args.image_dir;
     cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {

@@ -41,6 +41,11 @@ pub struct QemuConfig {
     /// Bandwidth cap for outgoing migrations in bytes/s (QEMU's
     /// `max-bandwidth`); `None` keeps QEMU's default (128 MiB/s).
     pub migration_max_bandwidth: Option<u64>,
+    /// The cap on each instance's console log ([`super::console_log`]): the
+    /// log and its previous part hold at most twice this.
+    pub console_log_max_bytes: u64,
+    /// How often the console logs are looked at against their cap.
+    pub console_log_check: Duration,
     /// Bounds each `qemu-img` run and each QMP snapshot command.
     pub storage_timeout: Duration,
     pub qemu_binary: PathBuf,
@@ -96,6 +101,8 @@ impl QemuConfig {
             migration_ports: None,
             migration_tls: None,
             migration_max_bandwidth: None,
+            console_log_max_bytes: 8 << 20,
+            console_log_check: Duration::from_secs(5),
             storage_timeout: Duration::from_secs(60),
             qemu_binary: "qemu-system-x86_64".into(),
             qemu_img: "qemu-img".into(),

@@ -54,23 +54,9 @@ impl QemuDriver {
         let domain = self.existing(instance, "read console log")?;
         let path = domain.paths.console.clone();
         let max = max_bytes.min(MAX_LOG_READ);
-        let read = tokio::task::spawn_blocking(move || -> std::io::Result<(Vec<u8>, u64)> {
-            let mut file = match std::fs::File::open(&path) {
-                Ok(f) => f,
-                // Nothing printed yet (QEMU creates it on first output).
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((vec![], 0)),
-                Err(e) => return Err(e),
-            };
-            let len = file.metadata()?.len();
-            let start = len.saturating_sub(max);
-            file.seek(SeekFrom::Start(start))?;
-            let mut buf = Vec::new();
-            // Up to the length reported, though the guest may print on.
-            file.take(len - start).read_to_end(&mut buf)?;
-            Ok((buf, len))
-        })
-        .await
-        .map_err(|e| failed(instance, "read console log", e))?;
+        let read = tokio::task::spawn_blocking(move || super::console_log::tail(&path, max))
+            .await
+            .map_err(|e| failed(instance, "read console log", e))?;
         read.map_err(|e| failed(instance, "read console log", e))
     }
 
@@ -96,6 +82,11 @@ impl QemuDriver {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(scan),
                 Err(e) => return Err(e),
             };
+            // Rotated since the last look (console_log): the log started
+            // again from nothing.
+            if file.metadata()?.len() < scan.offset {
+                scan.offset = 0;
+            }
             file.seek(SeekFrom::Start(scan.offset))?;
             // Bounded per call; the next probe continues from here.
             let mut chunk = Vec::new();

@@ -27,6 +27,7 @@ pub mod boot;
 pub mod cloud_init;
 mod config;
 mod console;
+pub mod console_log;
 mod disks;
 pub mod guest_agent;
 mod hypervisor;
@@ -258,6 +259,10 @@ impl QemuDriver {
             }),
         };
         driver.adopt_all();
+        console_log::keep_bounded(
+            Arc::downgrade(&driver.inner),
+            driver.inner.config.console_log_check,
+        );
         Ok(driver)
     }
 
