@@ -6,7 +6,7 @@ mod qemu;
 use std::time::{Duration, Instant};
 
 use keel_api::{ExitKind, Phase, RunPolicy, VirtualMachine};
-use qemu::{qemu_pids, Env};
+use qemu::{qemu_pids_in, Env};
 
 const BOOT: Duration = Duration::from_secs(60);
 
@@ -19,14 +19,16 @@ async fn restart_never_runs_two_qemu_processes() {
     env.create("web", Env::spec(RunPolicy::Manual, 30)).await;
     let (old, _guest) = env.ready("web", BOOT).await;
     let needle = "guest=web-".to_string();
-    assert_eq!(qemu_pids(&needle).len(), 1);
+    let dir = env.data_dir.clone();
+    let qemus = move || qemu_pids_in(&dir, &needle).len();
+    assert_eq!(qemus(), 1);
 
     let sampler = tokio::task::spawn_blocking(move || {
         let mut max = 0;
         let mut samples = 0;
         let end = Instant::now() + Duration::from_secs(90);
         while Instant::now() < end {
-            let n = qemu_pids(&needle).len();
+            let n = qemus();
             max = max.max(n);
             samples += 1;
             if SAMPLER_STOP.load(std::sync::atomic::Ordering::SeqCst) {
@@ -110,11 +112,11 @@ async fn stop_is_graceful_then_forced_after_the_grace_period() {
             vm.status.phase == Phase::Stopped
         })
         .await;
-    assert!(qemu_pids(&format!("guest={calm}")).is_empty());
+    assert!(env.qemu_pids(&format!("guest={calm}")).is_empty());
     assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::GuestPoweroff);
 
     assert!(
-        !qemu_pids(&format!("guest={hung}")).is_empty(),
+        !env.qemu_pids(&format!("guest={hung}")).is_empty(),
         "the guest ignoring the power button still runs while calm has stopped"
     );
     let vm = env
@@ -127,6 +129,6 @@ async fn stop_is_graceful_then_forced_after_the_grace_period() {
         took >= Duration::from_secs(6),
         "killed after {took:?}, before the 6 s grace period"
     );
-    assert!(qemu_pids(&format!("guest={hung}")).is_empty());
+    assert!(env.qemu_pids(&format!("guest={hung}")).is_empty());
     assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Killed);
 }

@@ -60,6 +60,26 @@ pub fn qemu_pids(needle: &str) -> Vec<i32> {
         .collect()
 }
 
+/// [`qemu_pids`] of QEMUs under `data_dir` only: other tests on the machine
+/// run guests of the same names.
+pub fn qemu_pids_in(data_dir: &std::path::Path, needle: &str) -> Vec<i32> {
+    let mine = data_dir.to_string_lossy().into_owned();
+    qemu_pids(needle)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&mine))
+        })
+        .collect()
+}
+
+impl Env {
+    /// This environment's QEMUs whose command line names `needle`.
+    pub fn qemu_pids(&self, needle: &str) -> Vec<i32> {
+        qemu_pids_in(&self.data_dir, needle)
+    }
+}
+
 /// One node: its QEMU driver and its agent (controller runtime).
 pub struct NodeAgent {
     pub name: String,
