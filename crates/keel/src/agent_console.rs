@@ -68,19 +68,7 @@ impl ConsoleServer {
             }),
         };
         let app = router(state, token);
-        let mut http_stop = stop_rx;
-        let task = tokio::spawn(async move {
-            let stopped = async move {
-                let _ = http_stop.wait_for(|s| *s).await;
-            };
-            crate::http_listener::serve(
-                listener,
-                app,
-                crate::http_listener::Limits::for_this_process(),
-                stopped,
-            )
-            .await
-        });
+        let task = tokio::spawn(crate::http_listener::serve_until(listener, app, stop_rx));
         let url = format!("http://{addr}");
         tracing::info!(%url, node, "serving this node's consoles");
         Ok(Self { url, stop, task })

@@ -127,6 +127,19 @@ impl Table {
     }
 }
 
+/// [`serve`] within [`Limits::for_this_process`] until `stop` turns true:
+/// how the API and an agent's console port run.
+pub async fn serve_until(
+    listener: TcpListener,
+    app: Router,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    serve(listener, app, Limits::for_this_process(), stopped).await
+}
+
 /// Serves `app` on `listener` within `limits` until `shutdown` completes,
 /// then lets requests under way finish for up to the drain timeout.
 pub async fn serve(

@@ -339,20 +339,9 @@ fn serve_api(
     state: AppState,
     token: &Token,
 ) -> JoinHandle<std::io::Result<()>> {
-    let mut http_stop = state.shutdown.clone();
+    let stop = state.shutdown.clone();
     let app = api::router(state, token.clone());
-    tokio::spawn(async move {
-        let stopped = async move {
-            let _ = http_stop.wait_for(|s| *s).await;
-        };
-        crate::http_listener::serve(
-            listener,
-            app,
-            crate::http_listener::Limits::for_this_process(),
-            stopped,
-        )
-        .await
-    })
+    tokio::spawn(crate::http_listener::serve_until(listener, app, stop))
 }
 
 /// A control plane on etcd: the API, the leader election and the cluster
