@@ -193,26 +193,11 @@ fn a_user_mode_guest_reaches_outside_but_not_its_hosts_loopback() {
         "via",
         OUTSIDE_ADDR,
     ]);
-    let exe = std::env::current_exe().unwrap();
-    let out = Command::new("ip")
-        .args(["netns", "exec", &node.0])
-        .arg(&exe)
-        .args([
-            "--exact",
-            "a_user_mode_guest_reaches_outside_but_not_its_hosts_loopback",
-            "--nocapture",
-        ])
-        .env(ISOLATION_CHILD_ENV, &outside.0)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    run_inside(
+        &node,
+        "a_user_mode_guest_reaches_outside_but_not_its_hosts_loopback",
+        (ISOLATION_CHILD_ENV, &outside.0),
     );
-    eprintln!("--- inside {} ---\n{text}", node.0);
-    assert!(out.status.success(), "the namespaced half failed");
-    assert!(text.contains("1 passed"), "the namespaced half ran nothing");
 }
 
 /// Answers every connection with `word` and a newline, for the test's
@@ -335,6 +320,28 @@ impl Drop for Netns {
     }
 }
 
+/// Runs `test` of this binary again inside `ns` (`ip netns exec`), with
+/// `child` set in its environment so that it runs its namespaced half,
+/// and fails unless that half passed.
+fn run_inside(ns: &Netns, test: &str, child: (&str, &str)) {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.0])
+        .arg(&exe)
+        .args(["--exact", test, "--nocapture"])
+        .env(child.0, child.1)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("--- inside {} ---\n{text}", ns.0);
+    assert!(out.status.success(), "the namespaced half failed");
+    assert!(text.contains("1 passed"), "the namespaced half ran nothing");
+}
+
 const CHILD_ENV: &str = "KEEL_NETNS_CHILD";
 const BRIDGE: &str = "kbr0";
 
@@ -371,26 +378,7 @@ fn bridge_tap_in_a_network_namespace() {
     for dev in [BRIDGE, "veth-b", "veth-h"] {
         inns(&["link", "set", dev, "up"]);
     }
-    let exe = std::env::current_exe().unwrap();
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.0])
-        .arg(&exe)
-        .args([
-            "--exact",
-            "bridge_tap_in_a_network_namespace",
-            "--nocapture",
-        ])
-        .env(CHILD_ENV, "1")
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    eprintln!("--- inside {} ---\n{text}", ns.0);
-    assert!(out.status.success(), "the namespaced half failed");
-    assert!(text.contains("1 passed"), "the namespaced half ran nothing");
+    run_inside(&ns, "bridge_tap_in_a_network_namespace", (CHILD_ENV, "1"));
 }
 
 fn bridge_child() {
