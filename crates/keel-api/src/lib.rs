@@ -21,7 +21,7 @@ pub mod user_migration;
 pub mod validation;
 pub mod vm;
 
-pub use clock::{Clock, ManualClock, Millis, SystemClock};
+pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
 pub use cloud_init::CloudInitSpec;
 pub use event::Event;
 pub use image::{Image, ImageFormat, ImageKind};

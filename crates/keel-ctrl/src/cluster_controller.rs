@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
-use keel_api::{Clock, Migration, Millis, Node, VirtualMachine};
+use keel_api::{Clock, Migration, Millis, Mono, Node, VirtualMachine};
 use keel_store::{Revision, StoreError, TypedStore, WatchEvent};
 use tokio::sync::watch;
 
@@ -22,7 +22,7 @@ use crate::election::LeaderElection;
 use crate::events::{record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
-use crate::liveness::Liveness;
+use crate::liveness::{ClockReading, Liveness};
 use crate::schedule::{placement, NodeLoad};
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
@@ -38,6 +38,8 @@ pub(crate) struct ClusterState {
     pub nodes: Vec<Node>,
     pub vms: VmIndex,
     pub liveness: Liveness,
+    /// When `liveness` last took in `nodes`.
+    pub looked_at: ClockReading,
     /// The nodes the last pass found lost.
     pub lost: Vec<String>,
 }
@@ -66,6 +68,7 @@ impl ClusterState {
             nodes,
             vms,
             liveness,
+            looked_at: ClockReading::default(),
             lost: Vec::new(),
         })
     }
@@ -108,7 +111,7 @@ pub(crate) async fn place(
     cfg: &LifecycleConfig,
     fence: Fence<'_>,
 ) -> Result<Millis, StoreError> {
-    let Some(next) = choose(vm, state, state.vms.load(), now, cfg) else {
+    let Some(next) = choose(vm, state, state.vms.load(), cfg) else {
         return Ok(now + cfg.retry_ms);
     };
     let again = if next.status.node.is_some() {
@@ -133,11 +136,17 @@ fn choose(
     vm: &VirtualMachine,
     state: &ClusterState,
     load: &NodeLoad,
-    now: Millis,
     cfg: &LifecycleConfig,
 ) -> Option<VirtualMachine> {
-    placement(vm, &state.nodes, load, &state.liveness, now, cfg)
-        .filter(|next| transitions::check(vm, next).is_ok())
+    placement(
+        vm,
+        &state.nodes,
+        load,
+        &state.liveness,
+        state.looked_at,
+        cfg,
+    )
+    .filter(|next| transitions::check(vm, next).is_ok())
 }
 
 /// Writes a placement chosen from the record read at `revision`.
@@ -167,25 +176,25 @@ const PLACEMENTS_IN_FLIGHT: usize = 32;
 async fn place_all(
     store: &TypedStore,
     state: &mut ClusterState,
-    now: Millis,
     cfg: &LifecycleConfig,
     fence: Fence<'_>,
     report: &mut PassReport,
 ) -> Result<(), StoreError> {
+    let now = state.looked_at.mono;
     let mut load = state.vms.load().clone();
     let mut writes = Vec::new();
     for name in state.vms.unplaced() {
         let Some(entry) = state.vms.get(name) else {
             continue;
         };
-        match choose(&entry.vm, state, &load, now, cfg) {
+        match choose(&entry.vm, state, &load, cfg) {
             Some(next) => {
                 load.replace(&entry.vm, &next);
                 writes.push((next, entry.revision));
             }
             None => {
                 report.unplaced += 1;
-                report.next_at = report.next_at.min(now + cfg.retry_ms);
+                report.next_at = report.next_at.min(now.plus(cfg.retry_ms));
             }
         }
     }
@@ -207,11 +216,11 @@ async fn place_all(
                     report.placed += 1;
                     continue;
                 }
-                report.next_at = report.next_at.min(now + cfg.retry_ms);
+                report.next_at = report.next_at.min(now.plus(cfg.retry_ms));
             }
             // Someone wrote first; the VM is looked at again at once.
             Err(StoreError::Conflict { .. }) => {
-                report.next_at = report.next_at.min(now + 1);
+                report.next_at = report.next_at.min(now.plus(1));
             }
             Err(e) => {
                 failed.get_or_insert(e);
@@ -285,8 +294,9 @@ pub(crate) async fn take_over(
 /// What one leader pass did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PassReport {
-    /// When to pass again at the latest (changes may call for one sooner).
-    pub next_at: Millis,
+    /// When to pass again at the latest (changes may call for one sooner),
+    /// on the leader's monotonic clock.
+    pub next_at: Mono,
     pub placed: usize,
     /// VMs still without a node (no node can take them now).
     pub unplaced: usize,
@@ -410,30 +420,32 @@ impl ClusterController {
         fence: Fence<'_>,
         state: &mut ClusterState,
     ) -> Result<PassReport, StoreError> {
-        let now = self.clock.now_ms();
+        let looked = ClockReading::now(&*self.clock);
+        let now = looked.wall;
         state.nodes = ClusterState::read_nodes(&self.store).await?;
         state.liveness = {
             let mut liveness = self.liveness.lock().expect("liveness lock");
             let vms = &state.vms;
-            liveness.observe_with(&state.nodes, |node| vms.newest_instance_on(node), now);
+            liveness.observe_with(&state.nodes, |node| vms.newest_instance_on(node), looked);
             liveness.clone()
         };
+        state.looked_at = looked;
         let mut report = PassReport {
-            next_at: now + MAX_IDLE_MS,
+            next_at: looked.mono.plus(MAX_IDLE_MS),
             placed: 0,
             unplaced: 0,
             taken_over: 0,
         };
-        if let Some(at) = state.liveness.next_loss(now, &self.cfg) {
+        if let Some(at) = state.liveness.next_loss(looked.mono, &self.cfg) {
             report.next_at = report.next_at.min(at);
         }
-        let lost = state.liveness.lost(None, now, &self.cfg);
+        let lost = state.liveness.lost(None, looked.mono, &self.cfg);
         tracing::trace!(?lost, liveness = ?state.liveness, "nodes judged");
         if !lost.is_empty() {
             report.taken_over = take_over(&self.store, state, &lost, now, fence).await?;
         }
         state.lost = lost;
-        place_all(&self.store, state, now, &self.cfg, fence, &mut report).await?;
+        place_all(&self.store, state, &self.cfg, fence, &mut report).await?;
         report_undecodable(&self.store, now, fence).await;
         Ok(report)
     }
@@ -482,14 +494,15 @@ impl ClusterController {
             nodes: Vec::new(),
             vms,
             liveness: Liveness::default(),
+            looked_at: ClockReading::default(),
             lost: Vec::new(),
         };
         tracing::info!(candidate = %self.who(), vms = state.vms.len(),
             "leading: placing VMs, watching for lost nodes");
-        let mut due = self.clock.now_ms();
+        let mut due = self.clock.mono();
         let mut unplaced = 0;
         loop {
-            if self.clock.now_ms() >= due {
+            if self.clock.mono() >= due {
                 let Some(report) = self.reconcile_over(&mut state).await? else {
                     tracing::info!(candidate = %self.who(), "no longer leading");
                     return Ok(());
@@ -500,14 +513,14 @@ impl ClusterController {
                 due = report.next_at;
                 unplaced = report.unplaced;
             }
-            let wait = due.saturating_sub(self.clock.now_ms());
+            let wait = due.since(self.clock.mono());
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
                 event = vm_watch.next() => match event {
                     Some(Ok(event)) => {
                         state.vms.apply(&event);
                         if state.needs_pass(&event) {
-                            due = self.clock.now_ms();
+                            due = self.clock.mono();
                         }
                     }
                     Some(Err(err)) => return Err(err),
@@ -518,7 +531,7 @@ impl ClusterController {
                     // may take a VM that could not be placed.
                     Some(Ok(_)) => {
                         if unplaced > 0 {
-                            due = self.clock.now_ms();
+                            due = self.clock.mono();
                         }
                     }
                     Some(Err(err)) => return Err(err),

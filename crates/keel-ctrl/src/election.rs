@@ -20,7 +20,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use keel_api::{Clock, Millis};
+use keel_api::{Clock, Millis, Mono};
 use keel_store::{Guard, LeaseId, Precondition, Store, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
@@ -76,7 +76,9 @@ pub struct LeaderRecord {
 struct Term {
     lease: LeaseId,
     guard: Guard,
-    renewed_at: Millis,
+    /// Monotonic: a wall clock stepped forward must not end a term early,
+    /// nor one stepped back keep it past the store's lease.
+    renewed_at: Mono,
 }
 
 pub struct LeaderElection {
@@ -128,10 +130,10 @@ impl LeaderElection {
     /// The guard for this leader's writes, while it may act as leader:
     /// `None` once its last renewal is older than the TTL minus the margin.
     pub fn guard(&self) -> Option<Guard> {
-        let now = self.clock.now_ms();
+        let now = self.clock.mono();
         let term = self.lock();
         term.as_ref()
-            .filter(|t| now < t.renewed_at.saturating_add(self.cfg.valid_for_ms()))
+            .filter(|t| now < t.renewed_at.plus(self.cfg.valid_for_ms()))
             .map(|t| t.guard.clone())
     }
 
@@ -182,8 +184,8 @@ impl LeaderElection {
         let Some(term) = current else {
             return self.campaign().await;
         };
-        let now = self.clock.now_ms();
-        if now >= term.renewed_at.saturating_add(self.cfg.valid_for_ms()) {
+        let now = self.clock.mono();
+        if now >= term.renewed_at.plus(self.cfg.valid_for_ms()) {
             // Could not renew in time: the store may already have expired
             // the lease, so this term is over whatever happens next.
             tracing::warn!(candidate = %self.me.id, "leadership expired: the lease was not renewed in time");
@@ -228,7 +230,7 @@ impl LeaderElection {
             return Ok(());
         }
         // Timed from before the grant: the store's lease runs from later.
-        let sent_at = self.clock.now_ms();
+        let sent_at = self.clock.mono();
         let lease = self.store.grant_lease(self.cfg.ttl_ms).await?;
         let value = serde_json::to_vec(&self.me).expect("leader record serializes");
         match self

@@ -1,4 +1,4 @@
-//! Whether nodes are alive, judged on the observer's own clock.
+//! Whether nodes are alive, judged on the observer's own monotonic clock.
 //!
 //! A node's heartbeat carries the node's wall-clock time, but two hosts'
 //! wall clocks can be far apart: comparing a node's timestamp with the
@@ -6,7 +6,10 @@
 //! ran its guests. So the timestamp is treated as an opaque value, and a
 //! node counts as silent for as long as the *observer* has seen the value
 //! not change: its lease runs out only after `node_lease_ms` of the
-//! observer's time without a new heartbeat, whatever either clock says. A
+//! observer's time without a new heartbeat, whatever either clock says.
+//! The observer's time here is [`Mono`]: a wall clock stepped forward on
+//! the observer must not make a live node look silent, nor one stepped
+//! back stretch a dead node's lease. A
 //! new observer (a freshly elected leader, a restarted agent) starts every
 //! count at its first look, so it takes over nothing before a full lease
 //! of its own has passed: later, never earlier.
@@ -21,13 +24,31 @@
 
 use std::collections::BTreeMap;
 
-use keel_api::{Millis, Node, VirtualMachine};
+use keel_api::{Millis, Mono, Node, VirtualMachine};
 
 use crate::config::LifecycleConfig;
 
 #[derive(Debug, Clone, Default)]
 pub struct Liveness {
     nodes: BTreeMap<String, Heard>,
+}
+
+/// One look at the clocks, taken when the records were read: the
+/// monotonic time decides; the wall time only serves the readiness hint
+/// of a node whose heartbeat has not been seen to change yet.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ClockReading {
+    pub mono: Mono,
+    pub wall: Millis,
+}
+
+impl ClockReading {
+    pub fn now(clock: &dyn keel_api::Clock) -> Self {
+        Self {
+            mono: clock.mono(),
+            wall: clock.now_ms(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -38,7 +59,9 @@ struct Heard {
     /// cleaned up) is not.
     newest_instance: Millis,
     /// Observer time when this heartbeat value was first seen.
-    since: Millis,
+    since: Mono,
+    /// The observer's wall time then: only for the readiness hint.
+    since_wall: Millis,
     /// The value has been seen to change at least once.
     changed: bool,
     /// The node's freeze as first seen, if its record carries one.
@@ -50,7 +73,7 @@ struct SeenFreeze {
     key: (Millis, Millis),
     duration_ms: Millis,
     /// Observer time when this freeze was first seen.
-    seen_at: Millis,
+    seen_at: Mono,
 }
 
 impl Liveness {
@@ -59,7 +82,7 @@ impl Liveness {
     /// instance it recorded later (both on its own clock): a node back from
     /// the dead between the read of the nodes and of the VMs has started
     /// something, and is not judged by a heartbeat older than that.
-    pub fn observe(&mut self, nodes: &[Node], vms: &[VirtualMachine], now: Millis) {
+    pub fn observe(&mut self, nodes: &[Node], vms: &[VirtualMachine], now: ClockReading) {
         self.observe_with(
             nodes,
             |node| {
@@ -81,7 +104,7 @@ impl Liveness {
         &mut self,
         nodes: &[Node],
         newest_instance: impl Fn(&str) -> Millis,
-        now: Millis,
+        now: ClockReading,
     ) {
         for node in nodes {
             self.observe_node(node, newest_instance(&node.name), now);
@@ -92,7 +115,7 @@ impl Liveness {
 
     /// Takes in one node's record (and the newest instance it recorded, 0
     /// for none), leaving the other nodes' counts as they are.
-    pub fn observe_node(&mut self, node: &Node, newest_instance: Millis, now: Millis) {
+    pub fn observe_node(&mut self, node: &Node, newest_instance: Millis, now: ClockReading) {
         // Any change of the heartbeat counts (a clock set back still wrote
         // it); an instance only if newer than any seen before.
         let heartbeat = node.status.last_heartbeat;
@@ -102,7 +125,8 @@ impl Liveness {
                 *h = Heard {
                     heartbeat,
                     newest_instance: newest_instance.max(h.newest_instance),
-                    since: now,
+                    since: now.mono,
+                    since_wall: now.wall,
                     changed: true,
                     freeze: h.freeze,
                 };
@@ -111,7 +135,8 @@ impl Liveness {
             None => self.nodes.entry(node.name.clone()).or_insert(Heard {
                 heartbeat,
                 newest_instance,
-                since: now,
+                since: now.mono,
+                since_wall: now.wall,
                 changed: false,
                 freeze: None,
             }),
@@ -122,7 +147,7 @@ impl Liveness {
             (Some(f), _) => Some(SeenFreeze {
                 key: f.key(),
                 duration_ms: f.duration_ms,
-                seen_at: now,
+                seen_at: now.mono,
             }),
         };
     }
@@ -137,14 +162,14 @@ impl Liveness {
     /// freeze's end (its duration after it was first seen here; the agent
     /// counts it from before it could have been seen) plus the margin
     /// between a lost node's fence and its takeover.
-    fn loss_at(h: &Heard, cfg: &LifecycleConfig) -> Millis {
-        let silent = h.since.saturating_add(cfg.node_lease_ms) + 1;
+    fn loss_at(h: &Heard, cfg: &LifecycleConfig) -> Mono {
+        let silent = h.since.plus(cfg.node_lease_ms + 1);
         match h.freeze {
             None => silent,
             Some(f) => {
                 let margin = cfg.node_lease_ms.saturating_sub(cfg.self_fence_ms).max(1);
-                let end = f.seen_at.saturating_add(f.duration_ms);
-                silent.max(end.saturating_add(margin) + 1)
+                let end = f.seen_at.plus(f.duration_ms);
+                silent.max(end.plus(margin + 1))
             }
         }
     }
@@ -152,21 +177,26 @@ impl Liveness {
     /// Ready: heard from within `node_ready_ms`. Until its heartbeat has
     /// been seen to change, the node's own timestamp is the only hint; it
     /// is used for readiness only (a wrong answer delays or misplaces a
-    /// start, it never starts a second instance), never for loss.
+    /// start, it never starts a second instance), never for loss. A node
+    /// never observed is judged by that hint against `now`'s wall time.
     /// A frozen node is not ready: its agent is about to go away, or gone.
-    pub fn ready(&self, node: &Node, now: Millis, cfg: &LifecycleConfig) -> bool {
+    pub fn ready(&self, node: &Node, now: ClockReading, cfg: &LifecycleConfig) -> bool {
         if node.freeze.is_some() {
             return false;
         }
         match self.nodes.get(&node.name) {
-            Some(h) if h.changed => now.saturating_sub(h.since) <= cfg.node_ready_ms,
-            _ => now.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms,
+            Some(h) if h.changed => now.mono.since(h.since) <= cfg.node_ready_ms,
+            Some(h) => {
+                let wall = h.since_wall.saturating_add(now.mono.since(h.since));
+                wall.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms
+            }
+            None => now.wall.saturating_sub(node.status.last_heartbeat) <= cfg.node_ready_ms,
         }
     }
 
     /// Nodes silent for longer than `node_lease_ms`, except `me`: their
     /// VMs go back to the scheduler.
-    pub fn lost(&self, me: Option<&str>, now: Millis, cfg: &LifecycleConfig) -> Vec<String> {
+    pub fn lost(&self, me: Option<&str>, now: Mono, cfg: &LifecycleConfig) -> Vec<String> {
         self.nodes
             .keys()
             .filter(|name| Some(name.as_str()) != me && self.is_lost(name, now, cfg))
@@ -177,7 +207,7 @@ impl Liveness {
     /// Whether `node` has been silent for longer than `node_lease_ms` (and,
     /// if frozen, is past its freeze and the margin); a node never observed
     /// is not.
-    pub fn is_lost(&self, node: &str, now: Millis, cfg: &LifecycleConfig) -> bool {
+    pub fn is_lost(&self, node: &str, now: Mono, cfg: &LifecycleConfig) -> bool {
         self.nodes
             .get(node)
             .is_some_and(|h| now >= Self::loss_at(h, cfg))
@@ -185,7 +215,7 @@ impl Liveness {
 
     /// The earliest moment a node not lost yet would be, if it sent no
     /// further heartbeat: when to check again.
-    pub fn next_loss(&self, now: Millis, cfg: &LifecycleConfig) -> Option<Millis> {
+    pub fn next_loss(&self, now: Mono, cfg: &LifecycleConfig) -> Option<Mono> {
         self.nodes
             .values()
             .map(|h| Self::loss_at(h, cfg))
@@ -197,6 +227,17 @@ impl Liveness {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn at(ms: Millis) -> ClockReading {
+        ClockReading {
+            mono: m(ms),
+            wall: ms,
+        }
+    }
+
+    fn m(ms: Millis) -> Mono {
+        Mono::from_origin_ms(ms)
+    }
 
     fn node(name: &str, heartbeat: Millis) -> Node {
         let mut n = Node::new(name);
@@ -219,17 +260,29 @@ mod tests {
             "v",
             serde_json::from_str(r#"{"cpus":1,"memory_mib":64}"#).unwrap(),
         );
-        l.observe(std::slice::from_ref(&n), &[], 0);
+        l.observe(std::slice::from_ref(&n), &[], at(0));
         vm.status.instance = Some(keel_api::Instance::new("v-1", "a", 2_000));
-        l.observe(std::slice::from_ref(&n), std::slice::from_ref(&vm), 30_000);
+        l.observe(
+            std::slice::from_ref(&n),
+            std::slice::from_ref(&vm),
+            at(30_000),
+        );
         assert!(
-            l.lost(None, 60_000, &cfg).is_empty(),
+            l.lost(None, m(60_000), &cfg).is_empty(),
             "counted from the new instance"
         );
-        assert_eq!(l.lost(None, 70_001, &cfg), ["a"]);
+        assert_eq!(l.lost(None, m(70_001), &cfg), ["a"]);
         vm.status.instance = None;
-        l.observe(std::slice::from_ref(&n), std::slice::from_ref(&vm), 70_002);
-        assert_eq!(l.lost(None, 70_003, &cfg), ["a"], "a takeover revived it");
+        l.observe(
+            std::slice::from_ref(&n),
+            std::slice::from_ref(&vm),
+            at(70_002),
+        );
+        assert_eq!(
+            l.lost(None, m(70_003), &cfg),
+            ["a"],
+            "a takeover revived it"
+        );
     }
 
     #[test]
@@ -249,14 +302,14 @@ mod tests {
                     t0 + 5_000 + hour
                 },
             );
-            l.observe(&[behind.clone(), ahead.clone()], &[], now);
-            assert!(!l.lost(None, now, &cfg).contains(&"behind".to_string()));
+            l.observe(&[behind.clone(), ahead.clone()], &[], at(now));
+            assert!(!l.lost(None, m(now), &cfg).contains(&"behind".to_string()));
             if step >= 2 {
-                assert!(l.ready(&behind, now, &cfg), "step {step}");
+                assert!(l.ready(&behind, at(now), &cfg), "step {step}");
             }
             let silent = now.saturating_sub(t0 + 5_000);
             assert_eq!(
-                l.lost(None, now, &cfg).contains(&"ahead".to_string()),
+                l.lost(None, m(now), &cfg).contains(&"ahead".to_string()),
                 silent > cfg.node_lease_ms,
                 "step {step}"
             );
@@ -264,15 +317,58 @@ mod tests {
         // A new observer counts from its own first look.
         let mut fresh = Liveness::default();
         let now = t0 + 100_000;
-        fresh.observe(&[node("ahead", t0 + 5_000 + hour)], &[], now);
-        assert!(fresh.lost(None, now + cfg.node_lease_ms, &cfg).is_empty());
+        fresh.observe(&[node("ahead", t0 + 5_000 + hour)], &[], at(now));
+        assert!(fresh
+            .lost(None, m(now + cfg.node_lease_ms), &cfg)
+            .is_empty());
         assert_eq!(
-            fresh.lost(None, now + cfg.node_lease_ms + 1, &cfg),
+            fresh.lost(None, m(now + cfg.node_lease_ms + 1), &cfg),
             ["ahead"]
         );
         assert_eq!(
-            fresh.next_loss(now, &cfg),
-            Some(now + cfg.node_lease_ms + 1)
+            fresh.next_loss(m(now), &cfg),
+            Some(m(now + cfg.node_lease_ms + 1))
         );
+    }
+
+    /// The observer's wall clock steps by more than a lease, forward and
+    /// back, between looks: a node whose heartbeat keeps changing is never
+    /// lost nor unready, and a silent one is lost after a lease of
+    /// monotonic time, neither sooner (forward step) nor later (back step).
+    #[test]
+    fn wall_steps_of_the_observer_neither_lose_a_live_node_nor_keep_a_dead_one() {
+        use keel_api::{Clock, ManualClock};
+        let cfg = LifecycleConfig::default();
+        let clock = ManualClock::new(1_700_000_000_000);
+        let mut l = Liveness::default();
+        let steps = [90_000, -180_000, 45_000, -90_000, 3_600_000];
+        for (i, step) in steps.iter().enumerate() {
+            let beat = 1_000 + i as Millis;
+            l.observe(&[node("live", beat)], &[], ClockReading::now(&clock));
+            clock.step_wall(*step);
+            clock.advance(5_000);
+            let now = ClockReading::now(&clock);
+            assert!(l.lost(None, now.mono, &cfg).is_empty(), "step {i}");
+            if i > 0 {
+                assert!(l.ready(&node("live", beat), now, &cfg), "step {i}");
+            }
+        }
+        let silent_from = clock.mono();
+        let dead = node("live", 2_000_000);
+        l.observe(std::slice::from_ref(&dead), &[], ClockReading::now(&clock));
+        clock.step_wall(90_000);
+        clock.advance(cfg.node_lease_ms);
+        assert!(
+            l.lost(None, clock.mono(), &cfg).is_empty(),
+            "a forward step hastens nothing"
+        );
+        clock.step_wall(-200_000);
+        clock.advance(1);
+        assert_eq!(
+            l.lost(None, clock.mono(), &cfg),
+            ["live"],
+            "a back step delays nothing"
+        );
+        assert_eq!(clock.mono().since(silent_from), cfg.node_lease_ms + 1);
     }
 }

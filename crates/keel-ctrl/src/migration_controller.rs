@@ -21,7 +21,7 @@ use keel_store::{StoreError, TypedStore};
 
 use crate::config::LifecycleConfig;
 use crate::keys::{migration_key, node_key, vm_key};
-use crate::liveness::Liveness;
+use crate::liveness::{ClockReading, Liveness};
 use crate::observe::{LifecycleObserver, NoObserver};
 
 pub struct MigrationController {
@@ -129,7 +129,7 @@ impl MigrationController {
                 if self
                     .lease
                     .as_ref()
-                    .is_some_and(|l| !l.fresh(now, &self.cfg))
+                    .is_some_and(|l| !l.fresh(self.clock.mono(), &self.cfg))
                 {
                     tracing::warn!(
                         vm = vm_name,
@@ -406,10 +406,10 @@ impl MigrationController {
         let Some(entry) = self.store.get::<Node>(&node_key(node)).await? else {
             return Ok(false);
         };
-        let now = self.clock.now_ms();
+        let now = ClockReading::now(&*self.clock);
         let mut liveness = self.liveness.lock().expect("liveness lock");
         liveness.observe_node(&entry.value, 0, now);
-        Ok(liveness.is_lost(node, now, &self.cfg))
+        Ok(liveness.is_lost(node, now.mono, &self.cfg))
     }
 
     /// The target of a recorded success: it runs once the VM record names

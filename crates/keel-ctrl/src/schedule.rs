@@ -6,10 +6,10 @@
 
 use std::collections::HashMap;
 
-use keel_api::{Millis, Node, VirtualMachine};
+use keel_api::{Node, VirtualMachine};
 
 use crate::config::LifecycleConfig;
-use crate::liveness::Liveness;
+use crate::liveness::{ClockReading, Liveness};
 
 /// How many VMs each node owns: counted once per view and kept up to date
 /// by the writer, so choosing a node costs O(nodes) and placing N VMs is
@@ -64,7 +64,7 @@ pub fn candidate_nodes(
     load: &NodeLoad,
     exclude: Option<&str>,
     liveness: &Liveness,
-    now: Millis,
+    now: ClockReading,
     cfg: &LifecycleConfig,
 ) -> Vec<String> {
     let mut candidates: Vec<(usize, String)> = nodes
@@ -107,7 +107,7 @@ pub fn placement(
     nodes: &[Node],
     load: &NodeLoad,
     liveness: &Liveness,
-    now: Millis,
+    now: ClockReading,
     cfg: &LifecycleConfig,
 ) -> Option<VirtualMachine> {
     let mut next = vm.clone();
@@ -139,7 +139,7 @@ pub fn placement(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use keel_api::{BootSpec, PowerState, RunPolicy, VmSpec};
+    use keel_api::{BootSpec, Millis, PowerState, RunPolicy, VmSpec};
 
     /// A small VM, placed on `node` or not (shared with other modules' tests).
     pub(crate) fn vm(name: &str, node: Option<&str>) -> VirtualMachine {
@@ -162,6 +162,13 @@ pub(crate) mod tests {
         );
         v.status.node = node.map(str::to_string);
         v
+    }
+
+    fn at(ms: Millis) -> ClockReading {
+        ClockReading {
+            mono: keel_api::Mono::from_origin_ms(ms),
+            wall: ms,
+        }
     }
 
     fn node(name: &str, heartbeat: Millis) -> Node {
@@ -188,7 +195,7 @@ pub(crate) mod tests {
             &NodeLoad::of(&vms),
             None,
             &Liveness::default(),
-            100_000,
+            at(100_000),
             &cfg,
         );
         assert_eq!(got, ["b", "a"]);
@@ -198,7 +205,7 @@ pub(crate) mod tests {
             &NodeLoad::of(&vms),
             Some("b"),
             &Liveness::default(),
-            100_000,
+            at(100_000),
             &cfg,
         );
         assert_eq!(got, ["a"]);
@@ -227,7 +234,7 @@ pub(crate) mod tests {
                 &NodeLoad::default(),
                 None,
                 &Liveness::default(),
-                100_000,
+                at(100_000),
                 &cfg
             ),
             ["a"]
@@ -238,7 +245,7 @@ pub(crate) mod tests {
             &NodeLoad::default(),
             Some("a"),
             &Liveness::default(),
-            100_000,
+            at(100_000),
             &cfg
         )
         .is_empty());
@@ -251,7 +258,7 @@ pub(crate) mod tests {
                 &NodeLoad::default(),
                 None,
                 &Liveness::default(),
-                100_000,
+                at(100_000),
                 &cfg
             ),
             ["s1", "s2"]
@@ -269,7 +276,7 @@ pub(crate) mod tests {
                 &NodeLoad::default(),
                 Some("s1"),
                 &Liveness::default(),
-                100_000,
+                at(100_000),
                 &cfg,
             )
         };
@@ -286,7 +293,7 @@ pub(crate) mod tests {
                 &NodeLoad::default(),
                 None,
                 &Liveness::default(),
-                100_000,
+                at(100_000),
                 &cfg
             )
             .len(),

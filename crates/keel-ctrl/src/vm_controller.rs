@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, Event, EvictionPhase, Migration, MigrationPhase, Millis, Node, NodeFreeze, Phase,
+    Clock, Event, EvictionPhase, Migration, MigrationPhase, Millis, Mono, Node, NodeFreeze, Phase,
     Snapshot, VirtualMachine,
 };
 use keel_hv::{DomainSpec, HvError, Hypervisor};
@@ -17,7 +17,7 @@ use crate::keys::{
     migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix, vm_key,
     MIGRATIONS_PREFIX, VMS_PREFIX,
 };
-use crate::liveness::Liveness;
+use crate::liveness::{ClockReading, Liveness};
 use crate::node_lease::{LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::candidate_nodes;
@@ -163,7 +163,7 @@ impl VmController {
 
     /// `nodes` (and the VMs read after them) taken into this agent's
     /// liveness view at `now`; the view.
-    fn observe_nodes(&self, nodes: &[Node], vms: &VmIndex, now: Millis) -> Liveness {
+    fn observe_nodes(&self, nodes: &[Node], vms: &VmIndex, now: ClockReading) -> Liveness {
         let mut liveness = self.liveness.lock().expect("liveness lock");
         liveness.observe_with(nodes, |node| vms.newest_instance_on(node), now);
         liveness.clone()
@@ -221,7 +221,7 @@ impl VmController {
         &self,
         facts: Option<&keel_hv::NodeFacts>,
     ) -> Result<LeasePlan, HeartbeatError> {
-        let sent_at = self.clock.now_ms();
+        let sent_at = self.clock.mono();
         let node = self
             .update_own_record(|node, now| {
                 node.status.last_heartbeat = now;
@@ -290,20 +290,21 @@ impl VmController {
     /// VMs meanwhile, and extends the local fence lease to the freeze's
     /// end, so the guests keep running without the agent and are fenced
     /// if it has not returned by then. Written together with a heartbeat.
-    /// Returns the freeze's end on this agent's clock.
+    /// Returns the freeze's end on this agent's monotonic clock.
     pub async fn freeze_for_restart(
         &self,
         wanted_ms: Millis,
         reason: &str,
-    ) -> Result<Millis, HeartbeatError> {
-        let sent_at = self.clock.now_ms();
+    ) -> Result<Mono, HeartbeatError> {
+        let sent_at = self.clock.mono();
+        let requested_at = self.clock.now_ms();
         let node = self
             .update_own_record(|node, now| {
                 let duration_ms =
                     self.lease
                         .own_freeze_ms(sent_at, wanted_ms, node.freeze.as_ref());
                 node.freeze = Some(NodeFreeze {
-                    requested_at: sent_at,
+                    requested_at,
                     duration_ms,
                     reason: reason.to_string(),
                 });
@@ -312,7 +313,7 @@ impl VmController {
             .await?;
         let freeze = node.freeze.expect("written above");
         let end = self.lease.froze(sent_at, &freeze);
-        let left = end.saturating_sub(self.clock.now_ms());
+        let left = end.since(self.clock.mono());
         self.hv
             .renew_fence(std::time::Duration::from_millis(left))
             .await
@@ -391,7 +392,7 @@ impl VmController {
         facts: Option<&keel_hv::NodeFacts>,
     ) -> Result<(), HeartbeatError> {
         let plan = self.heartbeat_planned(facts).await?;
-        let left = plan.renew_until.saturating_sub(self.clock.now_ms());
+        let left = plan.renew_until.since(self.clock.mono());
         if let Err(err) = self
             .hv
             .renew_fence(std::time::Duration::from_millis(left))
@@ -412,17 +413,17 @@ impl VmController {
 
     /// Whether this agent must end its guests now, its last good heartbeat
     /// having been at `last_ok` (see [`NodeLease::self_fence_due`]).
-    pub fn self_fence_due(&self, last_ok: Millis) -> bool {
+    pub fn self_fence_due(&self, last_ok: Mono) -> bool {
         self.lease
-            .self_fence_due(last_ok, self.clock.now_ms(), &self.cfg)
+            .self_fence_due(last_ok, self.clock.mono(), &self.cfg)
     }
 
     /// The lease half of housekeeping: heartbeat and fence-lease renewal,
     /// self-fencing when the heartbeat could not be renewed for
     /// `self_fence_ms`. Returns whether the heartbeat succeeded. Runs on
     /// its own loop in the runtime, so that no other chore can delay it.
-    pub async fn keep_lease(&self, last_heartbeat_ok: &mut Millis) -> bool {
-        let now = self.clock.now_ms();
+    pub async fn keep_lease(&self, last_heartbeat_ok: &mut Mono) -> bool {
+        let now = self.clock.mono();
         let facts = self.hv.facts().await;
         match self.heartbeat_and_renew(Some(&facts)).await {
             Ok(()) => {
@@ -444,7 +445,7 @@ impl VmController {
 
     /// The node agent's periodic chores: the heartbeat (see
     /// [`Self::keep_lease`]), then, if it succeeded, the others.
-    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Millis) {
+    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Mono) {
         if self.keep_lease(last_heartbeat_ok).await {
             self.chores().await;
         }
@@ -495,10 +496,14 @@ impl VmController {
     /// (Single-process mode; under a control plane its leader does this.)
     pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
         let now = self.clock.now_ms();
+        let observed = ClockReading::now(&*self.clock);
         let nodes = ClusterState::read_nodes(&self.store).await?;
         let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
-        state.liveness = self.observe_nodes(&state.nodes, &state.vms, now);
-        let lost = state.liveness.lost(Some(&self.cfg.node), now, &self.cfg);
+        state.liveness = self.observe_nodes(&state.nodes, &state.vms, observed);
+        state.looked_at = observed;
+        let lost = state
+            .liveness
+            .lost(Some(&self.cfg.node), observed.mono, &self.cfg);
         if lost.is_empty() {
             return Ok(());
         }
@@ -551,7 +556,7 @@ impl VmController {
             Step::Persist {
                 then: Some(HvAction::Start),
                 ..
-            } if !self.lease.fresh(now, &self.cfg) => {
+            } if !self.lease.fresh(self.clock.mono(), &self.cfg) => {
                 // No heartbeat got through within the lease: the cluster
                 // may be about to start this node's VMs elsewhere.
                 tracing::warn!(vm = name, node = %self.cfg.node,
@@ -750,9 +755,11 @@ impl VmController {
         revision: u64,
     ) -> Result<Option<Millis>, StoreError> {
         let now = self.clock.now_ms();
+        let looked = ClockReading::now(&*self.clock);
         let nodes = ClusterState::read_nodes(&self.store).await?;
         let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
-        state.liveness = self.observe_nodes(&state.nodes, &state.vms, now);
+        state.liveness = self.observe_nodes(&state.nodes, &state.vms, looked);
+        state.looked_at = looked;
         cluster_controller::place(
             &self.store,
             &mut state,
@@ -800,7 +807,7 @@ impl VmController {
                 ..ClusterView::default()
             });
         };
-        let now = self.clock.now_ms();
+        let now = ClockReading::now(&*self.clock);
         let nodes = match self.vm_index.nodes() {
             Some(nodes) => nodes,
             None => ClusterState::read_nodes(&self.store).await?,
@@ -835,7 +842,7 @@ impl VmController {
         vm: &VirtualMachine,
         nodes: &[Node],
         vms: &VmIndex,
-        now: Millis,
+        now: ClockReading,
     ) -> (Vec<String>, usize) {
         let liveness = self.observe_nodes(nodes, vms, now);
         let targets = candidate_nodes(

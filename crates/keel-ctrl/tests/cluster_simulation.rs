@@ -1,7 +1,8 @@
 //! Seeded simulation of a three-node cluster: random user requests,
 //! drains and uncordons, network partitions of one agent, host power
 //! failures, migration failures and late successes, controller restarts.
-//! Each node's wall clock is off by up to a minute either way. VMs are
+//! Each node's wall clock is off by up to a minute either way, and steps
+//! by more than a lease either way now and then. VMs are
 //! deleted and created again under the same name (a new uid), a node may
 //! lose power and never return, and some worlds have no shared storage.
 //! At every tick no VM executes twice anywhere and every executing
@@ -95,7 +96,28 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         "clock skews {:?}, local disks {local_disks}",
         c.skew_ms
     )];
+    // A fourth stream: wall-clock steps of one node by more than a lease,
+    // either way, away from its usual skew or back to it (as NTP corrects
+    // a clock that strayed). Nothing that decides a fence, a takeover or a
+    // freeze may be measured on them.
+    let mut clocks = ChaCha8Rng::seed_from_u64(seed ^ 0x636c_6f63);
+    let mut strayed: BTreeMap<&str, i64> = BTreeMap::new();
     for tick in 0..CHAOS_TICKS {
+        if clocks.gen_bool(0.03) {
+            let node = *NODES.choose(&mut clocks).unwrap();
+            let away = strayed.get(node).copied().unwrap_or(0);
+            let to = if away != 0 && clocks.gen_bool(0.5) {
+                0
+            } else {
+                clocks.gen_range(45_000..=120_000) * if clocks.gen_bool(0.5) { 1 } else { -1 }
+            };
+            c.step_wall(node, to - away);
+            strayed.insert(node, to);
+            trace.push(format!(
+                "t{tick}: wall clock of {node} steps {} ms",
+                to - away
+            ));
+        }
         let roll = rng.gen_range(0..100);
         let more_roll = more.gen_range(0..100);
         let what = match roll {

@@ -282,6 +282,9 @@ impl keel_api::Clock for TokioClock {
     fn now_ms(&self) -> keel_api::Millis {
         common::T0 + self.start.elapsed().as_millis() as keel_api::Millis
     }
+    fn mono(&self) -> keel_api::Mono {
+        keel_api::Mono::from_origin_ms(self.start.elapsed().as_millis() as u64)
+    }
 }
 
 /// The production driver itself (`run_vm_controller`, as `keel serve`

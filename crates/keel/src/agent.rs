@@ -103,7 +103,7 @@ impl NodeAgent {
                     self.node
                 )
             })?;
-        tracing::info!(node = %self.node, until_ms = end, "node frozen for the restart");
+        tracing::info!(node = %self.node, until_boottime_ms = end.origin_ms(), "node frozen for the restart");
         Ok(())
     }
 

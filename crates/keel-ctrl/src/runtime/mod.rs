@@ -286,10 +286,10 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
     use std::sync::atomic::{AtomicU64, Ordering};
     // The chores act on the cluster's state only while this node's own
     // heartbeat gets through, as a node cut off must not take over others.
-    let heartbeat_ok_at = AtomicU64::new(clock.now_ms());
+    let heartbeat_ok_at = AtomicU64::new(clock.mono().origin_ms());
     let lease = async {
         let mut stop = stop.clone();
-        let mut last_heartbeat_ok = clock.now_ms();
+        let mut last_heartbeat_ok = clock.mono();
         while !*stop.borrow() {
             // A heartbeat that hangs counts as failed, so self-fencing is
             // judged on time, whatever the store does.
@@ -298,7 +298,7 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
                 vms.keep_lease(&mut last_heartbeat_ok),
             );
             let outcome = bounded.await;
-            heartbeat_ok_at.store(last_heartbeat_ok, Ordering::Relaxed);
+            heartbeat_ok_at.store(last_heartbeat_ok.origin_ms(), Ordering::Relaxed);
             if outcome.is_err() {
                 tracing::warn!("heartbeat timed out");
                 if vms.self_fence_due(last_heartbeat_ok) {
@@ -318,10 +318,8 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
                 _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
                 _ = stop.changed() => {}
             }
-            let fresh = clock
-                .now_ms()
-                .saturating_sub(heartbeat_ok_at.load(Ordering::Relaxed))
-                <= 2 * HOUSEKEEPING_MS;
+            let last_ok = keel_api::Mono::from_origin_ms(heartbeat_ok_at.load(Ordering::Relaxed));
+            let fresh = clock.mono().since(last_ok) <= 2 * HOUSEKEEPING_MS;
             if !*stop.borrow() && fresh {
                 vms.chores().await;
             }

@@ -52,7 +52,7 @@ pub struct Agent {
     pub partitioned: Arc<AtomicBool>,
     /// VM records the agent read from the store.
     pub vm_reads: Arc<std::sync::atomic::AtomicU64>,
-    pub last_heartbeat_ok: Millis,
+    pub last_heartbeat_ok: keel_api::Mono,
 }
 
 pub struct Cluster {
@@ -67,20 +67,30 @@ pub struct Cluster {
     /// How far each node's wall clock is off (ms, either way). The
     /// controllers see it; the store and the simulated hosts keep true time.
     pub skew_ms: BTreeMap<String, i64>,
+    /// Each node's wall-clock offset in force (from `skew_ms` when the node
+    /// joined, then moved by [`Cluster::step_wall`]); its monotonic clock
+    /// is the true one.
+    wall_offsets: BTreeMap<String, Arc<std::sync::atomic::AtomicI64>>,
     /// VMs created so far: each gets a uid of its own, as from the API.
     pub created: u64,
 }
 
-/// A node's wall clock: true time plus a fixed offset.
+/// A node's clocks: its wall clock is true time plus an offset that a
+/// test may step either way; its monotonic clock never steps.
 #[derive(Clone)]
 pub struct SkewedClock {
     base: ManualClock,
-    offset_ms: i64,
+    offset_ms: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl Clock for SkewedClock {
     fn now_ms(&self) -> Millis {
-        self.base.now_ms().saturating_add_signed(self.offset_ms)
+        self.base
+            .now_ms()
+            .saturating_add_signed(self.offset_ms.load(Ordering::SeqCst))
+    }
+    fn mono(&self) -> keel_api::Mono {
+        self.base.mono()
     }
 }
 
@@ -128,6 +138,7 @@ impl Cluster {
             sim,
             local_disks: false,
             skew_ms: BTreeMap::new(),
+            wall_offsets: BTreeMap::new(),
             created: 0,
         }
     }
@@ -179,7 +190,7 @@ impl Cluster {
             running: true,
             migrations_stuck: false,
             partitioned,
-            last_heartbeat_ok: self.now(),
+            last_heartbeat_ok: self.clock.mono(),
         }
     }
 
@@ -192,9 +203,14 @@ impl Cluster {
         vms_stuck: &Arc<AtomicBool>,
         vm_reads: &Arc<std::sync::atomic::AtomicU64>,
     ) -> (Arc<VmController>, Arc<MigrationController>, Runtime) {
+        let offset_ms = self
+            .wall_offsets
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| Arc::new(self.skew_ms.get(name).copied().unwrap_or(0).into()));
         let shared: Arc<dyn Clock> = Arc::new(SkewedClock {
             base: self.clock.clone(),
-            offset_ms: self.skew_ms.get(name).copied().unwrap_or(0),
+            offset_ms,
         });
         let mut faulty = FaultyStore::partitionable(self.store.raw().clone(), partitioned.clone());
         faulty.vm_reads = vm_reads.clone();
@@ -236,9 +252,23 @@ impl Cluster {
     }
 
     pub async fn add_node(&mut self, name: &str) {
+        let skew = self.skew_ms.get(name).copied().unwrap_or(0);
+        self.wall_offsets
+            .entry(name.to_string())
+            .or_insert_with(|| Arc::new(skew.into()));
         let agent = self.make_agent(name, self.agents.len() as u64 + 1);
         agent.vms.heartbeat(None).await.unwrap();
         self.agents.push(agent);
+    }
+
+    /// `node`'s wall clock is set `by` ms forward (back, if negative), as an
+    /// operator or NTP would; no time passes. Its controllers see it at once.
+    pub fn step_wall(&mut self, node: &str, by: i64) {
+        let skew = self.skew_ms.get(node).copied().unwrap_or(0);
+        self.wall_offsets
+            .entry(node.to_string())
+            .or_insert_with(|| Arc::new(skew.into()))
+            .fetch_add(by, Ordering::SeqCst);
     }
 
     /// Every agent process restarts: new controllers, same store and nodes.
@@ -278,7 +308,7 @@ impl Cluster {
         a.migrations = migrations;
         a.runtime = runtime;
         a.running = true;
-        a.last_heartbeat_ok = self.clock.now_ms();
+        a.last_heartbeat_ok = self.clock.mono();
     }
 
     pub fn agent_index(&self, name: &str) -> usize {

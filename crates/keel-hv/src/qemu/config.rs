@@ -84,7 +84,7 @@ pub struct QemuConfig {
     /// Bounds a filesystem freeze or thaw (the guest flushes first).
     pub freeze_timeout: Duration,
     /// Run each QEMU under a fence keeper ([`keeper`]) that kills it when
-    /// the node's local lease (`data_dir/fence-lease`, renewed through
+    /// the node's local lease (in the runtime dir, renewed through
     /// [`Hypervisor::renew_fence`]) lapses. For cluster nodes, where another
     /// node may start the VM once this one's lease has run out; `None` (one
     /// host, nobody else can start it) lets guests outlive Keel for good.

@@ -180,24 +180,40 @@ impl Hypervisor for QemuDriver {
             }
             Phase::Launching { pid: Some(pid) } | Phase::Live { pid } => pid,
         };
-        // Recorded before the signal: whoever sees the exit (this monitor, or
-        // a later Keel's scan) attributes it to us.
-        let marker = format!("{}\n", SystemClock.now_ms());
-        tokio::fs::write(&domain.paths.kill_marker, marker)
-            .await
-            .map_err(|e| unavailable(instance, "kill", format!("write kill marker: {e}")))?;
-        match PidFd::open_verified(pid, &domain.marker) {
+        // The signal first, and nothing before it waits on the disk: a
+        // self-fence on a node whose data disk stalls must still kill. This
+        // monitor attributes the exit to us from memory; the marker, for a
+        // later Keel's scan, follows the signal, bounded in time.
+        domain.note_kill_requested();
+        let signalled: Result<(), HvError> = match PidFd::open_verified(pid, &domain.marker) {
             Ok(fd) => {
-                fd.signal(libc::SIGKILL).map_err(|e| HvError::Failed {
+                let sent = fd.signal(libc::SIGKILL).map_err(|e| HvError::Failed {
                     instance: instance.to_string(),
                     op: "kill",
                     reason: format!("SIGKILL pid {pid}: {e}"),
-                })?;
-                tracing::info!(instance, pid, "sent SIGKILL");
+                });
+                if sent.is_ok() {
+                    tracing::info!(instance, pid, "sent SIGKILL");
+                }
+                sent.map(drop)
             }
             // ESRCH or a cmdline mismatch: our QEMU is already gone.
-            Err(e) => tracing::debug!(instance, pid, "kill: process already gone: {e}"),
+            Err(e) => {
+                tracing::debug!(instance, pid, "kill: process already gone: {e}");
+                Ok(())
+            }
+        };
+        let marker = format!("{}\n", SystemClock.now_ms());
+        let write = tokio::fs::write(&domain.paths.kill_marker, marker);
+        match tokio::time::timeout(Duration::from_secs(2), write).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!(instance, "kill marker not written: {e}"),
+            Err(_) => tracing::warn!(
+                instance,
+                "kill marker not written: the disk does not answer"
+            ),
         }
+        signalled?;
         self.settle(&domain, Duration::from_secs(5)).await;
         Ok(())
     }

@@ -12,21 +12,32 @@
 //! sanlock's lease, in software: lease, then watchdog, then recovery.
 //!
 //! How:
-//! - The agent renews `<data dir>/fence-lease` after every heartbeat that
-//!   reached the store: it holds a deadline on `CLOCK_BOOTTIME` (system-wide,
-//!   monotonic, counts suspend), `self_fence_ms` after the moment the
-//!   heartbeat was sent. Wall clocks play no part.
+//! - The agent renews the lease file after every heartbeat that reached the
+//!   store: it holds a deadline on `CLOCK_BOOTTIME` (system-wide, monotonic,
+//!   counts suspend), what is left of `self_fence_ms` after the moment the
+//!   heartbeat was sent, counted on the agent's monotonic clock. Wall clocks
+//!   play no part. The file lives in the runtime dir (tmpfs under
+//!   `/run/keel`), not on the data disk: a stalled data disk must neither
+//!   hold a renewal up nor keep a keeper from reading it.
 //! - The driver starts `keel keeper --instance-dir DIR --lease FILE` instead
 //!   of QEMU. The keeper refuses to start QEMU under a lapsed lease, starts
 //!   it from the instance's `spec.json` with `PR_SET_PDEATHSIG = SIGKILL`
-//!   (if the keeper dies, for any reason, QEMU dies with it), and checks
-//!   the lease every [`CHECK_EVERY`]. Once the deadline has passed it writes
-//!   the kill marker and `fenced.json`, SIGKILLs QEMU, reaps it and exits.
+//!   (if the keeper dies, for any reason, QEMU dies with it), and compares
+//!   the deadline it holds in memory with `CLOCK_BOOTTIME` every
+//!   [`CHECK_EVERY`]. A thread of its own reads the file into that memory:
+//!   a read that hangs leaves the old deadline in force, so the lease can
+//!   only lapse. Once the deadline has passed the keeper SIGKILLs QEMU
+//!   first, and only then writes the kill marker and `fenced.json` (no
+//!   I/O stands between the deadline and the kill), reaps QEMU and exits.
 //! - The deadline in force is the one the file held at its last successful
 //!   read; an unreadable or missing file leaves the last one in force, so
 //!   it lapses. A renewal may shorten it: an agent back from a planned
 //!   restart cuts the freeze's long lease back to the normal window before
 //!   it lets the cluster count the normal lease again.
+//! - Keepers of an older Keel read `<data dir>/fence-lease`; while that
+//!   file exists the renewer mirrors each deadline into it from a thread of
+//!   its own, so their guests survive the upgrade and a stall there holds
+//!   nothing up.
 //! - The keeper's own command line does not carry QEMU's identity marker, so
 //!   the driver's process scans find QEMU, never the keeper.
 //!
@@ -66,18 +77,7 @@ impl KeeperCommand {
     }
 }
 
-/// Milliseconds on `CLOCK_BOOTTIME`.
-pub fn boottime_ms() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec we own; CLOCK_BOOTTIME
-    // exists on every kernel Keel runs on (2.6.39+).
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime(CLOCK_BOOTTIME) failed");
-    ts.tv_sec as u64 * 1000 + ts.tv_nsec as u64 / 1_000_000
-}
+pub use keel_api::clock::boottime_ms;
 
 /// The node's local lease: a deadline on `CLOCK_BOOTTIME`.
 ///
@@ -93,6 +93,8 @@ pub fn boottime_ms() -> u64 {
 pub struct FenceLease {
     path: PathBuf,
     held: Option<std::sync::Arc<std::fs::File>>,
+    /// The legacy lease file's mirror thread, fed each new deadline.
+    mirror: Option<std::sync::mpsc::SyncSender<u64>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,6 +130,7 @@ impl FenceLease {
         Self {
             path: path.into(),
             held: None,
+            mirror: None,
         }
     }
 
@@ -146,7 +149,32 @@ impl FenceLease {
         Ok(Self {
             path,
             held: Some(std::sync::Arc::new(file)),
+            mirror: None,
         })
+    }
+
+    /// Also renews `legacy` (for keepers of an older Keel), from a thread
+    /// of its own: a write there that hangs delays no renewal.
+    pub fn mirrored_to(mut self, legacy: PathBuf) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<u64>(1);
+        let spawned = std::thread::Builder::new()
+            .name("fence-lease-mirror".into())
+            .spawn(move || {
+                let legacy = FenceLease::new(legacy);
+                while let Ok(mut deadline) = rx.recv() {
+                    // Only the newest deadline matters.
+                    while let Ok(newer) = rx.try_recv() {
+                        deadline = newer;
+                    }
+                    if let Err(e) = legacy.write_deadline(deadline) {
+                        eprintln!("keel: legacy fence lease {}: {e}", legacy.path.display());
+                    }
+                }
+            });
+        if spawned.is_ok() {
+            self.mirror = Some(tx);
+        }
+        self
     }
 
     pub fn path(&self) -> &Path {
@@ -157,8 +185,17 @@ impl FenceLease {
     /// left of its self-fence window, counted from before the heartbeat that
     /// earned it was sent.
     pub fn renew(&self, valid_for: Duration) -> io::Result<()> {
-        use std::os::unix::fs::FileExt;
         let deadline = boottime_ms() + valid_for.as_millis() as u64;
+        if let Some(mirror) = &self.mirror {
+            // Full: the thread is behind (its disk hangs); it takes the
+            // newest it finds when it gets back.
+            let _ = mirror.try_send(deadline);
+        }
+        self.write_deadline(deadline)
+    }
+
+    fn write_deadline(&self, deadline: u64) -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
         match &self.held {
             Some(file) => {
                 file.write_all_at(&record_bytes(deadline), 0)?;
@@ -242,7 +279,7 @@ pub fn run(instance_dir: &Path, lease: &FenceLease) -> io::Result<i32> {
     let Some((program, args)) = record.argv.split_first() else {
         return Err(io::Error::other("spec.json has an empty argv"));
     };
-    let mut deadline = lease.deadline()?.unwrap_or(0);
+    let deadline = lease.deadline()?.unwrap_or(0);
     if boottime_ms() >= deadline {
         eprintln!("keel keeper: the node's fence lease has lapsed; not starting QEMU");
         return Ok(3);
@@ -267,14 +304,14 @@ pub fn run(instance_dir: &Path, lease: &FenceLease) -> io::Result<i32> {
         });
     }
     let mut qemu = cmd.spawn()?;
+    let held = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(deadline));
+    read_lease_into(lease.clone(), held.clone());
     loop {
+        // Neither of these waits on a disk: waitpid, and the clock.
         if let Some(status) = qemu.try_wait()? {
             return Ok(status.code().unwrap_or(128 + status_signal(&status)));
         }
-        // Only a successful read changes the deadline (either way).
-        if let Ok(Some(renewed)) = lease.deadline() {
-            deadline = renewed;
-        }
+        let deadline = held.load(std::sync::atomic::Ordering::SeqCst);
         let now = boottime_ms();
         if now >= deadline {
             fence(instance_dir, &mut qemu, deadline, now);
@@ -284,14 +321,32 @@ pub fn run(instance_dir: &Path, lease: &FenceLease) -> io::Result<i32> {
     }
 }
 
+/// Keeps `held` at the deadline the lease file holds, from a thread of its
+/// own, for as long as the process runs. Only a successful read changes it
+/// (either way); a read that hangs changes nothing, and the keeper's loop
+/// goes on comparing the last deadline with the clock.
+fn read_lease_into(lease: FenceLease, held: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    let _ = std::thread::Builder::new()
+        .name("lease-reader".into())
+        .spawn(move || loop {
+            if let Ok(Some(renewed)) = lease.deadline() {
+                held.store(renewed, std::sync::atomic::Ordering::SeqCst);
+            }
+            std::thread::sleep(CHECK_EVERY);
+        });
+}
+
 fn status_signal(status: &std::process::ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     status.signal().unwrap_or(0)
 }
 
 fn fence(instance_dir: &Path, qemu: &mut std::process::Child, deadline: u64, now: u64) {
-    // The kill marker first: whoever records the exit reports it as Keel's
-    // kill, not a crash.
+    // The kill first: nothing that could wait on a stalled disk comes
+    // between the deadline and the signal. The marker follows at once; an
+    // agent that sees the exit before it is written calls it a crash, and
+    // under the lapsed lease starts nothing for it anyway.
+    let _ = qemu.kill();
     let _ = std::fs::write(instance_dir.join("kill-requested"), b"fence keeper\n");
     let record = FencedRecord {
         lease_deadline_boottime_ms: deadline,
@@ -302,8 +357,7 @@ fn fence(instance_dir: &Path, qemu: &mut std::process::Child, deadline: u64, now
         ),
     };
     let _ = write_json_atomic(&instance_dir.join(FENCED_FILE), &record);
-    eprintln!("keel keeper: {}; killing QEMU", record.reason);
-    let _ = qemu.kill();
+    eprintln!("keel keeper: {}; QEMU killed", record.reason);
     let _ = qemu.wait();
 }
 

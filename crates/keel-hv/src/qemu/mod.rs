@@ -234,12 +234,7 @@ impl QemuDriver {
             "qemu driver ready"
         );
         config.data_dir = root;
-        let lease_path = layout.root.join(keeper::LEASE_FILE);
-        let lease =
-            keeper::FenceLease::held_open(&lease_path).map_err(|e| QemuInitError::DataDir {
-                path: lease_path.clone(),
-                reason: format!("open the fence lease: {e}"),
-            })?;
+        let lease = open_fence_lease(&layout)?;
         let driver = QemuDriver {
             inner: Arc::new(Inner {
                 config,
@@ -310,6 +305,34 @@ impl QemuDriver {
     pub fn fence_lease(&self) -> &keeper::FenceLease {
         &self.inner.lease
     }
+}
+
+/// The node's fence lease, held open for renewals: in the runtime dir
+/// (tmpfs as root), in a dir named after the data dir, so that a stalled
+/// data disk holds no renewal up and drivers of two data dirs on one host
+/// keep separate leases. A lease file in the data dir is what keepers of an
+/// older Keel read: while it exists it is renewed too (see
+/// [`keeper::FenceLease::mirrored_to`]).
+fn open_fence_lease(layout: &Layout) -> Result<keeper::FenceLease, QemuInitError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = layout::socket_dir_for(&layout.runtime, &layout.root);
+    let path = dir.join(keeper::LEASE_FILE);
+    let err = |reason: String| QemuInitError::RuntimeDir {
+        path: path.clone(),
+        reason: format!("open the fence lease: {reason}"),
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| err(e.to_string()))?;
+    let lease = keeper::FenceLease::held_open(&path).map_err(|e| err(e.to_string()))?;
+    let legacy = layout.root.join(keeper::LEASE_FILE);
+    Ok(if legacy.exists() {
+        lease.mirrored_to(legacy)
+    } else {
+        lease
+    })
 }
 
 /// The configured runtime dir, or the default; created private, absolute,

@@ -67,6 +67,10 @@ pub struct Domain {
     phase: watch::Sender<Phase>,
     link: watch::Sender<QmpLink>,
     last_shutdown: Mutex<Option<ShutdownRecord>>,
+    /// This process decided to kill QEMU: set before the signal, so the
+    /// exit it causes is Keel's kill even before the marker file is
+    /// written (after the signal: a kill never waits on the disk).
+    kill_requested: std::sync::atomic::AtomicBool,
     task: Mutex<Option<AbortHandle>>,
     exits: broadcast::Sender<DomainExit>,
 }
@@ -121,6 +125,7 @@ impl Domain {
             phase: watch::Sender::new(phase),
             link: watch::Sender::new(QmpLink::Pending),
             last_shutdown: Mutex::new(None),
+            kill_requested: Default::default(),
             task: Mutex::new(None),
             exits,
         })
@@ -205,7 +210,7 @@ impl Domain {
         // The monitor is slow or gone: answer from the same evidence it uses.
         Ok(DomainState::Exited(exit_cause(
             self.shutdown_reason().as_deref(),
-            self.paths.kill_marker.exists(),
+            self.kill_was_requested(),
         )))
     }
 
@@ -265,6 +270,20 @@ impl Domain {
 
     /// The SHUTDOWN reason seen by this monitor, or persisted by an earlier
     /// Keel process that watched the same QEMU.
+    /// Records, in memory, that Keel is about to kill QEMU.
+    pub fn note_kill_requested(&self) {
+        self.kill_requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Keel killed it: this process said so, or the marker (of this or an
+    /// earlier Keel, or of the fence keeper) says so.
+    fn kill_was_requested(&self) -> bool {
+        self.kill_requested
+            .load(std::sync::atomic::Ordering::SeqCst)
+            || self.paths.kill_marker.exists()
+    }
+
     fn shutdown_reason(&self) -> Option<String> {
         if let Some(rec) = &*self.last_shutdown.lock().expect("shutdown lock") {
             return Some(rec.reason.clone());
@@ -286,7 +305,7 @@ impl Domain {
             return rec;
         }
         let shutdown_reason = self.shutdown_reason();
-        let kill_requested = self.paths.kill_marker.exists();
+        let kill_requested = self.kill_was_requested();
         let rec = ExitRecord {
             cause: exit_cause(shutdown_reason.as_deref(), kill_requested),
             at: SystemClock.now_ms(),
