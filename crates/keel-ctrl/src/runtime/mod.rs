@@ -29,7 +29,8 @@ pub use source::{EventSource, Incoming};
 
 use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
 
-/// How often this node's heartbeat is written and stray domains are ended.
+/// How often this node's heartbeat is written and stray domains are ended;
+/// also how long a heartbeat may take before it counts as failed.
 const HOUSEKEEPING_MS: u64 = 5_000;
 
 /// How many reconciles of distinct keys may run at once, by default.
@@ -292,18 +293,28 @@ async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watc
         let mut last_heartbeat_ok = clock.now_ms();
         while !*stop.borrow() {
             // A heartbeat that hangs counts as failed, so self-fencing is
-            // judged on time, whatever the store does.
-            let bounded = tokio::time::timeout(
-                Duration::from_millis(HOUSEKEEPING_MS),
-                vms.keep_lease(&mut last_heartbeat_ok),
-            );
-            let outcome = bounded.await;
-            heartbeat_ok_at.store(last_heartbeat_ok, Ordering::Relaxed);
-            if outcome.is_err() {
-                tracing::warn!("heartbeat timed out");
-                if vms.self_fence_due(last_heartbeat_ok) {
-                    vms.self_fence().await;
+            // judged on time, whatever the store does. Only the heartbeat
+            // and the renewal are bounded: anything else in there would be
+            // dropped with them at the timeout, the renewal too.
+            let sent_at = clock.now_ms();
+            let bounded =
+                tokio::time::timeout(Duration::from_millis(HOUSEKEEPING_MS), vms.renew_lease());
+            let ok = match bounded.await {
+                Ok(Ok(())) => true,
+                Ok(Err(err)) => {
+                    tracing::warn!(err = %crate::error_chain(&err), "heartbeat failed");
+                    false
                 }
+                Err(_) => {
+                    tracing::warn!("heartbeat timed out");
+                    false
+                }
+            };
+            if ok {
+                last_heartbeat_ok = sent_at;
+                heartbeat_ok_at.store(sent_at, Ordering::Relaxed);
+            } else if vms.self_fence_due(last_heartbeat_ok) {
+                vms.self_fence().await;
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
