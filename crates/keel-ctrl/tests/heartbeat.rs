@@ -1,8 +1,10 @@
-//! The heartbeat path does the heartbeat and the fence-lease renewal only:
-//! a slow store under another chore may not cost a healthy node its
-//! guests. Run through the production driver (`run_vm_controller`:
-//! housekeeping with its timeouts) on tokio's paused clock, with the sim
-//! driver enforcing the fence lease as the keeper does.
+//! The heartbeat path does the heartbeat and the fence-lease renewal only,
+//! and a planned restart writes its freeze before it waits for anything:
+//! neither a slow store under another chore nor long work in flight at
+//! shutdown may cost a healthy node its guests. Both run the production
+//! driver (`run_vm_controller`, `RunningControllers`: housekeeping with its
+//! timeouts) on tokio's paused clock, with the sim driver enforcing the
+//! fence lease as the keeper does.
 
 mod common;
 
@@ -14,7 +16,7 @@ use common::tokio_clock::TokioClock;
 use common::{spec, T0};
 use keel_api::{Clock, EvictionWindows, Node, PowerState, RunPolicy, VirtualMachine};
 use keel_ctrl::keys::{node_key, vm_key};
-use keel_ctrl::{LifecycleConfig, VmController};
+use keel_ctrl::{LifecycleConfig, RunningControllers, RuntimeConfig, VmController};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -194,5 +196,78 @@ async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
     assert!(completed.is_some(), "{:?}", n.node().await.drain);
     stop.send(true).unwrap();
     task.await.unwrap();
+    assert!(n.hv.violations().is_empty(), "{:?}", n.hv.violations());
+}
+
+const FREEZE_MS: u64 = 60_000;
+
+/// A planned restart (SIGTERM) while a reconcile is under way that takes
+/// longer than the fence lease and the freeze together (its hypervisor
+/// call hangs, as a large image's first hash or a disk delete can take
+/// minutes): the freeze is on the record at once, before the slow work
+/// ends; the heartbeat goes on until the work is done, so the guest is
+/// never fenced while the agent is there; and the freeze written at the
+/// exit is counted from the exit, the keeper ending the guest only at its
+/// end. (Before, the heartbeat ended at once and the freeze was written
+/// only after the in-flight reconciles: the lease lapsed meanwhile.)
+#[tokio::test(start_paused = true)]
+async fn a_planned_restart_freezes_first_and_heartbeats_until_the_work_in_flight_ends() {
+    let clock = tokio_clock();
+    let memory = MemoryStore::with_clock(clock.clone());
+    let n = Node1::on(Arc::new(memory.clone()), clock.clone());
+    let controllers =
+        RunningControllers::start(n.ctrl.clone(), clock.clone(), RuntimeConfig::default())
+            .await
+            .unwrap();
+    let instance = n.running_vm("web").await;
+    n.hv.hang_calls(&instance);
+    let hung = until(10_000, || async { n.hv.hanging_calls() == 1 }).await;
+    assert!(hung.is_some(), "web's next look did not reach the driver");
+
+    let asked = n.now();
+    let restart = tokio::spawn(async move {
+        controllers
+            .freeze_and_shutdown(FREEZE_MS, "agent restart (test)")
+            .await
+    });
+    let frozen = until(HEARTBEAT_TIMEOUT_MS, || async {
+        n.node().await.freeze.is_some()
+    })
+    .await;
+    assert!(
+        frozen.is_some(),
+        "no freeze on the record while the work in flight goes on"
+    );
+    assert_eq!(n.hv.hanging_calls(), 1, "the slow work is still under way");
+
+    // Past the fence lease (20 s) and past the freeze itself.
+    let work_ms = FREEZE_MS + 2 * LifecycleConfig::default().self_fence_ms;
+    for second in 1..=work_ms / 1_000 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        n.assert_healthy("web", &instance, &format!("{second} s into the shutdown"))
+            .await;
+        assert!(
+            !restart.is_finished(),
+            "exited before the work in flight ended"
+        );
+    }
+
+    n.hv.release_calls(&instance);
+    let end = restart.await.unwrap().unwrap();
+    let exited = n.now();
+    assert!(exited >= asked + work_ms);
+    let freeze = n.node().await.freeze.expect("frozen at the exit");
+    assert!(
+        end >= exited + FREEZE_MS,
+        "the freeze counts from {end} - {FREEZE_MS}, before the exit at {exited}"
+    );
+    assert!(freeze.duration_ms >= FREEZE_MS, "{freeze:?}");
+
+    // Without its agent the guest runs to the freeze's end, then its keeper
+    // ends it.
+    tokio::time::sleep(Duration::from_millis(end - n.now() - 1_000)).await;
+    assert_eq!(n.hv.live_instances("web"), [instance.as_str()]);
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    assert!(n.hv.live_instances("web").is_empty(), "{:?}", n.hv.log());
     assert!(n.hv.violations().is_empty(), "{:?}", n.hv.violations());
 }

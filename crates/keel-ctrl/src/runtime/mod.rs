@@ -12,6 +12,7 @@
 pub mod event;
 pub mod reconciler;
 pub mod runner;
+mod running;
 pub mod scheduler;
 pub mod source;
 
@@ -25,6 +26,7 @@ use tokio::sync::watch;
 pub use event::Event;
 pub use reconciler::Reconciler;
 pub use runner::{Key, Runner};
+pub use running::{RunningControllers, StopError};
 pub use source::{EventSource, Incoming};
 
 use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
@@ -261,7 +263,9 @@ pub async fn run_vm_controller_with(
     run_controllers(vms, snapshots, migrations, clock, &cfg, stop).await
 }
 
-/// Runs until `stop` turns true. Store outages are retried, never fatal.
+/// Runs until `stop` turns true and the reconciles under way have
+/// finished; the heartbeat goes on until then (see [`run_housekeeping`]).
+/// Store outages are retried, never fatal.
 pub async fn run_controllers(
     vms: Arc<VmController>,
     snapshots: Arc<SnapshotController>,
@@ -274,22 +278,34 @@ pub async fn run_controllers(
     // Housekeeping runs on its own: during a store outage the runtime is
     // stuck re-listing, and that is exactly when self-fencing must still
     // happen.
-    tokio::join!(
-        runtime.run(stop.clone()),
-        run_housekeeping(&vms, &clock, stop),
-    );
+    let (finished, finished_rx) = watch::channel(false);
+    let runtime_stop = stop.clone();
+    let runtime = async {
+        runtime.run(runtime_stop).await;
+        let _ = finished.send(true);
+    };
+    tokio::join!(runtime, run_housekeeping(&vms, &clock, stop, finished_rx));
 }
 
 /// The heartbeat (with the fence-lease renewal) and the other chores run
 /// on loops of their own: a chore stuck on a hung hypervisor or store call
-/// must never delay the heartbeat, or a healthy node would be fenced.
-async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watch::Receiver<bool>) {
+/// must never delay the heartbeat, or a healthy node would be fenced. The
+/// chores end with `stop`, the heartbeat only once the runtime has
+/// `finished` the reconciles under way at the stop: one may take longer
+/// than the fence lease, and the guests must not be fenced while their
+/// agent is still there.
+async fn run_housekeeping(
+    vms: &VmController,
+    clock: &Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+    finished: watch::Receiver<bool>,
+) {
     use std::sync::atomic::{AtomicU64, Ordering};
     // The chores act on the cluster's state only while this node's own
     // heartbeat gets through, as a node cut off must not take over others.
     let heartbeat_ok_at = AtomicU64::new(clock.now_ms());
     let lease = async {
-        let mut stop = stop.clone();
+        let mut stop = finished;
         let mut last_heartbeat_ok = clock.now_ms();
         while !*stop.borrow() {
             // A heartbeat that hangs counts as failed, so self-fencing is
