@@ -425,8 +425,10 @@ impl VmController {
 
     /// The lease half of housekeeping: heartbeat and fence-lease renewal,
     /// self-fencing when the heartbeat could not be renewed for
-    /// `self_fence_ms`. Returns whether the heartbeat succeeded. Runs on
-    /// its own loop in the runtime, so that no other chore can delay it.
+    /// `self_fence_ms`. Returns whether the heartbeat succeeded. The
+    /// simulations' step; production's loop of its own
+    /// (`runtime::run_housekeeping`) does the same with the heartbeat,
+    /// and only the heartbeat, bounded in time.
     pub async fn keep_lease(&self, last_heartbeat_ok: &mut Millis) -> bool {
         let now = self.clock.now_ms();
         match self.renew_lease().await {
