@@ -43,6 +43,7 @@ pub use observe::{LifecycleObserver, NoObserver};
 pub use queue::WorkQueue;
 pub use runtime::{run_controllers, run_vm_controller, Reconciler, Runtime, RuntimeConfig};
 pub use runtime::{run_vm_controller_with, DEFAULT_MAX_CONCURRENT_RECONCILES};
+pub use runtime::{RunningControllers, StopError};
 pub use snapshot_controller::{SnapshotController, SnapshotError};
 pub use step::{HvAction, Step};
 pub use view::{ClusterView, Observed, RestoreSource};

@@ -205,10 +205,10 @@ impl VmController {
         .with_lease(self.lease.clone())
     }
 
-    /// Writes this node's heartbeat (creating its record on first call),
-    /// then marks a recorded drain complete once no VM is owned by this
-    /// node. The heartbeat reads nothing but this node's own record: no
-    /// other record, however broken, can keep it from being renewed.
+    /// Writes this node's heartbeat (creating its record on first call).
+    /// The heartbeat reads nothing but this node's own record and does
+    /// nothing else: no other record, however broken, and no store slow to
+    /// list the others, can keep it from being renewed.
     pub async fn heartbeat(
         &self,
         facts: Option<&keel_hv::NodeFacts>,
@@ -234,15 +234,9 @@ impl VmController {
                 }
             })
             .await?;
-        let plan = self
+        Ok(self
             .lease
-            .heartbeat_ok(sent_at, node.freeze.as_ref(), &self.cfg);
-        if node.draining().is_some() {
-            if let Err(err) = self.complete_drain().await {
-                tracing::warn!(node = %self.cfg.node, %err, "cannot check whether the drain is complete");
-            }
-        }
-        Ok(plan)
+            .heartbeat_ok(sent_at, node.freeze.as_ref(), &self.cfg))
     }
 
     /// Changes this node's own record (creating it if absent) by
@@ -339,10 +333,17 @@ impl VmController {
         Ok(())
     }
 
-    /// Records the drain as complete if no VM is left on this node. A VM
+    /// Records this node's drain as complete if no VM is left on it. A VM
     /// record that cannot be decoded might be one of this node's: the
-    /// drain stays open until it is repaired or removed.
+    /// drain stays open until it is repaired or removed. One of the
+    /// chores: it lists every VM, which may take longer than a heartbeat
+    /// may.
     async fn complete_drain(&self) -> Result<(), StoreError> {
+        let key = node_key(&self.cfg.node);
+        let own = self.store.get::<Node>(&key).await?;
+        if own.is_none_or(|node| node.value.draining().is_none()) {
+            return Ok(());
+        }
         let vms = self
             .store
             .list_with_skipped::<VirtualMachine>(VMS_PREFIX)
@@ -356,7 +357,6 @@ impl VmController {
         if vms.entries.iter().any(|(_, v)| v.value.owner_node() == me) {
             return Ok(());
         }
-        let key = node_key(&self.cfg.node);
         loop {
             let Some(current) = self.store.get::<Node>(&key).await? else {
                 return Ok(());
@@ -411,6 +411,12 @@ impl VmController {
         Ok(())
     }
 
+    /// [`Self::heartbeat_and_renew`] with the driver's current facts.
+    pub async fn renew_lease(&self) -> Result<(), HeartbeatError> {
+        let facts = self.hv.facts().await;
+        self.heartbeat_and_renew(Some(&facts)).await
+    }
+
     /// Whether this agent must end its guests now, its last good heartbeat
     /// having been at `last_ok` (see [`NodeLease::self_fence_due`]).
     pub fn self_fence_due(&self, last_ok: Mono) -> bool {
@@ -420,12 +426,13 @@ impl VmController {
 
     /// The lease half of housekeeping: heartbeat and fence-lease renewal,
     /// self-fencing when the heartbeat could not be renewed for
-    /// `self_fence_ms`. Returns whether the heartbeat succeeded. Runs on
-    /// its own loop in the runtime, so that no other chore can delay it.
+    /// `self_fence_ms`. Returns whether the heartbeat succeeded. The
+    /// simulations' step; production's loop of its own
+    /// (`runtime::run_housekeeping`) does the same with the heartbeat,
+    /// and only the heartbeat, bounded in time.
     pub async fn keep_lease(&self, last_heartbeat_ok: &mut Mono) -> bool {
         let now = self.clock.mono();
-        let facts = self.hv.facts().await;
-        match self.heartbeat_and_renew(Some(&facts)).await {
+        match self.renew_lease().await {
             Ok(()) => {
                 *last_heartbeat_ok = now;
                 true
@@ -452,12 +459,16 @@ impl VmController {
     }
 
     /// Taking over the VMs of nodes whose lease ran out (with
-    /// `cluster_duties`), ending stray domains.
+    /// `cluster_duties`), recording a drain of this node complete, ending
+    /// stray domains.
     pub async fn chores(&self) {
         if self.cfg.cluster_duties {
             if let Err(err) = self.take_over_lost_nodes().await {
                 tracing::warn!(err = %error_chain(&err), "taking over from lost nodes failed");
             }
+        }
+        if let Err(err) = self.complete_drain().await {
+            tracing::warn!(node = %self.cfg.node, err = %error_chain(&err), "cannot check whether the drain is complete");
         }
         if let Err(err) = self.collect_garbage().await {
             tracing::warn!(err = %error_chain(&err), "garbage collection failed");

@@ -271,22 +271,6 @@ async fn garbage_collection_leaves_an_unreadable_domain_alone_and_ends_the_other
     );
 }
 
-/// Wall-clock milliseconds that follow tokio's clock, so a test on
-/// tokio's paused time runs the production driver's waits as it would
-/// run them for real, only without waiting.
-struct TokioClock {
-    start: tokio::time::Instant,
-}
-
-impl keel_api::Clock for TokioClock {
-    fn now_ms(&self) -> keel_api::Millis {
-        common::T0 + self.start.elapsed().as_millis() as keel_api::Millis
-    }
-    fn mono(&self) -> keel_api::Mono {
-        keel_api::Mono::from_origin_ms(self.start.elapsed().as_millis() as u64)
-    }
-}
-
 /// The production driver itself (`run_vm_controller`, as `keel serve`
 /// runs it), on tokio's paused clock: it wakes for due looks, for an exit
 /// hint (a power-off seen within a millisecond, not at the next look) and
@@ -298,9 +282,8 @@ async fn the_production_driver_wakes_on_hints_and_relists() {
     use std::sync::Arc;
     use std::time::Duration;
 
-    let clock: Arc<dyn keel_api::Clock> = Arc::new(TokioClock {
-        start: tokio::time::Instant::now(),
-    });
+    let clock: Arc<dyn keel_api::Clock> =
+        Arc::new(common::tokio_clock::TokioClock::starting_at(common::T0));
     let memory = MemoryStore::with_clock(clock.clone());
     let store = TypedStore::new(Arc::new(memory.clone()));
     let hv = keel_hv::sim::SimHypervisor::new(clock.clone(), 3, sim());

@@ -13,15 +13,13 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, Node, SystemClock};
 use keel_ctrl::{
-    run_vm_controller_with, LifecycleConfig, LifecycleObserver, RuntimeConfig, VmController,
+    LifecycleConfig, LifecycleObserver, RunningControllers, RuntimeConfig, VmController,
 };
 use keel_hv::qemu::keeper::KeeperCommand;
 use keel_hv::qemu::AccelChoice;
 use keel_hv::sim::SimConfig;
 use keel_hv::Hypervisor;
 use keel_store::TypedStore;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::agent_console::{self, ConsoleServer};
 use crate::args::{AgentArgs, HypervisorKind};
@@ -32,9 +30,7 @@ use crate::hypervisor::{self, make_hypervisor, HypervisorOptions};
 /// A node agent's controllers, running on a store.
 pub struct NodeAgent {
     node: String,
-    ctrl: Arc<VmController>,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
+    controllers: RunningControllers,
 }
 
 impl NodeAgent {
@@ -54,25 +50,11 @@ impl NodeAgent {
         let ctrl = Arc::new(
             VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer),
         );
-        // Registers the node and grants the first fence lease: under a
-        // keeper, no guest starts (or stays) without one.
-        ctrl.heartbeat_and_renew(Some(&facts))
+        let controllers = RunningControllers::start(ctrl, clock, runtime.clone())
             .await
             .with_context(|| format!("registering node {node}"))?;
-        let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(run_vm_controller_with(
-            ctrl.clone(),
-            clock,
-            runtime.clone(),
-            stop_rx,
-        ));
         tracing::info!(%node, hypervisor = %facts.hypervisor, accelerator = %crate::hypervisor::accelerator_text(facts.accelerator), "node agent running");
-        Ok(Self {
-            node,
-            ctrl,
-            stop,
-            task,
-        })
+        Ok(Self { node, controllers })
     }
 
     pub fn node(&self) -> &str {
@@ -81,35 +63,28 @@ impl NodeAgent {
 
     /// Stops the controllers; guests keep running, to be re-adopted.
     pub async fn shutdown(self) -> anyhow::Result<()> {
-        let _ = self.stop.send(true);
-        self.task.await.context("node agent task")
+        self.controllers.shutdown().await.context("node agent task")
     }
 
-    /// A planned restart: stops the controllers, then freezes the node for
-    /// `freeze_ms` (see `VmController::freeze_for_restart`), so its guests
-    /// keep running and nothing is taken over until the agent is back or
-    /// the freeze is over. If the freeze cannot be written, the guests are
-    /// fenced once the normal lease lapses, and the error says so.
+    /// A planned restart: freezes the node for `freeze_ms` first, then
+    /// stops the controllers, heartbeating until the reconciles under way
+    /// have finished, and freezes it again from the exit (see
+    /// `RunningControllers::freeze_and_shutdown`): its guests keep running
+    /// and nothing is taken over until the agent is back or the freeze is
+    /// over. If the freeze cannot be written, the guests are fenced once
+    /// the normal lease lapses, and the error says so.
     pub async fn freeze_and_shutdown(self, freeze_ms: u64) -> anyhow::Result<()> {
-        let _ = self.stop.send(true);
-        self.task.await.context("node agent task")?;
         let end = self
-            .ctrl
-            .freeze_for_restart(freeze_ms, "agent restart (SIGTERM)")
-            .await
-            .with_context(|| {
-                format!(
-                    "freezing node {} for the restart; its guests will be fenced when its lease lapses",
-                    self.node
-                )
-            })?;
+            .controllers
+            .freeze_and_shutdown(freeze_ms, "agent restart (SIGTERM)")
+            .await?;
         tracing::info!(node = %self.node, until_boottime_ms = end.origin_ms(), "node frozen for the restart");
         Ok(())
     }
 
     /// Ends the controllers at once, as if the process were killed.
     pub fn abort(self) {
-        self.task.abort();
+        self.controllers.abort();
     }
 }
 

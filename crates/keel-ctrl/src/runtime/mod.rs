@@ -12,6 +12,7 @@
 pub mod event;
 pub mod reconciler;
 pub mod runner;
+mod running;
 pub mod scheduler;
 pub mod source;
 
@@ -25,11 +26,13 @@ use tokio::sync::watch;
 pub use event::Event;
 pub use reconciler::Reconciler;
 pub use runner::{Key, Runner};
+pub use running::{RunningControllers, StopError};
 pub use source::{EventSource, Incoming};
 
 use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
 
-/// How often this node's heartbeat is written and stray domains are ended.
+/// How often this node's heartbeat is written and stray domains are ended;
+/// also how long a heartbeat may take before it counts as failed.
 const HOUSEKEEPING_MS: u64 = 5_000;
 
 /// How many reconciles of distinct keys may run at once, by default.
@@ -260,7 +263,9 @@ pub async fn run_vm_controller_with(
     run_controllers(vms, snapshots, migrations, clock, &cfg, stop).await
 }
 
-/// Runs until `stop` turns true. Store outages are retried, never fatal.
+/// Runs until `stop` turns true and the reconciles under way have
+/// finished; the heartbeat goes on until then (see [`run_housekeeping`]).
+/// Store outages are retried, never fatal.
 pub async fn run_controllers(
     vms: Arc<VmController>,
     snapshots: Arc<SnapshotController>,
@@ -273,37 +278,59 @@ pub async fn run_controllers(
     // Housekeeping runs on its own: during a store outage the runtime is
     // stuck re-listing, and that is exactly when self-fencing must still
     // happen.
-    tokio::join!(
-        runtime.run(stop.clone()),
-        run_housekeeping(&vms, &clock, stop),
-    );
+    let (finished, finished_rx) = watch::channel(false);
+    let runtime_stop = stop.clone();
+    let runtime = async {
+        runtime.run(runtime_stop).await;
+        let _ = finished.send(true);
+    };
+    tokio::join!(runtime, run_housekeeping(&vms, &clock, stop, finished_rx));
 }
 
 /// The heartbeat (with the fence-lease renewal) and the other chores run
 /// on loops of their own: a chore stuck on a hung hypervisor or store call
-/// must never delay the heartbeat, or a healthy node would be fenced.
-async fn run_housekeeping(vms: &VmController, clock: &Arc<dyn Clock>, stop: watch::Receiver<bool>) {
+/// must never delay the heartbeat, or a healthy node would be fenced. The
+/// chores end with `stop`, the heartbeat only once the runtime has
+/// `finished` the reconciles under way at the stop: one may take longer
+/// than the fence lease, and the guests must not be fenced while their
+/// agent is still there.
+async fn run_housekeeping(
+    vms: &VmController,
+    clock: &Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+    finished: watch::Receiver<bool>,
+) {
     use std::sync::atomic::{AtomicU64, Ordering};
     // The chores act on the cluster's state only while this node's own
     // heartbeat gets through, as a node cut off must not take over others.
     let heartbeat_ok_at = AtomicU64::new(clock.mono().origin_ms());
     let lease = async {
-        let mut stop = stop.clone();
+        let mut stop = finished;
         let mut last_heartbeat_ok = clock.mono();
         while !*stop.borrow() {
             // A heartbeat that hangs counts as failed, so self-fencing is
-            // judged on time, whatever the store does.
-            let bounded = tokio::time::timeout(
-                Duration::from_millis(HOUSEKEEPING_MS),
-                vms.keep_lease(&mut last_heartbeat_ok),
-            );
-            let outcome = bounded.await;
-            heartbeat_ok_at.store(last_heartbeat_ok.origin_ms(), Ordering::Relaxed);
-            if outcome.is_err() {
-                tracing::warn!("heartbeat timed out");
-                if vms.self_fence_due(last_heartbeat_ok) {
-                    vms.self_fence().await;
+            // judged on time, whatever the store does. Only the heartbeat
+            // and the renewal are bounded: anything else in there would be
+            // dropped with them at the timeout, the renewal too.
+            let sent_at = clock.mono();
+            let bounded =
+                tokio::time::timeout(Duration::from_millis(HOUSEKEEPING_MS), vms.renew_lease());
+            let ok = match bounded.await {
+                Ok(Ok(())) => true,
+                Ok(Err(err)) => {
+                    tracing::warn!(err = %crate::error_chain(&err), "heartbeat failed");
+                    false
                 }
+                Err(_) => {
+                    tracing::warn!("heartbeat timed out");
+                    false
+                }
+            };
+            if ok {
+                last_heartbeat_ok = sent_at;
+                heartbeat_ok_at.store(sent_at.origin_ms(), Ordering::Relaxed);
+            } else if vms.self_fence_due(last_heartbeat_ok) {
+                vms.self_fence().await;
             }
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}

@@ -9,6 +9,10 @@ pub mod cas;
 #[path = "../support/faulty_store.rs"]
 mod faulty_store;
 pub use faulty_store::FaultyStore;
+#[path = "../support/slow_store.rs"]
+pub mod slow_store;
+#[path = "../support/tokio_clock.rs"]
+pub mod tokio_clock;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
