@@ -869,8 +869,21 @@ fn list(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
     Ok(Ok(Outcome::List(entries, revision)))
 }
 
-/// [`list`]'s range scan, reading keys only.
+/// [`list`]'s range, counted inside SQLite: `[prefix, prefix_end)` where
+/// the prefix's last byte is ASCII (every prefix Keel uses), else the
+/// keys are scanned as `list` does.
 fn count(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
+    let end = prefix
+        .as_bytes()
+        .last()
+        .filter(|b| **b < 0x7f)
+        .map(|b| format!("{}{}", &prefix[..prefix.len() - 1], char::from(b + 1)));
+    if let Some(end) = end {
+        let n: i64 = tx
+            .prepare_cached("SELECT COUNT(*) FROM kv WHERE key >= ?1 AND key < ?2")?
+            .query_row([prefix, end.as_str()], |row| row.get(0))?;
+        return Ok(Ok(Outcome::Count(u64::try_from(n).unwrap_or(0))));
+    }
     let mut stmt = tx.prepare_cached("SELECT key FROM kv WHERE key >= ?1 ORDER BY key")?;
     let mut rows = stmt.query([prefix])?;
     let mut n = 0;

@@ -334,6 +334,7 @@ pub fn describe(doc: &mut serde_json::Value) {
     let paths = json!({
         "/api/v1/images": {"get": {
             "summary": "List images", "operationId": "listImages",
+            "parameters": super::paging::openapi_parameters(),
             "responses": with(json!({"200": {"description": "Images", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageList"}}}}}), &[("401", "Missing or wrong bearer token"), ("503", "Store unavailable")])
         }},
         "/api/v1/images/{name}": {
@@ -370,7 +371,8 @@ pub fn describe(doc: &mut serde_json::Value) {
         }},
         "ImageList": {"type": "object", "required": ["revision", "items"], "properties": {
             "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}}
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}},
+            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }}
     });
     for (section, add) in [

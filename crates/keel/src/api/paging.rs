@@ -11,6 +11,22 @@ use super::ApiError;
 pub const DEFAULT_PAGE: usize = 500;
 pub const MAX_PAGE: usize = 5_000;
 
+/// The OpenAPI `limit` and `continue` query parameters of a list.
+pub fn openapi_parameters() -> [serde_json::Value; 2] {
+    [
+        serde_json::json!({
+            "name": "limit", "in": "query", "required": false,
+            "description": format!("Items per page (default {DEFAULT_PAGE})"),
+            "schema": {"type": "integer", "minimum": 1, "maximum": MAX_PAGE}
+        }),
+        serde_json::json!({
+            "name": "continue", "in": "query", "required": false,
+            "description": "The `continue` token of the previous page",
+            "schema": {"type": "string"}
+        }),
+    ]
+}
+
 /// A list answer that comes in pages: what a client needs to follow them.
 pub trait Paged {
     fn continue_token(&self) -> Option<&str>;
