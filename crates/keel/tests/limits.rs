@@ -188,3 +188,23 @@ fn below_the_free_space_floor_no_image_is_imported() {
     assert!(r.text.contains("--min-free-disk-mib"), "{}", r.text);
     assert_eq!(server.get("/api/v1/images/base").status, 404);
 }
+
+/// The CLI follows the pages: `vm list` shows every VM past one page.
+#[test]
+fn the_cli_lists_past_one_page() {
+    let server = TestServer::start();
+    let count = keel::api::paging::DEFAULT_PAGE + 1;
+    for i in 0..count {
+        let body = json!({"name": format!("p{i:04}"), "spec": stopped()}).to_string();
+        let r = server.send("POST", "/api/v1/vms", &body);
+        assert_eq!(r.status, 201, "{}", r.text);
+    }
+    let first = server.get("/api/v1/vms").json();
+    assert!(first["continue"].is_string(), "one page is not all of them");
+    let out = common::cli::ok(&common::cli::keel(&server, &["vm", "list", "-o", "json"]));
+    let list: Value = serde_json::from_str(&out).unwrap();
+    let got = names(&list, "vm");
+    let want: Vec<String> = (0..count).map(|i| format!("p{i:04}")).collect();
+    assert_eq!(got, want);
+    assert!(list.get("continue").is_none(), "{}", list["continue"]);
+}
