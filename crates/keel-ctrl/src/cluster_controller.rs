@@ -19,6 +19,7 @@ use tokio::sync::watch;
 
 use crate::config::LifecycleConfig;
 use crate::election::LeaderElection;
+use crate::event_retention::{prune_events, PRUNE_INTERVAL_MS};
 use crate::events::{record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
@@ -324,6 +325,8 @@ pub struct ClusterController {
     leadership: Leadership,
     /// Kept across passes: nodes are judged on this controller's clock.
     liveness: std::sync::Mutex<Liveness>,
+    /// When this controller last pruned the event history.
+    pruned_at: std::sync::Mutex<Option<Millis>>,
 }
 
 impl ClusterController {
@@ -340,6 +343,7 @@ impl ClusterController {
             cfg,
             leadership: Leadership::Elected(election),
             liveness: Default::default(),
+            pruned_at: Default::default(),
         }
     }
 
@@ -352,6 +356,7 @@ impl ClusterController {
             cfg,
             leadership: Leadership::Sole,
             liveness: Default::default(),
+            pruned_at: Default::default(),
         }
     }
 
@@ -447,7 +452,29 @@ impl ClusterController {
         state.lost = lost;
         place_all(&self.store, state, &self.cfg, fence, &mut report).await?;
         report_undecodable(&self.store, now, fence).await;
+        self.prune_events_if_due(now, fence).await?;
         Ok(report)
+    }
+
+    /// Keeps the event history within its caps, once per
+    /// [`PRUNE_INTERVAL_MS`] (on this controller's clock). Only a lost
+    /// guard is an error of the pass; anything else waits for the next.
+    async fn prune_events_if_due(&self, now: Millis, fence: Fence<'_>) -> Result<(), StoreError> {
+        {
+            let mut pruned_at = self.pruned_at.lock().expect("pruned_at lock");
+            if pruned_at.is_some_and(|at| now < at + PRUNE_INTERVAL_MS) {
+                return Ok(());
+            }
+            *pruned_at = Some(now);
+        }
+        match prune_events(&self.store, self.cfg.event_retention, fence).await {
+            Ok(_) => Ok(()),
+            Err(err @ StoreError::GuardLost { .. }) => Err(err),
+            Err(err) => {
+                tracing::warn!(%err, "pruning events failed; trying again later");
+                Ok(())
+            }
+        }
     }
 
     /// Runs until `stop` turns true: idle while following, passing while

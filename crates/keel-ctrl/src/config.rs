@@ -2,6 +2,8 @@
 
 use keel_api::{DiskHome, Millis};
 
+use crate::event_retention::EventRetention;
+
 /// Tunables of the lifecycle. Times in milliseconds.
 #[derive(Debug, Clone)]
 pub struct LifecycleConfig {
@@ -49,6 +51,8 @@ pub struct LifecycleConfig {
     pub readiness_probe_ms: Millis,
     /// How often a ready guest's agent is asked again (its addresses).
     pub readiness_refresh_ms: Millis,
+    /// The caps on the event history the cluster's leader keeps.
+    pub event_retention: EventRetention,
 }
 
 impl LifecycleConfig {
@@ -81,6 +85,7 @@ impl Default for LifecycleConfig {
             incarnation: None,
             readiness_probe_ms: 1_000,
             readiness_refresh_ms: 30_000,
+            event_retention: EventRetention::default(),
         }
     }
 }

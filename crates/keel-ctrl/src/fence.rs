@@ -38,4 +38,16 @@ impl Fence<'_> {
             Fence::Guard(guard) => store.create_guarded(key, value, guard).await,
         }
     }
+
+    pub async fn delete(
+        self,
+        store: &TypedStore,
+        key: &str,
+        revision: Revision,
+    ) -> Result<Revision, StoreError> {
+        match self {
+            Fence::Cas => store.delete(key, revision).await,
+            Fence::Guard(guard) => store.delete_guarded(key, revision, guard).await,
+        }
+    }
 }

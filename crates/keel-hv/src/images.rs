@@ -61,6 +61,9 @@ pub enum ImageError {
         op: &'static str,
         reason: String,
     },
+    /// The image dir's filesystem is below its free-space floor.
+    #[error("image {name}: {reason}")]
+    NoSpace { name: String, reason: String },
     #[error("image {name}: file {} is missing (is the image dir shared storage every node mounts at the same path?)", path.display())]
     Missing { name: String, path: PathBuf },
     #[error("image {name}: file {} has sha256 {actual} (size {size} bytes), but the image was imported with {expected}: it was changed or replaced; not booting it", path.display())]
@@ -105,7 +108,13 @@ pub struct ImageStore {
     /// Files whose hash matched their record, by path.
     verified: Mutex<HashMap<PathBuf, (FileStamp, String)>>,
     uploads: AtomicU64,
+    /// No upload starts or goes on while the dir's filesystem has less
+    /// free ([`crate::free_space`]); 0: no floor.
+    min_free_bytes: u64,
 }
+
+/// How much an upload writes between two looks at the free space.
+const FREE_SPACE_CHECK_BYTES: u64 = 64 << 20;
 
 impl ImageStore {
     /// Opens (creating it if missing) the image dir. Absolute, since
@@ -130,6 +139,7 @@ impl ImageStore {
             timeout,
             verified: Mutex::new(HashMap::new()),
             uploads: AtomicU64::new(0),
+            min_free_bytes: crate::free_space::DEFAULT_MIN_FREE_DISK_MIB << 20,
         };
         store.remove_stale_uploads();
         Ok(store)
@@ -137,6 +147,12 @@ impl ImageStore {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The free-space floor (`--min-free-disk-mib`); 0 turns it off.
+    pub fn with_min_free_bytes(mut self, bytes: u64) -> Self {
+        self.min_free_bytes = bytes;
+        self
     }
 
     /// Where the file of `image` is. `None` for a name that is not valid
@@ -157,6 +173,7 @@ impl ImageStore {
             name: name.to_string(),
             reason: e.to_string(),
         })?;
+        check_space(name, &self.dir, self.min_free_bytes).await?;
         let n = self.uploads.fetch_add(1, Ordering::Relaxed);
         let tmp = self
             .dir
@@ -173,6 +190,9 @@ impl ImageStore {
             hasher: Sha256::new(),
             size: 0,
             tmp: TempFile(Some(tmp)),
+            dir: self.dir.clone(),
+            min_free_bytes: self.min_free_bytes,
+            space_checked_at: 0,
         })
     }
 
@@ -505,10 +525,30 @@ pub struct Upload {
     hasher: Sha256,
     size: u64,
     tmp: TempFile,
+    dir: PathBuf,
+    min_free_bytes: u64,
+    space_checked_at: u64,
+}
+
+/// Refuses an upload (its start, or going on) below the floor.
+async fn check_space(name: &str, dir: &Path, floor: u64) -> Result<(), ImageError> {
+    let (dir, doing) = (dir.to_path_buf(), "not importing".to_string());
+    let checked =
+        tokio::task::spawn_blocking(move || crate::free_space::check_floor(&dir, floor, 0, &doing))
+            .await
+            .unwrap_or_else(|e| Err(format!("free space: {e}")));
+    checked.map_err(|reason| ImageError::NoSpace {
+        name: name.to_string(),
+        reason,
+    })
 }
 
 impl Upload {
     pub async fn write(&mut self, chunk: &[u8]) -> Result<(), ImageError> {
+        if self.size - self.space_checked_at >= FREE_SPACE_CHECK_BYTES {
+            check_space(&self.name, &self.dir, self.min_free_bytes).await?;
+            self.space_checked_at = self.size;
+        }
         let file = self.file.as_mut().expect("not finished");
         file.write_all(chunk)
             .await

@@ -13,6 +13,7 @@
 // compile this crate with cfg(test)), `expect` states an invariant.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod free_space;
 pub mod guest;
 pub mod guest_info;
 pub mod images;

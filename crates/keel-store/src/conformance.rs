@@ -476,6 +476,10 @@ pub async fn list_by_prefix(f: Fixture) {
     assert_eq!(rev3, last, "list revision of an empty result");
     let (all, _) = s.list("").await.expect("list everything");
     assert_eq!(all.len(), 7, "empty prefix lists every key");
+    for (prefix, n) in [("/vms/", 3), ("/nothing/", 0), ("", 7)] {
+        let counted = s.count(prefix).await.expect("count");
+        assert_eq!(counted, n, "count of {prefix:?} must match its list");
+    }
 }
 
 // ---- watch ------------------------------------------------------------------

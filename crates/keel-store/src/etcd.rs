@@ -618,6 +618,17 @@ impl Store for EtcdStore {
         }
     }
 
+    async fn count(&self, prefix: &str) -> Result<u64, StoreError> {
+        let (start, end) = self.range(prefix);
+        let mut kv = self.client.kv_client();
+        let options = GetOptions::new().with_range(end).with_count_only();
+        let response = self
+            .call(kv.get(start, Some(options)))
+            .await
+            .map_err(|f| unavailable(prefix, &f, false))?;
+        Ok(u64::try_from(response.count()).unwrap_or(0))
+    }
+
     async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
         let (start, end) = self.range(prefix);
         // etcd's start revision 0 means "from now"; Keel's 0 means "from

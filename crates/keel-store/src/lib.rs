@@ -158,6 +158,13 @@ pub trait Store: Send + Sync + 'static {
     /// is consistent with (the revision to watch from, plus one).
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError>;
 
+    /// How many keys are under `prefix`. The default lists them; the
+    /// stores count without reading values, so a cap checked at every
+    /// create costs no copy of every record.
+    async fn count(&self, prefix: &str) -> Result<u64, StoreError> {
+        Ok(self.list(prefix).await?.0.len() as u64)
+    }
+
     /// Changes under `prefix` with revision >= `from` (0 and 1 both mean
     /// "everything still in history"). Fails with `Compacted` if part of
     /// that range is no longer kept; the error may also arrive as the first

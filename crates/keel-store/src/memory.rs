@@ -612,6 +612,20 @@ impl Store for MemoryStore {
         })
     }
 
+    async fn count(&self, prefix: &str) -> Result<u64, StoreError> {
+        self.op(OpKind::List, prefix, None, |st, _| {
+            let n = st
+                .kv
+                .range::<str, _>((
+                    std::ops::Bound::Included(prefix),
+                    std::ops::Bound::Unbounded,
+                ))
+                .take_while(|(k, _)| k.starts_with(prefix))
+                .count();
+            Ok(n as u64)
+        })
+    }
+
     async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
         // Subscribe before checking history so a change made between the
         // check and the pump's first read still wakes the pump.

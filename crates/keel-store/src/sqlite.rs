@@ -370,6 +370,18 @@ impl Store for SqliteStore {
         }
     }
 
+    async fn count(&self, prefix: &str) -> Result<u64, StoreError> {
+        match self
+            .call(Op::Count {
+                prefix: prefix.into(),
+            })
+            .await?
+        {
+            Outcome::Count(n) => Ok(n),
+            other => Err(unexpected(prefix, &other)),
+        }
+    }
+
     async fn watch(&self, prefix: &str, from: Revision) -> Result<Watch, StoreError> {
         let first = replay(&self.requests, prefix, from).await?;
         let (tx, rx) = mpsc::channel(WATCH_CHANNEL);
@@ -502,6 +514,9 @@ enum Op {
     List {
         prefix: String,
     },
+    Count {
+        prefix: String,
+    },
     Replay {
         prefix: String,
         from: Revision,
@@ -524,7 +539,9 @@ impl Op {
     fn subject(&self) -> String {
         match self {
             Op::Get { key } | Op::Put { key, .. } | Op::Delete { key, .. } => key.clone(),
-            Op::List { prefix } | Op::Replay { prefix, .. } => prefix.clone(),
+            Op::List { prefix } | Op::Count { prefix } | Op::Replay { prefix, .. } => {
+                prefix.clone()
+            }
             Op::Grant { .. } => "lease (grant)".into(),
             Op::KeepAlive { lease } | Op::Revoke { lease } => format!("lease {lease}"),
             Op::Expire => "leases (expiry)".into(),
@@ -537,6 +554,7 @@ enum Outcome {
     Entry(Option<Entry>),
     Revision(Revision),
     List(Vec<Entry>, Revision),
+    Count(u64),
     Replay(Replay),
     Lease(LeaseId),
     Done,
@@ -550,6 +568,7 @@ impl Outcome {
             Outcome::Entry(_) => "entry",
             Outcome::Revision(_) => "revision",
             Outcome::List(..) => "list",
+            Outcome::Count(_) => "count",
             Outcome::Replay(_) => "replay",
             Outcome::Lease(_) => "lease",
             Outcome::Done => "done",
@@ -670,6 +689,7 @@ fn apply(
                 Ok(()) => delete(&tx, key, *revision, events),
             },
             Op::List { prefix } => list(&tx, prefix),
+            Op::Count { prefix } => count(&tx, prefix),
             Op::Replay { prefix, from } => replay_page(&tx, prefix, *from, bus),
             Op::Grant { ttl_ms } => grant(&tx, now, *ttl_ms),
             Op::KeepAlive { lease } => keep_alive(&tx, now, *lease),
@@ -847,6 +867,34 @@ fn list(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
     }
     let (revision, _) = meta(tx)?;
     Ok(Ok(Outcome::List(entries, revision)))
+}
+
+/// [`list`]'s range, counted inside SQLite: `[prefix, prefix_end)` where
+/// the prefix's last byte is ASCII (every prefix Keel uses), else the
+/// keys are scanned as `list` does.
+fn count(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
+    let end = prefix
+        .as_bytes()
+        .last()
+        .filter(|b| **b < 0x7f)
+        .map(|b| format!("{}{}", &prefix[..prefix.len() - 1], char::from(b + 1)));
+    if let Some(end) = end {
+        let n: i64 = tx
+            .prepare_cached("SELECT COUNT(*) FROM kv WHERE key >= ?1 AND key < ?2")?
+            .query_row([prefix, end.as_str()], |row| row.get(0))?;
+        return Ok(Ok(Outcome::Count(u64::try_from(n).unwrap_or(0))));
+    }
+    let mut stmt = tx.prepare_cached("SELECT key FROM kv WHERE key >= ?1 ORDER BY key")?;
+    let mut rows = stmt.query([prefix])?;
+    let mut n = 0;
+    while let Some(row) = rows.next()? {
+        let key: String = row.get(0)?;
+        if !key.starts_with(prefix) {
+            break;
+        }
+        n += 1;
+    }
+    Ok(Ok(Outcome::Count(n)))
 }
 
 fn meta(tx: &Transaction<'_>) -> Sql<(Revision, Revision)> {

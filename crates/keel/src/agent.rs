@@ -175,6 +175,8 @@ pub struct AgentConfig {
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
     pub console_log_max_bytes: u64,
+    /// The free-space floor of the disk dir and image store (`--min-free-disk-mib`).
+    pub min_free_disk_bytes: u64,
     /// The image store; default `<data_dir>/images`. Must be the storage
     /// the control planes import into, mounted at the same path.
     pub image_dir: Option<PathBuf>,
@@ -212,6 +214,7 @@ impl AgentConfig {
             disk_dir: None,
             runtime_dir: None,
             console_log_max_bytes: keel_hv::qemu::QemuConfig::new("").console_log_max_bytes,
+            min_free_disk_bytes: keel_hv::free_space::DEFAULT_MIN_FREE_DISK_MIB << 20,
             image_dir: None,
             keeper: None,
             lifecycle: LifecycleConfig::default(),
@@ -229,6 +232,7 @@ impl AgentConfig {
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
             console_log_max_bytes: self.console_log_max_bytes,
+            min_free_disk_bytes: self.min_free_disk_bytes,
             image_dir: hypervisor::image_dir(&self.data_dir, self.image_dir.as_deref()),
             keeper: self.keeper.clone(),
             sim: self.sim.clone(),
@@ -428,6 +432,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
     cfg.console_log_max_bytes = args.console_log_max_mib << 20;
+    cfg.min_free_disk_bytes = args.min_free_disk_mib << 20;
     cfg.restart_freeze_ms = args.restart_freeze * 1000;
     cfg.image_dir = args.image_dir;
     cfg.migration = crate::migration_setup::settings(

@@ -66,6 +66,8 @@ impl ConsoleServer {
                 node: node.to_string(),
                 hv,
             }),
+            limits: Default::default(),
+            follows: Default::default(),
         };
         let app = router(state, token);
         let task = tokio::spawn(crate::http_listener::serve_until(listener, app, stop_rx));

@@ -220,6 +220,36 @@ pub struct ServeArgs {
           value_parser = parse_max_concurrent_reconciles,
           default_value_t = keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES)]
     pub max_concurrent_reconciles: usize,
+    /// The free-space floor, in MiB, of the filesystems of the disk dir
+    /// and the image store: below it no VM disk is created (the start
+    /// fails, saying so on the VM) and no image imported. 0: no floor.
+    #[arg(long, env = "KEEL_MIN_FREE_DISK_MIB", value_name = "MIB",
+          default_value_t = keel_hv::free_space::DEFAULT_MIN_FREE_DISK_MIB)]
+    pub min_free_disk_mib: u64,
+    /// The most VMs the API lets exist; a create past it is refused (409).
+    #[arg(long, env = "KEEL_MAX_VMS", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::limits::DEFAULT_MAX_VMS)]
+    pub max_vms: usize,
+    /// The most snapshots one VM may have.
+    #[arg(long, env = "KEEL_MAX_SNAPSHOTS_PER_VM", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::limits::DEFAULT_MAX_SNAPSHOTS_PER_VM)]
+    pub max_snapshots_per_vm: usize,
+    /// The most images the image store may hold.
+    #[arg(long, env = "KEEL_MAX_IMAGES", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::limits::DEFAULT_MAX_IMAGES)]
+    pub max_images: usize,
+    /// The most `events --follow` streams this server serves at once.
+    #[arg(long, env = "KEEL_MAX_FOLLOWS", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::limits::DEFAULT_MAX_FOLLOWS)]
+    pub max_follows: usize,
+    /// Events kept per VM: older ones are pruned (about once a minute).
+    #[arg(long, env = "KEEL_MAX_EVENTS_PER_VM", value_name = "N", value_parser = parse_cap,
+          default_value_t = keel_ctrl::event_retention::DEFAULT_MAX_EVENTS_PER_VM)]
+    pub max_events_per_vm: usize,
+    /// Events kept overall, the oldest pruned first.
+    #[arg(long, env = "KEEL_MAX_EVENTS", value_name = "N", value_parser = parse_cap,
+          default_value_t = keel_ctrl::event_retention::DEFAULT_MAX_EVENTS)]
+    pub max_events: usize,
 }
 
 /// `keel agent`: a node agent without API, for a cluster on etcd.
@@ -294,6 +324,12 @@ pub struct AgentArgs {
           value_parser = parse_max_concurrent_reconciles,
           default_value_t = keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES)]
     pub max_concurrent_reconciles: usize,
+    /// The free-space floor, in MiB, of the filesystems of the disk dir
+    /// and the image store: below it no VM disk is created (the start
+    /// fails, saying so on the VM) and no image imported. 0: no floor.
+    #[arg(long, env = "KEEL_MIN_FREE_DISK_MIB", value_name = "MIB",
+          default_value_t = keel_hv::free_space::DEFAULT_MIN_FREE_DISK_MIB)]
+    pub min_free_disk_mib: u64,
 }
 
 /// `--max-concurrent-reconciles N`: at least 1.
@@ -302,6 +338,15 @@ pub fn parse_max_concurrent_reconciles(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("{s:?} is not a count of reconciles: {e}")),
+    }
+}
+
+/// A cap (`--max-vms` and the like): at least 1.
+pub fn parse_cap(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?} is not a count: {e}")),
     }
 }
 

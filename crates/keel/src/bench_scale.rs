@@ -373,18 +373,30 @@ fn running_count(api: &Api) -> anyhow::Result<usize> {
 
 /// VMs that run an instance started for their restart request.
 fn restarted_count(api: &Api) -> anyhow::Result<usize> {
-    let list: Value = serde_json::from_str(&api.get_text("/api/v1/vms")?)?;
-    let items = list["items"].as_array().context("/api/v1/vms: no items")?;
-    Ok(items
-        .iter()
-        .map(|item| &item["vm"])
-        .filter(|vm| {
-            let wanted = vm["spec"]["restart_generation"].as_u64().unwrap_or(0);
-            wanted > 0
-                && vm["status"]["observed_restart_generation"].as_u64() == Some(wanted)
-                && vm["status"]["phase"] == "Running"
-        })
-        .count())
+    let mut count = 0;
+    // The API's largest page; VM names need no escaping in a query.
+    const PAGE: &str = "/api/v1/vms?limit=5000";
+    let mut path = PAGE.to_string();
+    loop {
+        let list: Value = serde_json::from_str(&api.get_text(&path)?)?;
+        let items = list["items"].as_array().context("/api/v1/vms: no items")?;
+        count += items
+            .iter()
+            .map(|item| &item["vm"])
+            .filter(|vm| {
+                let wanted = vm["spec"]["restart_generation"].as_u64().unwrap_or(0);
+                wanted > 0
+                    && vm["status"]["observed_restart_generation"].as_u64() == Some(wanted)
+                    && vm["status"]["phase"] == "Running"
+            })
+            .count();
+        match list["continue"].as_str() {
+            Some(token) => {
+                path = format!("{PAGE}&continue={token}");
+            }
+            None => return Ok(count),
+        }
+    }
 }
 
 fn wait_nodes(api: &Api, count: usize, timeout: Duration) -> anyhow::Result<()> {

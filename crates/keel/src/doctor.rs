@@ -2,8 +2,6 @@
 //! what to do about it. Read-only: it starts no server and changes nothing,
 //! so it is safe beside a running Keel.
 
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -410,7 +408,7 @@ fn check_space(name: &'static str, dir: &Path) -> Check {
             None => break,
         }
     }
-    let free = match free_bytes(&probe) {
+    let free = match keel_hv::free_space::free_bytes(&probe) {
         Ok(f) => f,
         Err(e) => return Check::fail(name, format!("{}: {e}", probe.display()), "check the mount"),
     };
@@ -431,19 +429,6 @@ fn check_space(name: &'static str, dir: &Path) -> Check {
     } else {
         Check::ok(name, detail)
     }
-}
-
-fn free_bytes(path: &Path) -> std::io::Result<u64> {
-    let c = CString::new(path.as_os_str().as_bytes())
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: statvfs is plain data, valid when zeroed.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a NUL-terminated path and `st` a statvfs that outlives the call.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 fn check_store(store: &StoreSpec) -> Vec<Check> {

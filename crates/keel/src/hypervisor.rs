@@ -25,6 +25,8 @@ pub struct HypervisorOptions {
     pub runtime_dir: Option<PathBuf>,
     /// The cap on each instance's console log.
     pub console_log_max_bytes: u64,
+    /// No disk is created below this much free space (0: no floor).
+    pub min_free_disk_bytes: u64,
     /// The image store VMs boot from (see [`image_dir`]).
     pub image_dir: PathBuf,
     /// Run each QEMU under this fence keeper (cluster nodes); see
@@ -51,6 +53,7 @@ pub async fn make_hypervisor(
             config.disk_dir = cfg.disk_dir.clone();
             config.runtime_dir = cfg.runtime_dir.clone();
             config.console_log_max_bytes = cfg.console_log_max_bytes;
+            config.min_free_disk_bytes = cfg.min_free_disk_bytes;
             config.image_dir = Some(cfg.image_dir.clone());
             config.keeper = cfg.keeper.clone();
             if let Some(dir) = &cfg.guest_dir {

@@ -35,6 +35,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::agent::NodeAgent;
+use crate::api::limits::ApiLimits;
 use crate::api::{self, AppState};
 use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
@@ -75,6 +76,8 @@ pub struct ServeConfig {
     /// Where the qemu driver's sockets live; default: its own choice.
     pub runtime_dir: Option<PathBuf>,
     pub console_log_max_bytes: u64,
+    /// The free-space floor of the disk dir and image store (`--min-free-disk-mib`).
+    pub min_free_disk_bytes: u64,
     /// The image store; default `<data_dir>/images`. In a cluster, storage
     /// every control plane and node mounts at the same path.
     pub image_dir: Option<PathBuf>,
@@ -88,6 +91,8 @@ pub struct ServeConfig {
     pub election: ElectionConfig,
     /// The controller runtime's settings (`--max-concurrent-reconciles`).
     pub runtime: keel_ctrl::RuntimeConfig,
+    /// The API's caps (`--max-vms` and the like).
+    pub api_limits: ApiLimits,
 }
 
 impl ServeConfig {
@@ -111,12 +116,14 @@ impl ServeConfig {
             disk_dir: None,
             runtime_dir: None,
             console_log_max_bytes: keel_hv::qemu::QemuConfig::new("").console_log_max_bytes,
+            min_free_disk_bytes: keel_hv::free_space::DEFAULT_MIN_FREE_DISK_MIB << 20,
             image_dir: None,
             keeper: None,
             store: StoreSpec::Sqlite,
             agent: false,
             election: ElectionConfig::default(),
             runtime: Default::default(),
+            api_limits: ApiLimits::default(),
         }
     }
 
@@ -133,6 +140,7 @@ impl ServeConfig {
             disk_dir: self.disk_dir.clone(),
             runtime_dir: self.runtime_dir.clone(),
             console_log_max_bytes: self.console_log_max_bytes,
+            min_free_disk_bytes: self.min_free_disk_bytes,
             image_dir: image_dir(&self.data_dir, self.image_dir.as_deref()),
             // One host, one store: nobody else can start these VMs, so
             // guests may outlive the server for good. A control plane's
@@ -154,7 +162,8 @@ impl ServeConfig {
 fn open_image_store(cfg: &ServeConfig) -> anyhow::Result<Arc<ImageStore>> {
     let dir = image_dir(&cfg.data_dir, cfg.image_dir.as_deref());
     let store = ImageStore::open(&dir, Path::new("qemu-img"), Duration::from_secs(300))
-        .with_context(|| format!("image dir {}", dir.display()))?;
+        .with_context(|| format!("image dir {}", dir.display()))?
+        .with_min_free_bytes(cfg.min_free_disk_bytes);
     Ok(Arc::new(store))
 }
 
@@ -306,6 +315,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         shutdown: stop_rx,
         node: console,
         images: open_image_store(&cfg)?,
+        limits: cfg.api_limits,
+        follows: Default::default(),
     };
     let http = serve_api(listener, state, &token);
     if cfg.demo {
@@ -418,6 +429,8 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         shutdown: stop_rx,
         node: console,
         images: open_image_store(&cfg)?,
+        limits: cfg.api_limits,
+        follows: Default::default(),
     };
     let http = serve_api(listener, state, &token);
     if cfg.demo {
@@ -505,8 +518,19 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;
     cfg.console_log_max_bytes = args.console_log_max_mib << 20;
+    cfg.min_free_disk_bytes = args.min_free_disk_mib << 20;
     cfg.image_dir = args.image_dir;
     cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
+    cfg.api_limits = ApiLimits {
+        max_vms: args.max_vms,
+        max_snapshots_per_vm: args.max_snapshots_per_vm,
+        max_images: args.max_images,
+        max_follows: args.max_follows,
+    };
+    cfg.lifecycle.event_retention = keel_ctrl::event_retention::EventRetention {
+        per_vm: args.max_events_per_vm,
+        total: args.max_events,
+    };
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -44,6 +44,9 @@ pub struct QemuConfig {
     /// The cap on each instance's console log ([`super::console_log`]): the
     /// log and its previous part hold at most twice this.
     pub console_log_max_bytes: u64,
+    /// No disk is created while the disk dir's filesystem has less free
+    /// ([`crate::free_space`]); 0: no floor.
+    pub min_free_disk_bytes: u64,
     /// How often the console logs are looked at against their cap.
     pub console_log_check: Duration,
     /// Bounds each `qemu-img` run and each QMP snapshot command.
@@ -102,6 +105,7 @@ impl QemuConfig {
             migration_tls: None,
             migration_max_bandwidth: None,
             console_log_max_bytes: 8 << 20,
+            min_free_disk_bytes: crate::free_space::DEFAULT_MIN_FREE_DISK_MIB << 20,
             console_log_check: Duration::from_secs(5),
             storage_timeout: Duration::from_secs(60),
             qemu_binary: "qemu-system-x86_64".into(),

@@ -15,7 +15,7 @@ use keel_api::validate_name;
 use super::layout::rename_noreplace;
 use super::QemuDriver;
 use super::{blocking, boot};
-use crate::{DomainSpec, HvError};
+use crate::{free_space, DomainSpec, HvError};
 
 impl QemuDriver {
     /// Where disk `disk` of `vm` is (or would be) stored.
@@ -57,6 +57,13 @@ impl QemuDriver {
                 ));
             }
             if !exists {
+                let (dir, floor) = (vm_dir.clone(), self.inner.config.min_free_disk_bytes);
+                let doing = format!("not creating disk {} of VM {vm}", disk.name);
+                blocking::unblocked("free space of the disk dir", move || {
+                    Ok(free_space::check_floor(&dir, floor, 0, &doing))
+                })
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()))?;
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
                 let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));

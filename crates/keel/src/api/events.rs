@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use super::extract::QueryParams;
+use super::paging::PageRequest;
 use super::{ApiError, AppState};
 
 pub const NDJSON: &str = "application/x-ndjson";
@@ -31,7 +32,12 @@ pub struct EventItem {
 pub struct EventList {
     pub revision: Revision,
     pub items: Vec<EventItem>,
+    /// Present when more items follow: pass it as `?continue=` for the next page.
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_token: Option<String>,
 }
+
+crate::impl_paged!(EventList);
 
 pub async fn list(
     State(state): State<AppState>,
@@ -39,7 +45,15 @@ pub async fn list(
 ) -> Result<Response, ApiError> {
     let vm = query.take_name("vm")?;
     let follow = query.take_bool("follow")?.unwrap_or(false);
+    let page = PageRequest::take(&mut query)?;
     query.finish()?;
+    if follow && !page.is_default() {
+        return Err(ApiError::bad_request(
+            "limit",
+            "limit and continue page a list; follow streams every recorded event, then each new one",
+        ));
+    }
+    let after = page.after_revision()?;
     let prefix = match &vm {
         Some(vm) => format!("{EVENTS_PREFIX}{vm}/"),
         None => EVENTS_PREFIX.to_string(),
@@ -49,13 +63,23 @@ pub async fn list(
         .iter()
         .filter_map(decode)
         .collect::<Vec<EventItem>>();
-    items.sort_by_key(|i| i.revision);
     if !follow {
-        return Ok(Json(EventList { revision, items }).into_response());
+        let (items, continue_token) = page.page(items, |i| i.revision, after, u64::to_string);
+        return Ok(Json(EventList {
+            revision,
+            items,
+            continue_token,
+        })
+        .into_response());
     }
+    items.sort_by_key(|i| i.revision);
 
+    let slot = state.follows.acquire(state.limits.max_follows)?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(follow_events(state, prefix, revision, items, tx));
+    tokio::spawn(async move {
+        follow_events(state, prefix, revision, items, tx).await;
+        drop(slot);
+    });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|line| (Ok::<_, Infallible>(line), rx))
     });

@@ -21,6 +21,8 @@ use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
 
 use super::extract::{NameParam, QueryParams};
+use super::limits::check_cap;
+use super::paging::PageRequest;
 use super::write::with_etag;
 use super::{ApiError, AppState};
 
@@ -36,7 +38,12 @@ pub struct ImageList {
     /// The store revision the list is consistent with.
     pub revision: Revision,
     pub items: Vec<ImageResponse>,
+    /// Present when more items follow: pass it as `?continue=` for the next page.
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_token: Option<String>,
 }
+
+crate::impl_paged!(ImageList);
 
 fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!("image {name} not found")).with_field("name")
@@ -46,6 +53,9 @@ fn image_error(err: ImageError) -> ApiError {
     match err {
         ImageError::Rejected { .. } => {
             ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, err.to_string()).with_field("file")
+        }
+        ImageError::NoSpace { .. } => {
+            ApiError::new(StatusCode::INSUFFICIENT_STORAGE, err.to_string())
         }
         _ => {
             tracing::warn!(%err, "image store");
@@ -89,8 +99,19 @@ pub async fn import(
         while let Some(Ok(_)) = stream.next().await {}
         return Err(exists(&name));
     }
+    let images = state.store.raw().count(IMAGES_PREFIX).await?;
+    if let Err(refused) = check_cap(images, state.limits.max_images, "images", "--max-images") {
+        while let Some(Ok(_)) = stream.next().await {}
+        return Err(refused);
+    }
     let store = &state.images;
-    let mut upload = store.begin(&name).await.map_err(image_error)?;
+    let mut upload = match store.begin(&name).await {
+        Ok(upload) => upload,
+        Err(err) => {
+            while let Some(Ok(_)) = stream.next().await {}
+            return Err(image_error(err));
+        }
+    };
     while let Some(chunk) = stream.next().await {
         // The upload's file goes with `upload` when this returns early.
         let chunk = chunk.map_err(|e| {
@@ -136,8 +157,9 @@ fn exists(name: &str) -> ApiError {
 
 pub async fn list(
     State(state): State<AppState>,
-    query: QueryParams,
+    mut query: QueryParams,
 ) -> Result<Json<ImageList>, ApiError> {
+    let page = PageRequest::take(&mut query)?;
     query.finish()?;
     let (entries, revision) = state.store.list::<Image>(IMAGES_PREFIX).await?;
     let items = entries
@@ -147,7 +169,12 @@ pub async fn list(
             image: e.value,
         })
         .collect();
-    Ok(Json(ImageList { revision, items }))
+    let (items, continue_token) = page.page_by_name(items, |i| &i.image.name);
+    Ok(Json(ImageList {
+        revision,
+        items,
+        continue_token,
+    }))
 }
 
 pub async fn get(
@@ -307,6 +334,7 @@ pub fn describe(doc: &mut serde_json::Value) {
     let paths = json!({
         "/api/v1/images": {"get": {
             "summary": "List images", "operationId": "listImages",
+            "parameters": super::paging::openapi_parameters(),
             "responses": with(json!({"200": {"description": "Images", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ImageList"}}}}}), &[("401", "Missing or wrong bearer token"), ("503", "Store unavailable")])
         }},
         "/api/v1/images/{name}": {
@@ -343,7 +371,8 @@ pub fn describe(doc: &mut serde_json::Value) {
         }},
         "ImageList": {"type": "object", "required": ["revision", "items"], "properties": {
             "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}}
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}},
+            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }}
     });
     for (section, add) in [

@@ -12,10 +12,12 @@ pub mod events;
 mod extract;
 pub mod freeze;
 pub mod images;
+pub mod limits;
 pub mod migrate;
 pub mod migrations;
 pub mod nodes;
 pub mod openapi;
+pub mod paging;
 pub(crate) mod require_token;
 pub mod snapshots;
 pub mod strict;
@@ -53,6 +55,10 @@ pub struct AppState {
     /// The node this process runs guests on, if any: consoles and console
     /// logs of VMs there are served from it.
     pub node: Option<NodeAccess>,
+    /// The caps on VMs, snapshots, images and follow streams.
+    pub limits: limits::ApiLimits,
+    /// The event streams followed now, against `limits.max_follows`.
+    pub follows: Arc<limits::FollowSlots>,
 }
 
 /// A node whose hypervisor is in this process.

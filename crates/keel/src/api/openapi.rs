@@ -9,7 +9,7 @@
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::MAX_BODY_BYTES;
+use super::{paging, MAX_BODY_BYTES};
 
 pub async fn document() -> Json<Value> {
     Json(spec())
@@ -20,6 +20,7 @@ pub fn spec() -> Value {
         "name": "name", "in": "path", "required": true,
         "schema": {"$ref": "#/components/schemas/Name"}
     });
+    let [page_limit, page_continue] = paging::openapi_parameters();
     let revision_query = json!({
         "name": "revision", "in": "query", "required": false,
         "description": "The revision you read; the request fails with 409 if the record changed since.",
@@ -117,6 +118,7 @@ pub fn spec() -> Value {
             "/api/v1/vms": {
                 "get": {
                     "summary": "List VMs", "operationId": "listVms",
+                    "parameters": paging::openapi_parameters(),
                     "responses": with(json!({"200": {"description": "All VMs", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/VmList"}}}}}), errors(&["401", "503"]))
                 },
                 "post": {
@@ -175,7 +177,7 @@ pub fn spec() -> Value {
             "/api/v1/vms/{name}/snapshots": {
                 "get": {
                     "summary": "List the VM's snapshots, oldest first", "operationId": "listSnapshots",
-                    "parameters": [name_param],
+                    "parameters": [name_param, page_limit, page_continue],
                     "responses": with(json!({"200": {"description": "Snapshots", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SnapshotList"}}}}}), errors(&["400", "401", "404", "503"]))
                 },
                 "post": {
@@ -203,7 +205,8 @@ pub fn spec() -> Value {
                 "summary": "Recorded VM phase changes, oldest first", "operationId": "listEvents",
                 "parameters": [
                     {"name": "vm", "in": "query", "required": false, "schema": {"$ref": "#/components/schemas/Name"}},
-                    {"name": "follow", "in": "query", "required": false, "description": "Stream newline-delimited EventItem JSON, recorded events first, then new ones", "schema": {"type": "boolean"}}
+                    {"name": "follow", "in": "query", "required": false, "description": "Stream newline-delimited EventItem JSON, recorded events first, then new ones (no limit or continue)", "schema": {"type": "boolean"}},
+                    page_limit, page_continue
                 ],
                 "responses": with(json!({"200": {"description": "Events", "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/EventList"}},
@@ -364,7 +367,8 @@ fn schemas() -> Value {
         }},
         "VmList": {"type": "object", "required": ["revision", "items"], "properties": {
             "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/VmResponse"}}
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/VmResponse"}},
+            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }},
         "Event": {"type": "object", "required": ["at", "vm", "from", "to", "reason"], "properties": {
             "at": millis,
@@ -379,7 +383,8 @@ fn schemas() -> Value {
         }},
         "EventList": {"type": "object", "required": ["revision", "items"], "properties": {
             "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/EventItem"}}
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/EventItem"}},
+            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }},
         "Node": {"type": "object", "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
@@ -475,7 +480,8 @@ fn schemas() -> Value {
         }},
         "SnapshotList": {"type": "object", "required": ["revision", "items"], "properties": {
             "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/SnapshotResponse"}}
+            "items": {"type": "array", "items": {"$ref": "#/components/schemas/SnapshotResponse"}},
+            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }},
         "Migration": {"type": "object", "required": ["id", "vm", "source_node", "source_instance", "target_node", "target_instance", "created_at"], "properties": {
             "id": {"type": "string", "description": "m<seq>-<vm uid>: unique across deletes and re-creations of the VM"},

@@ -15,6 +15,8 @@ use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
 
 use super::extract::{JsonBody, NameParam, QueryParams, SnapshotParams};
+use super::limits::check_cap;
+use super::paging::PageRequest;
 use super::vms::{self, vm_response};
 use super::write::{self, expected_revision, with_etag};
 use super::{ApiError, AppState};
@@ -48,7 +50,12 @@ pub struct SnapshotList {
     /// The store revision the list is consistent with.
     pub revision: Revision,
     pub items: Vec<SnapshotResponse>,
+    /// Present when more items follow: pass it as `?continue=` for the next page.
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_token: Option<String>,
 }
+
+crate::impl_paged!(SnapshotList);
 
 /// Records a snapshot request (phase Pending) with a copy of the VM's spec;
 /// the snapshot controller takes it.
@@ -67,6 +74,17 @@ pub async fn create(
         .ok_or_else(|| vms::not_found(&vm_name))?
         .value;
     refuse_if_busy(&vm)?;
+    let snapshots = state
+        .store
+        .raw()
+        .count(&snapshots_of_prefix(&vm_name))
+        .await?;
+    check_cap(
+        snapshots,
+        state.limits.max_snapshots_per_vm,
+        &format!("snapshots of VM {vm_name}"),
+        "--max-snapshots-per-vm",
+    )?;
     let snap = Snapshot {
         vm: vm_name.clone(),
         name: req.name.clone(),
@@ -168,8 +186,9 @@ fn refuse_if_busy(vm: &VirtualMachine) -> Result<(), ApiError> {
 pub async fn list(
     State(state): State<AppState>,
     NameParam(vm_name): NameParam,
-    query: QueryParams,
+    mut query: QueryParams,
 ) -> Result<Json<SnapshotList>, ApiError> {
+    let page = PageRequest::take(&mut query)?;
     query.finish()?;
     if state
         .store
@@ -183,18 +202,39 @@ pub async fn list(
         .store
         .list::<Snapshot>(&snapshots_of_prefix(&vm_name))
         .await?;
-    let mut items: Vec<SnapshotResponse> = entries
+    let items: Vec<SnapshotResponse> = entries
         .into_iter()
         .map(|(_, e)| SnapshotResponse {
             revision: e.revision,
             snapshot: e.value,
         })
         .collect();
-    items.sort_by(|a, b| {
-        (a.snapshot.requested_at, &a.snapshot.name)
-            .cmp(&(b.snapshot.requested_at, &b.snapshot.name))
-    });
-    Ok(Json(SnapshotList { revision, items }))
+    // Oldest first: the token is `<requested_at>.<name>` of the last one.
+    let after = page
+        .after
+        .as_deref()
+        .map(|t| {
+            t.split_once('.')
+                .and_then(|(at, name)| Some((at.parse::<u64>().ok()?, name.to_string())))
+                .ok_or_else(|| {
+                    ApiError::bad_request(
+                        "continue",
+                        format!("continue={t:?} is not a token this list gave"),
+                    )
+                })
+        })
+        .transpose()?;
+    let (items, continue_token) = page.page(
+        items,
+        |s| (s.snapshot.requested_at, s.snapshot.name.clone()),
+        after,
+        |(at, name)| format!("{at}.{name}"),
+    );
+    Ok(Json(SnapshotList {
+        revision,
+        items,
+        continue_token,
+    }))
 }
 
 pub async fn get(

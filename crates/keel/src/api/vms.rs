@@ -10,6 +10,8 @@ use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
 
 use super::extract::{BodyBytes, JsonBody, NameParam, QueryParams};
+use super::limits::check_cap;
+use super::paging::PageRequest;
 use super::write::{self, expected_revision};
 use super::{parse_json, ApiError, AppState};
 
@@ -46,7 +48,12 @@ pub struct VmList {
     /// The store revision the list is consistent with.
     pub revision: Revision,
     pub items: Vec<VmResponse>,
+    /// Present when more items follow: pass it as `?continue=` for the next page.
+    #[serde(rename = "continue", default, skip_serializing_if = "Option::is_none")]
+    pub continue_token: Option<String>,
 }
+
+crate::impl_paged!(VmList);
 
 /// Parses and validates a create request body: a VM ready to store, or a
 /// 4xx error naming the field (400 for malformed or mistyped JSON, 422 for
@@ -76,8 +83,9 @@ fn parse_create_unchecked(body: &[u8]) -> Result<VirtualMachine, ApiError> {
 
 pub async fn list(
     State(state): State<AppState>,
-    query: QueryParams,
+    mut query: QueryParams,
 ) -> Result<Json<VmList>, ApiError> {
+    let page = PageRequest::take(&mut query)?;
     query.finish()?;
     let (entries, revision) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
     let items = entries
@@ -87,7 +95,12 @@ pub async fn list(
             vm: e.value,
         })
         .collect();
-    Ok(Json(VmList { revision, items }))
+    let (items, continue_token) = page.page_by_name(items, |i| &i.vm.name);
+    Ok(Json(VmList {
+        revision,
+        items,
+        continue_token,
+    }))
 }
 
 pub async fn create(
@@ -100,6 +113,8 @@ pub async fn create(
     vm.uid = new_vm_uid();
     super::images::resolve(&state, &mut vm.spec).await?;
     vm.validate().map_err(ApiError::invalid)?;
+    let vms = state.store.raw().count(VMS_PREFIX).await?;
+    check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
     let key = vm_key(&vm.name);
     match state.store.create(&key, &vm).await {
         Ok(revision) => {

@@ -16,6 +16,7 @@ use serde::Serialize;
 use ureq::http::{self, Method};
 use ureq::Agent;
 
+use crate::api::paging::Paged;
 use crate::api::ErrorBody;
 use crate::args::ClientArgs;
 use crate::auth::{read_token_file, token_path};
@@ -119,6 +120,17 @@ impl Client {
 
     pub fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
         self.call(Method::GET, path, None::<&()>)
+    }
+
+    /// Every page of a list: follows its `continue` tokens to the end.
+    pub fn get_all<T: DeserializeOwned + Paged>(&self, path: &str) -> anyhow::Result<T> {
+        let mut list: T = self.get(path)?;
+        let sep = if path.contains('?') { '&' } else { '?' };
+        while let Some(token) = list.continue_token().map(encode) {
+            let next: T = self.get(&format!("{path}{sep}continue={token}"))?;
+            list.append(next);
+        }
+        Ok(list)
     }
 
     /// `None` on 404.

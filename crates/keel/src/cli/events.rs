@@ -27,7 +27,7 @@ pub fn run(args: EventsArgs) -> anyhow::Result<()> {
         format!("/api/v1/events?{}", query.join("&"))
     };
     if !args.follow {
-        let list: EventList = client.get(&path)?;
+        let list: EventList = client.get_all(&path)?;
         return output::print(out, &list, || {
             let mut s = header();
             for item in &list.items {

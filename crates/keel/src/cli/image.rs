@@ -27,7 +27,7 @@ pub fn run(cmd: ImageCommand) -> anyhow::Result<()> {
             })
         }
         ImageVerb::List => {
-            let resp: ImageList = client.get("/api/v1/images")?;
+            let resp: ImageList = client.get_all("/api/v1/images")?;
             output::print(out, &resp, || {
                 let mut t = Table::new(&[
                     "NAME", "KIND", "FORMAT", "SIZE", "VIRTUAL", "SHA256", "CREATED",

@@ -250,7 +250,7 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
         let Some(drain) = resp.node.drain.clone() else {
             bail!("the drain of node {name} was cancelled (uncordoned) while waiting");
         };
-        let vms: VmList = client.get("/api/v1/vms")?;
+        let vms: VmList = client.get_all("/api/v1/vms")?;
         let mut on_node = BTreeMap::new();
         for item in &vms.items {
             let vm = &item.vm;

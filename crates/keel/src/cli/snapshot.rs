@@ -124,7 +124,7 @@ fn wait_taken(
 }
 
 fn list(client: &Client, out: OutputFormat, vm: &str) -> anyhow::Result<()> {
-    let resp: SnapshotList = client.get(&format!("/api/v1/vms/{}/snapshots", encode(vm)))?;
+    let resp: SnapshotList = client.get_all(&format!("/api/v1/vms/{}/snapshots", encode(vm)))?;
     output::print(out, &resp, || {
         let mut t = Table::new(&["NAME", "PHASE", "LIVE", "REQUESTED", "TAKEN", "MESSAGE"]);
         for item in &resp.items {

@@ -118,7 +118,7 @@ fn create(client: &Client, out: OutputFormat, args: CreateArgs) -> anyhow::Resul
 }
 
 fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
-    let resp: VmList = client.get("/api/v1/vms")?;
+    let resp: VmList = client.get_all("/api/v1/vms")?;
     output::print(out, &resp, || {
         let mut t = Table::new(&[
             "NAME", "PHASE", "READY", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE",
