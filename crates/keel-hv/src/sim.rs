@@ -1007,7 +1007,11 @@ impl Hypervisor for SimHypervisor {
         Ok(())
     }
 
-    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+    async fn prepare_incoming_from(
+        &self,
+        spec: &DomainSpec,
+        _params: &crate::IncomingParams,
+    ) -> Result<String, HvError> {
         let now = self.clock.now_ms();
         let uri = format!("sim://{}/{}", self.node, spec.instance);
         check_instance_name(spec, "prepare incoming")?;

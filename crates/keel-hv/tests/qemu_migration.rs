@@ -84,10 +84,11 @@ async fn migrate_and_check(
     before: &Ticks,
 ) -> GuestChannel {
     let params = keel_hv::MigrationParams::default();
-    migrate_and_check_with(from, source, to, target, before, &params).await
+    let from_any = keel_hv::IncomingParams::default();
+    migrate_and_check_with(from, source, to, target, before, &params, &from_any).await
 }
 
-/// [`migrate_and_check`] with the migration's parameters.
+/// [`migrate_and_check`] with the migration's parameters at both ends.
 async fn migrate_and_check_with(
     from: &QemuDriver,
     source: &DomainSpec,
@@ -95,9 +96,10 @@ async fn migrate_and_check_with(
     target: &str,
     before: &Ticks,
     params: &keel_hv::MigrationParams,
+    incoming: &keel_hv::IncomingParams,
 ) -> GuestChannel {
     let target = target_spec(source, target);
-    let uri = to.prepare_incoming(&target).await.unwrap();
+    let uri = to.prepare_incoming_from(&target, incoming).await.unwrap();
     eprintln!("{} listens at {uri}", target.instance);
     assert_eq!(
         to.info(&target.instance).await.unwrap().state,
@@ -410,6 +412,12 @@ fn tls_to(node: &str) -> keel_hv::MigrationParams {
     }
 }
 
+fn from_node(node: &str) -> keel_hv::IncomingParams {
+    keel_hv::IncomingParams {
+        tls_peer: Some(node.into()),
+    }
+}
+
 /// Over TCP with TLS, both peers verified against the cluster CA: the guest
 /// moves (ticks go on, its record is there); a target whose certificate
 /// comes from another CA gets nothing and the guest keeps running on the
@@ -467,7 +475,16 @@ async fn tls_migration_and_a_target_of_another_ca() {
     let _ = b.kill("web-probe").await;
     b.cleanup("web-probe").await.unwrap();
 
-    let mut ch = migrate_and_check_with(&a, &web1, &b, "web-2", &before, &tls_to("b")).await;
+    let mut ch = migrate_and_check_with(
+        &a,
+        &web1,
+        &b,
+        "web-2",
+        &before,
+        &tls_to("b"),
+        &from_node("a"),
+    )
+    .await;
     assert_eq!(ch.get(3).await.unwrap(), "over-tls");
 
     // A target with a certificate of another CA: refused, the guest keeps
@@ -534,3 +551,4 @@ async fn tls_migration_and_a_target_of_another_ca() {
         hv.cleanup(instance).await.unwrap();
     }
 }
+
