@@ -125,6 +125,21 @@ fn revoke_cert_writes_the_crl_where_nodes_read_it() {
         ]));
         assert!(out.contains("valid 30 days"), "{out}");
     }
+    // The CA's record of what it issued: both certificates, 30 days each.
+    let issued: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("ca").join("issued.json")).unwrap(),
+    )
+    .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let certs = issued["certs"].as_array().unwrap();
+    assert_eq!(certs.len(), 2, "{issued}");
+    for cert in certs {
+        let left = cert["not_after"].as_i64().unwrap() - now;
+        assert!((29 * 86_400..=31 * 86_400).contains(&left), "{cert}");
+    }
     let crl = |dir: &std::path::Path| {
         std::fs::read_to_string(dir.join("migration-tls").join("ca-crl.pem")).unwrap()
     };
