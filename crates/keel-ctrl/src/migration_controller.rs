@@ -154,7 +154,11 @@ impl MigrationController {
                     cloud_init: vm.spec.cloud_init.clone(),
                     images,
                 };
-                match self.hv.prepare_incoming(&spec).await {
+                // Over TLS only the source node the record names may send.
+                let from = keel_hv::IncomingParams {
+                    tls_peer: Some(m.source_node.clone()),
+                };
+                match self.hv.prepare_incoming_from(&spec, &from).await {
                     Ok(uri) => {
                         m.status.phase = MigrationPhase::TargetReady;
                         m.status.target_uri = Some(uri);

@@ -229,6 +229,14 @@ pub struct MigrationParams {
     pub tls_peer: Option<String>,
 }
 
+/// How an incoming live migration is received.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncomingParams {
+    /// Over TLS: the only node whose certificate a source may present
+    /// (the migration record's source node); `None`: any node of the CA.
+    pub tls_peer: Option<String>,
+}
+
 impl MigrationParams {
     pub fn from_tuning(t: &keel_api::MigrationTuning) -> Self {
         Self {
@@ -389,6 +397,18 @@ pub trait Hypervisor: Send + Sync + 'static {
     /// once the migration's success is recorded (as libvirt does): a target
     /// never runs beside a source that did not hand over.
     async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+        self.prepare_incoming_from(spec, &IncomingParams::default())
+            .await
+    }
+
+    /// [`Hypervisor::prepare_incoming`], admitting only the source
+    /// `params` names: what a driver that migrates implements.
+    async fn prepare_incoming_from(
+        &self,
+        spec: &DomainSpec,
+        params: &IncomingParams,
+    ) -> Result<String, HvError> {
+        let _ = params;
         Err(unsupported_migration(
             &spec.instance,
             "prepare incoming migration",

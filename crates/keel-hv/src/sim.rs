@@ -133,6 +133,9 @@ struct Incoming {
     /// Set when the stream broke before the end (source gone, cancelled):
     /// the target then never runs, as a real incoming QEMU would not.
     aborted: Arc<AtomicBool>,
+    /// The only source node it takes a migration from (QEMU's `tls-authz`);
+    /// `None`: any.
+    admits: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -1007,7 +1010,11 @@ impl Hypervisor for SimHypervisor {
         Ok(())
     }
 
-    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
+    async fn prepare_incoming_from(
+        &self,
+        spec: &DomainSpec,
+        params: &crate::IncomingParams,
+    ) -> Result<String, HvError> {
         let now = self.clock.now_ms();
         let uri = format!("sim://{}/{}", self.node, spec.instance);
         check_instance_name(spec, "prepare incoming")?;
@@ -1034,6 +1041,7 @@ impl Hypervisor for SimHypervisor {
                         completes_at: None,
                         fails: false,
                         aborted: Arc::new(AtomicBool::new(false)),
+                        admits: params.tls_peer.clone(),
                     }),
                     outgoing: None,
                     guest: SimGuest::default(),
@@ -1077,6 +1085,23 @@ impl Hypervisor for SimHypervisor {
             });
         }
         let target_instance = uri.rsplit('/').next().unwrap_or_default().to_string();
+        let admits = target_state
+            .lock()
+            .expect("sim state poisoned")
+            .domains
+            .get(&target_instance)
+            .and_then(|d| d.incoming.as_ref()?.admits.clone());
+        if admits.as_ref().is_some_and(|node| *node != self.node) {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "migrate",
+                reason: format!(
+                    "target {target_instance} admits only node {}, not {}",
+                    admits.unwrap_or_default(),
+                    self.node
+                ),
+            });
+        }
         let (completes_at, fails, abort) = {
             let mut s = self.lock();
             let p = s.config.faults.op_unavailable;
@@ -1130,6 +1155,7 @@ impl Hypervisor for SimHypervisor {
                     completes_at: Some(completes_at),
                     fails,
                     aborted: abort,
+                    admits,
                 });
                 Ok(())
             }

@@ -84,10 +84,11 @@ async fn migrate_and_check(
     before: &Ticks,
 ) -> GuestChannel {
     let params = keel_hv::MigrationParams::default();
-    migrate_and_check_with(from, source, to, target, before, &params).await
+    let from_any = keel_hv::IncomingParams::default();
+    migrate_and_check_with(from, source, to, target, before, &params, &from_any).await
 }
 
-/// [`migrate_and_check`] with the migration's parameters.
+/// [`migrate_and_check`] with the migration's parameters at both ends.
 async fn migrate_and_check_with(
     from: &QemuDriver,
     source: &DomainSpec,
@@ -95,9 +96,10 @@ async fn migrate_and_check_with(
     target: &str,
     before: &Ticks,
     params: &keel_hv::MigrationParams,
+    incoming: &keel_hv::IncomingParams,
 ) -> GuestChannel {
     let target = target_spec(source, target);
-    let uri = to.prepare_incoming(&target).await.unwrap();
+    let uri = to.prepare_incoming_from(&target, incoming).await.unwrap();
     eprintln!("{} listens at {uri}", target.instance);
     assert_eq!(
         to.info(&target.instance).await.unwrap().state,
@@ -410,6 +412,12 @@ fn tls_to(node: &str) -> keel_hv::MigrationParams {
     }
 }
 
+fn from_node(node: &str) -> keel_hv::IncomingParams {
+    keel_hv::IncomingParams {
+        tls_peer: Some(node.into()),
+    }
+}
+
 /// Over TCP with TLS, both peers verified against the cluster CA: the guest
 /// moves (ticks go on, its record is there); a target whose certificate
 /// comes from another CA gets nothing and the guest keeps running on the
@@ -467,7 +475,16 @@ async fn tls_migration_and_a_target_of_another_ca() {
     let _ = b.kill("web-probe").await;
     b.cleanup("web-probe").await.unwrap();
 
-    let mut ch = migrate_and_check_with(&a, &web1, &b, "web-2", &before, &tls_to("b")).await;
+    let mut ch = migrate_and_check_with(
+        &a,
+        &web1,
+        &b,
+        "web-2",
+        &before,
+        &tls_to("b"),
+        &from_node("a"),
+    )
+    .await;
     assert_eq!(ch.get(3).await.unwrap(), "over-tls");
 
     // A target with a certificate of another CA: refused, the guest keeps
@@ -533,4 +550,106 @@ async fn tls_migration_and_a_target_of_another_ca() {
         hv.kill(instance).await.unwrap();
         hv.cleanup(instance).await.unwrap();
     }
+}
+
+/// Prepares `target` on `to` for a migration from node `a`, has `from`
+/// send `source` there, and checks the target refused it: the source
+/// fails and keeps running, and the target's QEMU says why (`because`).
+async fn refused_by_target(
+    from: &QemuDriver,
+    source: &DomainSpec,
+    to: &QemuDriver,
+    target: &str,
+    because: &[&str],
+) {
+    let uri = to
+        .prepare_incoming_from(&target_spec(source, target), &from_node("a"))
+        .await
+        .unwrap();
+    from.migrate_tuned(&source.instance, &uri, &tls_to("b"))
+        .await
+        .unwrap();
+    let (progress, _) = wait_migration(from, &source.instance).await;
+    let MigrationProgress::Failed { reason } = progress else {
+        panic!("{target} got the guest: {progress:?}");
+    };
+    eprintln!("{target}: the source reports {reason}");
+    assert_eq!(
+        from.info(&source.instance).await.unwrap().state,
+        DomainState::Running
+    );
+    assert_ne!(to.info(target).await.unwrap().state, DomainState::Running);
+    // QEMU reports a refused handshake on its stderr, a moment after the
+    // source saw the connection end.
+    let log = to.instance_dir(target).join("qemu.log");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if because.iter().all(|b| text.contains(b)) {
+            eprintln!("{target}: the target's QEMU says {}", text.trim());
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{target}: no {because:?} in its QEMU log: {text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = to.kill(target).await;
+    to.cleanup(target).await.unwrap();
+}
+
+/// A target prepared for a migration from node a admits a's certificate
+/// only: a source presenting node m's certificate, signed by the same CA,
+/// is refused (`tls-authz`); so is a's own certificate once revoked (the
+/// CRL `revoke` wrote into the target's credentials); a's certificate
+/// issued anew then moves the guest, the same boot with its record.
+#[tokio::test]
+async fn tls_target_admits_only_the_named_source_and_no_revoked_certificate() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let root = cluster.dir.path();
+    let ca = root.join("authz-ca");
+    tls::init_ca(&ca).unwrap();
+    // The source's credentials hold whichever node's certificate a step
+    // needs: QEMU reads the directory anew for every migration.
+    let source_creds = root.join("authz-source-creds");
+    let target_data = root.join("authz-target-data");
+    let target_creds = target_data.join(tls::CREDS_DIR);
+    tls::issue(&ca, "m", &source_creds).unwrap();
+    tls::issue(&ca, "b", &target_creds).unwrap();
+    let a = tcp_node(&cluster, "a", Some(&source_creds)).await;
+    let b = tcp_node(&cluster, "b", Some(&target_creds)).await;
+
+    let authz1 = spec("authz", "authz-1");
+    let mut ch = boot(&a, &authz1).await;
+    ch.put(5, "admitted once").await.unwrap();
+    let before = ch.ticks().await.unwrap();
+    drop(ch);
+
+    // Another node's certificate, valid and of the same CA.
+    refused_by_target(&a, &authz1, &b, "authz-2", &["CN=m", "denied"]).await;
+
+    // Node a's own certificate, revoked, the new CRL given to the target.
+    tls::issue(&ca, "a", &source_creds).unwrap();
+    let revoked = tls::revoke(&ca, "a", std::slice::from_ref(&target_data)).unwrap();
+    assert_eq!(revoked.distributed, vec![target_creds.clone()]);
+    refused_by_target(&a, &authz1, &b, "authz-3", &["revoked"]).await;
+
+    // Node a's certificate issued anew: admitted.
+    tls::issue(&ca, "a", &source_creds).unwrap();
+    let mut ch = migrate_and_check_with(
+        &a,
+        &authz1,
+        &b,
+        "authz-4",
+        &before,
+        &tls_to("b"),
+        &from_node("a"),
+    )
+    .await;
+    assert_eq!(ch.get(5).await.unwrap(), "admitted once");
+    b.kill("authz-4").await.unwrap();
+    b.cleanup("authz-4").await.unwrap();
 }

@@ -423,6 +423,24 @@ pub enum ClusterVerb {
         /// The node agent's --data-dir.
         #[arg(long, default_value = DEFAULT_DATA_DIR)]
         data_dir: PathBuf,
+        /// How long the certificate is valid; renew it by issuing it
+        /// again before then.
+        #[arg(long, default_value_t = keel_hv::qemu::tls::DEFAULT_NODE_VALID_DAYS,
+              value_parser = clap::value_parser!(u32).range(1..=i64::from(keel_hv::qemu::tls::MAX_NODE_VALID_DAYS)))]
+        valid_days: u32,
+    },
+    /// Revoke every certificate issued to NODE so far: the CA's CRL
+    /// (CA_DIR/ca-crl.pem) lists them, and is copied into each --data-dir
+    /// given; copy it to the other nodes' DATA_DIR/migration-tls. A target
+    /// refuses a source presenting a revoked certificate from its next
+    /// migration on. A certificate issued to NODE afterwards is valid.
+    RevokeCert {
+        node: String,
+        #[arg(long, default_value = "./keel-ca")]
+        ca_dir: PathBuf,
+        /// A node agent's --data-dir to copy the new CRL into (repeatable).
+        #[arg(long)]
+        data_dir: Vec<PathBuf>,
     },
 }
 

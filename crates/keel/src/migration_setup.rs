@@ -31,17 +31,46 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<()> {
             node,
             ca_dir,
             data_dir,
+            valid_days,
         } => {
             let out = creds_dir(&data_dir);
-            tls::issue(&ca_dir, &node, &out).with_context(|| {
+            tls::issue_valid_for(&ca_dir, &node, &out, valid_days).with_context(|| {
                 format!(
                     "issuing node {node}'s certificate from --ca-dir {}",
                     ca_dir.display()
                 )
             })?;
             println!(
-                "issued node {node}'s migration certificate into {}",
+                "issued node {node}'s migration certificate into {} (valid {valid_days} days; \
+                 renew it by issuing it again)",
                 out.display()
+            );
+            Ok(())
+        }
+        ClusterVerb::RevokeCert {
+            node,
+            ca_dir,
+            data_dir,
+        } => {
+            let done = tls::revoke(&ca_dir, &node, &data_dir).with_context(|| {
+                format!(
+                    "revoking node {node}'s certificates in --ca-dir {}",
+                    ca_dir.display()
+                )
+            })?;
+            println!(
+                "revoked {} certificate(s) of node {node} ({}); the CRL is {}",
+                done.serials.len(),
+                done.serials.join(", "),
+                ca_dir.join(tls::CA_CRL).display()
+            );
+            for dir in &done.distributed {
+                println!("copied the CRL into {}", dir.display());
+            }
+            println!(
+                "copy it into DATA_DIR/{}/{} of every other node",
+                tls::CREDS_DIR,
+                tls::CA_CRL
             );
             Ok(())
         }

@@ -47,11 +47,15 @@ impl Hypervisor for QemuDriver {
     }
 
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {
-        self.start_domain(spec, false).await.map(drop)
+        self.start_domain(spec, None).await.map(drop)
     }
 
-    async fn prepare_incoming(&self, spec: &DomainSpec) -> Result<String, HvError> {
-        let uri = self.start_domain(spec, true).await?;
+    async fn prepare_incoming_from(
+        &self,
+        spec: &DomainSpec,
+        params: &crate::IncomingParams,
+    ) -> Result<String, HvError> {
+        let uri = self.start_domain(spec, Some(params.clone())).await?;
         uri.ok_or_else(|| HvError::Failed {
             instance: spec.instance.clone(),
             op: "prepare incoming migration",

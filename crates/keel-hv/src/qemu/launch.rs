@@ -17,7 +17,7 @@ use super::monitor::{Domain, Phase, ProcessWatch};
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
 use super::{blocking, boot, cloud_init, keeper, network, passt, QemuDriver};
-use crate::{DomainSpec, HvError};
+use crate::{DomainSpec, HvError, IncomingParams};
 
 impl QemuDriver {
     fn plan(
@@ -67,14 +67,15 @@ impl QemuDriver {
 
     /// Everything in `start` after the name is reserved. On error the caller
     /// removes the reservation; this removes what it created on disk.
-    /// `incoming`: start waiting for a live migration instead of booting;
-    /// returns the URI the target listens on.
+    /// `incoming`: start waiting for a live migration instead of booting,
+    /// from the source it admits; returns the URI the target listens on.
     async fn launch(
         &self,
         spec: &DomainSpec,
         domain: &Arc<Domain>,
-        incoming: bool,
+        incoming_from: Option<IncomingParams>,
     ) -> Result<Option<String>, HvError> {
+        let incoming = incoming_from.is_some();
         let instance = &spec.instance;
         let op = start_op(incoming);
         let failed = |reason: String| HvError::Failed {
@@ -237,11 +238,13 @@ impl QemuDriver {
         let ready = match self.await_qmp(&plan.paths, &mut child).await {
             // Before the monitor takes the connection, so that a target that
             // cannot listen is rolled back like a failed start.
-            Ok(connected) if incoming => self
-                .listen_incoming(&plan.paths, &connected.0)
-                .await
-                .map(|uri| (connected, Some(uri))),
-            Ok(connected) => Ok((connected, None)),
+            Ok(connected) => match &incoming_from {
+                Some(from) => self
+                    .listen_incoming(&plan.paths, &connected.0, from)
+                    .await
+                    .map(|uri| (connected, Some(uri))),
+                None => Ok((connected, None)),
+            },
             Err(reason) => Err(reason),
         };
         let ready = match ready {
@@ -299,8 +302,9 @@ impl QemuDriver {
     pub(super) async fn start_domain(
         &self,
         spec: &DomainSpec,
-        incoming: bool,
+        incoming_from: Option<IncomingParams>,
     ) -> Result<Option<String>, HvError> {
+        let incoming = incoming_from.is_some();
         let instance = &spec.instance;
         let op = start_op(incoming);
         let invalid = |reason: String| HvError::Failed {
@@ -353,7 +357,7 @@ impl QemuDriver {
         let driver = self.clone();
         let spec = spec.clone();
         let task = tokio::spawn(async move {
-            let result = driver.launch(&spec, &domain, incoming).await;
+            let result = driver.launch(&spec, &domain, incoming_from).await;
             if result.is_err() {
                 let mut domains = driver.lock();
                 if domains

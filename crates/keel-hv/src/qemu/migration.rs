@@ -30,8 +30,10 @@
 //! then hands out `tls+tcp:<addr>:<port>` (Keel's own scheme, sent to QEMU
 //! as `tcp:`), and the source sets `tls-hostname` to the target node's
 //! name, which the target's certificate must carry. A target refuses a
-//! source without a certificate of the cluster CA, a source refuses a
-//! target without one naming it; neither falls back to plain TCP. A source
+//! source without a certificate of the cluster CA, and one of another node
+//! than the source it was prepared for (`tls-authz`, see [`authz`]); a
+//! source refuses a target without one naming it; neither falls back to
+//! plain TCP. A source
 //! with credentials does not send to a plain `tcp:` target either, and one
 //! without credentials cannot send to a `tls+tcp:` target: the transport is
 //! the target's to choose, and a mismatch fails before QEMU sends a byte.
@@ -65,13 +67,14 @@ use keel_api::{Clock, Millis, SystemClock};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+mod authz;
 mod precopy;
 
 use super::layout::{read_json, InstancePaths, MAX_SOCKET_PATH};
 use super::monitor::Phase;
 use super::qmp::{QmpClient, QmpError};
 use super::{blocking, unavailable, QemuDriver};
-use crate::{DomainState, HvError, MigrationParams, MigrationProgress};
+use crate::{DomainState, HvError, IncomingParams, MigrationParams, MigrationProgress};
 
 /// `migration-out.json`: this instance was told to send itself to `uri`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -331,11 +334,13 @@ impl QemuDriver {
     }
 
     /// Target side, right after the new QEMU's QMP answered: start
-    /// listening and return the URI for the source.
+    /// listening, over TLS only for the source `from` names, and return
+    /// the URI for the source.
     pub(super) async fn listen_incoming(
         &self,
         paths: &InstancePaths,
         client: &QmpClient,
+        from: &IncomingParams,
     ) -> Result<String, String> {
         let config = &self.inner.config;
         let Some(ip) = config.migration_address else {
@@ -352,11 +357,12 @@ impl QemuDriver {
                 add_tls_creds(client, dir, "server")
                     .await
                     .map_err(|e| format!("migration TLS credentials {}: {e}", dir.display()))?;
+                let mut set = json!({ "tls-creds": TLS_CREDS_ID });
+                if let Some(source) = &from.tls_peer {
+                    set["tls-authz"] = json!(authz::admit_only(client, source).await?);
+                }
                 client
-                    .execute(
-                        "migrate-set-parameters",
-                        Some(json!({ "tls-creds": TLS_CREDS_ID })),
-                    )
+                    .execute("migrate-set-parameters", Some(set))
                     .await
                     .map_err(|e| format!("migrate-set-parameters tls-creds: {e}"))?;
                 TLS_SCHEME

@@ -12,10 +12,14 @@
 //! anyone else.
 //!
 //! Both ends verify the peer (`verify-peer=on`): the target accepts only a
-//! source whose certificate the cluster CA signed, and the source checks
-//! that the target's certificate names the target node (`tls-hostname`).
-//! Node certificates carry both TLS purposes, since every node is source
-//! and target in turn, and the node name as their DNS name.
+//! source whose certificate the cluster CA signed, did not revoke
+//! ([`revocation`], `ca-crl.pem`) and names the source node of the
+//! migration (`tls-authz`, matched on the subject `CN=<node>`), and the
+//! source checks that the target's certificate names the target node
+//! (`tls-hostname`, matched on the DNS name). Node certificates carry both
+//! TLS purposes, since every node is source and target in turn, the node
+//! name as their only subject attribute and as their DNS name, and live
+//! 90 days unless asked otherwise: renewed by issuing anew.
 //!
 //! Generated with `rcgen` (ECDSA P-256, signed in-process): the well-kept
 //! crate rustls' own tests use, rather than shelling out to certtool or
@@ -27,8 +31,12 @@ use std::path::{Path, PathBuf};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, KeyUsagePurpose, SanType,
+    KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
+
+pub mod revocation;
+
+pub use revocation::{revoke, CA_CRL};
 
 /// Under a node's data dir: that node's migration credentials.
 pub const CREDS_DIR: &str = "migration-tls";
@@ -45,7 +53,11 @@ pub const CLIENT_KEY: &str = "client-key.pem";
 /// subject, other key) fails the signature check.
 const CA_COMMON_NAME: &str = "Keel migration CA";
 const CA_VALID_DAYS: i64 = 10 * 365;
-const NODE_VALID_DAYS: i64 = 2 * 365;
+/// A node certificate's life unless asked otherwise: short, so that a
+/// stolen key is not good for long even where nobody revokes it.
+pub const DEFAULT_NODE_VALID_DAYS: u32 = 90;
+/// The longest a node certificate may be asked to live (the CA's life).
+pub const MAX_NODE_VALID_DAYS: u32 = 10 * 365;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -143,6 +155,15 @@ fn validity(params: &mut CertificateParams, days: i64) {
     params.not_after = now + time::Duration::days(days);
 }
 
+fn read_ca_key(ca_dir: &Path) -> Result<KeyPair, TlsError> {
+    let path = ca_dir.join(CA_KEY);
+    let pem = std::fs::read_to_string(&path).map_err(io_err(&path))?;
+    KeyPair::from_pem(&pem).map_err(|e| TlsError::Invalid {
+        path,
+        reason: format!("not a private key: {e}"),
+    })
+}
+
 /// Creates the cluster CA in `ca_dir` (`ca-cert.pem`, `ca-key.pem` 0600).
 /// Refuses to replace an existing one.
 pub fn init_ca(ca_dir: &Path) -> Result<(), TlsError> {
@@ -166,27 +187,42 @@ pub fn init_ca(ca_dir: &Path) -> Result<(), TlsError> {
     // The key first: a directory with a certificate but no key is a CA
     // that cannot issue.
     write_file(ca_dir, CA_KEY, &key.serialize_pem(), true)?;
-    write_file(ca_dir, CA_CERT, &cert.pem(), false)
+    write_file(ca_dir, CA_CERT, &cert.pem(), false)?;
+    // An empty CRL from the start, so every node's credentials carry one
+    // and a later revocation only replaces a file.
+    revocation::write_crl(ca_dir, &key)
 }
 
-/// Issues `node`'s certificate from the CA in `ca_dir` and writes the
-/// node's credentials directory `out_dir` (see the module doc). Replaces a
-/// previous certificate of the node: QEMU reads the files anew for every
-/// migration.
+/// [`issue_valid_for`] the default life, [`DEFAULT_NODE_VALID_DAYS`].
 pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> {
+    issue_valid_for(ca_dir, node, out_dir, DEFAULT_NODE_VALID_DAYS)
+}
+
+/// Issues `node`'s certificate, valid for `days`, from the CA in `ca_dir`
+/// and writes the node's credentials directory `out_dir` (see the module
+/// doc) with the CA's current CRL. Replaces a previous certificate of the
+/// node, which is how a certificate is renewed: QEMU reads the files anew
+/// for every migration. The CA records it ([`revocation::ISSUED`]).
+pub fn issue_valid_for(
+    ca_dir: &Path,
+    node: &str,
+    out_dir: &Path,
+    days: u32,
+) -> Result<(), TlsError> {
     keel_api::validate_name("node", node).map_err(|e| TlsError::Invalid {
         path: out_dir.to_path_buf(),
         reason: e.to_string(),
     })?;
+    if !(1..=MAX_NODE_VALID_DAYS).contains(&days) {
+        return Err(TlsError::Invalid {
+            path: out_dir.to_path_buf(),
+            reason: format!("valid days {days}: expected 1-{MAX_NODE_VALID_DAYS}"),
+        });
+    }
     owned(ca_dir)?;
-    let ca_key_path = ca_dir.join(CA_KEY);
     let ca_cert_path = ca_dir.join(CA_CERT);
-    let ca_key_pem = std::fs::read_to_string(&ca_key_path).map_err(io_err(&ca_key_path))?;
     let ca_cert_pem = std::fs::read_to_string(&ca_cert_path).map_err(io_err(&ca_cert_path))?;
-    let ca_key = KeyPair::from_pem(&ca_key_pem).map_err(|e| TlsError::Invalid {
-        path: ca_key_path.clone(),
-        reason: format!("not a private key: {e}"),
-    })?;
+    let ca_key = read_ca_key(ca_dir)?;
     // The issuer as rcgen needs it: same subject and key as the CA's
     // certificate, which is what a child's issuer name and authority key
     // id are made of.
@@ -226,7 +262,11 @@ pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> 
         ExtendedKeyUsagePurpose::ClientAuth,
     ];
     params.use_authority_key_identifier_extension = true;
-    validity(&mut params, NODE_VALID_DAYS);
+    // Random, and recorded: what a CRL names to revoke this certificate.
+    let serial = revocation::new_serial();
+    params.serial_number = Some(SerialNumber::from(serial.clone()));
+    validity(&mut params, i64::from(days));
+    let not_after = params.not_after;
     let cert = params
         .signed_by(&key, &issuer, &ca_key)
         .map_err(|source| TlsError::Generate {
@@ -235,6 +275,7 @@ pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> 
         })?;
 
     private_dir(out_dir)?;
+    revocation::record_issued(ca_dir, node, &serial, not_after)?;
     let (cert_pem, key_pem) = (cert.pem(), key.serialize_pem());
     write_file(out_dir, SERVER_KEY, &key_pem, true)?;
     write_file(out_dir, CLIENT_KEY, &key_pem, true)?;
@@ -242,7 +283,12 @@ pub fn issue(ca_dir: &Path, node: &str, out_dir: &Path) -> Result<(), TlsError> 
     write_file(out_dir, CLIENT_CERT, &cert_pem, false)?;
     // The CA's certificate as the CA dir has it (not the rebuilt issuer):
     // it is what every other node trusts.
-    write_file(out_dir, CA_CERT, &ca_cert_pem, false)
+    write_file(out_dir, CA_CERT, &ca_cert_pem, false)?;
+    // A CA from before revocation existed has no CRL yet.
+    if !ca_dir.join(CA_CRL).exists() {
+        revocation::write_crl(ca_dir, &ca_key)?;
+    }
+    revocation::copy_crl(ca_dir, out_dir)
 }
 
 /// Whether `dir` holds a node's credentials QEMU can use: every file
@@ -281,7 +327,18 @@ pub fn check_creds(dir: &Path) -> Result<(), TlsError> {
             });
         }
     }
-    Ok(())
+    // Optional (credentials from before revocation have none), but a file
+    // QEMU cannot read as a CRL would fail every incoming migration.
+    let crl = dir.join(CA_CRL);
+    match std::fs::read_to_string(&crl) {
+        Ok(text) if !text.contains("-----BEGIN X509 CRL-----") => Err(TlsError::Invalid {
+            path: crl,
+            reason: "expected PEM with -----BEGIN X509 CRL-----".into(),
+        }),
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(&crl)(e)),
+    }
 }
 
 #[cfg(test)]
