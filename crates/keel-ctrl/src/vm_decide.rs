@@ -126,6 +126,15 @@ fn lookup_failed(
             };
         }
     }
+    // A drain goes on too: an instance nobody can see is not sent
+    // anywhere (as one not running), so its eviction's windows run out and
+    // fall back to the stop, forced at the fallback window's end.
+    if vm.status.stop.is_none() && should_stop(vm).is_none() {
+        match decide_eviction(vm, inst, DomainState::Starting, cluster, now, cfg) {
+            None | Some(Step::Wait { .. }) => {}
+            Some(step) => return step,
+        }
+    }
     // The stop schedule keeps running: if the grace period is over, force
     // even though we cannot see the instance; a kill of an absent domain is
     // harmless. Gone is only ever concluded from a successful lookup.

@@ -174,3 +174,45 @@ async fn a_cancel_that_never_takes_is_ended_by_the_recorded_deadline() {
     assert_eq!(vm.status.instance.unwrap().id, source);
     assert_eq!(vm.status.phase, Phase::Running);
 }
+
+/// A drain of a node whose VM's QEMU is stopped: nothing is sent from an
+/// instance nobody can see, so the submission window runs out, the
+/// eviction falls back to the stop, the kill comes at the grace end, and
+/// only then does the VM start on the other node.
+#[tokio::test]
+async fn a_drain_evicts_a_vm_whose_qemu_is_stopped_by_a_kill_then_a_start_elsewhere() {
+    let mut c = Cluster::new(sim());
+    c.add_node("a").await;
+    c.create("vm", RunPolicy::AlwaysOn).await;
+    c.run(3_000).await;
+    c.add_node("b").await;
+    let source = c.vm("vm").await.status.instance.unwrap().id;
+    c.agent("a").hv.stop_process(&source);
+    c.run(2_000).await;
+    let drained = c.now();
+    c.drain("a").await;
+    let mut killed_at = None;
+    for _ in 0..200 {
+        c.tick().await;
+        if killed_at.is_none() && c.agent("a").hv.live_instances("vm").is_empty() {
+            killed_at = Some(c.now());
+        }
+        if c.executing_on("b", "vm") {
+            break;
+        }
+    }
+    let killed_at = killed_at.expect("the stopped source was killed");
+    assert!(
+        (drained + 40_000..=drained + 43_000).contains(&killed_at),
+        "submission window (10 s) then the 30 s grace: {}",
+        killed_at - drained
+    );
+    assert!(c.executing_on("b", "vm"), "{}", c.explain("vm").await);
+    let vm = c.vm("vm").await;
+    let exit = vm.status.last_exit.unwrap();
+    assert_eq!(
+        (exit.instance.as_str(), exit.kind),
+        (source.as_str(), ExitKind::Killed)
+    );
+    assert!(c.migrations_of("vm").await.is_empty(), "nothing was sent");
+}
