@@ -213,6 +213,26 @@ impl Migration {
             .start_deadline
             .unwrap_or(self.created_at.saturating_add(DEFAULT_MIGRATION_START_MS))
     }
+
+    /// When a migration sending since `started_at` is failed whatever its
+    /// source says (a source that does not answer cannot be cancelled):
+    /// the completion timeout for `memory_mib`, plus the progress timeout
+    /// for a cancel made at the completion timeout to be reported.
+    pub fn running_deadline_from(&self, started_at: Millis, memory_mib: u64) -> Millis {
+        let t = &self.tuning;
+        started_at
+            .saturating_add(t.completion_timeout_ms(memory_mib))
+            .saturating_add(t.progress_timeout_s.saturating_mul(1000))
+    }
+
+    /// The recorded running deadline; for a record from before it was
+    /// recorded, the same rule from when it began sending.
+    pub fn running_deadline(&self, memory_mib: u64) -> Millis {
+        self.status.running_deadline.unwrap_or_else(|| {
+            let started = self.status.started_at.unwrap_or(self.created_at);
+            self.running_deadline_from(started, memory_mib)
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -263,6 +283,11 @@ pub struct MigrationStatus {
     /// see [`Migration::start_deadline`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_deadline: Option<Millis>,
+    /// A migration still sending by then is failed, whatever its source
+    /// says or fails to say (the source's clock; recorded when it begins
+    /// sending, see [`Migration::running_deadline_from`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_deadline: Option<Millis>,
 }
 
 #[cfg(test)]

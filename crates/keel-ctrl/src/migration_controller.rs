@@ -216,12 +216,27 @@ impl MigrationController {
                 }
                 m.status.phase = MigrationPhase::Running;
                 m.status.started_at = Some(now);
+                let memory_mib = vm.as_ref().map_or(0, |vm| vm.spec.memory_mib);
+                m.status.running_deadline = Some(m.running_deadline_from(now, memory_mib));
                 self.write(&key, &m, entry.revision, now)
                     .await
                     .map(|_| poll)
             }
             MigrationPhase::Running if m.source_node == me => {
-                match self.hv.migration_status(&m.source_instance).await {
+                let memory_mib = vm.as_ref().map_or(0, |vm| vm.spec.memory_mib);
+                let progress = self.hv.migration_status(&m.source_instance).await;
+                if let Some(why) = overdue(&m, &progress, wanted, memory_mib, now) {
+                    // The source may not answer a cancel either: tried
+                    // once, but the record does not wait for it. Failed is
+                    // safe whatever the source does next, since a target
+                    // runs only after a recorded success, and the source
+                    // stays the VM's one instance.
+                    if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
+                        tracing::warn!(vm = vm_name, migration = id, %err, "cancel failed");
+                    }
+                    return self.fail(&key, m, entry.revision, &why, now).await;
+                }
+                match progress {
                     Ok(MigrationProgress::Completed { downtime_ms, .. }) => {
                         m.status.downtime_ms = downtime_ms;
                         self.succeed(&key, m, entry.revision, "source handed over", now)
@@ -237,7 +252,6 @@ impl MigrationController {
                     Ok(MigrationProgress::Active {
                         transferred_bytes, ..
                     }) => {
-                        let memory_mib = vm.as_ref().map_or(0, |vm| vm.spec.memory_mib);
                         let check = check_progress(&m, memory_mib, transferred_bytes, now);
                         if !wanted || check.is_err() {
                             if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
@@ -284,7 +298,8 @@ impl MigrationController {
                     }
                     Err(err) => {
                         tracing::warn!(vm = vm_name, migration = id, %err, "migration status unknown");
-                        Ok(Some(now + self.cfg.retry_ms))
+                        let retry = now + self.cfg.retry_ms;
+                        Ok(Some(retry.min(m.running_deadline(memory_mib).max(now + 1))))
                     }
                 }
             }
@@ -489,6 +504,56 @@ impl MigrationController {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Why a migration sending from this node's source must be failed now
+/// without waiting for the source to report it stopped, or `None`. A
+/// completed one never is (a migration that succeeds late is still taken),
+/// nor one whose source is gone (the target's state settles it).
+///
+/// - Past its running deadline, whatever the source says: a cancel that
+///   never takes, or a source that never answers, holds the VM no longer.
+/// - The source does not answer and nobody wants the migration any more
+///   (the VM is to stop, restart or go): it could not be cancelled anyway,
+///   and the stop the user asked for waits on it.
+/// - The source does not answer and nothing new was seen sent for the
+///   progress timeout: the progress timeout, without the source's word.
+pub(crate) fn overdue(
+    m: &Migration,
+    progress: &Result<MigrationProgress, keel_hv::HvError>,
+    wanted: bool,
+    memory_mib: u64,
+    now: Millis,
+) -> Option<String> {
+    let unanswered = match progress {
+        Ok(MigrationProgress::Completed { .. } | MigrationProgress::Unknown { .. }) => return None,
+        Err(err) if err.is_not_found() => return None,
+        Err(err) => Some(err),
+        Ok(_) => None,
+    };
+    let deadline = m.running_deadline(memory_mib);
+    let started = m.status.started_at.unwrap_or(m.created_at);
+    let last_word = unanswered.map_or_else(String::new, |err| format!("; the source: {err}"));
+    if now >= deadline {
+        return Some(format!(
+            "not finished by its deadline ({}s after it began sending){last_word}",
+            deadline.saturating_sub(started) / 1000
+        ));
+    }
+    let err = unanswered?;
+    if !wanted {
+        return Some(format!(
+            "no longer wanted, and the source does not answer to cancel it: {err}"
+        ));
+    }
+    let last_at = m.status.progress_at.unwrap_or(started);
+    let timeout_ms = m.tuning.progress_timeout_s.saturating_mul(1000);
+    (now.saturating_sub(last_at) >= timeout_ms).then(|| {
+        format!(
+            "no progress seen for {}s: the source does not answer: {err}",
+            m.tuning.progress_timeout_s
+        )
+    })
 }
 
 /// Progress is recorded at most this often (the progress timeout is

@@ -61,7 +61,7 @@ pub fn decide(
                 requeue_at: now + cfg.retry_ms,
             }
         }
-        (Some(_), Observed::Unknown(err)) => lookup_failed(vm, err, now, cfg),
+        (Some(_), Observed::Unknown(err)) => lookup_failed(vm, err, cluster, now, cfg),
         (Some(inst), Observed::InstanceAbsent) => instance_gone(vm, inst, None, now, cfg),
         (Some(inst), Observed::Instance(DomainState::Exited(cause))) => {
             instance_gone(vm, inst, Some(*cause), now, cfg)
@@ -92,26 +92,62 @@ pub fn decide(
     }
 }
 
-fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleConfig) -> Step {
+fn lookup_failed(
+    vm: &VirtualMachine,
+    err: &str,
+    cluster: &ClusterView,
+    now: Millis,
+    cfg: &LifecycleConfig,
+) -> Step {
     let mut next = vm.clone();
     next.status.message = Some(format!("lookup failed, instance state unknown: {err}"));
+    let inst = vm.status.instance.as_ref().expect("caller checked");
+    // A stop asked for begins whatever the node can tell: a hung monitor
+    // must not keep the grace period from starting, or its end from
+    // forcing a kill (which needs no monitor). Only a migration in flight
+    // holds it, as it would a running instance; its deadlines end it.
+    if vm.status.stop.is_none() && !migration_in_flight(vm, cluster) {
+        if let Some(reason) = should_stop(vm) {
+            let step = begin_stop(next, inst, reason, now, cfg);
+            return match step {
+                Step::Persist {
+                    mut vm,
+                    then,
+                    requeue_at,
+                } => {
+                    vm.status.message = Some(stopping_unseen(&vm, err));
+                    Step::Persist {
+                        vm,
+                        then,
+                        requeue_at,
+                    }
+                }
+                other => other,
+            };
+        }
+    }
+    // A drain goes on too: an instance nobody can see is not sent
+    // anywhere (as one not running), so its eviction's windows run out and
+    // fall back to the stop, forced at the fallback window's end.
+    if vm.status.stop.is_none() && should_stop(vm).is_none() {
+        match decide_eviction(vm, inst, DomainState::Starting, cluster, now, cfg) {
+            None | Some(Step::Wait { .. }) => {}
+            Some(step) => return step,
+        }
+    }
     // The stop schedule keeps running: if the grace period is over, force
     // even though we cannot see the instance; a kill of an absent domain is
     // harmless. Gone is only ever concluded from a successful lookup.
     if let Some(stop) = &vm.status.stop {
+        next.status.message = Some(stopping_unseen(vm, err));
         let grace_end = grace_end(vm, stop.requested_at);
         if now >= stop.next_check_at {
-            let inst = vm
-                .status
-                .instance
-                .as_ref()
-                .expect("caller checked")
-                .id
-                .clone();
+            let inst = inst.id.clone();
             if now >= grace_end {
                 let stop = next.status.stop.as_mut().expect("cloned");
                 stop.forced_at.get_or_insert(now);
                 stop.next_check_at = now + cfg.kill_recheck_ms;
+                next.status.message = Some(stopping_unseen(&next, err));
                 return Step::Persist {
                     vm: Box::new(next),
                     then: Some(HvAction::Kill(inst)),
@@ -132,6 +168,25 @@ fn lookup_failed(vm: &VirtualMachine, err: &str, now: Millis, cfg: &LifecycleCon
         return persist_if_changed(vm, next, None, requeue_at);
     }
     persist_if_changed(vm, next, None, now + cfg.retry_ms)
+}
+
+/// What `keel vm get` says while a stop runs on an instance nobody can
+/// look at: why, and when the kill comes.
+fn stopping_unseen(vm: &VirtualMachine, err: &str) -> String {
+    let Some(stop) = &vm.status.stop else {
+        return format!("lookup failed, instance state unknown: {err}");
+    };
+    let what = match stop.forced_at {
+        Some(_) => "killed, waiting to see the process gone".to_string(),
+        None => format!(
+            "forced kill at the end of the grace period ({}s after the stop began)",
+            grace_end(vm, stop.requested_at).saturating_sub(stop.requested_at) / 1000
+        ),
+    };
+    format!(
+        "stopping ({:?}) with the instance's state unknown: {err}; {what}",
+        stop.reason
+    )
 }
 
 fn should_stop(vm: &VirtualMachine) -> Option<StopReason> {
@@ -853,6 +908,109 @@ mod tests {
             };
             assert_eq!(requeue_at - t0, expected - t0, "now {}", now - t0);
         }
+    }
+
+    /// A stop asked for while the node cannot tell the instance's state
+    /// (a hung monitor) still begins: the power button is tried, the grace
+    /// period runs, its end is a kill, and the reason is on the record
+    /// meanwhile. Gone (Stopped) only once the process is seen gone.
+    #[test]
+    fn a_stop_of_an_instance_nobody_can_see_begins_and_ends_in_a_kill() {
+        let cfg = LifecycleConfig::default();
+        let t0 = 100_000;
+        let mut v = vm();
+        v.spec.stop_grace_period_s = 10;
+        v.status.phase = Phase::Running;
+        v.status.instance = Some(Instance {
+            running_since: Some(0),
+            ..Instance::new("web-1", "local", 0)
+        });
+        v.spec.power = PowerState::Stopped;
+        let unknown = Observed::Unknown("QMP query-status not answered within 5s".into());
+        let mut now = t0;
+        let mut actions = vec![];
+        while now < t0 + 11_000 {
+            match decide(&v, &unknown, &ClusterView::default(), now, &cfg) {
+                Step::Persist {
+                    vm,
+                    then,
+                    requeue_at,
+                } => {
+                    actions.extend(then.map(|a| (now - t0, a)));
+                    v = *vm;
+                    now = requeue_at;
+                }
+                Step::Wait { requeue_at } => now = requeue_at,
+                other => panic!("{other:?}"),
+            }
+            let message = v.status.message.clone().unwrap_or_default();
+            assert!(
+                message.contains("state unknown") && message.contains("not answered"),
+                "{message}"
+            );
+            assert_ne!(v.status.phase, Phase::Stopped, "stopped unseen at {now}");
+        }
+        assert_eq!(v.status.phase, Phase::Stopping);
+        assert_eq!(
+            actions,
+            [
+                (0, HvAction::Shutdown("web-1".into())),
+                (10_000, HvAction::Kill("web-1".into())),
+            ]
+        );
+        let stop = v.status.stop.clone().unwrap();
+        assert_eq!((stop.requested_at, stop.forced_at), (t0, Some(t0 + 10_000)));
+        assert!(v.status.message.as_ref().unwrap().contains("killed"));
+        // Seen gone: stopped, as a requested stop.
+        let gone = Observed::Instance(DomainState::Exited(ExitCause::Killed));
+        let Step::ActThenPersist {
+            action, vm: next, ..
+        } = decide(&v, &gone, &ClusterView::default(), now, &cfg)
+        else {
+            panic!("expected cleanup");
+        };
+        assert_eq!(action, HvAction::Cleanup("web-1".into()));
+        assert_eq!(next.status.phase, Phase::Stopped);
+        assert!(next.status.last_exit.unwrap().requested);
+    }
+
+    /// ...but not under a migration in flight from it: that is settled
+    /// first (its deadlines see to it), as for an instance that answers.
+    #[test]
+    fn a_stop_of_an_unseen_migration_source_waits_for_the_migration() {
+        let cfg = LifecycleConfig::default();
+        let mut v = vm();
+        v.status.instance = Some(Instance::new("web-1", "local", 0));
+        v.spec.power = PowerState::Stopped;
+        let mut m: Migration = serde_json::from_value(serde_json::json!({
+            "id": "web-m1", "vm": "web", "source_node": "local",
+            "source_instance": "web-1", "target_node": "b",
+            "target_instance": "web-2", "created_at": 0,
+            "status": {"phase": "Running"}
+        }))
+        .unwrap();
+        let cluster = |m: &Migration| ClusterView {
+            migration: Some(m.clone()),
+            ..Default::default()
+        };
+        let unknown = Observed::Unknown("QMP not answered".into());
+        let step = decide(&v, &unknown, &cluster(&m), 1_000, &cfg);
+        assert!(
+            !matches!(step, Step::Persist { then: Some(_), .. }),
+            "{step:?}"
+        );
+        m.status.phase = MigrationPhase::Failed;
+        let step = decide(&v, &unknown, &cluster(&m), 1_000, &cfg);
+        assert!(
+            matches!(
+                step,
+                Step::Persist {
+                    then: Some(HvAction::Shutdown(_)),
+                    ..
+                }
+            ),
+            "{step:?}"
+        );
     }
 
     #[test]

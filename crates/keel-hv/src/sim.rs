@@ -251,6 +251,10 @@ struct SimState {
     /// released, and how many calls hang now.
     hung: std::collections::BTreeSet<String>,
     hanging_calls: usize,
+    /// Instances whose QEMU is stopped (SIGSTOP): every call that needs
+    /// its monitor gives up unanswered, as the QEMU driver's bounded QMP
+    /// calls do; a kill (by pid) still ends it.
+    stopped: std::collections::BTreeSet<String>,
 }
 
 #[derive(Clone)]
@@ -300,6 +304,7 @@ impl SimHypervisor {
                 fence_deadline: None,
                 hung: Default::default(),
                 hanging_calls: 0,
+                stopped: Default::default(),
             })),
         }
     }
@@ -489,6 +494,22 @@ impl SimHypervisor {
     /// look does.
     pub fn hang_calls(&self, instance: &str) {
         self.lock().hung.insert(instance.to_string());
+    }
+
+    /// Stops the instance's process from now on, as `kill -STOP` stops a
+    /// QEMU: its monitor and guest agent never answer (info, shutdown,
+    /// guest agent calls, migration status and cancel, `domains_of` its VM
+    /// fail as unavailable; `list` reports it unknown; cleanup finds it
+    /// still there), its guest ignores the power button, and only a kill
+    /// ends it. A migration it is sending goes on as it was set up (stall
+    /// it with `SimFaults::migration_stalls` for one that sends no more).
+    pub fn stop_process(&self, instance: &str) {
+        let mut s = self.lock();
+        if let Some(d) = s.domains.get_mut(instance) {
+            d.ignores_powerdown = true;
+            d.guest.agent_silent = true;
+        }
+        s.stopped.insert(instance.to_string());
     }
 
     /// Lets the calls naming `instance` through again, the hung ones too.
@@ -735,6 +756,25 @@ impl SimState {
         }
     }
 
+    /// A stopped process's monitor does not answer: the call gives up, as
+    /// the QEMU driver's bounded QMP call does.
+    fn monitor_answers(&mut self, instance: &str, op: &'static str) -> Result<(), HvError> {
+        let live = self
+            .domains
+            .get(instance)
+            .is_some_and(|d| !d.state.is_exited());
+        if live && self.stopped.contains(instance) {
+            self.log
+                .push(format!("{instance}: {op} unanswered (stopped)"));
+            return Err(HvError::Unavailable {
+                instance: instance.to_string(),
+                op,
+                reason: "QEMU is alive but QMP is not answered (process stopped)".into(),
+            });
+        }
+        Ok(())
+    }
+
     fn maybe_unavailable(
         &mut self,
         instance: &str,
@@ -888,6 +928,7 @@ impl Hypervisor for SimHypervisor {
         let now = self.clock.now_ms();
         let mut s = self.lock();
         s.strike(instance, "shutdown")?;
+        s.monitor_answers(instance, "shutdown")?;
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(instance, "shutdown", p)?;
         let d = s.domain_mut(instance)?;
@@ -917,6 +958,7 @@ impl Hypervisor for SimHypervisor {
         self.hang_point(instance).await;
         let mut s = self.lock();
         s.strike(instance, "info")?;
+        s.monitor_answers(instance, "info")?;
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(instance, "info", p)?;
         s.info_of(instance)
@@ -928,7 +970,7 @@ impl Hypervisor for SimHypervisor {
         s.maybe_unavailable("*", "list", p)?;
         let mut listing = DomainListing::default();
         for (instance, d) in s.domains.iter() {
-            if s.hung.contains(instance) {
+            if s.hung.contains(instance) || (s.stopped.contains(instance) && !d.state.is_exited()) {
                 // As the QEMU driver's bounded QMP look gives up on a hung
                 // socket: listed, in a state nobody knows.
                 listing.unknown.push(UnknownDomain {
@@ -964,6 +1006,9 @@ impl Hypervisor for SimHypervisor {
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(&format!("{}*", instance_prefix(vm)), "list", p)?;
         let instances: Vec<String> = s.domains_of(vm).map(|d| d.spec.instance.clone()).collect();
+        for instance in &instances {
+            s.monitor_answers(instance, "list")?;
+        }
         instances.iter().map(|i| s.info_of(i)).collect()
     }
 
@@ -990,6 +1035,7 @@ impl Hypervisor for SimHypervisor {
             });
         }
         s.domains.remove(instance);
+        s.stopped.remove(instance);
         s.log.push(format!("cleanup {instance}"));
         Ok(())
     }
@@ -1170,6 +1216,7 @@ impl Hypervisor for SimHypervisor {
     async fn migration_status(&self, instance: &str) -> Result<MigrationProgress, HvError> {
         let now = self.clock.now_ms();
         let mut s = self.lock();
+        s.monitor_answers(instance, "query migration")?;
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(instance, "query migration", p)?;
         let migration_ms = s.config.migration_ms;
@@ -1221,6 +1268,7 @@ impl Hypervisor for SimHypervisor {
     async fn resume_incoming(&self, instance: &str) -> Result<(), HvError> {
         let now = self.clock.now_ms();
         let mut s = self.lock();
+        s.monitor_answers(instance, "resume incoming")?;
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(instance, "resume incoming", p)?;
         let d = s.domain_mut(instance)?;
@@ -1245,6 +1293,7 @@ impl Hypervisor for SimHypervisor {
     async fn cancel_migration(&self, instance: &str) -> Result<(), HvError> {
         let now = self.clock.now_ms();
         let mut s = self.lock();
+        s.monitor_answers(instance, "cancel migration")?;
         let too_late_p = s.config.faults.cancel_too_late;
         let too_late = s.chance(too_late_p);
         let d = s.domain_mut(instance)?;
