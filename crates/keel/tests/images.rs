@@ -78,7 +78,7 @@ fn import_list_get_and_delete_refused_while_a_vm_uses_it() {
         sha256(&file),
         "the checksum of what was sent"
     );
-    let stored = image_dir(&server).join("base.qcow2");
+    let stored = image_dir(&server).join(format!("base.{}.qcow2", sha256(&file)));
     assert_eq!(sha256(&stored), sha256(&file));
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(

@@ -187,12 +187,10 @@ fn a_vm_from_an_image_boots_its_own_disk_through_seabios() {
         .output()
         .unwrap();
     let info: Value = serde_json::from_slice(&info.stdout).unwrap();
-    let stored = server
-        .dir
-        .path()
-        .canonicalize()
-        .unwrap()
-        .join("images/boot.raw");
+    let stored = server.dir.path().canonicalize().unwrap().join(format!(
+        "images/boot.{}.raw",
+        imported["image"]["sha256"].as_str().unwrap()
+    ));
     assert_eq!(info["backing-filename"], stored.to_string_lossy().as_ref());
     assert_eq!(info["backing-filename-format"], "raw");
     assert_eq!(info["virtual-size"], 128 << 20);
