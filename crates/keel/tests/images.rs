@@ -178,6 +178,7 @@ fn import_list_get_and_delete_refused_while_a_vm_uses_it() {
 
 /// The 409 of a refused delete: its message, after checking the image and
 /// its file stayed.
+#[track_caller]
 fn delete_refused(server: &TestServer, name: &str, file: &Path) -> String {
     let r = server.send("DELETE", &format!("/api/v1/images/{name}"), "");
     assert_eq!((r.status, field(&r)), (409, json!("name")), "{}", r.text);

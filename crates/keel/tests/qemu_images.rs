@@ -213,7 +213,7 @@ fn a_vm_from_an_image_boots_its_own_disk_through_seabios() {
     });
     let message = vm["vm"]["status"]["message"].as_str().unwrap();
     assert!(
-        message.contains("changed or replaced") && message.contains("boot.raw"),
+        message.contains("changed or replaced") && message.contains(&stored.display().to_string()),
         "{message}"
     );
     assert!(
