@@ -336,8 +336,8 @@ pub use crate::image_refs::STORAGE_ID_FILE;
 pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
     use std::io::Write;
     let path = disks.join(STORAGE_ID_FILE);
-    let read = |_: &std::path::Path| crate::image_refs::read_storage_id(disks);
-    if let Some(id) = read(&path)? {
+    let read = || crate::image_refs::read_storage_id(disks);
+    if let Some(id) = read()? {
         return Ok(id);
     }
     let id = hex::encode(rand::random::<[u8; 16]>());
@@ -357,7 +357,7 @@ pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
                 Err(e)
             }
         })?;
-    read(&path)?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
+    read()?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
 }
 
 #[cfg(test)]
