@@ -606,9 +606,18 @@ impl VmController {
                 vm: next,
                 requeue_at,
             } => {
-                self.act(&next, &action)
-                    .await
-                    .map_err(|err| err.for_vm(name))?;
+                if let Err(err) = self.act(&next, &action).await {
+                    // The step is retried; its reason is on the record
+                    // meanwhile (a restore whose disks cannot be put back
+                    // says why), written once, not at every retry.
+                    let why = error_chain(&err);
+                    if vm.status.message.as_deref() != Some(why.as_str()) {
+                        let mut noted = vm.clone();
+                        noted.status.message = Some(why);
+                        let _ = self.write(&key, &noted, entry.revision).await;
+                    }
+                    return Err(err.for_vm(name));
+                }
                 match self.write(&key, &next, entry.revision).await? {
                     Some(revision) => {
                         self.record_event(&vm, &next, revision, now).await;

@@ -3,11 +3,20 @@
 //!
 //! ```text
 //! image_dir/
-//!   <name>.qcow2 | <name>.raw   disk images (read-only, 0444)
-//!   <name>.kernel               kernels for direct boot
-//!   <name>.initrd               initrds for direct boot
-//!   .import-<name>-<pid>-<n>    an upload in progress (never an image)
+//!   <name>.<sha256>.qcow2 | .raw  disk images (read-only, 0444)
+//!   <name>.<sha256>.kernel        kernels for direct boot
+//!   <name>.<sha256>.initrd        initrds for direct boot
+//!   <name>.qcow2 | .raw | ...     the same, imported before names carried the checksum
+//!   .overlays/<image file>/<id>   the overlays made on an image (`crate::image_refs`)
+//!   .import-<name>-<pid>-<n>      an upload in progress (never an image)
 //! ```
+//!
+//! A file is named by its image's name *and* checksum because a VM's root
+//! disk is a qcow2 overlay that names its base by path: an image deleted
+//! and imported again under the same name gets another path, so no overlay
+//! made on the first can ever open the second as its base. Files imported
+//! before (`<name>.<ext>`) are still found there, and their overlays keep
+//! naming that path.
 //!
 //! An upload is written to a temporary file, hashed while it streams (never
 //! held in memory), checked (`qemu-img info` for disks: qcow2 or raw only, no
@@ -155,16 +164,43 @@ impl ImageStore {
         self
     }
 
-    /// Where the file of `image` is. `None` for a name that is not valid
-    /// (it can have no file here).
+    /// Where the file of `image` goes: named by its name and checksum.
+    /// `None` for a record that is not valid (it can have no file here).
     pub fn path(&self, image: &Image) -> Option<PathBuf> {
-        validate_name("name", &image.name).ok()?;
-        let ext = match (image.kind, image.format) {
-            (ImageKind::Disk, f) => f.as_str(),
-            (ImageKind::Kernel, _) => "kernel",
-            (ImageKind::Initrd, _) => "initrd",
-        };
-        Some(self.dir.join(format!("{}.{ext}", image.name)))
+        image.validate().ok()?;
+        Some(self.dir.join(format!(
+            "{}.{}.{}",
+            image.name,
+            image.sha256,
+            extension(image)
+        )))
+    }
+
+    /// Where the file of `image` was put by a Keel whose file names did not
+    /// carry the checksum; still read, so existing stores keep working.
+    pub fn legacy_path(&self, image: &Image) -> Option<PathBuf> {
+        image.validate().ok()?;
+        Some(
+            self.dir
+                .join(format!("{}.{}", image.name, extension(image))),
+        )
+    }
+
+    /// The file of `image` that exists: under its checksum name, else
+    /// under the name an older Keel gave it. `None` if neither.
+    async fn existing_path(&self, image: &Image) -> Result<Option<PathBuf>, ImageError> {
+        for path in [self.path(image), self.legacy_path(image)]
+            .into_iter()
+            .flatten()
+        {
+            // The image dir is shared in a cluster: even a stat may be slow.
+            match tokio::fs::metadata(&path).await {
+                Ok(_) => return Ok(Some(path)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&image.name, "stat", &path, e)),
+            }
+        }
+        Ok(None)
     }
 
     /// Starts an upload of image `name` into a temporary file.
@@ -266,8 +302,8 @@ impl ImageStore {
         let name = image.name.clone();
         let path = self
             .path(image)
-            .ok_or_else(|| rejected(&name, "not a valid image name"))?;
-        // The image dir is shared in a cluster: even a stat may be slow.
+            .ok_or_else(|| rejected(&name, "not a valid image record"))?;
+        let path = self.existing_path(image).await?.unwrap_or(path);
         let meta = match tokio::fs::metadata(&path).await {
             Ok(m) if m.is_file() => m,
             Ok(_) => return Err(ImageError::Missing { name, path }),
@@ -304,17 +340,20 @@ impl ImageStore {
         Ok(path)
     }
 
-    /// Removes the image's file; absent is success.
+    /// Removes the image's file (under either name); absent is success.
     pub fn remove(&self, image: &Image) -> Result<(), ImageError> {
-        let Some(path) = self.path(image) else {
-            return Ok(());
-        };
-        self.verified.lock().expect("verified lock").remove(&path);
-        match std::fs::remove_file(&path) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(io_err(&image.name, "remove", &path, e)),
+        for path in [self.path(image), self.legacy_path(image)]
+            .into_iter()
+            .flatten()
+        {
+            self.verified.lock().expect("verified lock").remove(&path);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err(&image.name, "remove", &path, e)),
+            }
         }
+        Ok(())
     }
 
     fn remember(&self, path: &Path, stamp: FileStamp, sha: &str) {
@@ -385,6 +424,14 @@ impl ImageStore {
                 reason: format!("unreadable output: {e}"),
             })?;
         check_disk_info(name, &info)
+    }
+}
+
+fn extension(image: &Image) -> &'static str {
+    match (image.kind, image.format) {
+        (ImageKind::Disk, f) => f.as_str(),
+        (ImageKind::Kernel, _) => "kernel",
+        (ImageKind::Initrd, _) => "initrd",
     }
 }
 
@@ -617,9 +664,10 @@ mod tests {
         let image = staged.image.clone();
         assert!(s.verify(&image).await.is_err(), "not visible before commit");
         let path = s.commit(staged).unwrap();
-        assert_eq!(path, dir.path().canonicalize().unwrap().join("init.initrd"));
+        let file = format!("init.{}.initrd", image.sha256);
+        assert_eq!(path, dir.path().canonicalize().unwrap().join(&file));
         assert_eq!(s.verify(&image).await.unwrap(), path);
-        assert_eq!(leftovers(dir.path()), ["init.initrd"]);
+        assert_eq!(leftovers(dir.path()), [file]);
     }
 
     #[tokio::test]
@@ -670,6 +718,47 @@ mod tests {
             s.verify(&image).await.unwrap_err(),
             ImageError::Missing { .. }
         ));
+    }
+
+    #[tokio::test]
+    async fn a_name_imported_again_with_other_content_gets_another_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path());
+        let first = import(&s, "init", ImageKind::Initrd, b"first")
+            .await
+            .unwrap();
+        let first_image = first.image.clone();
+        let first_path = s.commit(first).unwrap();
+        s.remove(&first_image).unwrap();
+        let second = import(&s, "init", ImageKind::Initrd, b"second")
+            .await
+            .unwrap();
+        let second_image = second.image.clone();
+        let second_path = s.commit(second).unwrap();
+        assert_ne!(first_path, second_path, "the path names the content");
+        assert!(!first_path.exists());
+        assert_eq!(s.verify(&second_image).await.unwrap(), second_path);
+        assert!(matches!(
+            s.verify(&first_image).await.unwrap_err(),
+            ImageError::Missing { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_file_stored_under_its_name_alone_is_still_found_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path());
+        let staged = import(&s, "init", ImageKind::Initrd, b"older keel")
+            .await
+            .unwrap();
+        let image = staged.image.clone();
+        drop(staged);
+        let legacy = s.dir().join("init.initrd");
+        std::fs::write(&legacy, b"older keel").unwrap();
+        assert_eq!(s.legacy_path(&image).unwrap(), legacy);
+        assert_eq!(s.verify(&image).await.unwrap(), legacy);
+        s.remove(&image).unwrap();
+        assert!(leftovers(dir.path()).is_empty());
     }
 
     #[test]

@@ -16,8 +16,10 @@
 pub mod free_space;
 pub mod guest;
 pub mod guest_info;
+pub mod image_refs;
 pub mod images;
 pub mod ownership;
+pub mod qcow2;
 pub mod qemu;
 pub mod sim;
 pub mod unprivileged;

@@ -109,9 +109,10 @@ fn import_create_from_image_list_and_delete() {
         "{shown}"
     );
 
+    ok(&keel(&server, &["snapshot", "create", "web", "s1"]));
     let err = fails(&keel(&server, &["image", "delete", "debian"]));
     assert!(
-        err.contains("used by VM web") && err.contains("HTTP 409"),
+        err.contains("used by VM web, snapshot web/s1") && err.contains("HTTP 409"),
         "{err}"
     );
     ok(&keel(

@@ -78,7 +78,7 @@ fn import_list_get_and_delete_refused_while_a_vm_uses_it() {
         sha256(&file),
         "the checksum of what was sent"
     );
-    let stored = image_dir(&server).join("base.qcow2");
+    let stored = image_dir(&server).join(format!("base.{}.qcow2", sha256(&file)));
     assert_eq!(sha256(&stored), sha256(&file));
     use std::os::unix::fs::PermissionsExt;
     assert_eq!(
@@ -174,6 +174,131 @@ fn import_list_get_and_delete_refused_while_a_vm_uses_it() {
     assert!(!stored.exists(), "the file goes with the record");
     assert_eq!(server.get("/api/v1/images/base").status, 404);
     assert!(files_in(&image_dir(&server)).is_empty());
+}
+
+/// The 409 of a refused delete: its message, after checking the image and
+/// its file stayed.
+#[track_caller]
+fn delete_refused(server: &TestServer, name: &str, file: &Path) -> String {
+    let r = server.send("DELETE", &format!("/api/v1/images/{name}"), "");
+    assert_eq!((r.status, field(&r)), (409, json!("name")), "{}", r.text);
+    assert!(file.exists(), "the file stays");
+    assert_eq!(server.get(&format!("/api/v1/images/{name}")).status, 200);
+    r.json()["error"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn delete_refused_while_a_vm_a_snapshot_or_an_overlay_needs_the_image() {
+    let server = TestServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("base.qcow2");
+    qemu_img(&["create", "-q", "-f", "qcow2", file.to_str().unwrap(), "10M"]);
+    assert_eq!(upload(&server, "base", "", &file).status, 201);
+    let stored = image_dir(&server)
+        .canonicalize()
+        .unwrap()
+        .join(format!("base.{}.qcow2", sha256(&file)));
+
+    server.create_vm(
+        "keep",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped",
+               "disks": [{"name": "root", "image": "base"}, {"name": "data", "size_mib": 8}]}),
+    );
+    let message = delete_refused(&server, "base", &stored);
+    assert!(message.contains("VM keep"), "{message}");
+
+    // A snapshot taken with the image: once the VM's spec no longer names
+    // it, the snapshot still does (a restore brings the disk back).
+    let r = server.send(
+        "POST",
+        "/api/v1/vms/keep/snapshots",
+        &json!({"name": "s1"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    server.wait_snapshot("keep", "s1", "become Ready", |s| {
+        s["snapshot"]["status"]["phase"] == "Ready"
+    });
+    let vm = server.wait_settled_stopped("keep");
+    let mut spec = vm["vm"]["spec"].clone();
+    spec["disks"].as_array_mut().unwrap().remove(0);
+    let r = server.request(
+        "PUT",
+        "/api/v1/vms/keep/spec",
+        Some(&server.token),
+        Some(json!({"spec": spec}).to_string().as_bytes()),
+        &[("If-Match", &vm["revision"].to_string())],
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let message = delete_refused(&server, "base", &stored);
+    assert!(
+        message.contains("snapshot keep/s1") && !message.contains("VM keep"),
+        "{message}"
+    );
+    let r = server.send("DELETE", "/api/v1/vms/keep/snapshots/s1", "");
+    assert_eq!(r.status, 202, "{}", r.text);
+    let start = Instant::now();
+    while server.get("/api/v1/vms/keep/snapshots/s1").status != 404 {
+        assert!(start.elapsed() < DEADLINE, "snapshot keep/s1 not deleted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // An overlay made on the image, noted as a node's driver notes it,
+    // still on disk though no record names the image any more.
+    let disks = tmp.path().canonicalize().unwrap().join("disks");
+    std::fs::create_dir_all(disks.join("gone")).unwrap();
+    std::fs::write(
+        disks.join(keel_hv::image_refs::STORAGE_ID_FILE),
+        "test-storage",
+    )
+    .unwrap();
+    let overlay = disks.join("gone/root.qcow2");
+    qemu_img(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-F",
+        "qcow2",
+        "-b",
+        stored.to_str().unwrap(),
+        overlay.to_str().unwrap(),
+    ]);
+    let notes = keel_hv::images::ImageStore::open(
+        &image_dir(&server),
+        Path::new("qemu-img"),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    notes
+        .note_overlay(&stored, &overlay, "test-storage")
+        .unwrap();
+    let message = delete_refused(&server, "base", &stored);
+    assert!(
+        message.contains(&format!("overlay {}", overlay.display())),
+        "{message}"
+    );
+    // One on another node's own disk dir cannot be seen gone from here.
+    let elsewhere = disks.join("elsewhere/root.qcow2");
+    notes
+        .note_overlay(&stored, &elsewhere, "other-node")
+        .unwrap();
+    let message = delete_refused(&server, "base", &stored);
+    assert!(
+        message.contains(&format!("overlay {}", elsewhere.display()))
+            && message.contains("does not see"),
+        "{message}"
+    );
+    // Its node dropped the note with the VM's disks.
+    notes.forget_overlay(&stored, &elsewhere).unwrap();
+    // An overlay seen gone no longer holds the image.
+    std::fs::remove_file(&overlay).unwrap();
+    let r = server.send("DELETE", "/api/v1/images/base", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(!stored.exists());
+    assert!(
+        files_in(&image_dir(&server).join(".overlays")).is_empty(),
+        "the note of the gone overlay went"
+    );
 }
 
 #[test]

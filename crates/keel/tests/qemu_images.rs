@@ -187,12 +187,10 @@ fn a_vm_from_an_image_boots_its_own_disk_through_seabios() {
         .output()
         .unwrap();
     let info: Value = serde_json::from_slice(&info.stdout).unwrap();
-    let stored = server
-        .dir
-        .path()
-        .canonicalize()
-        .unwrap()
-        .join("images/boot.raw");
+    let stored = server.dir.path().canonicalize().unwrap().join(format!(
+        "images/boot.{}.raw",
+        imported["image"]["sha256"].as_str().unwrap()
+    ));
     assert_eq!(info["backing-filename"], stored.to_string_lossy().as_ref());
     assert_eq!(info["backing-filename-format"], "raw");
     assert_eq!(info["virtual-size"], 128 << 20);
@@ -215,7 +213,7 @@ fn a_vm_from_an_image_boots_its_own_disk_through_seabios() {
     });
     let message = vm["vm"]["status"]["message"].as_str().unwrap();
     assert!(
-        message.contains("changed or replaced") && message.contains("boot.raw"),
+        message.contains("changed or replaced") && message.contains(&stored.display().to_string()),
         "{message}"
     );
     assert!(
@@ -381,4 +379,92 @@ fn a_snapshot_of_a_uefi_vm_keeps_its_variable_store_and_a_restore_brings_it_back
     }
     assert!(!copy.exists(), "{} is left", copy.display());
     delete_and_wait(&server, "efivars");
+}
+
+/// The image a VM's root disk was made on, deleted behind the API's back
+/// (as a Keel that checked only VM specs let happen) and other content
+/// imported under its name: the VM's next start and a restore of its
+/// snapshot both fail with the reason on the VM, and nothing boots.
+#[test]
+fn a_disk_whose_image_was_imported_again_fails_start_and_restore_with_the_reason() {
+    let Some(guest) = guest_dir() else { return };
+    let image = boot_image(&guest);
+    let (server, _guard) = qemu_server(&guest);
+    let first = import(&server, "boot", &image);
+    server.create_vm(
+        "rebased",
+        json!({"cpus": 1, "memory_mib": 256, "stop_grace_period_s": 30,
+               "disks": [{"name": "root", "image": "boot"}]}),
+    );
+    let vm = server.wait_vm("rebased", "run", |v| common::phase(v) == "Running");
+    wait_ready(&instance_dir(&server, &vm));
+    let r = server.send("POST", "/api/v1/vms/rebased/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_settled_stopped("rebased");
+    let r = server.send(
+        "POST",
+        "/api/v1/vms/rebased/snapshots",
+        &json!({"name": "s1"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    server.wait_snapshot("rebased", "s1", "become Ready", |s| {
+        s["snapshot"]["status"]["phase"] == "Ready"
+    });
+    let r = server.send("DELETE", "/api/v1/images/boot", "");
+    assert_eq!(r.status, 409, "{}", r.text);
+
+    let images = server.dir.path().canonicalize().unwrap().join("images");
+    let sha = |v: &Value| v["image"]["sha256"].as_str().unwrap().to_string();
+    let first_file = images.join(format!("boot.{}.raw", sha(&first)));
+    server.delete_raw("/images/boot");
+    std::fs::remove_file(&first_file).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tmp.path().join("other.raw");
+    let mut bytes = std::fs::read(&image).unwrap();
+    bytes[1 << 20] ^= 0xff;
+    std::fs::write(&other, &bytes).unwrap();
+    let second = import(&server, "boot", &other);
+    assert_ne!(sha(&second), sha(&first));
+
+    let qemu_runs = || {
+        std::fs::read_dir(server.dir.path().join("node/instances"))
+            .unwrap()
+            .flatten()
+            .any(|e| e.path().join("qemu.pid").exists())
+    };
+    let r = server.send("POST", "/api/v1/vms/rebased/start", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let vm = server.wait_vm("rebased", "fail its start", |v| {
+        v["vm"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("different base"))
+    });
+    let message = vm["vm"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&first_file.display().to_string()) && message.contains(&sha(&second)),
+        "{message}"
+    );
+    assert!(!qemu_runs(), "nothing booted");
+
+    let r = server.send("POST", "/api/v1/vms/rebased/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_settled_stopped("rebased");
+    let r = server.send(
+        "POST",
+        "/api/v1/vms/rebased/restore",
+        r#"{"snapshot":"s1"}"#,
+    );
+    assert_eq!(r.status, 202, "{}", r.text);
+    let vm = server.wait_vm("rebased", "fail its restore", |v| {
+        v["vm"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("not restored onto it"))
+    });
+    let message = vm["vm"]["status"]["message"].as_str().unwrap();
+    assert!(
+        message.contains(&first_file.display().to_string()),
+        "{message}"
+    );
+    assert!(!qemu_runs(), "nothing booted");
+    delete_and_wait(&server, "rebased");
 }

@@ -56,6 +56,22 @@ impl QemuDriver {
                     path.display()
                 ));
             }
+            // Callers that only need the disks to exist (a snapshot) pass
+            // no images; a start passes every one, verified.
+            let base = disk
+                .image
+                .as_ref()
+                .and_then(|name| images.iter().find(|(i, _)| &i.name == name));
+            if let (Some(name), None, false) = (&disk.image, base, exists) {
+                return Err(format!(
+                    "disk {} of VM {vm} is made from image {name} at the VM's first start, \
+                     which has not happened yet",
+                    disk.name
+                ));
+            }
+            if let Some((image, base)) = base {
+                self.note_overlay(image, base, &path, exists).await?;
+            }
             if !exists {
                 let (dir, floor) = (vm_dir.clone(), self.inner.config.min_free_disk_bytes);
                 let doing = format!("not creating disk {} of VM {vm}", disk.name);
@@ -70,20 +86,9 @@ impl QemuDriver {
                 let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
                 crate::unprivileged::without_capabilities(&mut cmd);
                 cmd.args(["create", "-q", "-f", "qcow2"]);
-                if let Some(name) = &disk.image {
+                if let Some((image, path)) = base {
                     // The VM's own overlay on the verified image: the image
                     // is never written, the overlay holds every change.
-                    let (image, path) =
-                        images
-                            .iter()
-                            .find(|(i, _)| &i.name == name)
-                            .ok_or_else(|| {
-                                format!(
-                                    "disk {} of VM {vm} is made from image {name} at the VM's \
-                                 first start, which has not happened yet",
-                                    disk.name
-                                )
-                            })?;
                     cmd.args(["-F", image.format.as_str(), "-b"]).arg(path);
                 }
                 let qemu_img = self.inner.config.qemu_img.display();
@@ -131,6 +136,53 @@ impl QemuDriver {
             paths.push(path);
         }
         Ok(paths)
+    }
+
+    /// Before a disk made from `image` is used: an existing one must sit
+    /// on `base`, the file just verified against the image's record (never
+    /// on another base); and the image store notes the overlay, so the
+    /// image is not deleted while it exists. A note that cannot be written
+    /// fails a new overlay (it would be unknown to image deletes); an
+    /// existing one only warns, since its base check still guards it.
+    async fn note_overlay(
+        &self,
+        image: &keel_api::Image,
+        base: &std::path::Path,
+        disk: &std::path::Path,
+        exists: bool,
+    ) -> Result<(), String> {
+        let (driver, image, base, disk) = (
+            self.clone(),
+            image.clone(),
+            base.to_path_buf(),
+            disk.to_path_buf(),
+        );
+        let done = blocking::unblocked("check and note an image's overlay", move || {
+            if exists {
+                if let Err(why) = crate::image_refs::check_base(&disk, &image, &base) {
+                    return Ok(Err(why));
+                }
+            }
+            let noted =
+                driver
+                    .inner
+                    .images
+                    .note_overlay(&base, &disk, &driver.inner.storage_id);
+            Ok(match noted {
+                Ok(()) => Ok(()),
+                Err(e) if exists => {
+                    tracing::warn!(disk = %disk.display(), image = %image.name, error = %e, "could not note the disk as an overlay on its image");
+                    Ok(())
+                }
+                Err(e) => Err(format!(
+                    "note disk {} as an overlay on image {} in the image store: {e}",
+                    disk.display(),
+                    image.name
+                )),
+            })
+        })
+        .await;
+        done.unwrap_or_else(|e| Err(e.to_string()))
     }
 
     /// The VM's own UEFI variable store beside its disks, copied from
@@ -234,6 +286,23 @@ impl QemuDriver {
     }
 }
 
+/// The qcow2 disks in `vm_dir` that have a backing file, with it: the
+/// overlays whose notes go when the VM's disks are deleted.
+pub(super) fn overlays_in(vm_dir: &std::path::Path) -> Vec<(PathBuf, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(vm_dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+        .filter_map(|p| {
+            let base = crate::qcow2::backing_file(&p).ok()??;
+            Some((p, base))
+        })
+        .collect()
+}
+
 /// Whether the filesystem at `disks` takes O_DIRECT (QEMU's `cache=none`):
 /// a probe file opened with it. Shared storage (`QemuConfig::disk_dir`)
 /// uses it where it can, because two hosts' page caches over a network
@@ -267,22 +336,15 @@ pub fn direct_io(disks: &std::path::Path) -> bool {
 }
 
 /// In the disk dir: a random id written once by the first node to use it.
-pub const STORAGE_ID_FILE: &str = ".keel-storage-id";
+pub use crate::image_refs::STORAGE_ID_FILE;
 
 /// The identity of the storage at `disks`: read from its marker, or made
 /// (exclusively, so two nodes starting together agree on the winner's).
 pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
     use std::io::Write;
     let path = disks.join(STORAGE_ID_FILE);
-    let read = |path: &std::path::Path| -> io::Result<Option<String>> {
-        match std::fs::read_to_string(path) {
-            Ok(text) if !text.trim().is_empty() => Ok(Some(text.trim().to_string())),
-            Ok(_) => Ok(None),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e),
-        }
-    };
-    if let Some(id) = read(&path)? {
+    let read = || crate::image_refs::read_storage_id(disks);
+    if let Some(id) = read()? {
         return Ok(id);
     }
     let id = hex::encode(rand::random::<[u8; 16]>());
@@ -302,7 +364,7 @@ pub fn storage_identity(disks: &std::path::Path) -> io::Result<String> {
                 Err(e)
             }
         })?;
-    read(&path)?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
+    read()?.ok_or_else(|| io::Error::other(format!("{} is empty", path.display())))
 }
 
 #[cfg(test)]

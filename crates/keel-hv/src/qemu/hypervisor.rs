@@ -324,8 +324,28 @@ impl Hypervisor for QemuDriver {
         }
         // Whole disk images: can take long, and on shared storage longer.
         let dir = self.inner.layout.vm_disks(vm);
+        let listed = dir.clone();
+        let overlays = blocking::unblocked("find the VM's overlays", move || {
+            Ok(super::disks::overlays_in(&listed))
+        })
+        .await
+        .map_err(|e| storage(format!("look at {}: {e}", dir.display())))?;
         blocking::remove_dir_all(dir.clone())
             .await
-            .map_err(|e| storage(format!("remove {}: {e}", dir.display())))
+            .map_err(|e| storage(format!("remove {}: {e}", dir.display())))?;
+        // Only once the overlays are gone: a note outliving its overlay is
+        // dropped by the next image delete that finds it gone.
+        let driver = self.clone();
+        let forgotten = blocking::unblocked("forget the VM's overlays", move || {
+            for (disk, base) in overlays {
+                driver.inner.images.forget_overlay(&base, &disk)?;
+            }
+            Ok(())
+        })
+        .await;
+        if let Err(e) = forgotten {
+            tracing::warn!(vm, error = %e, "could not drop the image store's notes of the VM's deleted disks");
+        }
+        Ok(())
     }
 }

@@ -665,6 +665,20 @@ impl QemuDriver {
                     format!("{what}: disk image {} does not exist", path.display()),
                 ));
             }
+            if let Some(image) = &disk.image {
+                if let Some(gone) = gone_base(&path).await {
+                    return Err(storage(
+                        vm,
+                        OP,
+                        format!(
+                            "{what}: the disk was made on {}, a file of image {image} that is \
+                             gone (the image was deleted); a file imported under that name \
+                             since is other content, so the disk is not restored onto it",
+                            gone.display()
+                        ),
+                    ));
+                }
+            }
             let info = self
                 .image_info(&path)
                 .await
@@ -800,6 +814,16 @@ impl VarsStore {
 
 /// Whether `path` is a file, asked off the async threads (disks may be
 /// on shared storage). An error reads as "no".
+/// The backing file `disk` names, if it names one that does not exist.
+async fn gone_base(disk: &Path) -> Option<PathBuf> {
+    let disk = disk.to_path_buf();
+    let backing = tokio::task::spawn_blocking(move || crate::qcow2::backing_file(&disk))
+        .await
+        .ok()?
+        .ok()??;
+    (!is_file(&backing).await).then_some(backing)
+}
+
 async fn is_file(path: &Path) -> bool {
     tokio::fs::metadata(path).await.is_ok_and(|m| m.is_file())
 }

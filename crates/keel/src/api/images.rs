@@ -14,8 +14,8 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Json;
 use futures_util::StreamExt;
-use keel_api::{Image, ImageKind, VirtualMachine, VmSpec};
-use keel_ctrl::keys::{image_key, IMAGES_PREFIX, VMS_PREFIX};
+use keel_api::{Image, ImageKind, Snapshot, VirtualMachine, VmSpec};
+use keel_ctrl::keys::{image_key, IMAGES_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
 use keel_hv::images::ImageError;
 use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
@@ -196,8 +196,12 @@ pub async fn get(
     }
 }
 
-/// Refused (409, naming the VMs) while any VM's spec names the image: a
-/// VM's root disk is an overlay that needs it for as long as the VM lives.
+/// Refused (409, naming each) while anything needs the image: a VM whose
+/// spec names it, a snapshot whose spec does (a restore brings it back), or
+/// an overlay made on it that still exists (a VM's disk dropped from its
+/// spec, or left by a VM record that is gone). An overlay names its base by
+/// path; deleting the base would leave it unbootable, or with a file of
+/// the same name, reading other content.
 pub async fn delete(
     State(state): State<AppState>,
     NameParam(name): NameParam,
@@ -210,31 +214,60 @@ pub async fn delete(
         .get::<Image>(&key)
         .await?
         .ok_or_else(|| not_found(&name))?;
-    let listing = state
+    let names_it = |spec: &VmSpec| spec.images().iter().any(|u| u.name == name);
+    let vms = state
         .store
         .list_with_skipped::<VirtualMachine>(VMS_PREFIX)
         .await?;
-    let users: Vec<String> = listing
+    let snapshots = state
+        .store
+        .list_with_skipped::<Snapshot>(SNAPSHOTS_PREFIX)
+        .await?;
+    let mut users: Vec<String> = vms
         .entries
         .iter()
-        .filter(|(_, e)| e.value.spec.images().iter().any(|u| u.name == name))
-        .map(|(_, e)| e.value.name.clone())
+        .filter(|(_, e)| names_it(&e.value.spec))
+        .map(|(_, e)| format!("VM {}", e.value.name))
         .collect();
+    users.extend(
+        snapshots
+            .entries
+            .iter()
+            .filter(|(_, e)| names_it(&e.value.spec))
+            .map(|(_, e)| format!("snapshot {}/{}", e.value.vm, e.value.name)),
+    );
+    let images = state.images.clone();
+    let image = entry.value.clone();
+    let overlays = tokio::task::spawn_blocking(move || images.overlays_on(&image))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("look for overlays on image {name}: {e}"),
+            )
+        })?
+        .map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("cannot tell whether image {name} is in use: its overlay notes: {e}"),
+            )
+        })?;
+    users.extend(overlays.iter().map(ToString::to_string));
     if !users.is_empty() {
         return Err(ApiError::conflict(
             "name",
             format!(
-                "image {name} is used by VM {}; delete those VMs (or their disks made from it) first",
+                "image {name} is used by {}; delete those VMs, snapshots or disks made from it first",
                 users.join(", ")
             ),
         ));
     }
-    if let Some(bad) = listing.skipped.first() {
+    if let Some(bad) = vms.skipped.first().or(snapshots.skipped.first()) {
         // It might be one of them.
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!(
-                "cannot tell whether image {name} is in use: VM record {} is unreadable ({})",
+                "cannot tell whether image {name} is in use: record {} is unreadable ({})",
                 bad.key, bad.reason
             ),
         ));
@@ -350,8 +383,8 @@ pub fn describe(doc: &mut serde_json::Value) {
                 "responses": with(one("200", "The image"), &[("401", "Missing or wrong bearer token"), ("404", "No such image")])
             },
             "delete": {
-                "summary": "Delete an image and its file; refused while any VM's spec names it", "operationId": "deleteImage", "parameters": [name_param],
-                "responses": with(one("200", "Deleted"), &[("401", "Missing or wrong bearer token"), ("404", "No such image"), ("409", "Used by VMs (named in the message)"), ("503", "Store unavailable, or a VM record is unreadable")])
+                "summary": "Delete an image and its file; refused while a VM's or a snapshot's spec names it, or an overlay made on it exists", "operationId": "deleteImage", "parameters": [name_param],
+                "responses": with(one("200", "Deleted"), &[("401", "Missing or wrong bearer token"), ("404", "No such image"), ("409", "Used by VMs, snapshots or overlays (each named in the message)"), ("503", "Store unavailable, or a VM or snapshot record or an overlay note is unreadable")])
             }
         }
     });

@@ -308,6 +308,16 @@ impl TestServer {
             .unwrap();
     }
 
+    /// Deletes a record straight from the store, at its current revision
+    /// (as a Keel without today's checks could have).
+    pub fn delete_raw(&self, key: &str) {
+        let store = self.server.as_ref().unwrap().store().raw().clone();
+        self.rt.block_on(async {
+            let entry = store.get(key).await.unwrap().expect("the record exists");
+            store.delete(key, entry.mod_revision).await.unwrap();
+        });
+    }
+
     /// [`TestServer::store_state`] once two reads a moment apart agree:
     /// the controllers have nothing left to write.
     pub fn settled_state(&self) -> (Vec<Entry>, Vec<Value>) {
