@@ -387,6 +387,17 @@ pub struct Eviction {
     /// The migration of the current attempt, reserved before it is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<String>,
+    /// The instance the reserved migration moves: a reservation made from
+    /// an instance that is no longer the VM's (it restarted before the
+    /// migration record was created) is void. `None` on records from
+    /// before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_source: Option<String>,
+    /// The reserved migration's target instance, minted with the
+    /// reservation ([`VirtualMachine::mint_instance_id`]), never derived
+    /// again from the counter. `None` on records from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_target: Option<String>,
     /// Attempts of this eviction that failed, for the backoff between them.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failed_attempts: u32,
@@ -549,6 +560,17 @@ impl VirtualMachine {
             mac: Some(self.mac().to_string()),
             ..self.spec.network.clone()
         }
+    }
+
+    /// A new instance id, `<name>-<n>`, with the instance counter bumped
+    /// here; the caller records both in one write. No id is derived from
+    /// the counter anywhere else, so none is ever given out twice: a
+    /// migration target once got the id of the instance started after its
+    /// reservation, became its own source, and the handed-over source,
+    /// bearing the recorded id, was never collected.
+    pub fn mint_instance_id(&mut self) -> String {
+        self.status.instance_seq += 1;
+        format!("{}-{}", self.name, self.status.instance_seq)
     }
 
     pub fn restart_pending(&self) -> bool {
