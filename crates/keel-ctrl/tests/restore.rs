@@ -5,7 +5,9 @@
 //! opposite power state, a different CPU count and a different grace
 //! period, so a restore that took the power state or the policy from the
 //! snapshot (instead of keeping the VM's and the intent recorded before the
-//! maintenance window) fails here.
+//! maintenance window) fails here. Its third axis: a stop, start or
+//! restore request at each step of a restore in progress, which must end
+//! in the state the user last asked for.
 
 mod common;
 
