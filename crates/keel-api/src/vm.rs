@@ -252,7 +252,8 @@ pub enum PowerState {
 /// The power state a VM must return to once its runtime instance is
 /// re-created (snapshot restore, rebuild). Written before the maintenance
 /// window starts; converted into `spec.power` and cleared exactly once,
-/// after the replacement instance has booted (or, for `Stopped`, at once).
+/// after the replacement instance has booted (or, for `Stopped`, at once);
+/// dropped earlier by a user's power request that says otherwise.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PowerIntent {
     pub power: PowerState,
@@ -386,6 +387,17 @@ pub struct Eviction {
     /// The migration of the current attempt, reserved before it is created.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration: Option<String>,
+    /// The instance the reserved migration moves: a reservation made from
+    /// an instance that is no longer the VM's (it restarted before the
+    /// migration record was created) is void. `None` on records from
+    /// before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_source: Option<String>,
+    /// The reserved migration's target instance, minted with the
+    /// reservation ([`VirtualMachine::mint_instance_id`]), never derived
+    /// again from the counter. `None` on records from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_target: Option<String>,
     /// Attempts of this eviction that failed, for the backoff between them.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failed_attempts: u32,
@@ -550,6 +562,17 @@ impl VirtualMachine {
         }
     }
 
+    /// A new instance id, `<name>-<n>`, with the instance counter bumped
+    /// here; the caller records both in one write. No id is derived from
+    /// the counter anywhere else, so none is ever given out twice: a
+    /// migration target once got the id of the instance started after its
+    /// reservation, became its own source, and the handed-over source,
+    /// bearing the recorded id, was never collected.
+    pub fn mint_instance_id(&mut self) -> String {
+        self.status.instance_seq += 1;
+        format!("{}-{}", self.name, self.status.instance_seq)
+    }
+
     pub fn restart_pending(&self) -> bool {
         self.spec.restart_generation > self.status.observed_restart_generation
     }
@@ -620,13 +643,15 @@ impl VirtualMachine {
         self.spec.power = PowerState::Running;
         self.spec.restart_generation += 1;
         self.generation += 1;
+        self.drop_overruled_intent();
         Ok(())
     }
 
     /// The user asks to restore `snapshot`. The power state the VM has now
     /// is recorded first (unless an earlier, unfinished re-creation already
-    /// recorded one: that is still the state from before the maintenance),
-    /// so the VM comes back to it whatever the restored spec says.
+    /// recorded one: that is still the state from before the maintenance,
+    /// as no power request since has overruled it), so the VM comes back
+    /// to it whatever the restored spec says.
     pub fn request_restore(&mut self, snapshot: &str, now: Millis) -> Result<(), ValidationError> {
         self.refuse_if_deleting()?;
         validate_name("snapshot", snapshot)?;
@@ -710,6 +735,7 @@ impl VirtualMachine {
             self.spec = spec;
             self.generation += 1;
         }
+        self.drop_overruled_intent();
         Ok(())
     }
 
@@ -717,6 +743,23 @@ impl VirtualMachine {
         if self.spec.power != power {
             self.spec.power = power;
             self.generation += 1;
+        }
+        self.drop_overruled_intent();
+    }
+
+    /// After a user's power request: an intent left by a finished restore
+    /// (a `Running` one waits for the new instance to settle) that says
+    /// otherwise is void, since the user's latest request is the state to
+    /// return to. Kept, a restore requested next took the stale intent
+    /// over the user's stop and came back Running. (While a restore is
+    /// pending, power requests are refused and the intent stands.)
+    fn drop_overruled_intent(&mut self) {
+        if self
+            .power_intent
+            .as_ref()
+            .is_some_and(|i| i.power != self.spec.power)
+        {
+            self.power_intent = None;
         }
     }
 
@@ -1178,6 +1221,39 @@ mod tests {
         s.network.mac = Some("52:54:00:AA:BB:CC".into());
         s.assign_identity([9; 12]);
         assert_eq!(s.network.mac.as_deref(), Some("52:54:00:aa:bb:cc"));
+    }
+
+    /// A restore's `Running` intent waits for the new instance to settle;
+    /// a stop the user asks for meanwhile overrules it (a restore asked for
+    /// next must record Stopped), a start or restart agrees with it.
+    #[test]
+    fn a_power_request_after_a_restore_overrules_its_intent() {
+        let intent = || PowerIntent {
+            power: PowerState::Running,
+            reason: "restore from snapshot s1".into(),
+            recorded_at: 1,
+        };
+        let mut vm = VirtualMachine::new("a", spec());
+        vm.spec.run_policy = RunPolicy::Manual;
+        vm.power_intent = Some(intent());
+        vm.request_start().unwrap();
+        vm.request_restart().unwrap();
+        assert_eq!(vm.power_intent, Some(intent()));
+        vm.request_stop().unwrap();
+        assert_eq!(vm.power_intent, None);
+        vm.request_restore("s2", 2).unwrap();
+        assert_eq!(vm.power_after_restore(), PowerState::Stopped);
+
+        let mut vm = VirtualMachine::new("a", spec());
+        vm.spec.run_policy = RunPolicy::Manual;
+        vm.power_intent = Some(intent());
+        let mut stopped = vm.spec.clone();
+        stopped.power = PowerState::Stopped;
+        vm.replace_spec(stopped).unwrap();
+        assert_eq!(
+            vm.power_intent, None,
+            "a spec saying Stopped overrules it too"
+        );
     }
 
     #[test]

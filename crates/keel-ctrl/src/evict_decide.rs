@@ -45,6 +45,8 @@ pub(crate) fn decide_eviction(
                 migrate_deadline: None,
                 fallback_deadline: None,
                 migration: None,
+                migration_source: None,
+                migration_target: None,
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
@@ -97,7 +99,9 @@ pub(crate) fn decide_eviction(
             }
             None => match &ev.migration {
                 // Reserved, but the record was not created (a crash in
-                // between): create it now, from the reservation.
+                // between): create it now, from the reservation, once the
+                // source runs (a restart meanwhile may still be booting).
+                Some(_) if state != DomainState::Running => poll(ev.submit_deadline),
                 Some(_) => match cluster.targets.first() {
                     Some(target) => reserve_and_create(vm, inst, target, cluster, now),
                     None => fallback(vm, "no node to migrate to", now, windows.fallback_ms),
@@ -235,6 +239,8 @@ fn retry(
     e.next_attempt_at = Some(now + wait);
     e.phase = EvictionPhase::Submitting;
     e.migration = None;
+    e.migration_source = None;
+    e.migration_target = None;
     e.migrate_deadline = None;
     e.message = failed.map(|m| {
         format!(
@@ -306,27 +312,17 @@ pub(crate) fn reserve_and_create(
     now: Millis,
 ) -> Step {
     let mut next = vm.clone();
-    let ev_migration = vm
-        .status
-        .eviction
-        .as_ref()
-        .and_then(|e| e.migration.clone());
-    let (id, target_instance) = match ev_migration {
-        Some(id) => {
-            // The reservation fixed the id; the target instance follows from it.
-            let seq = vm.status.instance_seq;
-            (id, format!("{}-{seq}", vm.name))
-        }
+    let (id, target_instance) = match reservation(vm, inst) {
+        Some(reserved) => reserved,
         None => {
             next.status.migration_seq += 1;
-            next.status.instance_seq += 1;
             let id = Migration::id_for(&vm.name, &vm.uid, next.status.migration_seq);
-            next.status
-                .eviction
-                .as_mut()
-                .expect("eviction present")
-                .migration = Some(id.clone());
-            (id, format!("{}-{}", vm.name, next.status.instance_seq))
+            let target_instance = next.mint_instance_id();
+            let e = next.status.eviction.as_mut().expect("eviction present");
+            e.migration = Some(id.clone());
+            e.migration_source = Some(inst.id.clone());
+            e.migration_target = Some(target_instance.clone());
+            (id, target_instance)
         }
     };
     let migration = Migration {
@@ -347,6 +343,24 @@ pub(crate) fn reserve_and_create(
     };
     let create = HvAction::CreateMigration(Box::new(migration));
     persist_if_changed(vm, next, Some(create), now + 500)
+}
+
+/// The migration reserved on `vm`'s eviction and its target instance,
+/// while the reservation holds: it was made from `inst`. One made from an
+/// earlier instance (the VM restarted between the reservation and the
+/// creation of the record) is void, and a new one is minted: re-created
+/// from it, the migration moved the running instance to a target of its
+/// own id.
+fn reservation(vm: &VirtualMachine, inst: &Instance) -> Option<(String, String)> {
+    let ev = vm.status.eviction.as_ref()?;
+    let id = ev.migration.clone()?;
+    let target = ev.migration_target.clone().unwrap_or_else(|| {
+        // Reserved by a Keel that kept no target: the counter's value
+        // then, unless a start has taken it since (and so runs as `inst`).
+        format!("{}-{}", vm.name, vm.status.instance_seq)
+    });
+    let from_inst = ev.migration_source.as_ref().is_none_or(|s| *s == inst.id);
+    (from_inst && target != inst.id).then_some((id, target))
 }
 
 /// How many final (succeeded or failed) migration records of a VM are kept
@@ -522,6 +536,8 @@ mod tests {
                 migrate_deadline: (phase != Submitting).then_some(deadline),
                 fallback_deadline: (phase == Fallback).then_some(deadline),
                 migration: Some("vm-m1".into()),
+                migration_source: Some("vm-1".into()),
+                migration_target: Some("vm-t1".into()),
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
@@ -636,6 +652,8 @@ mod tests {
                 migrate_deadline: None,
                 fallback_deadline: None,
                 migration: Some(id.into()),
+                migration_source: None,
+                migration_target: None,
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,

@@ -103,6 +103,8 @@ mod tests {
             migrate_deadline: None,
             fallback_deadline: None,
             migration: None,
+            migration_source: None,
+            migration_target: None,
             failed_attempts: 0,
             next_attempt_at: None,
             message: None,

@@ -35,7 +35,7 @@ pub(crate) fn decide_user_migration(
     // moves the VM off too); one not begun yet is left to the drain, and
     // is moot once the drain moved the VM.
     if let Some(ev) = vm.status.eviction.as_ref().filter(|e| e.user) {
-        return Some(follow(vm, ev, inst, cluster, now, poll));
+        return Some(follow(vm, ev, inst, state, cluster, now, poll));
     }
     if cluster.drain.is_some() {
         return None;
@@ -68,6 +68,8 @@ pub(crate) fn decide_user_migration(
         migrate_deadline: None,
         fallback_deadline: None,
         migration: None,
+        migration_source: None,
+        migration_target: None,
         failed_attempts: 0,
         next_attempt_at: None,
         message: None,
@@ -82,6 +84,7 @@ fn follow(
     vm: &VirtualMachine,
     ev: &Eviction,
     inst: &Instance,
+    state: DomainState,
     cluster: &ClusterView,
     now: Millis,
     poll: Step,
@@ -116,7 +119,9 @@ fn follow(
         }
         Some(_) => poll,
         // Reserved, but the record was not created (a crash in between):
-        // create it now, from the reservation.
+        // create it now, from the reservation, once the source runs (after
+        // a restart meanwhile, the new instance may still be booting).
+        None if ev.migration.is_some() && state != DomainState::Running => poll,
         None if ev.migration.is_some() => match target_of(&req, cluster) {
             Ok(target) => reserve_and_create(vm, inst, &target, cluster, now),
             Err(why) => finish(vm, &req, ev.migration.clone(), false, why, now),

@@ -668,9 +668,8 @@ fn no_instance(
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     next.status.disk_home.get_or_insert(here);
-    let seq = vm.status.instance_seq + 1;
-    next.status.instance_seq = seq;
-    next.status.instance = Some(Instance::new(format!("{}-{seq}", vm.name), &cfg.node, now));
+    let id = next.mint_instance_id();
+    next.status.instance = Some(Instance::new(id, &cfg.node, now));
     next.status.next_start_at = None;
     next.status.phase = Phase::Starting;
     Step::Persist {

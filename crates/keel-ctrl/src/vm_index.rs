@@ -40,6 +40,13 @@ pub struct VmIndex {
     /// The newest `created_at` of an instance recorded on each node, as
     /// ever seen here: a node that records a new instance is alive.
     newest_instance: HashMap<String, Millis>,
+    /// VMs removed here, with the revision of their deletion, until the
+    /// watch has delivered that revision: an event of an earlier write
+    /// still on its way (this process's own, taken in at once and echoed
+    /// by the watch after its delete) must not bring the VM back, or its
+    /// deletion, disks first, runs again, perhaps under a VM created
+    /// since with that name.
+    tombstones: HashMap<String, Revision>,
 }
 
 impl VmIndex {
@@ -59,6 +66,15 @@ impl VmIndex {
             if old.revision > revision {
                 return;
             }
+        }
+        match self.tombstones.get(&vm.name) {
+            // Written before the deletion this index has taken in.
+            Some(deleted) if *deleted >= revision => return,
+            // Created again since.
+            Some(_) => {
+                self.tombstones.remove(&vm.name);
+            }
+            None => {}
         }
         self.forget(&vm.name);
         if let Some(inst) = &vm.status.instance {
@@ -83,9 +99,12 @@ impl VmIndex {
     /// The VM named `name` is gone as of `revision` (deleted, or its record
     /// can no longer be read: a list skips those too).
     pub fn remove(&mut self, name: &str, revision: Revision) {
-        if self.vms.get(name).is_some_and(|v| v.revision <= revision) {
-            self.forget(name);
+        if self.vms.get(name).is_some_and(|v| v.revision > revision) {
+            return;
         }
+        self.forget(name);
+        let deleted = self.tombstones.entry(name.to_string()).or_default();
+        *deleted = (*deleted).max(revision);
     }
 
     fn forget(&mut self, name: &str) {
@@ -122,6 +141,12 @@ impl VmIndex {
                 }
             }
             WatchEvent::Deleted { revision, .. } => self.remove(name, *revision),
+        }
+        // The watch delivers in revision order: nothing older than this
+        // event is still to come from it.
+        if !self.tombstones.is_empty() {
+            let delivered = event.revision();
+            self.tombstones.retain(|_, deleted| *deleted > delivered);
         }
     }
 
@@ -275,6 +300,46 @@ mod tests {
             create_revision: 1,
             mod_revision: revision,
         })
+    }
+
+    /// This process wrote a VM (rev 10: deletion requested, taken in at
+    /// once) and deleted it (rev 11); the watch then brings the echo of
+    /// rev 10. The VM stays gone, or its deletion would run again; a VM
+    /// created again under its name (rev 12) is taken in, and so is any
+    /// later write once the watch has delivered the deletion.
+    #[test]
+    fn a_late_event_of_an_earlier_write_does_not_bring_a_deleted_vm_back() {
+        let mut index = VmIndex::default();
+        let mut deleting = vm("a", Some("n1"));
+        deleting.deletion_requested_at = Some(1);
+        index.upsert(deleting.clone(), 10);
+        index.remove("a", 11);
+        for stale in [9, 10] {
+            index.apply(&put(&deleting, stale));
+            assert!(index.get("a").is_none(), "rev {stale} brought it back");
+        }
+        assert_eq!(index.owned_by("n1").count(), 0);
+        assert_eq!(index.tombstones.get("a"), Some(&11));
+        // The watch delivers the deletion itself: nothing older can come.
+        index.apply(&WatchEvent::Deleted {
+            key: format!("{VMS_PREFIX}a"),
+            revision: 11,
+        });
+        assert!(index.tombstones.is_empty());
+        let again = vm("a", Some("n2"));
+        index.apply(&put(&again, 12));
+        assert_eq!(index.get("a").map(|v| v.revision), Some(12));
+        assert_eq!(index.owned_by("n2").count(), 1);
+
+        // Created again before the watch caught up: the newer record wins
+        // over the tombstone, the older echo still does not.
+        let mut index = VmIndex::default();
+        index.upsert(deleting.clone(), 10);
+        index.remove("a", 11);
+        index.upsert(again.clone(), 12);
+        index.apply(&put(&deleting, 10));
+        assert_eq!(index.get("a").map(|v| v.revision), Some(12));
+        assert!(index.tombstones.is_empty());
     }
 
     /// Whatever order writes arrive in, the index equals one built from

@@ -5,7 +5,9 @@
 //! opposite power state, a different CPU count and a different grace
 //! period, so a restore that took the power state or the policy from the
 //! snapshot (instead of keeping the VM's and the intent recorded before the
-//! maintenance window) fails here.
+//! maintenance window) fails here. Its third axis: a stop, start or
+//! restore request at each step of a restore in progress, which must end
+//! in the state the user last asked for.
 
 mod common;
 
@@ -345,4 +347,321 @@ async fn power_requests_wait_for_a_pending_restore() {
         .await
         .unwrap_err();
     assert!(err.contains("already being restored"), "{err}");
+}
+
+/// Issue 25 item 7 (c), as tried with the CLI on the sim driver: `restore
+/// s1` (no wait), `vm stop` as soon as it is accepted (the first restore
+/// is over, its new instance still booting), `restore s2` at once. The
+/// second restore must come back to the state the user last asked for
+/// (Stopped), not to the intent the first restore recorded (Running).
+#[tokio::test]
+async fn a_stop_between_two_restores_is_kept() {
+    let mut w = World::new(25, sim()).await;
+    w.create(
+        "vm",
+        spec(
+            RunPolicy::AlwaysOnUnlessStoppedManually,
+            PowerState::Running,
+            GRACE_S,
+        ),
+    )
+    .await;
+    w.run_for(5_000).await;
+    w.take_snapshot("vm", "s1").await;
+    w.take_snapshot("vm", "s2").await;
+    let now = w.now();
+    w.user_op("vm", move |vm| vm.request_restore("s1", now))
+        .await
+        .unwrap();
+    let mut accepted = false;
+    for _ in 0..200 {
+        w.step_to_next().await;
+        if w.user_op("vm", VirtualMachine::request_stop).await.is_ok() {
+            accepted = true;
+            break;
+        }
+    }
+    assert!(accepted, "the stop was never accepted");
+    let vm = w.get("vm").await.unwrap();
+    assert_eq!(vm.spec.power, PowerState::Stopped);
+    let now = w.now();
+    w.user_op("vm", move |vm| vm.request_restore("s2", now))
+        .await
+        .unwrap();
+    assert_eq!(
+        w.get("vm").await.unwrap().power_after_restore(),
+        PowerState::Stopped,
+        "what `keel restore --wait` waits for"
+    );
+    w.run_for(60_000).await;
+    let vm = w.get("vm").await.unwrap();
+    assert_eq!(vm.spec.power, PowerState::Stopped, "{vm:?}");
+    assert_eq!(vm.status.phase, Phase::Stopped, "{vm:?}");
+    assert!(vm.restored_to(PowerState::Stopped), "{vm:?}");
+    assert!(w.hv.live_instances("vm").is_empty());
+}
+
+/// A step of a restore in progress, as the VM's record shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum RestoreStep {
+    /// Just requested: nothing done yet.
+    Requested,
+    /// The instance from before is being stopped.
+    Stopping,
+    /// The restore is over; its new instance has not run yet.
+    Restored,
+    /// The new instance runs but has not settled: the `Running` intent
+    /// still stands (the settle window the 144 cases never asked into).
+    Booting,
+    /// Over: the intent is fulfilled.
+    Settled,
+}
+
+impl RestoreStep {
+    const ALL: [RestoreStep; 5] = [
+        RestoreStep::Requested,
+        RestoreStep::Stopping,
+        RestoreStep::Restored,
+        RestoreStep::Booting,
+        RestoreStep::Settled,
+    ];
+
+    fn is_now(self, vm: &VirtualMachine) -> bool {
+        let restoring = vm.restore.is_some();
+        let running = vm.status.phase == Phase::Running;
+        let intent = vm.power_intent.is_some();
+        match self {
+            RestoreStep::Requested => restoring && vm.status.stop.is_none(),
+            RestoreStep::Stopping => restoring && vm.status.stop.is_some(),
+            RestoreStep::Restored => !restoring && intent && !running,
+            RestoreStep::Booting => !restoring && intent && running,
+            RestoreStep::Settled => !restoring && !intent,
+        }
+    }
+
+    /// Whether a restore of a VM that was stopped has this step: it
+    /// stops nothing and boots nothing.
+    fn of_a_stopped_vm(self) -> bool {
+        matches!(self, RestoreStep::Requested | RestoreStep::Settled)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Request {
+    Stop,
+    Start,
+    /// A restore from the second snapshot.
+    Restore,
+}
+
+/// What the user has asked for so far, and so what the VM must end in.
+struct Asked {
+    policy: RunPolicy,
+    power: PowerState,
+    snapshot: &'static str,
+}
+
+impl Asked {
+    /// Whether the API must take `req` on `vm`, and if not, what the
+    /// refusal names.
+    fn refusal(&self, req: Request, vm: &VirtualMachine) -> Option<&'static str> {
+        if vm.restore.is_some() {
+            return Some("restore");
+        }
+        match (req, self.policy) {
+            (Request::Stop, RunPolicy::AlwaysOn) => Some("spec.run_policy"),
+            (Request::Start, RunPolicy::AlwaysOff | RunPolicy::Once) => Some("spec.run_policy"),
+            _ => None,
+        }
+    }
+
+    fn take(&mut self, req: Request) {
+        match req {
+            Request::Stop => self.power = PowerState::Stopped,
+            Request::Start => self.power = PowerState::Running,
+            // A restore comes back to the state the user last asked for.
+            Request::Restore => self.snapshot = "s2",
+        }
+    }
+
+    fn end_state(&self) -> PowerState {
+        match self.policy {
+            RunPolicy::AlwaysOn => PowerState::Running,
+            RunPolicy::AlwaysOff => PowerState::Stopped,
+            _ => self.power,
+        }
+    }
+}
+
+async fn send(w: &mut World, req: Request) -> Result<(), String> {
+    match req {
+        Request::Stop => w.user_op("vm", VirtualMachine::request_stop).await,
+        Request::Start => w.user_op("vm", VirtualMachine::request_start).await,
+        Request::Restore => {
+            let now = w.now();
+            w.user_op("vm", move |vm| vm.request_restore("s2", now))
+                .await
+        }
+    }
+}
+
+/// The third axis of the restore matrix: a stop, start or restore request
+/// (alone, or two back to back, as a script or a quick user sends them)
+/// at each step of a restore in progress, under every run policy, from a
+/// running and from a stopped VM. A request is refused while the restore
+/// is pending (naming `restore`), or by the policy; an accepted one is
+/// never lost: the VM ends in the power state the user last asked for,
+/// on the disks of the last restore taken.
+#[tokio::test]
+async fn requests_at_each_step_of_a_restore_end_in_the_state_last_asked_for() {
+    use Request::*;
+    let singles: Vec<Vec<Request>> = vec![vec![Stop], vec![Start], vec![Restore]];
+    let mut pairs = vec![];
+    for first in [Stop, Start, Restore] {
+        for second in [Stop, Start, Restore] {
+            if first != second {
+                pairs.push(vec![first, second]);
+            }
+        }
+    }
+    let mut reached = std::collections::BTreeSet::new();
+    let mut ran = 0u64;
+    for policy in RunPolicy::ALL {
+        for running_before in [true, false] {
+            let forced = match policy {
+                RunPolicy::AlwaysOn => Some(true),
+                RunPolicy::AlwaysOff => Some(false),
+                _ => None,
+            };
+            if forced.is_some_and(|f| f != running_before) {
+                continue;
+            }
+            for step in RestoreStep::ALL {
+                if !running_before && !step.of_a_stopped_vm() {
+                    continue;
+                }
+                // While the restore is pending every request is refused,
+                // so a second one adds nothing.
+                let sequences = match step {
+                    RestoreStep::Requested | RestoreStep::Stopping => &singles,
+                    _ => &pairs,
+                };
+                for sequence in sequences {
+                    let label = format!(
+                        "{policy:?}, {} before, {sequence:?} at {step:?}",
+                        if running_before { "running" } else { "stopped" }
+                    );
+                    let mut w = World::new(ran, sim()).await;
+                    let power = if running_before {
+                        PowerState::Running
+                    } else {
+                        PowerState::Stopped
+                    };
+                    w.create("vm", spec(RunPolicy::Manual, PowerState::Running, GRACE_S))
+                        .await;
+                    w.run_for(5_000).await;
+                    for snapshot in ["s1", "s2"] {
+                        w.hv.guest_write("vm", SLOT, &format!("in-{snapshot}"))
+                            .unwrap();
+                        let snap = w.take_snapshot("vm", snapshot).await;
+                        assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{label}");
+                    }
+                    w.hv.guest_write("vm", SLOT, "after-snapshots").unwrap();
+                    w.user_op("vm", move |vm| {
+                        let mut s = vm.spec.clone();
+                        s.run_policy = policy;
+                        s.power = power;
+                        vm.replace_spec(s)
+                    })
+                    .await
+                    .unwrap();
+                    w.run_for(15_000).await;
+                    assert_eq!(
+                        w.hv.live_instances("vm").is_empty(),
+                        !running_before,
+                        "{label}"
+                    );
+                    let now = w.now();
+                    w.user_op("vm", move |vm| vm.request_restore("s1", now))
+                        .await
+                        .unwrap();
+                    let mut at_step = step == RestoreStep::Requested;
+                    for _ in 0..200 {
+                        if at_step {
+                            break;
+                        }
+                        w.step_to_next().await;
+                        let vm = w.get("vm").await.unwrap();
+                        at_step = step.is_now(&vm);
+                        if !at_step
+                            && step != RestoreStep::Settled
+                            && RestoreStep::Settled.is_now(&vm)
+                        {
+                            break;
+                        }
+                    }
+                    if !at_step {
+                        continue;
+                    }
+                    reached.insert((step, sequence.clone()));
+                    let mut asked = Asked {
+                        policy,
+                        power,
+                        snapshot: "s1",
+                    };
+                    for &req in sequence {
+                        let before = w.get("vm").await.unwrap();
+                        let refusal = asked.refusal(req, &before);
+                        match (send(&mut w, req).await, refusal) {
+                            (Ok(()), None) => asked.take(req),
+                            (Err(err), Some(field)) => {
+                                assert!(err.contains(field), "{label}: {req:?} refused: {err}")
+                            }
+                            (got, refusal) => {
+                                panic!("{label}: {req:?} answered {got:?}, expected a refusal naming {refusal:?}: {before:?}")
+                            }
+                        }
+                    }
+                    w.run_for(90_000).await;
+                    let vm = w.get("vm").await.unwrap();
+                    let end = asked.end_state();
+                    assert!(
+                        vm.restored_to(end),
+                        "{label}: ends {:?}, expected {end:?}: {vm:?}",
+                        vm.status.phase
+                    );
+                    assert_eq!(
+                        w.hv.live_instances("vm").len(),
+                        usize::from(end == PowerState::Running),
+                        "{label}"
+                    );
+                    let data = format!("in-{}", asked.snapshot);
+                    assert_eq!(
+                        w.hv.disk_record("vm", SLOT).as_deref(),
+                        Some(data.as_str()),
+                        "{label}: disks"
+                    );
+                    assert!(
+                        w.hv.violations().is_empty(),
+                        "{label}: {:?}",
+                        w.hv.violations()
+                    );
+                    ran += 1;
+                }
+            }
+        }
+    }
+    for step in RestoreStep::ALL {
+        let sequences = match step {
+            RestoreStep::Requested | RestoreStep::Stopping => &singles,
+            _ => &pairs,
+        };
+        for sequence in sequences {
+            assert!(
+                reached.contains(&(step, sequence.clone())),
+                "{sequence:?} at {step:?} never reached"
+            );
+        }
+    }
+    println!("{ran} cases");
 }

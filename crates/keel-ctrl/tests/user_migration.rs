@@ -194,3 +194,88 @@ async fn a_drain_during_a_user_migration_lets_it_end_then_moves_the_vm() {
     c.run(30_000).await;
     assert_eq!(c.migrations_of("vm").await.len(), count, "nothing more");
 }
+
+/// Issue 25 item 7 (a): an agent reserved the user's migration on the
+/// record (ids and target instance) and stopped before it created the
+/// migration record; the user restarted the VM before the record was
+/// made. The reservation was made from the instance that is gone: the
+/// migration made later moves the running instance to a target id never
+/// given out before, the VM ends on b, and nothing of it is left on a (a
+/// target named like its source left the paused source on a for good:
+/// garbage collection took it for the recorded instance). Both as a
+/// record of this Keel (the reservation names its source and target)
+/// and of an older one (it does not).
+#[tokio::test]
+async fn a_restart_between_reservation_and_record_mints_a_new_target_instance() {
+    for names_its_instances in [true, false] {
+        let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOnUnlessStoppedManually).await;
+        c.run(2_000).await;
+        let a = c.agent_index("a");
+        c.agents[a].vms_stuck = true;
+        c.tick().await;
+        let before = c.vm("vm").await;
+        let first = before.status.instance.clone().unwrap().id;
+        let now = c.now();
+        // What the reservation wrote before the agent went away.
+        let seq = before.status.instance_seq + 1;
+        let reserved_target = format!("vm-{seq}");
+        let mut eviction = serde_json::json!({
+            "drain_requested_at": now,
+            "phase": "Submitting",
+            "started_at": now,
+            "submit_deadline": now + 300_000,
+            "migration": keel_api::Migration::id_for("vm", &before.uid, before.status.migration_seq + 1),
+            "user": true,
+        });
+        if names_its_instances {
+            eviction["migration_source"] = first.clone().into();
+            eviction["migration_target"] = reserved_target.clone().into();
+        }
+        let eviction: keel_api::Eviction = serde_json::from_value(eviction).unwrap();
+        c.update_vm("vm", |v| {
+            v.request_migration(Some("b"), now).unwrap();
+            v.status.eviction = Some(eviction.clone());
+            v.status.instance_seq = seq;
+            v.status.migration_seq += 1;
+        })
+        .await;
+        c.agents[a].vms_stuck = false;
+        c.update_vm("vm", |v| v.request_restart().unwrap()).await;
+        c.run(10_000).await;
+        let label = format!("names its instances: {names_its_instances}");
+        let restarted_from = c.vm("vm").await.status.last_exit.map(|e| e.instance);
+        assert_eq!(restarted_from, Some(first.clone()), "{label}");
+        c.run(30_000).await;
+        let ms = c.migrations_of("vm").await;
+        assert_eq!(ms.len(), 1, "{label}: {ms:?}");
+        let m = &ms[0];
+        let given_out = [first.clone(), reserved_target.clone()];
+        assert!(
+            !given_out.contains(&m.source_instance) && m.target_instance != m.source_instance,
+            "{label}: {m:?}"
+        );
+        assert!(
+            !given_out.contains(&m.target_instance),
+            "{label}: target {} was given out before: {m:?}",
+            m.target_instance
+        );
+        assert_eq!(m.status.phase, MigrationPhase::Succeeded, "{label}: {m:?}");
+        let vm = c.vm("vm").await;
+        assert_eq!(
+            vm.status.instance.as_ref().unwrap().id,
+            m.target_instance,
+            "{label}"
+        );
+        assert!(
+            c.executing_on("b", "vm"),
+            "{label}: {}",
+            c.explain("vm").await
+        );
+        assert!(
+            c.agent("a").hv.live_instances("vm").is_empty(),
+            "{label}: left on a: {:?}\n{}",
+            c.agent("a").hv.live_instances("vm"),
+            c.explain("vm").await
+        );
+    }
+}

@@ -15,11 +15,8 @@ use keel_hv::qemu::keeper::FenceLease;
 fn mkfifo(path: &Path) {
     let c = CString::new(path.as_os_str().as_bytes()).unwrap();
     // SAFETY: a NUL-terminated path we own.
-    assert_eq!(
-        unsafe { libc::mkfifo(c.as_ptr(), 0o600) },
-        0,
-        "mkfifo {path:?}"
-    );
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(rc, 0, "mkfifo {path:?}");
 }
 
 fn children_of(pid: u32) -> Vec<u32> {

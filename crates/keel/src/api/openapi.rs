@@ -357,6 +357,8 @@ fn schemas() -> Value {
             "migrate_deadline": millis,
             "fallback_deadline": millis,
             "migration": {"type": "string"},
+            "migration_source": {"type": "string", "description": "The instance the reserved migration moves"},
+            "migration_target": {"type": "string", "description": "The target instance id minted with the reservation"},
             "failed_attempts": {"type": "integer", "minimum": 0},
             "next_attempt_at": millis,
             "message": {"type": "string"}
