@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::slow_store::SlowListStore;
-use common::tokio_clock::TokioClock;
+use common::tokio_clock::{until, TokioClock};
 use common::{spec, T0};
 use keel_api::{Clock, EvictionWindows, Node, PowerState, RunPolicy, VirtualMachine};
 use keel_ctrl::keys::{node_key, vm_key};
@@ -112,21 +112,6 @@ impl Node1 {
             self.hv.log()
         );
     }
-}
-
-/// Steps of virtual time until `done`, at most `ms`; the time it took.
-async fn until<F: std::future::Future<Output = bool>>(
-    ms: u64,
-    mut done: impl FnMut() -> F,
-) -> Option<u64> {
-    let start = tokio::time::Instant::now();
-    while start.elapsed() < Duration::from_millis(ms) {
-        if done().await {
-            return Some(start.elapsed().as_millis() as u64);
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    None
 }
 
 fn tokio_clock() -> Arc<dyn Clock> {

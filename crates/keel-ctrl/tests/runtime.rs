@@ -306,20 +306,7 @@ async fn the_production_driver_wakes_on_hints_and_relists() {
                 .value
         }
     };
-    // Steps of virtual time until `done`, at most `ms`; the time it took.
-    async fn until<F: std::future::Future<Output = bool>>(
-        ms: u64,
-        mut done: impl FnMut() -> F,
-    ) -> Option<u64> {
-        let start = tokio::time::Instant::now();
-        while start.elapsed() < Duration::from_millis(ms) {
-            if done().await {
-                return Some(start.elapsed().as_millis() as u64);
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        None
-    }
+    use common::tokio_clock::until;
 
     let vm = keel_api::VirtualMachine::new("web", spec(RunPolicy::Manual, PowerState::Running, 60));
     store.create(&vm_key("web"), &vm).await.unwrap();

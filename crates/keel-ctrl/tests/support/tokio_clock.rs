@@ -29,3 +29,18 @@ impl Clock for TokioClock {
         keel_api::Mono::from_origin_ms(self.start.elapsed().as_millis() as u64)
     }
 }
+
+/// Steps of virtual time until `done`, at most `ms`; the time it took.
+pub async fn until<F: std::future::Future<Output = bool>>(
+    ms: u64,
+    mut done: impl FnMut() -> F,
+) -> Option<u64> {
+    let start = tokio::time::Instant::now();
+    while start.elapsed() < std::time::Duration::from_millis(ms) {
+        if done().await {
+            return Some(start.elapsed().as_millis() as u64);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    None
+}
