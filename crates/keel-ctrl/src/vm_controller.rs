@@ -169,6 +169,17 @@ impl VmController {
         liveness.clone()
     }
 
+    /// Every node and VM as read now, taken into this agent's liveness
+    /// view at the clocks' reading from before the reads.
+    async fn read_cluster(&self) -> Result<ClusterState, StoreError> {
+        let looked = ClockReading::now(&*self.clock);
+        let nodes = ClusterState::read_nodes(&self.store).await?;
+        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
+        state.liveness = self.observe_nodes(&state.nodes, &state.vms, looked);
+        state.looked_at = looked;
+        Ok(state)
+    }
+
     pub fn config(&self) -> &LifecycleConfig {
         &self.cfg
     }
@@ -506,15 +517,11 @@ impl VmController {
     /// scheduler. Never earlier: until then the node may still run them.
     /// (Single-process mode; under a control plane its leader does this.)
     pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
-        let now = self.clock.now_ms();
-        let observed = ClockReading::now(&*self.clock);
-        let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
-        state.liveness = self.observe_nodes(&state.nodes, &state.vms, observed);
-        state.looked_at = observed;
+        let mut state = self.read_cluster().await?;
+        let now = state.looked_at.wall;
         let lost = state
             .liveness
-            .lost(Some(&self.cfg.node), observed.mono, &self.cfg);
+            .lost(Some(&self.cfg.node), state.looked_at.mono, &self.cfg);
         if lost.is_empty() {
             return Ok(());
         }
@@ -774,12 +781,8 @@ impl VmController {
         vm: &VirtualMachine,
         revision: u64,
     ) -> Result<Option<Millis>, StoreError> {
-        let now = self.clock.now_ms();
-        let looked = ClockReading::now(&*self.clock);
-        let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
-        state.liveness = self.observe_nodes(&state.nodes, &state.vms, looked);
-        state.looked_at = looked;
+        let mut state = self.read_cluster().await?;
+        let now = state.looked_at.wall;
         cluster_controller::place(
             &self.store,
             &mut state,
