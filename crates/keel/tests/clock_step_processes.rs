@@ -6,7 +6,9 @@
 //!
 //! With every agent healthy:
 //! 1. The control plane's wall clock jumps +90 s, and so does one agent's:
-//!    for the next 60 s (more than the 40 s node lease) nothing moves.
+//!    for the next 60 s (more than the 40 s node lease) nothing moves. A
+//!    VM created just before the step and one just after make the leader
+//!    look at the nodes across it within one heartbeat period.
 //! 2. The other agent's node is frozen (`keel node freeze --for 40s`) and
 //!    its wall clock jumps -90 s during the freeze: the fence lease its
 //!    keeper enforces never reaches past the freeze's end as observers
@@ -31,7 +33,9 @@ use std::time::{Duration, Instant};
 
 use keel_api::clock::boottime_ms;
 use procs::faketime::{self, WallClock};
-use procs::{cli, processes_naming, qemus_of, serving_url, vm_json, wait_nodes, Keel, Workdir};
+use procs::{
+    cli, processes_naming, qemus_of, serving_url, vm_json, wait_nodes, wait_vm, Keel, Workdir,
+};
 use serde_json::Value;
 
 const VMS: [&str; 2] = ["clkstep0", "clkstep1"];
@@ -293,11 +297,35 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
     };
     let mut faults = 0;
 
-    // 1. The control plane and one agent jump 90 s forward.
+    // 1. The control plane and one agent jump 90 s forward. A VM created
+    // just before and one just after (stopped: nothing to boot) make the
+    // leader look at the nodes twice within a heartbeat period, across the
+    // step: a node's heartbeat seen unchanged then is 90 s of silence to a
+    // leader that counts it on its wall clock.
+    let create_stopped = |vm: &str| {
+        let out = cli(&root, &server, &["vm", "create", vm, "--stopped"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    create_stopped("clkstep-before");
+    wait_vm(
+        &root,
+        &server,
+        "clkstep-before",
+        "be placed",
+        Duration::from_secs(10),
+        |vm| !vm["status"]["node"].is_null(),
+        logs,
+    )
+    .await;
     clocks["cp"].step(90);
     clocks[forward].step(90);
     faults += 2;
     let stepped = Instant::now();
+    create_stopped("clkstep-after");
     eprintln!("clock steps: cp and {forward} +90 s");
     while stepped.elapsed() < WATCH_AFTER_STEP {
         unmoved(&format!(
@@ -370,9 +398,10 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     eprintln!(
-        "clock steps: freeze cleared {} ms after its end; the lease reached {} ms past it",
+        "clock steps: freeze cleared {} ms after its end as observers count it; the lease \
+         reached at most {} ms after the API answered",
         cleared as i64 - observers_end as i64,
-        longest as i64 - observers_end as i64
+        longest as i64 - answered as i64
     );
     // Back to the normal lease (the next heartbeat renews it), and still
     // nothing moves for a while after.
@@ -399,10 +428,11 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
             recorded.is_some_and(|id| qemus_of(&root, vm) == [id])
         })
         .count();
-    let out = cli(&root, &server, &["vm", "list", "-o", "json"]);
-    let list: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
-    let present = list["items"].as_array().map_or(0, Vec::len);
-    let lost = VMS.len() - present.min(VMS.len());
+    let lost = ["clkstep-before", "clkstep-after"]
+        .iter()
+        .chain(VMS.iter())
+        .filter(|vm| vm_json(&root, &server, vm).is_none())
+        .count();
     // Nothing had to be fenced: every guest killed or restarted counts.
     let killed = placed
         .values()
