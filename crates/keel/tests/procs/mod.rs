@@ -3,6 +3,8 @@
 //! copy and uses part of it.
 #![allow(dead_code)]
 
+pub mod member;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
