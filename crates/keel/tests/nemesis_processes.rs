@@ -261,6 +261,14 @@ impl Cluster {
     async fn wait_for(&self, what: &str, within: Duration, mut done: impl FnMut(&Self) -> bool) {
         let deadline = Instant::now() + within;
         while !done(self) {
+            // Two instances end the test at once, whatever it waits for.
+            let most = self.watch.tally.lock().unwrap().most_at_once;
+            assert!(
+                most <= 1,
+                "a VM ran twice at once ({most} QEMUs) while waiting for: {what}\n{}\n{}",
+                self.vms_text(),
+                self.logs()
+            );
             assert!(
                 Instant::now() < deadline,
                 "not within {within:?}: {what}\n{}\n{}",
