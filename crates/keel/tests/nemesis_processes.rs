@@ -17,6 +17,10 @@
 //!   live migration of it is sending: the migration fails at its recorded
 //!   deadline, the drain's fallback stop kills the QEMU by pid, and the
 //!   VM runs on another node.
+//! - `stalled-disk`: one agent's data dir (a FUSE mount, `procs::stall_fs`)
+//!   hangs while its heartbeat goes on: nothing is killed, nothing moves.
+//! - `stalled-disk-cut-off`: that stall and a black hole at once: the
+//!   guests are fenced all the same, then run elsewhere.
 //!
 //! The process table is sampled every 100 ms throughout. After each
 //! nemesis everything is healed, the cluster must converge, and one line
@@ -43,6 +47,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use procs::member::{env_u64, free_port, members_logs, Member};
+use procs::stall_fs::StallableDir;
 use procs::tcp_proxy::{ProxyMode, TcpProxy};
 use procs::{cli, processes_naming, qemus_of, vm_json, Workdir};
 use rand::{Rng, SeedableRng};
@@ -196,6 +201,9 @@ struct Cluster {
     members: Vec<Member>,
     /// Each member's way to etcd, by member name.
     proxies: BTreeMap<String, TcpProxy>,
+    /// Each agent's data dir, on a disk that can stall; empty (and why)
+    /// where that cannot be had.
+    stalls: Result<BTreeMap<String, StallableDir>, String>,
     watch: Arc<Watch>,
     rng: ChaCha8Rng,
 }
@@ -361,15 +369,22 @@ async fn store_latency(c: &mut Cluster) {
     );
 }
 
-/// One agent is cut off from etcd, alive: its guests are fenced, then run
-/// elsewhere, and their disks are intact.
-async fn black_hole(c: &mut Cluster) {
+/// A node that runs a VM, chosen by the seed.
+fn busy_node(c: &mut Cluster) -> String {
     let placed = c.placements();
     let busy: Vec<&str> = AGENTS
         .into_iter()
         .filter(|n| placed.values().any(|(node, _)| node == n))
         .collect();
-    let node = busy[c.rng.gen_range(0..busy.len())].to_string();
+    busy[c.rng.gen_range(0..busy.len())].to_string()
+}
+
+/// One agent is cut off from etcd, alive (and with `stalled`, its data
+/// disk hangs too): its guests are fenced, then run elsewhere, and their
+/// disks are intact.
+async fn black_hole(c: &mut Cluster, name: &str, stalled: bool) {
+    let placed = c.placements();
+    let node = busy_node(c);
     let victims: Vec<(String, String)> = placed
         .iter()
         .filter(|(_, (n, _))| *n == node)
@@ -380,9 +395,12 @@ async fn black_hole(c: &mut Cluster) {
         let mut guest = procs::guest_channel(&c.root.join(&node), instance).await;
         guest.put(1, &token).await.unwrap();
     }
-    eprintln!("nemesis black-hole: cutting {node} (runs {victims:?}) off etcd");
+    eprintln!("nemesis {name}: cutting {node} (runs {victims:?}) off etcd");
     c.watch.excuse_node(&node, true);
     let cut_at = Instant::now();
+    if stalled {
+        c.stalls.as_ref().unwrap()[&node].stall();
+    }
     c.proxies[&node].set(ProxyMode::BlackHole);
     c.wait_for(
         "the cut-off node's guests fenced",
@@ -404,9 +422,12 @@ async fn black_hole(c: &mut Cluster) {
     .await;
     let moved_after = cut_at.elapsed();
     eprintln!(
-        "nemesis black-hole: {node}'s guests fenced after {fenced_after:?}, running elsewhere after {moved_after:?}"
+        "nemesis {name}: {node}'s guests fenced after {fenced_after:?}, running elsewhere after {moved_after:?}"
     );
     c.proxies[&node].set(ProxyMode::Forward);
+    if stalled {
+        c.stalls.as_ref().unwrap()[&node].resume();
+    }
     // Back, the agent must end nothing and start nothing of the VMs it
     // lost: its node stays excused only until the cluster has converged.
     let converged = c.wait_converged(CONVERGE).await;
@@ -426,7 +447,28 @@ async fn black_hole(c: &mut Cluster) {
             "{vm}'s disk lost what its guest wrote before the cut"
         );
     }
-    c.finish("black-hole", Outcome { faults: 1 }).await;
+    let faults = if stalled { 2 } else { 1 };
+    c.finish(name, Outcome { faults }).await;
+}
+
+/// One agent's data disk stalls while its heartbeat goes on: nothing is
+/// killed, nothing moves.
+async fn stalled_disk(c: &mut Cluster) {
+    let before = c.placements();
+    let node = busy_node(c);
+    let window = Duration::from_secs(env_u64("KEEL_NEMESIS_STALL_SECONDS", 30));
+    eprintln!("nemesis stalled-disk: {node}'s data disk stalls for {window:?}");
+    let stall = &c.stalls.as_ref().unwrap()[&node];
+    stall.stall();
+    tokio::time::sleep(window).await;
+    stall.resume();
+    c.finish("stalled-disk", Outcome { faults: 1 }).await;
+    assert_eq!(
+        c.placements(),
+        before,
+        "a stalled data disk moved or restarted a VM\n{}",
+        c.logs()
+    );
 }
 
 /// A VM's QEMU stops answering its monitor, and the VM is stopped: the
@@ -611,6 +653,10 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
     let mut proxies = BTreeMap::new();
     let mut members = Vec::new();
     let cp_addr = format!("127.0.0.1:{}", free_port());
+    let stalls: Result<BTreeMap<String, StallableDir>, String> = AGENTS
+        .iter()
+        .map(|n| Ok((n.to_string(), StallableDir::mount(&root.join(n))?)))
+        .collect();
     for name in std::iter::once("cp").chain(AGENTS) {
         let proxy = TcpProxy::start(etcd, rng.gen());
         let store = format!("etcd://{}/{namespace}", proxy.addr);
@@ -661,6 +707,7 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
         server: format!("http://{cp_addr}"),
         members,
         proxies,
+        stalls,
         watch: watch.clone(),
         rng,
     };
@@ -698,8 +745,24 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
     }
     if wanted("black-hole") {
         let at = Instant::now();
-        black_hole(&mut c).await;
+        black_hole(&mut c, "black-hole", false).await;
         timed("black-hole", at);
+    }
+    for name in ["stalled-disk", "stalled-disk-cut-off"] {
+        if !wanted(name) {
+            continue;
+        }
+        if let Err(why) = &c.stalls {
+            eprintln!("nemesis {name}: skipped, no disk that can stall here: {why}");
+            continue;
+        }
+        let at = Instant::now();
+        if name == "stalled-disk" {
+            stalled_disk(&mut c).await;
+        } else {
+            black_hole(&mut c, name, true).await;
+        }
+        timed(name, at);
     }
     if wanted("hung-monitor-stop") {
         let at = Instant::now();

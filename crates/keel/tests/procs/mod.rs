@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod member;
+pub mod stall_fs;
 pub mod tcp_proxy;
 
 use std::io::{BufRead, BufReader};
