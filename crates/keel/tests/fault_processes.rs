@@ -19,63 +19,17 @@
 mod procs;
 
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use procs::{cli, qemus_of, vm_json, Keel, Workdir};
+use procs::member::{env_u64, free_port, members_logs, Health, Member};
+use procs::{cli, qemus_of, vm_json, Workdir};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const VMS: [&str; 3] = ["v0", "v1", "v2"];
-
-/// What a process is doing now.
-enum Health {
-    Up,
-    /// Killed; restarted at this instant.
-    Dead(Instant),
-    /// SIGSTOPped; continued at this instant.
-    Paused(Instant),
-}
-
-struct Member {
-    name: String,
-    args: Vec<String>,
-    proc: Option<Keel>,
-    health: Health,
-}
-
-impl Member {
-    fn start(&mut self) {
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
-        self.proc = Some(Keel::spawn(&self.name, &args));
-        self.health = Health::Up;
-    }
-
-    fn signal(&self, sig: libc::c_int) {
-        if let Some(p) = &self.proc {
-            // SAFETY: kill(2) on a child this test spawned.
-            unsafe { libc::kill(p.child.id() as i32, sig) };
-        }
-    }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn seconds_env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 // Ignored by a plain `cargo test` (it takes minutes); `scripts/test` runs
 // it with `--ignored --nocapture`, so that its figures are printed.
@@ -85,8 +39,8 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     let Some(work) = Workdir::start("faults") else {
         return;
     };
-    let seed = seconds_env("KEEL_FAULT_SEED", rand::random::<u16>() as u64);
-    let chaos = Duration::from_secs(seconds_env("KEEL_FAULT_SECONDS", 150));
+    let seed = env_u64("KEEL_FAULT_SEED", rand::random::<u16>() as u64);
+    let chaos = Duration::from_secs(env_u64("KEEL_FAULT_SECONDS", 150));
     eprintln!("fault test: seed {seed} (replay with KEEL_FAULT_SEED={seed}), chaos {chaos:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
@@ -143,13 +97,7 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     for m in &mut members {
         m.start();
     }
-    let all_logs = |members: &[Member]| {
-        members
-            .iter()
-            .filter_map(|m| m.proc.as_ref().map(Keel::log))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
+    let all_logs = members_logs;
     // The CLI talks to "cp", with the cluster's token from its data dir.
     let server = servers[0].clone();
     let deadline = Instant::now() + Duration::from_secs(60);

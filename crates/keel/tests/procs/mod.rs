@@ -4,6 +4,9 @@
 #![allow(dead_code)]
 
 pub mod faketime;
+pub mod member;
+pub mod stall_fs;
+pub mod tcp_proxy;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
