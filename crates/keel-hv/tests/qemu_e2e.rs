@@ -551,14 +551,18 @@ async fn a_start_that_may_not_create_disks_fails_on_missing_ones() {
     assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
 
     // Per disk: a new disk may be made beside a used one, but not while the
-    // used one is missing; the refusal comes before anything is made.
+    // used one is missing; the refusal comes before anything is made, even
+    // of a disk listed before it.
     let mut two = used.clone();
     two.instance = "web-2".into();
-    two.disks.push(keel_api::DiskSpec {
-        name: "extra".into(),
-        size_mib: 16,
-        image: None,
-    });
+    two.disks.insert(
+        0,
+        keel_api::DiskSpec {
+            name: "extra".into(),
+            size_mib: 16,
+            image: None,
+        },
+    );
     two.create_disks = keel_hv::DiskCreation::Only(vec!["extra".into()]);
     let err = fx.hv().start(&two).await.unwrap_err();
     assert!(
