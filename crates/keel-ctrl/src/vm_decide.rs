@@ -14,12 +14,10 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase, PowerState,
-    RunPolicy, Snapshot, SnapshotPhase, StopReason, VirtualMachine,
+    disk_record, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase,
+    PowerState, RunPolicy, Snapshot, SnapshotPhase, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
-
-use keel_api::disk_record;
 
 use crate::config::LifecycleConfig;
 use crate::evict_decide::decide_eviction;
