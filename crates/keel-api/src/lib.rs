@@ -7,6 +7,7 @@
 
 pub mod clock;
 pub mod cloud_init;
+pub mod disk_record;
 pub mod event;
 pub mod image;
 pub mod migration;
@@ -15,6 +16,7 @@ pub mod network;
 pub mod node;
 pub mod readiness;
 pub mod snapshot;
+pub mod started_with;
 mod transitions;
 pub mod untrusted;
 pub mod user_migration;
@@ -23,6 +25,7 @@ pub mod vm;
 
 pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
 pub use cloud_init::CloudInitSpec;
+pub use disk_record::{DiskHome, DiskRecord};
 pub use event::Event;
 pub use image::{Image, ImageFormat, ImageKind};
 pub use migration::{
@@ -34,6 +37,7 @@ pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
 pub use readiness::{GuestAddress, InstanceReadiness, Readiness};
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};
+pub use started_with::StartedWith;
 pub use user_migration::{MigrateOutcome, MigrateRequest};
 pub use validation::ValidationError;
 pub use vm::*;

@@ -15,8 +15,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    validate_name, CloudInitSpec, InstanceReadiness, MacAddr, Millis, NetworkSpec, Readiness,
-    ValidationError,
+    validate_name, CloudInitSpec, DiskHome, DiskRecord, InstanceReadiness, MacAddr, Millis,
+    NetworkSpec, Readiness, ValidationError,
 };
 
 pub const DEFAULT_STOP_GRACE_PERIOD_S: u64 = 60;
@@ -317,44 +317,45 @@ pub struct VmStatus {
     /// recorded. Only nodes that see this home may run the VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_home: Option<DiskHome>,
-    /// An instance has run on the disks: from now on they must exist
-    /// wherever the VM starts, and are never created again. A VM never
-    /// boots on blank disks in place of its own.
+    /// An instance has run on the VM's disks. Kept for builds from before
+    /// per-disk records (`disks`), which create no disk once it is set;
+    /// this build goes by `disks`.
     #[serde(default)]
     pub disks_used: bool,
+    /// Each disk a start was allowed to make: when, where, and whether an
+    /// instance has run on it ([`crate::disk_record`]). `None` on records
+    /// from before them ([`VmStatus::disk_records`] reads those safely).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disks: Option<Vec<DiskRecord>>,
+    /// The spec fields changed since the current instance started that only
+    /// a new instance takes (`cpus`, `memory`, ...): a restart applies them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub restart_required: Vec<String>,
     /// How the user's last migration request ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrate_outcome: Option<crate::MigrateOutcome>,
 }
 
-/// Where a VM's disks are, as the nodes that can see them say.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum DiskHome {
-    /// In the node's own disk dir: only this node sees them.
-    Node(String),
-    /// In a directory shared by every node that mounts it at this path.
-    Shared(String),
-}
-
-impl std::fmt::Display for DiskHome {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            DiskHome::Node(node) => write!(f, "node-local storage on node {node}"),
-            DiskHome::Shared(dir) => write!(f, "shared storage {dir}"),
+impl VmStatus {
+    /// Whether an instance ran on the disks, as a record from before
+    /// per-disk records says it: `disks_used`, or for one from before disk
+    /// homes were kept (no home), any instance before.
+    pub fn legacy_disks_ran(&self) -> bool {
+        match self.disk_home {
+            Some(_) => self.disks_used,
+            None => self.instance_seq > 0,
         }
     }
-}
 
-impl VmStatus {
-    /// Whether a start may create missing disks: only until an instance has
-    /// run on them. A record from before disk homes were kept (no home, but
-    /// instances before) is treated as used.
-    pub fn may_create_disks(&self) -> bool {
-        match self.disk_home {
-            Some(_) => !self.disks_used,
-            None => self.instance_seq == 0,
-        }
+    /// The disk records as this build reads them ([`crate::disk_record::read`]),
+    /// the disks of `spec` on `home` for a record from before them.
+    pub fn disk_records(&self, spec: &VmSpec, home: &DiskHome) -> Vec<DiskRecord> {
+        crate::disk_record::read(
+            self.disks.as_deref(),
+            self.legacy_disks_ran(),
+            &spec.disk_names(),
+            home,
+        )
     }
 }
 
@@ -436,6 +437,10 @@ pub struct Instance {
     /// last of the state) the VM is Running, not booting again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resuming_after: Option<String>,
+    /// What it was started with, of the fields only a start takes. `None`
+    /// on instances from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started_with: Option<crate::StartedWith>,
 }
 
 impl Instance {
@@ -449,6 +454,7 @@ impl Instance {
             start_error: None,
             readiness: None,
             resuming_after: None,
+            started_with: None,
         }
     }
 }
@@ -869,6 +875,11 @@ impl VirtualMachine {
 }
 
 impl VmSpec {
+    /// The disks' names, in the spec's order.
+    pub fn disk_names(&self) -> Vec<&str> {
+        self.disks.iter().map(|d| d.name.as_str()).collect()
+    }
+
     /// This spec after a restore from a snapshot taken with `snapshot`: the
     /// snapshot brings back the hardware (cpus, memory, disks, boot), never
     /// the operating decisions (run policy, power, restart counter, stop

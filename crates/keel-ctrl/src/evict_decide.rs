@@ -167,15 +167,17 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
     // The guest moved, it did not boot again: it is as ready as it was
     // (its console log, which a console readiness check reads, stayed
     // with the source).
-    let readiness = vm
+    let source = vm
         .status
         .instance
         .as_ref()
-        .filter(|i| i.id == m.source_instance)
-        .and_then(|i| i.readiness.clone());
+        .filter(|i| i.id == m.source_instance);
+    let readiness = source.and_then(|i| i.readiness.clone());
     next.status.instance = Some(Instance {
         running_since: Some(now),
         readiness,
+        // The guest's hardware is the source's.
+        started_with: source.and_then(|i| i.started_with.clone()),
         resuming_after: Some(m.id.clone()),
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });

@@ -147,7 +147,7 @@ impl MigrationController {
                     disks: vm.spec.disks.clone(),
                     boot: vm.spec.boot.clone(),
                     // The source's disks, on storage both nodes share.
-                    create_disks: false,
+                    create_disks: keel_hv::DiskCreation::none(),
                     // The same NIC (MAC) and seed: the guest's device
                     // state arrives from the source and must fit them.
                     network: vm.nic(),

@@ -1150,6 +1150,15 @@ impl VmController {
         })
     }
 
+    /// The disks of `vm`'s spec its start here may make where missing
+    /// (`keel_api::disk_record::makeable`); the others must exist.
+    fn disks_to_make(&self, vm: &VirtualMachine) -> keel_hv::DiskCreation {
+        let here = self.cfg.disk_home();
+        let records = vm.status.disk_records(&vm.spec, &here);
+        let names = vm.spec.disk_names();
+        keel_hv::DiskCreation::Only(keel_api::disk_record::makeable(&records, &names, &here))
+    }
+
     /// NotFound from shutdown, kill or cleanup means the domain is absent,
     /// which is what those calls want: success. The next lookup sees it too.
     async fn act(&self, vm: &VirtualMachine, action: &HvAction) -> Result<(), ActError> {
@@ -1179,7 +1188,7 @@ impl VmController {
                         memory_mib: vm.spec.memory_mib,
                         disks: vm.spec.disks.clone(),
                         boot: vm.spec.boot.clone(),
-                        create_disks: vm.status.may_create_disks(),
+                        create_disks: self.disks_to_make(vm),
                         network: vm.nic(),
                         cloud_init: vm.spec.cloud_init.clone(),
                         images,

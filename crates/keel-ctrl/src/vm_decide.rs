@@ -14,13 +14,14 @@
 //! - Once a stop has begun it runs to completion; a new start waits for it.
 
 use keel_api::{
-    ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase, PowerState,
-    RunPolicy, Snapshot, SnapshotPhase, StopReason, VirtualMachine,
+    disk_record, ExitKind, ExitRecord, Instance, Migration, MigrationPhase, Millis, Phase,
+    PowerState, RunPolicy, Snapshot, SnapshotPhase, StopReason, VirtualMachine,
 };
 use keel_hv::{DomainInfo, DomainState, ExitCause};
 
 use crate::config::LifecycleConfig;
 use crate::evict_decide::decide_eviction;
+use crate::restart_required;
 use crate::step::{backoff, persist_if_changed, HvAction, Step};
 use crate::stop::{agent_shutdown_at, begin_stop, grace_end};
 use crate::user_migrate_decide::decide_user_migration;
@@ -353,11 +354,23 @@ fn keep_running(
         }
     }
     if running {
-        // The guest has run on its disks: from now on they are the VM's
-        // data, and no start anywhere may create blank ones instead.
+        // The guest has run on the disks it was started with: from now on
+        // they are the VM's data, and no start anywhere may create blank
+        // ones instead. (`disks_used` for builds before per-disk records.)
         status.disks_used = true;
-        status.disk_home.get_or_insert_with(|| cfg.disk_home());
+        let home = status
+            .disk_home
+            .get_or_insert_with(|| cfg.disk_home())
+            .clone();
+        let started = inst.started_with.as_ref().map_or_else(
+            || vm.spec.disks.iter().map(|d| d.name.clone()).collect(),
+            |s| s.disks.clone(),
+        );
+        let mut records = vm.status.disk_records(&vm.spec, &home);
+        disk_record::mark_used(&mut records, &started, &home);
+        status.disks = Some(records);
     }
+    status.restart_required = restart_required::fields(vm);
     if settled {
         status.failed_starts = 0;
         status.next_start_at = None;
@@ -408,6 +421,7 @@ fn instance_gone(
     status.instance = None;
     status.stop = None;
     status.message = None;
+    status.restart_required.clear();
     if vm
         .status
         .stop
@@ -582,6 +596,11 @@ fn no_instance(
 ) -> Step {
     let mut next = vm.clone();
     next.status.message = None;
+    if let (None, Some(home)) = (&vm.status.disks, &vm.status.disk_home) {
+        // A record from before per-disk records: read once, as early as
+        // possible, while its spec still names the disks it had then.
+        next.status.disks = Some(vm.status.disk_records(&vm.spec, home));
+    }
     // Anything of this VM still on the node is dealt with before a start
     // or a deletion: a live one is adopted (and then stopped or kept by the
     // normal rules), an exited one is cleaned up.
@@ -667,9 +686,18 @@ fn no_instance(
         ));
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
+    // Each disk of the spec is recorded before the node is asked to make
+    // it; the start may make only those no instance has run on.
+    let mut records = vm.status.disk_records(&vm.spec, &here);
+    disk_record::record_start(&mut records, &vm.spec.disk_names(), &here, now);
+    next.status.disks = Some(records);
     next.status.disk_home.get_or_insert(here);
     let id = next.mint_instance_id();
-    next.status.instance = Some(Instance::new(id, &cfg.node, now));
+    next.status.instance = Some(Instance {
+        started_with: Some(restart_required::started_with(vm)),
+        ..Instance::new(id, &cfg.node, now)
+    });
+    next.status.restart_required.clear();
     next.status.next_start_at = None;
     next.status.phase = Phase::Starting;
     Step::Persist {
@@ -1060,7 +1088,11 @@ mod tests {
             panic!()
         };
         assert_eq!(next.status.disk_home, Some(DiskHome::Node("a".into())));
-        assert!(next.status.may_create_disks());
+        let records = next.status.disks.unwrap();
+        assert!(
+            records.iter().all(|r| !r.used),
+            "made, not used: {records:?}"
+        );
     }
 
     /// A migration's target is Running while it waits to be resumed; once

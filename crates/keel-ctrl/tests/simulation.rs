@@ -144,11 +144,18 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                     None => false,
                 };
                 if untracked && rng.gen_bool(0.2) {
-                    // An instance left behind by an earlier agent, unknown to the record.
+                    // An instance left behind by an earlier agent, unknown to the record:
+                    // started, as that agent would have, on the VM's disks. (Adopted and
+                    // seen running, they count as used, so they must exist.)
                     let orphan = format!("{name}-orphan-{step}");
-                    w.hv.start(&DomainSpec::bare(name, &orphan, 1, 64))
-                        .await
-                        .ok();
+                    let disks = spec(RunPolicy::Manual, PowerState::Running, 5).disks;
+                    w.hv.start(&DomainSpec {
+                        create_disks: keel_hv::DiskCreation::all_of(&disks),
+                        disks,
+                        ..DomainSpec::bare(name, &orphan, 1, 64)
+                    })
+                    .await
+                    .ok();
                     orphans.insert(orphan.clone());
                     trace.push(format!("step {step}: orphan {orphan} planted"));
                     continue;

@@ -59,7 +59,7 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
                 image: None,
             }],
             boot: Default::default(),
-            create_disks: true,
+            create_disks: keel_hv::DiskCreation::Only(vec!["root".into()]),
             network: Default::default(),
             cloud_init: None,
             images: vec![],
@@ -115,7 +115,38 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
     let legacy = c.vm("legacy").await;
     assert_eq!(legacy.status.phase, Phase::Running, "{legacy:?}");
     assert_ne!(legacy.status.instance.as_ref().unwrap().id, "legacy-1");
-    assert!(!legacy.status.may_create_disks());
+    // The old record said it ran: its disk is read as made and used.
+    let records = legacy.status.disks.clone().unwrap();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert!(records[0].name == "root" && records[0].used && records[0].made_at.is_none());
+    assert!(
+        legacy.status.disks_used,
+        "still set for builds before per-disk records"
+    );
+    assert_eq!(
+        c.agents[0].hv.disk_record("legacy", 3).as_deref(),
+        Some("from the old release")
+    );
+
+    // A disk added after the upgrade is new: the next start makes it, and
+    // only it.
+    c.update_vm("legacy", |v: &mut VirtualMachine| {
+        let mut spec = v.spec.clone();
+        spec.disks.push(keel_api::DiskSpec {
+            name: "extra".into(),
+            size_mib: 64,
+            image: None,
+        });
+        v.replace_spec(spec).unwrap();
+        v.request_restart().unwrap();
+    })
+    .await;
+    c.run(20_000).await;
+    let legacy = c.vm("legacy").await;
+    assert_eq!(legacy.status.phase, Phase::Running, "{legacy:?}");
+    assert!(c.agents[0].hv.has_disk("legacy", "extra"));
+    let extra = legacy.status.disks.as_ref().unwrap();
+    assert!(extra.iter().all(|r| r.used), "{extra:?}");
     assert_eq!(
         c.agents[0].hv.disk_record("legacy", 3).as_deref(),
         Some("from the old release")

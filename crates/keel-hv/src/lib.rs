@@ -13,6 +13,7 @@
 // compile this crate with cfg(test)), `expect` states an invariant.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod disk_creation;
 pub mod free_space;
 pub mod guest;
 pub mod guest_info;
@@ -24,6 +25,7 @@ pub mod qemu;
 pub mod sim;
 pub mod unprivileged;
 
+pub use disk_creation::DiskCreation;
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
 
 use async_trait::async_trait;
@@ -40,11 +42,11 @@ pub struct DomainSpec {
     pub memory_mib: u64,
     pub disks: Vec<keel_api::DiskSpec>,
     pub boot: keel_api::BootSpec,
-    /// Whether missing disks may be created (only before an instance has
-    /// ever run on them). Otherwise a missing disk fails the start, with
-    /// the path in the reason: never a blank disk in place of the VM's own.
-    #[serde(default = "create_disks_default")]
-    pub create_disks: bool,
+    /// Which missing disks may be made (those no instance has run on).
+    /// A missing disk it does not allow fails the start, with the path in
+    /// the reason: never a blank disk in place of the VM's own.
+    #[serde(default)]
+    pub create_disks: DiskCreation,
     /// The NIC. The controller always sends the VM's MAC; a launch record
     /// from before NICs decodes to user mode without one (the driver then
     /// uses the MAC derived from the VM name, as the controller would).
@@ -72,18 +74,12 @@ impl DomainSpec {
             memory_mib,
             disks: vec![],
             boot: Default::default(),
-            create_disks: true,
+            create_disks: DiskCreation::none(),
             network: Default::default(),
             cloud_init: None,
             images: vec![],
         }
     }
-}
-
-/// Launch records written before `create_disks` existed came from starts
-/// that created disks as needed.
-fn create_disks_default() -> bool {
-    true
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

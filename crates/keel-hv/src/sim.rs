@@ -223,9 +223,11 @@ pub struct SimFabric {
     disks: Arc<Mutex<BTreeMap<String, SimDisks>>>,
 }
 
-/// A VM's disks as the guest sees them: records by slot, and snapshots of them.
+/// A VM's disks as the guest sees them: records by slot, and snapshots of
+/// them; and which disks (by name) were made.
 #[derive(Debug, Clone, Default)]
 struct SimDisks {
+    made: std::collections::BTreeSet<String>,
     records: BTreeMap<u32, String>,
     snapshots: BTreeMap<String, BTreeMap<u32, String>>,
 }
@@ -369,6 +371,19 @@ impl SimHypervisor {
 
     pub fn has_disks(&self, vm: &str) -> bool {
         self.disks().contains_key(vm)
+    }
+
+    /// Whether disk `disk` of `vm` was made (and not deleted since).
+    pub fn has_disk(&self, vm: &str, disk: &str) -> bool {
+        self.disks().get(vm).is_some_and(|d| d.made.contains(disk))
+    }
+
+    /// Disk `disk` of `vm` is lost (deleted behind Keel's back, storage
+    /// not mounted): a start that may not make it fails.
+    pub fn lose_disk(&self, vm: &str, disk: &str) {
+        if let Some(d) = self.disks().get_mut(vm) {
+            d.made.remove(disk);
+        }
     }
 
     /// Whether `vm`'s disks (as this node sees them) hold snapshot `name`.
@@ -862,17 +877,26 @@ impl Hypervisor for SimHypervisor {
                 instance: spec.instance.clone(),
             });
         }
-        if spec.create_disks {
-            self.disks().entry(spec.vm.clone()).or_default();
-        } else if !self.disks().contains_key(&spec.vm) {
-            return Err(HvError::Failed {
-                instance: spec.instance.clone(),
-                op: "start",
-                reason: format!(
-                    "the disks of VM {} are not on node {}: no blank ones are made in their place",
-                    spec.vm, self.node
-                ),
+        // Every disk that may not be made must exist before any is made.
+        {
+            let mut all = self.disks();
+            let made = all.get(&spec.vm).map(|d| &d.made);
+            let missing = spec.disks.iter().find(|d| {
+                !made.is_some_and(|m| m.contains(&d.name)) && !spec.create_disks.allows(&d.name)
             });
+            if let Some(disk) = missing {
+                return Err(HvError::Failed {
+                    instance: spec.instance.clone(),
+                    op: "start",
+                    reason: format!(
+                        "disk {} of VM {} is missing on node {}: the VM has run on it, so no \
+                         blank one is made in its place",
+                        disk.name, spec.vm, self.node
+                    ),
+                });
+            }
+            let disks = all.entry(spec.vm.clone()).or_default();
+            disks.made.extend(spec.disks.iter().map(|d| d.name.clone()));
         }
         if let Some((left, reason)) = s.failing_starts.get_mut(&spec.vm) {
             if *left > 0 {
@@ -1517,6 +1541,7 @@ impl Hypervisor for SimHypervisor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DiskCreation;
     use keel_api::ManualClock;
 
     fn spec(vm: &str, instance: &str) -> DomainSpec {
@@ -1527,21 +1552,62 @@ mod tests {
     async fn a_start_that_may_not_create_disks_needs_them_to_exist() {
         let clock = ManualClock::new(0);
         let hv = SimHypervisor::new(Arc::new(clock.clone()), 1, SimConfig::default());
+        let disk = |name: &str| keel_api::DiskSpec {
+            name: name.into(),
+            size_mib: 64,
+            image: None,
+        };
         let used = DomainSpec {
-            create_disks: false,
+            disks: vec![disk("root")],
+            create_disks: DiskCreation::none(),
             ..spec("a", "a-1")
         };
         let err = hv.start(&used).await.unwrap_err();
         assert!(matches!(err, HvError::Failed { .. }), "{err:?}");
-        assert!(!hv.has_disks("a") && hv.live_instances("a").is_empty());
-        hv.start(&spec("a", "a-2")).await.unwrap();
-        hv.kill("a-2").await.unwrap();
+        assert!(!hv.has_disk("a", "root") && hv.live_instances("a").is_empty());
         hv.start(&DomainSpec {
-            instance: "a-3".into(),
-            ..used
+            instance: "a-2".into(),
+            create_disks: DiskCreation::all_of(&used.disks),
+            ..used.clone()
         })
         .await
         .unwrap();
+        hv.kill("a-2").await.unwrap();
+        hv.start(&DomainSpec {
+            instance: "a-3".into(),
+            ..used.clone()
+        })
+        .await
+        .unwrap();
+        hv.kill("a-3").await.unwrap();
+        // A second disk may be made beside the one that must exist; lost,
+        // the first fails the start and the second is not made either.
+        let two = DomainSpec {
+            disks: vec![disk("root"), disk("extra")],
+            create_disks: DiskCreation::Only(vec!["extra".into()]),
+            ..used.clone()
+        };
+        hv.lose_disk("a", "root");
+        let err = hv
+            .start(&DomainSpec {
+                instance: "a-4".into(),
+                ..two.clone()
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("disk root of VM a is missing"),
+            "{err}"
+        );
+        assert!(!hv.has_disk("a", "extra"), "nothing made by a failed start");
+        hv.start(&DomainSpec {
+            instance: "a-5".into(),
+            create_disks: DiskCreation::all_of(&two.disks),
+            ..two.clone()
+        })
+        .await
+        .unwrap();
+        assert!(hv.has_disk("a", "root") && hv.has_disk("a", "extra"));
     }
 
     #[tokio::test]

@@ -539,7 +539,7 @@ async fn a_start_that_may_not_create_disks_fails_on_missing_ones() {
         return;
     };
     let used = keel_hv::DomainSpec {
-        create_disks: false,
+        create_disks: keel_hv::DiskCreation::none(),
         ..spec("web", "web-1")
     };
     let err = fx.hv().start(&used).await.unwrap_err();
@@ -549,6 +549,30 @@ async fn a_start_that_may_not_create_disks_fails_on_missing_ones() {
     );
     assert!(!fx.hv().disk_path("web", "data").exists());
     assert!(fx.hv().info("web-1").await.unwrap_err().is_not_found());
+
+    // Per disk: a new disk may be made beside a used one, but not while the
+    // used one is missing; the refusal comes before anything is made, even
+    // of a disk listed before it.
+    let mut two = used.clone();
+    two.instance = "web-2".into();
+    two.disks.insert(
+        0,
+        keel_api::DiskSpec {
+            name: "extra".into(),
+            size_mib: 16,
+            image: None,
+        },
+    );
+    two.create_disks = keel_hv::DiskCreation::Only(vec!["extra".into()]);
+    let err = fx.hv().start(&two).await.unwrap_err();
+    assert!(
+        err.to_string().contains("disk data of VM web is missing"),
+        "{err}"
+    );
+    assert!(
+        !fx.hv().disk_path("web", "extra").exists(),
+        "made before the check"
+    );
 }
 
 /// An instance directory that went missing (deleted by hand, a lost mount)

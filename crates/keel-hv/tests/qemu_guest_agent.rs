@@ -94,7 +94,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
             firmware: Some(keel_api::Firmware::Bios),
             ..Default::default()
         },
-        create_disks: false,
+        create_disks: keel_hv::DiskCreation::none(),
         images: vec![],
         // With a NIC, the agent reports the guest's DHCP address too.
         network: Default::default(),

@@ -33,7 +33,11 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         memory_mib: 64,
         disks: disks(),
         boot: BootSpec::default(),
-        create_disks,
+        create_disks: if create_disks {
+            keel_hv::DiskCreation::all_of(&disks())
+        } else {
+            keel_hv::DiskCreation::none()
+        },
         network: Default::default(),
         cloud_init: None,
         images: vec![image.clone()],

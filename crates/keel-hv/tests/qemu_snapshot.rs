@@ -37,7 +37,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         memory_mib: 256,
         disks: disks(),
         boot: BootSpec::default(),
-        create_disks: true,
+        create_disks: keel_hv::DiskCreation::all_of(&disks()),
         network: Default::default(),
         cloud_init: None,
         images: vec![],

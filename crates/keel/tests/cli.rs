@@ -619,3 +619,45 @@ fn max_concurrent_reconciles_of_zero_is_refused_naming_the_flag() {
         "nothing started"
     );
 }
+
+/// CPU and memory changed on a running VM wait for a restart, and `vm get`
+/// and `vm list` say so until one has run.
+#[test]
+fn vm_get_and_list_show_the_fields_a_restart_would_apply() {
+    let server = TestServer::start();
+    ok(&keel(
+        &server,
+        &[
+            "vm", "create", "rr", "--memory", "128", "--policy", "manual",
+        ],
+    ));
+    let running = server.wait_vm("rr", "run", |v| phase(v) == "Running");
+    let mut spec = running["vm"]["spec"].clone();
+    spec["cpus"] = 2.into();
+    spec["memory_mib"] = 256.into();
+    let r = server.send(
+        "PUT",
+        "/api/v1/vms/rr/spec",
+        &serde_json::json!({"spec": spec, "revision": running["revision"]}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let vm = server.wait_vm("rr", "show the restart required", |v| {
+        v["vm"]["status"]["restart_required"] == serde_json::json!(["cpus", "memory"])
+    });
+    assert_eq!(instance(&vm), instance(&running), "not restarted by itself");
+    let get = ok(&keel(&server, &["vm", "get", "rr"]));
+    assert!(get.contains("restart required: cpus, memory"), "{get}");
+    let table = ok(&keel(&server, &["vm", "list"]));
+    assert!(
+        table.contains("RESTART") && table.contains("cpus,memory"),
+        "{table}"
+    );
+
+    ok(&keel(
+        &server,
+        &["vm", "restart", "rr", "--wait", "--timeout", "60"],
+    ));
+    let get = ok(&keel(&server, &["vm", "get", "rr"]));
+    assert!(!get.contains("restart required"), "{get}");
+    assert!(get.contains("cpus:") && get.contains("2"), "{get}");
+}

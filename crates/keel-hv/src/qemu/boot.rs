@@ -262,7 +262,7 @@ mod tests {
                 image: disk_image.map(Into::into),
             }],
             boot,
-            create_disks: true,
+            create_disks: crate::DiskCreation::Legacy(true),
             images: vec![],
         }
     }

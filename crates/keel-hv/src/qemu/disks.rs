@@ -15,7 +15,7 @@ use keel_api::validate_name;
 use super::layout::rename_noreplace;
 use super::QemuDriver;
 use super::{blocking, boot};
-use crate::{free_space, DomainSpec, HvError};
+use crate::{free_space, DiskCreation, DomainSpec, HvError};
 
 impl QemuDriver {
     /// Where disk `disk` of `vm` is (or would be) stored.
@@ -26,36 +26,41 @@ impl QemuDriver {
         }
     }
 
-    /// Creates missing qcow2 images if `create`; existing ones are left as
-    /// they are. Without `create` a missing image fails, naming it: the VM
-    /// has run on its disks, and a blank one must never take their place.
-    /// Returns the image paths in `disks` order, or why not.
+    /// Creates the missing qcow2 images `create` allows; existing ones are
+    /// left as they are. A missing image it does not allow fails, naming
+    /// it, before any is made: the VM has run on that disk, and a blank one
+    /// must never take its place. Returns the image paths in `disks`
+    /// order, or why not.
     pub(super) async fn ensure_disks(
         &self,
         vm: &str,
         disks: &[keel_api::DiskSpec],
-        create: bool,
+        create: &DiskCreation,
         images: &[(keel_api::Image, PathBuf)],
     ) -> Result<Vec<PathBuf>, String> {
         let vm_dir = self.inner.layout.vm_disks(vm);
         tokio::fs::create_dir_all(&vm_dir)
             .await
             .map_err(|e| format!("{}: {e}", vm_dir.display()))?;
-        let mut paths = Vec::new();
+        let mut found = Vec::new();
         for disk in disks {
             let path = self.inner.layout.disk(vm, &disk.name);
             // The disk dir may be shared storage: even a stat can hang.
             let exists = tokio::fs::try_exists(&path)
                 .await
                 .map_err(|e| format!("{}: {e}", path.display()))?;
-            if !create && !exists {
+            if !exists && !create.allows(&disk.name) {
                 return Err(format!(
-                    "disk {} of VM {vm} is missing at {}: the VM has run on its disks, so no \
+                    "disk {} of VM {vm} is missing at {}: the VM has run on it, so no \
                      blank one is made in its place (wrong node, or shared storage not mounted?)",
                     disk.name,
                     path.display()
                 ));
             }
+            found.push((path, exists));
+        }
+        let mut paths = Vec::new();
+        for (disk, (path, exists)) in disks.iter().zip(found) {
             // Callers that only need the disks to exist (a snapshot) pass
             // no images; a start passes every one, verified.
             let base = disk

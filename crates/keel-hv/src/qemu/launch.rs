@@ -91,7 +91,7 @@ impl QemuDriver {
         let disks = if incoming {
             self.existing_disks(spec).await?
         } else {
-            self.ensure_disks(&spec.vm, &spec.disks, spec.create_disks, &images)
+            self.ensure_disks(&spec.vm, &spec.disks, &spec.create_disks, &images)
                 .await
                 .map_err(&failed)?
         };

@@ -202,7 +202,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
             image: None,
         }],
         boot: BootSpec::default(),
-        create_disks: true,
+        create_disks: keel_hv::DiskCreation::Only(vec!["data".into()]),
         network: Default::default(),
         cloud_init: None,
         images: vec![],

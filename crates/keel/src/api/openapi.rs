@@ -347,7 +347,11 @@ fn schemas() -> Value {
             "message": {"type": "string"},
             "node": {"type": "string", "description": "Where the next instance starts"},
             "eviction": {"$ref": "#/components/schemas/Eviction"},
-            "migration_seq": {"type": "integer"}
+            "migration_seq": {"type": "integer"},
+            "disks": {"type": "array", "description": "Each disk a start could make: when, on which disk home, and whether an instance has run on it (then it must exist, never made again)", "items": {"type": "object", "properties": {
+                "name": {"type": "string"}, "made_at": millis, "home": {"type": "object"}, "used": {"type": "boolean"}
+            }}},
+            "restart_required": {"type": "array", "items": {"type": "string"}, "description": "Fields changed since the instance started that only a new instance takes (cpus, memory, disks, boot, network, cloud_init)"}
         }},
         "Eviction": {"type": "object", "description": "Moving the VM off a draining node", "properties": {
             "drain_requested_at": millis,

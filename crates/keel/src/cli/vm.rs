@@ -122,7 +122,7 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
     output::print(out, &resp, || {
         let mut t = Table::new(&[
             "NAME", "PHASE", "READY", "POWER", "POLICY", "CPUS", "MEMORY", "INSTANCE", "NODE",
-            "REASON",
+            "RESTART", "REASON",
         ]);
         for item in &resp.items {
             let vm = &item.vm;
@@ -142,6 +142,7 @@ fn list(client: &Client, out: OutputFormat) -> anyhow::Result<()> {
                 format!("{}Mi", vm.spec.memory_mib),
                 inst.map(|i| i.id.clone()).unwrap_or_else(|| "-".into()),
                 inst.map(|i| i.node.clone()).unwrap_or_else(|| "-".into()),
+                restart_column(vm),
                 vm.status.message.clone().unwrap_or_else(|| "-".into()),
             ]);
         }
@@ -244,6 +245,9 @@ fn describe(resp: &VmResponse) -> String {
         }
         None => pairs.push(("instance", "-".into())),
     }
+    if !s.restart_required.is_empty() {
+        pairs.push(("restart required", s.restart_required.join(", ")));
+    }
     if let Some(exit) = &s.last_exit {
         pairs.push((
             "last exit",
@@ -271,6 +275,16 @@ fn describe(resp: &VmResponse) -> String {
     ));
     pairs.push(("revision", resp.revision.to_string()));
     fields(&pairs)
+}
+
+/// `vm list`'s RESTART: the fields a restart would apply (`cpus,memory`),
+/// or `-`.
+fn restart_column(vm: &VirtualMachine) -> String {
+    if vm.status.restart_required.is_empty() {
+        "-".into()
+    } else {
+        vm.status.restart_required.join(",")
+    }
 }
 
 /// `yes, since …` or `no: <why>`.

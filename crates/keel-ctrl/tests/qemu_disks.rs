@@ -1,0 +1,85 @@
+//! Per-disk creation and restart-required against real QEMU, through the
+//! controller runtime as `keel serve` runs it: a disk added to a stopped
+//! VM that ran is made at its next start, which runs with both disks (the
+//! guest's record on the first is still there); a CPU change of the
+//! running VM shows as `restart_required` without a restart.
+
+mod qemu;
+
+use std::time::{Duration, Instant};
+
+use keel_api::{DiskSpec, Phase, RunPolicy, VirtualMachine};
+use qemu::Env;
+
+const BOOT: Duration = Duration::from_secs(60);
+
+fn cmdline(pid: i32) -> String {
+    String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap())
+        .replace('\0', " ")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_added_after_the_first_run_is_made_and_both_are_attached() {
+    let Some(env) = Env::new().await else { return };
+    let began = Instant::now();
+    let vm = "h5grow";
+    env.create(vm, Env::spec(RunPolicy::Manual, 30)).await;
+    let (first, mut guest) = env.ready(vm, BOOT).await;
+    guest.put(7, "kept across the new disk").await.unwrap();
+    drop(guest);
+    env.user(vm, VirtualMachine::request_stop).await;
+    env.wait_for(vm, BOOT, "stopped", |v| {
+        v.status.phase == Phase::Stopped && v.status.instance.is_none()
+    })
+    .await;
+
+    env.user(vm, |v| {
+        let mut spec = v.spec.clone();
+        spec.disks.push(DiskSpec {
+            name: "extra".into(),
+            size_mib: 16,
+            image: None,
+        });
+        v.replace_spec(spec)?;
+        v.request_start()
+    })
+    .await;
+    let (second, mut guest) = env.ready(vm, BOOT).await;
+    assert_ne!(first, second);
+    assert_eq!(
+        guest.get(7).await.unwrap(),
+        "kept across the new disk",
+        "the first disk is the old one"
+    );
+    let data = env.driver.disk_path(vm, "data");
+    let extra = env.driver.disk_path(vm, "extra");
+    assert!(extra.is_file(), "{} not made", extra.display());
+    let pids = env.qemu_pids(&format!("guest={second}"));
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let argv = cmdline(pids[0]);
+    for disk in [&data, &extra] {
+        assert!(
+            argv.contains(&*disk.to_string_lossy()),
+            "{} not on QEMU's command line: {argv}",
+            disk.display()
+        );
+    }
+    let record = env.vm(vm).await;
+    let disks = record.status.disks.clone().unwrap();
+    assert!(disks.iter().all(|d| d.used), "{disks:?}");
+
+    // More CPUs for the running VM: shown, not applied by itself.
+    env.user(vm, |v| {
+        let mut spec = v.spec.clone();
+        spec.cpus = 2;
+        v.replace_spec(spec)
+    })
+    .await;
+    let shown = env
+        .wait_for(vm, Duration::from_secs(10), "showing the restart", |v| {
+            v.status.restart_required == ["cpus"]
+        })
+        .await;
+    assert_eq!(shown.status.instance.unwrap().id, second);
+    eprintln!("took {:?}", began.elapsed());
+}
