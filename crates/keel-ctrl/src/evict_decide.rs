@@ -177,6 +177,8 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         running_since: Some(now),
         readiness,
         resuming_after: Some(m.id.clone()),
+        // As the target was launched (the migration controller's start).
+        fenced: vm.instance_fenced(&m.source_instance),
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
@@ -580,6 +582,7 @@ mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         )
     }
@@ -602,6 +605,7 @@ mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

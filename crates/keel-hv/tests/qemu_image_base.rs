@@ -36,6 +36,7 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         create_disks,
         network: Default::default(),
         cloud_init: None,
+        fenced: true,
         images: vec![image.clone()],
     }
 }

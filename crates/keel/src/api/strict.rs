@@ -40,6 +40,8 @@ struct StrictVmSpec {
     network: StrictNetworkSpec,
     #[serde(default)]
     cloud_init: Option<StrictCloudInitSpec>,
+    #[serde(default)]
+    ha: Option<bool>,
 }
 
 #[derive(Default, Deserialize)]
@@ -122,6 +124,7 @@ impl From<StrictVmSpec> for VmSpec {
             readiness,
             network,
             cloud_init,
+            ha,
         } = s;
         let StrictNetworkSpec {
             mac,
@@ -196,6 +199,7 @@ impl From<StrictVmSpec> for VmSpec {
                     instance_id,
                 },
             ),
+            ha,
         }
     }
 }
@@ -217,6 +221,7 @@ fn covers_every_field(spec: VmSpec) {
         readiness: _,
         network,
         cloud_init,
+        ha: _,
     } = spec;
     let NetworkSpec {
         mac: _,
@@ -305,6 +310,7 @@ mod tests {
                 user_data: Some("#cloud-config\n".into()),
                 instance_id: Some("i-1".into()),
             }),
+            ha: Some(false),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();
