@@ -345,4 +345,15 @@ mod tests {
             assert!(err.to_string().contains("bogus"), "{body}: {err}");
         }
     }
+
+    #[test]
+    fn ha_is_a_boolean_or_left_out() {
+        let body = |ha: &str| format!(r#"{{"spec":{{"cpus":1,"memory_mib":64{ha}}}}}"#);
+        let spec = |ha: &str| serde_json::from_str::<Body>(&body(ha)).map(|b| b.spec.ha);
+        assert_eq!(spec("").unwrap(), None);
+        assert_eq!(spec(r#","ha":false"#).unwrap(), Some(false));
+        assert_eq!(spec(r#","ha":true"#).unwrap(), Some(true));
+        let err = spec(r#","ha":"yes""#).unwrap_err();
+        assert!(err.to_string().contains("boolean"), "{err}");
+    }
 }
