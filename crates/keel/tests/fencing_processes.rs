@@ -207,7 +207,9 @@ async fn only_guests_another_node_could_run_are_fenced() {
         })
     };
     let local_intact = |when: &str| {
-        if let Some(change) = local_changed.lock().unwrap().as_ref() {
+        // Read before panicking: a poisoned lock would fail the sampler too.
+        let change = local_changed.lock().unwrap().clone();
+        if let Some(change) = change {
             panic!("{when}: halocal's QEMU changed: {change}");
         }
     };
