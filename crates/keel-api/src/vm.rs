@@ -95,6 +95,14 @@ pub struct VmSpec {
     /// A cloud-init NoCloud seed for the guest, when set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<CloudInitSpec>,
+    /// High availability: whether the cluster may start the VM on another
+    /// node when its node is lost, and so must fence (kill) it there first.
+    /// `None`: on where the disk home is shared, off where it is
+    /// node-local ([`VmSpec::ha_on`]). Only an instance on shared disks is
+    /// ever fenced ([`VmSpec::fenced_on`]): one nobody else could take over
+    /// keeps running through its agent's death and store outages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ha: Option<bool>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -441,10 +449,24 @@ pub struct Instance {
     /// on instances from before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started_with: Option<crate::StartedWith>,
+    /// Whether this instance runs under the node's fence lease (killed when
+    /// it lapses) and so may be taken over when its node is lost. Decided
+    /// once, when the instance is recorded ([`VmSpec::fenced_on`]); a later
+    /// change of `spec.ha` applies to the next instance only, since turning
+    /// HA on for a running unfenced guest would otherwise let the cluster
+    /// start a second one beside it. Records from before: fenced, as every
+    /// instance of a cluster node was then.
+    #[serde(default = "fenced_before_ha")]
+    pub fenced: bool,
+}
+
+fn fenced_before_ha() -> bool {
+    true
 }
 
 impl Instance {
     /// A new instance, recorded before the hypervisor is asked to start it.
+    /// Fenced unless the caller says otherwise (see [`Instance::fenced`]).
     pub fn new(id: impl Into<String>, node: impl Into<String>, created_at: Millis) -> Self {
         Self {
             id: id.into(),
@@ -455,7 +477,15 @@ impl Instance {
             readiness: None,
             resuming_after: None,
             started_with: None,
+            fenced: true,
         }
+    }
+}
+
+impl DiskHome {
+    /// Whether another node could open these disks (and so run the VM).
+    pub fn is_shared(&self) -> bool {
+        matches!(self, DiskHome::Shared(_))
     }
 }
 
@@ -511,6 +541,18 @@ pub struct ExitRecord {
 }
 
 impl VirtualMachine {
+    /// Whether the recorded instance `id` runs fenced; one not recorded
+    /// (any more) counts as fenced, the cautious answer. A migration's
+    /// target takes its source's answer: the guest moves, its fencing
+    /// with it, decided once at the source's start.
+    pub fn instance_fenced(&self, id: &str) -> bool {
+        self.status
+            .instance
+            .as_ref()
+            .filter(|i| i.id == id)
+            .is_none_or(|i| i.fenced)
+    }
+
     pub fn new(name: impl Into<String>, spec: VmSpec) -> Self {
         Self {
             name: name.into(),
@@ -904,6 +946,8 @@ impl VmSpec {
             // does not come back as a new machine.
             network: _,
             cloud_init: _,
+            // HA is an operating decision, like the node pin.
+            ha: _,
         } = snapshot.clone();
         // Readiness describes the guest on the disks (does it run an
         // agent?), so it comes back with them.
@@ -1031,6 +1075,20 @@ fn validate_image_ref(used: &ImageUse) -> Result<(), ValidationError> {
 }
 
 impl VmSpec {
+    /// Effective HA on disks at `home`: the user's word, or on exactly
+    /// where another node could take the VM over.
+    pub fn ha_on(&self, home: &DiskHome) -> bool {
+        self.ha.unwrap_or(home.is_shared())
+    }
+
+    /// Whether an instance started now on disks at `home` is fenced: HA on
+    /// *and* disks another node can see. HA on node-local disks fences
+    /// nothing: no node could start the VM in its place, so a kill would
+    /// only cost downtime.
+    pub fn fenced_on(&self, home: &DiskHome) -> bool {
+        self.ha_on(home) && home.is_shared()
+    }
+
     /// Every image the spec names, in disk order, then kernel and initrd.
     pub fn images(&self) -> Vec<ImageUse> {
         use crate::ImageKind;
@@ -1087,6 +1145,7 @@ mod tests {
             readiness: Readiness::Agent,
             network: NetworkSpec::default(),
             cloud_init: None,
+            ha: None,
         }
     }
 

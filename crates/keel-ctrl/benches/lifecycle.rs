@@ -483,6 +483,7 @@ impl Bench {
             readiness: keel_api::Readiness::Agent,
             network: Default::default(),
             cloud_init: None,
+            ha: None,
         }
     }
 

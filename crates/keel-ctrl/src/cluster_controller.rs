@@ -280,10 +280,15 @@ pub(crate) async fn take_over(
         }
         match fence.update(store, &vm_key(&vm.name), &next, read_at).await {
             Ok(revision) => {
-                tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
+                let kept = next.status.instance.is_some() && vm.status.instance.is_some();
+                if kept {
+                    tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM not fenced, waits for its node");
+                } else {
+                    tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
+                    taken += 1;
+                }
                 record_event(store, vm, &next, revision, now, fence).await;
                 state.written(next, revision);
-                taken += 1;
             }
             Err(StoreError::Conflict { .. }) => {}
             Err(e) => return Err(e),

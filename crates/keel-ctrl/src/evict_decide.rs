@@ -179,6 +179,8 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         // The guest's hardware is the source's.
         started_with: source.and_then(|i| i.started_with.clone()),
         resuming_after: Some(m.id.clone()),
+        // As the target was launched (the migration controller's start).
+        fenced: vm.instance_fenced(&m.source_instance),
         ..Instance::new(&m.target_instance, &m.target_node, m.created_at)
     });
     next.status.node = Some(m.target_node.clone());
@@ -582,6 +584,7 @@ mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         )
     }
@@ -604,6 +607,7 @@ mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

@@ -153,6 +153,8 @@ impl MigrationController {
                     network: vm.nic(),
                     cloud_init: vm.spec.cloud_init.clone(),
                     images,
+                    // The guest keeps the fencing its source was started with.
+                    fenced: vm.instance_fenced(&m.source_instance),
                 };
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {

@@ -283,6 +283,7 @@ mod tests {
             VmSpec {
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
                 cpus: 1,
                 memory_mib: 128,
                 disks: vec![],

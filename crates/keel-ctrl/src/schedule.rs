@@ -158,6 +158,7 @@ pub(crate) mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         );
         v.status.node = node.map(str::to_string);

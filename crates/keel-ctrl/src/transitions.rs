@@ -86,6 +86,7 @@ mod tests {
                 node: None,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
                 readiness: keel_api::Readiness::Agent,
             },
         );

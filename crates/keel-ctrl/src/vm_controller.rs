@@ -488,7 +488,8 @@ impl VmController {
     }
 
     /// This agent cannot renew its lease: before it runs out and another
-    /// node starts these VMs, end every domain here.
+    /// node starts these VMs, end every fenced domain here. The unfenced
+    /// ones no other node may start keep running, to be taken up again.
     pub async fn self_fence(&self) {
         let listing = match self.hv.list().await {
             Ok(listing) => listing,
@@ -500,7 +501,7 @@ impl VmController {
         // A domain whose state nobody could read may be running: it is
         // ended too. All at once, so one slow kill delays no other.
         let mut kills = tokio::task::JoinSet::new();
-        for instance in listing.instances() {
+        for instance in listing.fenced_instances() {
             tracing::error!(node = %self.cfg.node, instance,
                 "self-fence: lease not renewed, ending instance");
             let (hv, instance) = (self.hv.clone(), instance.to_string());
@@ -1192,6 +1193,7 @@ impl VmController {
                         network: vm.nic(),
                         cloud_init: vm.spec.cloud_init.clone(),
                         images,
+                        fenced: inst.fenced,
                     })
                     .await?)
             }

@@ -507,6 +507,11 @@ fn unrequested_exit_message(
 /// flight, nothing is decided until the target's agent settles it (`None`),
 /// since the target may already be running the guest, unless the
 /// target's node is in `lost` too (fenced: it runs nothing).
+///
+/// Only a fenced instance counts as gone. An unfenced one (HA off, or
+/// disks no other node sees) was never killed by its node's silence: the
+/// VM keeps it and its node, with the reason on its record (`None` once
+/// it says so), and is taken up again by that node's agent.
 pub fn take_over_from_lost_node(
     vm: &VirtualMachine,
     node: &str,
@@ -528,6 +533,18 @@ pub fn take_over_from_lost_node(
         .any(|m| !m.status.phase.is_final() && !lost.contains(&m.target_node))
     {
         return None;
+    }
+    if let Some(inst) = vm.status.instance.as_ref().filter(|i| !i.fenced) {
+        // Nothing killed it when its node went silent, and no other node
+        // may start it beside it: it keeps its instance and its node, and
+        // the node's agent takes it up again when it is back.
+        let mut next = vm.clone();
+        next.status.message = Some(format!(
+            "node {node} lost its lease; instance {} is not fenced ({}), so it waits for its node",
+            inst.id,
+            why_not_fenced(vm)
+        ));
+        return (next.status.message != vm.status.message).then_some(next);
     }
     let mut next = vm.clone();
     let requested = vm.status.stop.is_some();
@@ -565,6 +582,16 @@ pub fn take_over_from_lost_node(
     }
     next.status.phase = phase_without_instance(&next, now);
     Some(next)
+}
+
+/// Why an instance was launched unfenced, as far as the record tells:
+/// the decision was made at its start, and the spec may have changed since.
+fn why_not_fenced(vm: &VirtualMachine) -> &'static str {
+    match &vm.status.disk_home {
+        Some(home) if !home.is_shared() => "disks node-local",
+        Some(_) => "ha off",
+        None => "ha off / disks node-local",
+    }
 }
 
 /// Whether a restore's recorded `Running` intent is still to be fulfilled.
@@ -605,7 +632,12 @@ fn no_instance(
     // or a deletion: a live one is adopted (and then stopped or kept by the
     // normal rules), an exited one is cleaned up.
     if let Some(live) = domains.iter().find(|d| !d.state.is_exited()) {
-        next.status.instance = Some(Instance::new(&live.instance, &cfg.node, live.started_at));
+        // Fenced as it was launched: the record must not promise a fence
+        // the guest does not have (the cluster would take it over).
+        next.status.instance = Some(Instance {
+            fenced: live.fenced,
+            ..Instance::new(&live.instance, &cfg.node, live.started_at)
+        });
         next.status.message = Some(format!("adopted untracked instance {}", live.instance));
         return Step::Persist {
             vm: Box::new(next),
@@ -691,10 +723,15 @@ fn no_instance(
     let mut records = vm.status.disk_records(&vm.spec, &here);
     disk_record::record_start(&mut records, &vm.spec.disk_names(), &here, now);
     next.status.disks = Some(records);
+    // Decided now, with the instance, and never again for it: the driver
+    // launches it fenced or not, and a later change of `spec.ha` is for
+    // the next instance.
+    let fenced = vm.spec.fenced_on(&here);
     next.status.disk_home.get_or_insert(here);
     let id = next.mint_instance_id();
     next.status.instance = Some(Instance {
         started_with: Some(restart_required::started_with(vm)),
+        fenced,
         ..Instance::new(id, &cfg.node, now)
     });
     next.status.restart_required.clear();
@@ -799,6 +836,7 @@ mod tests {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         )
     }

@@ -359,13 +359,21 @@ async fn converged(c: &Cluster, dead: Option<&str>) -> Result<(), String> {
         let stranded = dead.is_some_and(|d| {
             record.status.disk_home == Some(keel_api::DiskHome::Node(d.to_string()))
         });
-        if stranded && record.wants_running() {
-            let waits = record.status.instance.is_none()
-                && record
-                    .status
-                    .message
-                    .as_deref()
-                    .is_some_and(|m| m.contains("where its disks are"));
+        // An instance that was never fenced (no other node could take it
+        // over) stays recorded on its node, running or stopping, whatever
+        // the VM wants now: only that node can end it.
+        let kept_on_dead = record
+            .status
+            .instance
+            .as_ref()
+            .is_some_and(|inst| !inst.fenced && dead == Some(inst.node.as_str()));
+        if stranded && (record.wants_running() || kept_on_dead) {
+            let message = record.status.message.as_deref().unwrap_or_default();
+            let waits = if record.status.instance.is_none() {
+                message.contains("where its disks are")
+            } else {
+                kept_on_dead && message.contains("waits for its node")
+            };
             if !waits {
                 return Err(format!(
                     "{vm} has its disks on lost node {}: {:?}",

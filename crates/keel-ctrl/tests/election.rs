@@ -104,6 +104,7 @@ impl World {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

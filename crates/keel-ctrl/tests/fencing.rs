@@ -91,8 +91,10 @@ async fn nothing_is_placed_on_a_node_that_is_not_ready() {
 
 /// Nodes with disks of their own (no shared storage): when a's lease runs
 /// out, its VM is not started on b, which would mean blank disks in place
-/// of the VM's own. It waits, with the reason on its record, and runs on a
-/// again, with its data, once a is back.
+/// of the VM's own. Its instance was never fenced, so it keeps it (a may
+/// still run it) and waits, with the reason on its record, and runs on a
+/// again, with its data, once a is back (`ha_fencing.rs` has the guests
+/// that survive).
 #[tokio::test]
 async fn without_shared_storage_a_lost_nodes_vm_waits_for_its_disks() {
     let mut c = Cluster::with_local_disks(sim());
@@ -109,10 +111,10 @@ async fn without_shared_storage_a_lost_nodes_vm_waits_for_its_disks() {
     assert!(!c.executing_on("b", "vm"), "started on b");
     assert!(!c.agents[1].hv.has_disks("vm"), "b made disks for the VM");
     let vm = c.vm("vm").await;
-    assert!(vm.status.instance.is_none(), "{vm:?}");
+    assert_eq!(vm.status.instance.as_ref().unwrap().node, "a", "{vm:?}");
     let message = vm.status.message.unwrap_or_default();
     assert!(
-        message.contains("where its disks are") && message.contains("node a"),
+        message.contains("not fenced (disks node-local)") && message.contains("node a"),
         "{message:?}"
     );
 

@@ -48,7 +48,12 @@ impl Node1 {
             store.clone(),
             Arc::new(hv.clone()),
             clock.clone(),
-            LifecycleConfig::default(),
+            // Disks another node could open: its guests are fenced (HA on
+            // by default), which is what these tests are about.
+            LifecycleConfig {
+                shared_disk_dir: Some("/sim-shared".into()),
+                ..Default::default()
+            },
         ));
         Self {
             clock,

@@ -100,6 +100,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         readiness: keel_api::Readiness::Agent,
         network: Default::default(),
         cloud_init: None,
+        ha: None,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

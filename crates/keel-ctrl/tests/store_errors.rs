@@ -30,6 +30,7 @@ fn spec(power: PowerState) -> VmSpec {
         readiness: Readiness::None,
         network: Default::default(),
         cloud_init: None,
+        ha: None,
     }
 }
 

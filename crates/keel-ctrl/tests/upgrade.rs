@@ -62,6 +62,7 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             create_disks: keel_hv::DiskCreation::Only(vec!["root".into()]),
             network: Default::default(),
             cloud_init: None,
+            fenced: true,
             images: vec![],
         })
         .await

@@ -61,6 +61,19 @@ pub struct DomainSpec {
     /// image the spec names but this list lacks fails the start.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub images: Vec<keel_api::Image>,
+    /// Whether the instance runs under the node's fence lease (the
+    /// controller's `Instance::fenced`): a driver that fences kills it
+    /// when the lease lapses, and self-fencing ends it. An unfenced one
+    /// has no lease to lapse and outlives its agent. Launch records from
+    /// before: fenced.
+    #[serde(default = "fenced_default")]
+    pub fenced: bool,
+}
+
+/// Launch records written before `fenced` existed: every guest of a
+/// cluster node ran under the fence then.
+fn fenced_default() -> bool {
+    true
 }
 
 impl DomainSpec {
@@ -77,6 +90,7 @@ impl DomainSpec {
             create_disks: DiskCreation::none(),
             network: Default::default(),
             cloud_init: None,
+            fenced: true,
             images: vec![],
         }
     }
@@ -113,6 +127,8 @@ pub struct DomainInfo {
     pub state: DomainState,
     pub pid: Option<u32>,
     pub started_at: Millis,
+    /// Launched under the fence lease (see [`DomainSpec::fenced`]).
+    pub fenced: bool,
 }
 
 /// Every domain a node knows, each on its own: one whose state could not
@@ -133,6 +149,9 @@ pub struct UnknownDomain {
     /// `None` when not even its VM is known (its launch record is unreadable).
     pub vm: Option<String>,
     pub error: HvError,
+    /// Launched under the fence lease; `true` when not even that is known
+    /// (it may be, so self-fencing must end it).
+    pub fenced: bool,
 }
 
 impl DomainListing {
@@ -163,6 +182,22 @@ impl DomainListing {
             .filter(|d| !d.state.is_exited())
             .map(|d| d.instance.as_str())
             .chain(self.unknown.iter().map(|u| u.instance.as_str()))
+    }
+
+    /// [`Self::instances`] launched under the fence lease (or not known
+    /// not to be): what self-fencing ends. An unfenced guest could not be
+    /// started anywhere else, so killing it would only cost downtime.
+    pub fn fenced_instances(&self) -> impl Iterator<Item = &str> {
+        self.domains
+            .iter()
+            .filter(|d| !d.state.is_exited() && d.fenced)
+            .map(|d| d.instance.as_str())
+            .chain(
+                self.unknown
+                    .iter()
+                    .filter(|u| u.fenced)
+                    .map(|u| u.instance.as_str()),
+            )
     }
 }
 
@@ -552,6 +587,7 @@ mod tests {
             state,
             pid: None,
             started_at: 0,
+            fenced: true,
         }
     }
 
@@ -559,6 +595,7 @@ mod tests {
         UnknownDomain {
             instance: instance.into(),
             vm: vm.map(Into::into),
+            fenced: true,
             error: HvError::Unavailable {
                 instance: instance.into(),
                 op: "list",

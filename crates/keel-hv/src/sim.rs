@@ -653,7 +653,8 @@ impl SimState {
         if let Some(deadline) = self.fence_deadline.filter(|d| now >= *d) {
             let mut fenced = Vec::new();
             self.domains.settle_all(|d| {
-                if !d.state.is_exited() {
+                // An unfenced guest runs without a keeper: no lease to lapse.
+                if !d.state.is_exited() && d.spec.fenced {
                     d.exit(ExitCause::Killed, deadline);
                     fenced.push(d.spec.instance.clone());
                 }
@@ -757,12 +758,15 @@ impl SimState {
         Ok(())
     }
 
-    /// A keeper refuses to start QEMU under a lapsed lease.
-    fn refuse_if_fenced(&mut self, instance: &str, now: Millis) -> Result<(), HvError> {
+    /// A keeper refuses to start QEMU under a lapsed lease; an unfenced
+    /// guest has no keeper.
+    fn refuse_if_fenced(&mut self, spec: &DomainSpec, now: Millis) -> Result<(), HvError> {
         match self.fence_deadline {
-            Some(deadline) if now >= deadline => {
-                self.log
-                    .push(format!("{instance}: start refused, fence lease lapsed"));
+            Some(deadline) if now >= deadline && spec.fenced => {
+                self.log.push(format!(
+                    "{}: start refused, fence lease lapsed",
+                    spec.instance
+                ));
                 Err(HvError::Fence {
                     reason: "the node's fence lease has lapsed; not starting".into(),
                 })
@@ -839,6 +843,7 @@ impl SimState {
             state: d.state,
             pid: None,
             started_at: d.started_at,
+            fenced: d.spec.fenced,
         })
     }
 }
@@ -871,7 +876,7 @@ impl Hypervisor for SimHypervisor {
         let mut s = self.lock();
         let p = s.config.faults.op_unavailable;
         s.maybe_unavailable(&spec.instance, "start", p)?;
-        s.refuse_if_fenced(&spec.instance, now)?;
+        s.refuse_if_fenced(spec, now)?;
         if s.domains.contains_key(&spec.instance) {
             return Err(HvError::AlreadyExists {
                 instance: spec.instance.clone(),
@@ -1000,6 +1005,7 @@ impl Hypervisor for SimHypervisor {
                 listing.unknown.push(UnknownDomain {
                     instance: instance.clone(),
                     vm: Some(d.spec.vm.clone()),
+                    fenced: d.spec.fenced,
                     error: HvError::Unavailable {
                         instance: instance.clone(),
                         op: "list",
@@ -1092,7 +1098,7 @@ impl Hypervisor for SimHypervisor {
             let mut s = self.lock();
             let p = s.config.faults.op_unavailable;
             s.maybe_unavailable(&spec.instance, "prepare incoming", p)?;
-            s.refuse_if_fenced(&spec.instance, now)?;
+            s.refuse_if_fenced(spec, now)?;
             if s.domains.contains_key(&spec.instance) {
                 return Err(HvError::AlreadyExists {
                     instance: spec.instance.clone(),

@@ -224,3 +224,75 @@ async fn a_shortened_lease_fences_at_the_shorter_deadline() {
         "not fenced at the shortened deadline: {gone:?}"
     );
 }
+
+/// Only a fenced guest depends on the lease. Two guests of one node, one
+/// launched fenced and one not (`DomainSpec::fenced`: HA off, or disks no
+/// other node sees); the agent dies and the lease lapses. The keeper ends
+/// the fenced one; the unfenced one is plain QEMU, no keeper's child,
+/// still running well past the lapse, a lapsed lease does not keep it
+/// from starting either, and a new driver re-adopts it (same pid) and
+/// leaves it out of what self-fencing kills.
+#[tokio::test]
+async fn an_unfenced_guest_outlives_a_lapsed_lease() {
+    let Some(mut fx) = fenced_fixture().await else {
+        return;
+    };
+    fx.hv().renew_fence(Duration::from_secs(120)).await.unwrap();
+    let unfenced = keel_hv::DomainSpec {
+        fenced: false,
+        ..spec("hafree", "hafree-1")
+    };
+    common::boot(fx.hv(), &unfenced).await;
+    fx.boot("hakept", "hakept-1").await;
+    let free_pid = fx.hv().pid("hafree-1").unwrap();
+    let kept_pid = fx.hv().pid("hakept-1").unwrap();
+    let parent_cmd = std::fs::read_to_string(format!("/proc/{}/cmdline", parent_of(free_pid)))
+        .unwrap_or_default();
+    assert!(
+        !parent_cmd.contains("keel-keeper"),
+        "an unfenced QEMU under a keeper: {parent_cmd:?}"
+    );
+
+    // As after `kill -9` of the agent: the last renewal stands, then lapses.
+    const LEASE: Duration = Duration::from_secs(2);
+    fx.hv().renew_fence(LEASE).await.unwrap();
+    let data_dir = fx.dir.path().to_path_buf();
+    drop(fx.driver.take());
+    let gone = wait_gone(kept_pid, Duration::from_secs(10)).await;
+    assert!(gone.is_some(), "the fenced QEMU outlived its lease");
+    // Well past the lapse: the unfenced one still runs.
+    tokio::time::sleep(LEASE * 2).await;
+    assert!(pid_alive(free_pid), "the unfenced QEMU was killed");
+
+    let hv = QemuDriver::new(with_keeper(common::tcg_config(&data_dir, &fx.guest)))
+        .await
+        .unwrap();
+    // Under the lapsed lease an unfenced guest still starts (nothing
+    // could start it anywhere else); a fenced one does not.
+    assert!(hv.start(&spec("hakept", "hakept-2")).await.is_err());
+    let info = hv.info("hafree-1").await.unwrap();
+    assert_eq!(info.state, DomainState::Running);
+    assert_eq!(info.pid, Some(free_pid), "re-adopted the same QEMU");
+    assert!(!info.fenced);
+    let listing = hv.list().await.unwrap();
+    let to_fence: Vec<&str> = listing.fenced_instances().collect();
+    assert!(!to_fence.contains(&"hafree-1"), "{to_fence:?}");
+    // Another VM's unfenced guest starts under the lapsed lease.
+    let other = keel_hv::DomainSpec {
+        vm: "haother".into(),
+        instance: "haother-1".into(),
+        ..unfenced.clone()
+    };
+    hv.start(&other).await.unwrap();
+    hv.kill("haother-1").await.unwrap();
+    common::wait_for(
+        &hv,
+        "haother-1",
+        Duration::from_secs(10),
+        DomainState::is_exited,
+    )
+    .await;
+    hv.cleanup("haother-1").await.unwrap();
+    common::stop_and_cleanup(&hv, "hafree-1").await;
+    fx.driver = Some(hv);
+}

@@ -99,6 +99,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         // With a NIC, the agent reports the guest's DHCP address too.
         network: Default::default(),
         cloud_init: None,
+        fenced: true,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

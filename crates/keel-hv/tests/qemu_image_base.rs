@@ -40,6 +40,7 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         },
         network: Default::default(),
         cloud_init: None,
+        fenced: true,
         images: vec![image.clone()],
     }
 }

@@ -40,6 +40,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         create_disks: keel_hv::DiskCreation::all_of(&disks()),
         network: Default::default(),
         cloud_init: None,
+        fenced: true,
         images: vec![],
     }
 }

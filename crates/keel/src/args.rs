@@ -617,6 +617,17 @@ pub struct CreateArgs {
     /// `none` (as soon as it runs).
     #[arg(long, value_parser = parse_readiness)]
     pub readiness: Option<Readiness>,
+    /// High availability on: if its node is lost, the VM is fenced there
+    /// and started on another node. Takes effect on shared disks only (on
+    /// node-local ones no other node could start it, so nothing is
+    /// fenced). Default: on where the disks are shared, off otherwise.
+    #[arg(long, conflicts_with = "no_ha")]
+    pub ha: bool,
+    /// High availability off: the VM is never fenced; it keeps running
+    /// through its agent's death and store outages, and waits for its node
+    /// if that is lost.
+    #[arg(long)]
+    pub no_ha: bool,
     /// Wait until the VM runs and its guest is ready.
     #[arg(long)]
     pub wait: bool,

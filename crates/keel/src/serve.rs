@@ -486,6 +486,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
             network: Default::default(),
             cloud_init: None,
+            ha: None,
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

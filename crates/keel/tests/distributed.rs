@@ -210,6 +210,7 @@ impl Cluster {
             readiness: keel_api::Readiness::Agent,
             network: Default::default(),
             cloud_init: None,
+            ha: None,
         }
     }
 
@@ -229,6 +230,7 @@ impl Cluster {
                 readiness: keel_api::Readiness::Agent,
                 network: Default::default(),
                 cloud_init: None,
+                ha: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

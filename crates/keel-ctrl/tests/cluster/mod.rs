@@ -112,6 +112,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         readiness: keel_api::Readiness::Agent,
         network: Default::default(),
         cloud_init: None,
+        ha: None,
     }
 }
 

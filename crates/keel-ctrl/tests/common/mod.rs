@@ -48,6 +48,7 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         readiness: keel_api::Readiness::Agent,
         network: Default::default(),
         cloud_init: None,
+        ha: None,
     }
 }
 

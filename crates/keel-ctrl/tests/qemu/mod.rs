@@ -224,6 +224,7 @@ impl Env {
             readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
             network: Default::default(),
             cloud_init: None,
+            ha: None,
         }
     }
 

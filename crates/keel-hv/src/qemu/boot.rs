@@ -251,6 +251,7 @@ mod tests {
     fn spec(boot: BootSpec, disk_image: Option<&str>) -> DomainSpec {
         DomainSpec {
             cloud_init: None,
+            fenced: true,
             network: Default::default(),
             vm: "web".into(),
             instance: "web-1".into(),

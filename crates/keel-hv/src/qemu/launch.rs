@@ -203,7 +203,13 @@ impl QemuDriver {
             }
             _ => None,
         };
-        let keeper = self.inner.config.keeper.as_ref();
+        // An unfenced guest is plain QEMU, as on a single host: no keeper
+        // whose only job would be to hold a lease that must never lapse.
+        // Plain QEMU already outlives the agent (its own session) and is
+        // re-adopted by its pid file, the path single-host mode has always
+        // taken; the keeper also refuses to start under a lapsed lease,
+        // which an unfenced guest must not depend on either.
+        let keeper = self.inner.config.keeper.as_ref().filter(|_| spec.fenced);
         let spawned = match keeper {
             Some(k) => spawn_keeper(k, &self.inner.lease, &plan, net.as_ref()),
             None => spawn(
@@ -341,7 +347,7 @@ impl QemuDriver {
             }
             let domain = Domain::new(
                 instance.clone(),
-                spec.vm.clone(),
+                spec,
                 SystemClock.now_ms(),
                 self.inner.layout.new_instance(instance),
                 self.inner.config.qmp_timeout,

@@ -75,17 +75,19 @@ impl QemuDriver {
         only_vm: Option<String>,
     ) -> Result<Option<DomainInfo>, UnknownDomain> {
         let instance = instance.as_str();
-        let unknown = |vm: Option<String>, error: HvError| UnknownDomain {
+        let unknown = |vm: Option<String>, error: HvError, fenced: bool| UnknownDomain {
             instance: instance.to_string(),
             vm,
             error,
+            fenced,
         };
         let domain = match self.existing(instance, "list") {
             Ok(domain) => domain,
             Err(HvError::NotFound { .. }) => return Ok(None),
             Err(error) => {
-                let vm = self.lock().get(instance).map(|d| d.vm.clone());
-                return Err(unknown(vm, error));
+                let known = self.lock().get(instance).map(|d| (d.vm.clone(), d.fenced));
+                let fenced = known.as_ref().is_none_or(|(_, fenced)| *fenced);
+                return Err(unknown(known.map(|(vm, _)| vm), error, fenced));
             }
         };
         if only_vm.is_some_and(|vm| vm != domain.vm) {
@@ -93,7 +95,7 @@ impl QemuDriver {
         }
         match domain.state().await {
             Ok(state) => Ok(Some(self.info_of(&domain, state))),
-            Err(error) => Err(unknown(Some(domain.vm.clone()), error)),
+            Err(error) => Err(unknown(Some(domain.vm.clone()), error, domain.fenced)),
         }
     }
 

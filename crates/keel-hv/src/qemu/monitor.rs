@@ -63,6 +63,8 @@ pub struct Domain {
     pub paths: InstancePaths,
     /// The QMP `-chardev` argument: identifies this instance's process.
     pub marker: String,
+    /// Launched under the fence keeper (`DomainSpec::fenced`).
+    pub fenced: bool,
     qmp_timeout: Duration,
     phase: watch::Sender<Phase>,
     link: watch::Sender<QmpLink>,
@@ -105,9 +107,10 @@ const DRAIN_AFTER_EXIT: Duration = Duration::from_secs(2);
 const RECONNECT_MAX: Duration = Duration::from_secs(2);
 
 impl Domain {
+    /// The domain of `instance`, launched (or to be) from `spec`.
     pub fn new(
         instance: String,
-        vm: String,
+        spec: &crate::DomainSpec,
         started_at: Millis,
         paths: InstancePaths,
         qmp_timeout: Duration,
@@ -117,10 +120,11 @@ impl Domain {
         let marker = paths.qmp_chardev_arg();
         Arc::new(Domain {
             instance,
-            vm,
+            vm: spec.vm.clone(),
             started_at,
             paths,
             marker,
+            fenced: spec.fenced,
             qmp_timeout,
             phase: watch::Sender::new(phase),
             link: watch::Sender::new(QmpLink::Pending),

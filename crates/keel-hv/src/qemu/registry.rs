@@ -109,7 +109,7 @@ impl QemuDriver {
             .map_err(|e| unavailable(instance, op, e.to_string()))?;
         let domain = Domain::new(
             instance.to_string(),
-            record.spec.vm.clone(),
+            &record.spec,
             record.started_at,
             paths,
             self.inner.config.qmp_timeout,
@@ -218,6 +218,7 @@ impl QemuDriver {
                 domain.pid()
             },
             started_at: domain.started_at,
+            fenced: domain.fenced,
         }
     }
 

@@ -205,6 +205,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         create_disks: keel_hv::DiskCreation::Only(vec!["data".into()]),
         network: Default::default(),
         cloud_init: None,
+        fenced: true,
         images: vec![],
     }
 }

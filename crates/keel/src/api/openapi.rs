@@ -298,7 +298,8 @@ fn schemas() -> Value {
             "power": {"$ref": "#/components/schemas/PowerState"},
             "restart_generation": {"type": "integer", "minimum": 0},
             "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
-            "node": {"$ref": "#/components/schemas/Name"}
+            "node": {"$ref": "#/components/schemas/Name"},
+            "ha": {"type": "boolean", "description": "High availability: fenced and started on another node when its node is lost. Fences only a VM on shared disks. Default: on where the disk home is shared, off where it is node-local. A change applies from the next instance"}
         }},
         "DiskSpec": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},

@@ -40,6 +40,8 @@ struct StrictVmSpec {
     network: StrictNetworkSpec,
     #[serde(default)]
     cloud_init: Option<StrictCloudInitSpec>,
+    #[serde(default)]
+    ha: Option<bool>,
 }
 
 #[derive(Default, Deserialize)]
@@ -122,6 +124,7 @@ impl From<StrictVmSpec> for VmSpec {
             readiness,
             network,
             cloud_init,
+            ha,
         } = s;
         let StrictNetworkSpec {
             mac,
@@ -196,6 +199,7 @@ impl From<StrictVmSpec> for VmSpec {
                     instance_id,
                 },
             ),
+            ha,
         }
     }
 }
@@ -217,6 +221,7 @@ fn covers_every_field(spec: VmSpec) {
         readiness: _,
         network,
         cloud_init,
+        ha: _,
     } = spec;
     let NetworkSpec {
         mac: _,
@@ -305,6 +310,7 @@ mod tests {
                 user_data: Some("#cloud-config\n".into()),
                 instance_id: Some("i-1".into()),
             }),
+            ha: Some(false),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();
@@ -338,5 +344,16 @@ mod tests {
             let err = serde_json::from_str::<Body>(body).err().expect(body);
             assert!(err.to_string().contains("bogus"), "{body}: {err}");
         }
+    }
+
+    #[test]
+    fn ha_is_a_boolean_or_left_out() {
+        let body = |ha: &str| format!(r#"{{"spec":{{"cpus":1,"memory_mib":64{ha}}}}}"#);
+        let spec = |ha: &str| serde_json::from_str::<Body>(&body(ha)).map(|b| b.spec.ha);
+        assert_eq!(spec("").unwrap(), None);
+        assert_eq!(spec(r#","ha":false"#).unwrap(), Some(false));
+        assert_eq!(spec(r#","ha":true"#).unwrap(), Some(true));
+        let err = spec(r#","ha":"yes""#).unwrap_err();
+        assert!(err.to_string().contains("boolean"), "{err}");
     }
 }

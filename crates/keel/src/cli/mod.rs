@@ -12,6 +12,7 @@ mod node;
 pub mod output;
 mod snapshot;
 mod vm;
+mod vm_ha;
 mod vm_migrate;
 mod wait;
 

@@ -89,6 +89,11 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
         readiness: args.readiness.clone().unwrap_or_default(),
         network: args.net.network(),
         cloud_init: args.net.cloud_init()?,
+        ha: match (args.ha, args.no_ha) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        },
     })
 }
 
@@ -187,6 +192,7 @@ fn describe(resp: &VmResponse) -> String {
         ("grace", format!("{}s", vm.spec.stop_grace_period_s)),
         ("readiness", vm.spec.readiness.to_string()),
     ];
+    pairs.push(super::vm_ha::describe(vm));
     pairs.extend(super::net::describe(vm));
     pairs.extend(super::vm_migrate::describe(vm));
     for (k, v) in [
