@@ -22,6 +22,7 @@ pub mod node_lease;
 pub mod observe;
 pub mod queue;
 pub mod readiness;
+pub mod reboot;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;

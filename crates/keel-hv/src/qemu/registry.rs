@@ -218,6 +218,7 @@ impl QemuDriver {
                 domain.pid()
             },
             started_at: domain.started_at,
+            resets: domain.resets().count,
         }
     }
 
