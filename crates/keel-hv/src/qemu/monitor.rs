@@ -260,14 +260,21 @@ impl Domain {
                 .get("reason")
                 .and_then(|r| r.as_str())
                 .unwrap_or("unknown");
-            if counts_as_reset(reason) {
-                let rec = self.resets.note(reason, SystemClock.now_ms());
-                tracing::info!(instance = %self.instance, reason, resets = rec.count, "guest reset");
-                // A hint, as for an exit: look at the instance now.
-                let _ = self.exits.send(DomainExit {
-                    vm: self.vm.clone(),
-                    instance: self.instance.clone(),
-                });
+            if !counts_as_reset(reason) {
+                return;
+            }
+            match self.resets.note(reason, SystemClock.now_ms()) {
+                None => {
+                    tracing::debug!(instance = %self.instance, reason, "RESET of the reset just counted")
+                }
+                Some(rec) => {
+                    tracing::info!(instance = %self.instance, reason, resets = rec.count, "guest reset");
+                    // A hint, as for an exit: look at the instance now.
+                    let _ = self.exits.send(DomainExit {
+                        vm: self.vm.clone(),
+                        instance: self.instance.clone(),
+                    });
+                }
             }
             return;
         }

@@ -30,6 +30,9 @@ pub fn counts_as_reset(reason: &str) -> bool {
     reason != "snapshot-load"
 }
 
+/// RESET events this close after a counted one are the same reset.
+pub const SAME_RESET_WITHIN_MS: Millis = 1_000;
+
 #[derive(Debug)]
 pub struct ResetCounter {
     file: PathBuf,
@@ -57,10 +60,17 @@ impl ResetCounter {
         self.record.lock().expect("reset record").clone()
     }
 
-    /// One more reset, for `reason`, at `at`.
-    pub fn note(&self, reason: &str, at: Millis) -> ResetRecord {
+    /// One more reset, for `reason`, at `at`; `None` for one that belongs
+    /// to the reset just counted. A Linux reboot may try its reset methods
+    /// one after the other (ACPI, then port 0xCF9, ...) before the first
+    /// takes effect, and QEMU reports each: one reboot, two RESET events
+    /// (the test guest's `reboot -f` under TCG). No guest boots that fast.
+    pub fn note(&self, reason: &str, at: Millis) -> Option<ResetRecord> {
         let console_offset = std::fs::metadata(&self.console).map_or(0, |m| m.len());
         let mut record = self.record.lock().expect("reset record");
+        if record.count > 0 && at < record.at.saturating_add(SAME_RESET_WITHIN_MS) {
+            return None;
+        }
         record.count = record.count.saturating_add(1);
         record.console_offset = console_offset;
         record.last_reason = Some(reason.to_string());
@@ -69,7 +79,7 @@ impl ResetCounter {
             // Still counted in memory; only a Keel restart would lose it.
             tracing::warn!(file = %self.file.display(), "cannot persist the reset count: {e}");
         }
-        record.clone()
+        Some(record.clone())
     }
 }
 
@@ -87,8 +97,13 @@ mod tests {
         std::fs::write(&console, b"first boot\n").unwrap();
         let counter = ResetCounter::load(file.clone(), console.clone());
         assert_eq!(counter.current().count, 0);
-        let rec = counter.note("guest-reset", 7);
+        let rec = counter.note("guest-reset", 7).unwrap();
         assert_eq!((rec.count, rec.console_offset), (1, 11));
+        // The same reboot reported twice is one reset.
+        assert_eq!(
+            counter.note("guest-reset", 7 + SAME_RESET_WITHIN_MS - 1),
+            None
+        );
         let again = ResetCounter::load(file, console);
         assert_eq!(again.current(), rec);
         assert!(!counts_as_reset("snapshot-load"));
