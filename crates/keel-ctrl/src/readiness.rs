@@ -333,6 +333,25 @@ mod tests {
         }
     }
 
+    /// After a reset the guest boots again: an answer from before it (a
+    /// probe that finished no later than the reset was seen) is not taken
+    /// for the new boot's.
+    #[test]
+    fn a_probe_from_before_a_reset_does_not_make_the_new_boot_ready() {
+        let (v, inst) = vm(Readiness::Agent);
+        let inst = Instance {
+            resets: 1,
+            last_reset_at: Some(1_000),
+            readiness: Some(InstanceReadiness::default()),
+            ..inst
+        };
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&answering(900)), 1_010);
+        assert_eq!(r.ready_at, None, "{r:?}");
+        assert!(!r.agent);
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&answering(1_500)), 1_510);
+        assert_eq!(r.ready_at, Some(1_500));
+    }
+
     #[test]
     fn agent_readiness_waits_for_an_answer_and_reports_addresses() {
         let (v, inst) = vm(Readiness::Agent);
