@@ -103,10 +103,10 @@ async fn a_guest_reboot_and_vm_reboot_keep_the_instance_and_its_qemu() {
     );
     assert!(inst.last_reset_at.unwrap() > first_ready);
     // Ready by the marker of the new boot, not the one already in the log:
-    // a boot under TCG takes seconds.
+    // the test guest takes several seconds to boot under TCG (~10 s).
     let after_reset = vm.ready_since().unwrap() - inst.last_reset_at.unwrap();
     assert!(
-        after_reset >= 1_000,
+        after_reset >= 3_000,
         "ready {after_reset} ms after the reset"
     );
     assert!(vm.status.last_exit.is_none(), "no exit: {vm:?}");
