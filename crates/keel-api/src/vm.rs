@@ -50,6 +50,12 @@ pub struct VirtualMachine {
     /// The user's last `keel vm migrate` (handled once `status.migrate_outcome` names it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrate: Option<crate::MigrateRequest>,
+    /// Bumped by each `keel vm reboot`; the controller resets the running
+    /// guest once for every bump it has not yet observed
+    /// (`status.observed_reboot_generation`). Not part of the spec: a
+    /// reboot changes nothing the user configured.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub reboot_generation: u64,
     #[serde(default)]
     pub status: VmStatus,
 }
@@ -106,6 +112,10 @@ pub struct VmSpec {
 }
 
 fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_u64(n: &u64) -> bool {
     *n == 0
 }
 
@@ -298,6 +308,10 @@ pub struct VmStatus {
     pub stop: Option<StopProgress>,
     #[serde(default)]
     pub observed_restart_generation: u64,
+    /// The last `reboot_generation` the controller took up (carried out,
+    /// or found nothing running to reboot).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub observed_reboot_generation: u64,
     /// Sequence number of the last instance created; instance ids are
     /// `<vm>-<seq>`, never reused.
     #[serde(default)]
@@ -458,6 +472,18 @@ pub struct Instance {
     /// instance of a cluster node was then.
     #[serde(default = "fenced_before_ha")]
     pub fenced: bool,
+    /// Resets of the guest inside this instance (its own reboots and
+    /// `keel vm reboot`s), as the hypervisor counted them: a guest that
+    /// resets in a loop shows here.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub resets: u32,
+    /// When the controller last saw the count grow. Readiness probes from
+    /// before it describe the guest before its reboot and are not used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reset_at: Option<Millis>,
+    /// A `keel vm reboot` under way on this instance.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reboot: Option<crate::RebootProgress>,
 }
 
 fn fenced_before_ha() -> bool {
@@ -478,6 +504,9 @@ impl Instance {
             resuming_after: None,
             started_with: None,
             fenced: true,
+            resets: 0,
+            last_reset_at: None,
+            reboot: None,
         }
     }
 }
@@ -563,6 +592,7 @@ impl VirtualMachine {
             deletion_requested_at: None,
             restore: None,
             migrate: None,
+            reboot_generation: 0,
             status: VmStatus::default(),
         }
     }
@@ -692,6 +722,43 @@ impl VirtualMachine {
         self.spec.restart_generation += 1;
         self.generation += 1;
         self.drop_overruled_intent();
+        Ok(())
+    }
+
+    /// Whether a `keel vm reboot` is still to be taken up by the controller.
+    pub fn reboot_pending(&self) -> bool {
+        self.reboot_generation > self.status.observed_reboot_generation
+    }
+
+    /// The user asks for the running guest to reboot: a reset inside the
+    /// same instance, not a new one (that is [`Self::request_restart`]).
+    /// Refused, naming the field, unless the VM runs and nothing else stops
+    /// or re-creates it.
+    pub fn request_reboot(&mut self) -> Result<(), ValidationError> {
+        self.refuse_if_busy()?;
+        let running = self.status.phase == Phase::Running
+            && self.status.instance.is_some()
+            && self.status.stop.is_none()
+            && self.wants_running();
+        if !running || self.restart_pending() {
+            return Err(ValidationError::new(
+                "status.phase",
+                format!(
+                    "VM {} is {:?}{}, not Running: only a running guest reboots \
+                     (`keel vm start` or `restart` for a new instance)",
+                    self.name,
+                    self.status.phase,
+                    if self.restart_pending() {
+                        " with a restart pending"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        // Not a spec change: the generation stays (the store's revision
+        // guards the write); `--wait` compares the observed counter.
+        self.reboot_generation += 1;
         Ok(())
     }
 

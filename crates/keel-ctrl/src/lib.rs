@@ -23,6 +23,7 @@ pub mod observe;
 pub mod queue;
 pub mod readiness;
 pub mod restart_required;
+pub mod reboot;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;

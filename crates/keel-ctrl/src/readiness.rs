@@ -77,7 +77,7 @@ impl GuestProbes {
             let due = slot
                 .last
                 .as_ref()
-                .is_none_or(|p| now >= p.at.saturating_add(interval));
+                .is_none_or(|p| stale(inst, p) || now >= p.at.saturating_add(interval));
             if !slot.in_flight && due {
                 slot.in_flight = true;
                 slot.started_at = now;
@@ -146,6 +146,12 @@ impl GuestProbes {
     }
 }
 
+/// A probe finished no later than the guest's last reset seen: it
+/// describes the boot before.
+fn stale(inst: &Instance, probe: &Probe) -> bool {
+    inst.last_reset_at.is_some_and(|reset| probe.at <= reset)
+}
+
 /// The instance's readiness after `probe`, for a VM whose instance is
 /// alive and about to be recorded in `phase`. Pure: same inputs, same
 /// answer. Once ready, an instance stays ready (a guest agent restarting
@@ -159,6 +165,7 @@ pub fn next_readiness(
     now: Millis,
 ) -> InstanceReadiness {
     let mut r = inst.readiness.clone().unwrap_or_default();
+    let probe = probe.filter(|p| !stale(inst, p));
     if let Some(Ok(info)) = probe.map(|p| &p.agent) {
         r.agent = info.agent.is_answering();
         if r.agent {
@@ -325,6 +332,25 @@ mod tests {
             }),
             console: None,
         }
+    }
+
+    /// After a reset the guest boots again: an answer from before it (a
+    /// probe that finished no later than the reset was seen) is not taken
+    /// for the new boot's.
+    #[test]
+    fn a_probe_from_before_a_reset_does_not_make_the_new_boot_ready() {
+        let (v, inst) = vm(Readiness::Agent);
+        let inst = Instance {
+            resets: 1,
+            last_reset_at: Some(1_000),
+            readiness: Some(InstanceReadiness::default()),
+            ..inst
+        };
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&answering(900)), 1_010);
+        assert_eq!(r.ready_at, None, "{r:?}");
+        assert!(!r.agent);
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&answering(1_500)), 1_510);
+        assert_eq!(r.ready_at, Some(1_500));
     }
 
     #[test]

@@ -10,6 +10,11 @@ pub enum HvAction {
     Shutdown(String),
     /// Ask the guest agent to power off (for guests that ignore ACPI).
     GuestShutdown(String),
+    /// Ask the guest agent to reboot the guest (a reset of the instance);
+    /// if the agent cannot be asked, reset it through the hypervisor.
+    GuestReboot(String),
+    /// Reset the guest through the hypervisor (`system_reset`).
+    Reset(String),
     Kill(String),
     Cleanup(String),
     DeleteDisks,

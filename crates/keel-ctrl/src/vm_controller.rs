@@ -561,10 +561,12 @@ impl VmController {
             Some(_) => {}
         }
         let cluster = self.cluster_view(&vm).await.map_err(store_err)?;
-        let observed = self.observe(&vm).await;
+        let (observed, resets) = self.observe(&vm).await;
         let now = self.clock.now_ms();
         let step = decide(&vm, &observed, &cluster, now, &self.cfg);
+        let step = crate::reboot::note_resets(&vm, &observed, resets, step, now);
         let step = self.with_readiness(&vm, &observed, step, now).await;
+        let step = crate::reboot::reboot_step(&vm, &observed, step, now);
         if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
             // Before anything is done for it: an action must not run for
             // a record that will be refused.
@@ -754,7 +756,10 @@ impl VmController {
             .unless_unchanged(vm);
         }
         let probe = if phase == Phase::Running {
-            self.probes.latest(vm, inst).await
+            // The instance as it is to be written: a reset just noted
+            // makes its readiness, and so its probe, start over.
+            let probed = next.status.instance.clone().unwrap_or_else(|| inst.clone());
+            self.probes.latest(vm, &probed).await
         } else {
             None
         };
@@ -1068,6 +1073,10 @@ impl VmController {
         now: Millis,
     ) {
         report_transition(self.observer.as_ref(), old, new);
+        if let Some(event) = crate::reboot::reset_event(old, new, now) {
+            tracing::info!(vm = %new.name, reason = %event.reason, "guest reset");
+            self.put_event(&event, revision).await;
+        }
         record_event(&self.store, old, new, revision, now, Fence::Cas).await
     }
 
@@ -1075,23 +1084,24 @@ impl VmController {
         put_event(&self.store, event, revision, Fence::Cas).await
     }
 
-    /// What the node says. A failed lookup is `Unknown`, never "absent".
-    async fn observe(&self, vm: &VirtualMachine) -> Observed {
+    /// What the node says, and the guest resets the driver counted in the
+    /// recorded instance. A failed lookup is `Unknown`, never "absent".
+    async fn observe(&self, vm: &VirtualMachine) -> (Observed, Option<u32>) {
         match &vm.status.instance {
             Some(inst) => match self.hv.info(&inst.id).await {
-                Ok(info) => Observed::Instance(info.state),
-                Err(HvError::NotFound { .. }) => Observed::InstanceAbsent,
-                Err(err) => Observed::Unknown(err.to_string()),
+                Ok(info) => (Observed::Instance(info.state), Some(info.resets)),
+                Err(HvError::NotFound { .. }) => (Observed::InstanceAbsent, None),
+                Err(err) => (Observed::Unknown(err.to_string()), None),
             },
             None => {
                 // This VM's domains only: another VM's hung domain neither
                 // delays nor blocks this one's start.
                 let domains = match self.hv.domains_of(&vm.name).await {
                     Ok(domains) => domains,
-                    Err(err) => return Observed::Unknown(err.to_string()),
+                    Err(err) => return (Observed::Unknown(err.to_string()), None),
                 };
                 if let Some(why) = self.unhanded_target(vm, &domains).await {
-                    return Observed::Unknown(why);
+                    return (Observed::Unknown(why), None);
                 }
                 let restore_source = match &vm.restore {
                     None => RestoreSource::NotNeeded,
@@ -1106,10 +1116,11 @@ impl VmController {
                         Err(err) => RestoreSource::Unreadable(err),
                     },
                 };
-                Observed::NoInstance {
+                let observed = Observed::NoInstance {
                     domains,
                     restore_source,
-                }
+                };
+                (observed, None)
             }
         }
     }
@@ -1199,6 +1210,15 @@ impl VmController {
             }
             HvAction::Shutdown(id) => Ok(absent_is_ok(self.hv.shutdown(id).await)?),
             HvAction::GuestShutdown(id) => Ok(absent_is_ok(self.hv.guest_shutdown(id).await)?),
+            HvAction::GuestReboot(id) => match self.hv.guest_reboot(id).await {
+                Err(err) if !err.is_not_found() => {
+                    tracing::info!(vm = %vm.name, instance = id, %err,
+                        "reboot: the guest agent cannot be asked; resetting through the hypervisor");
+                    Ok(absent_is_ok(self.hv.reset(id).await)?)
+                }
+                other => Ok(absent_is_ok(other)?),
+            },
+            HvAction::Reset(id) => Ok(absent_is_ok(self.hv.reset(id).await)?),
             HvAction::Kill(id) => Ok(absent_is_ok(self.hv.kill(id).await)?),
             HvAction::Cleanup(id) => Ok(absent_is_ok(self.hv.cleanup(id).await)?),
             HvAction::DeleteDisks => Ok(self.hv.delete_disks(&vm.name).await?),

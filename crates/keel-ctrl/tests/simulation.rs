@@ -1,5 +1,6 @@
-//! Deterministic simulation of the VM lifecycle under random user requests,
-//! controller restarts, guest misbehaviour and injected faults.
+//! Deterministic simulation of the VM lifecycle under random user requests
+//! (reboots among them), controller restarts, guest misbehaviour (crashes,
+//! power-offs, hangs, reboots inside the guest) and injected faults.
 //!
 //! Every seed is one run. A failure prints the seed; replay it with
 //! `KEEL_SIM_SEED=<seed> cargo test -p keel-ctrl --test simulation`.
@@ -96,11 +97,12 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                     existing.insert(name.to_string());
                     format!("create {name} {policy:?} {power:?} grace={grace}s")
                 } else {
-                    let op = rng.gen_range(0..5);
+                    let op = rng.gen_range(0..6);
                     let result = match op {
                         0 => w.user_op(name, VirtualMachine::request_start).await,
                         1 => w.user_op(name, VirtualMachine::request_stop).await,
                         2 => w.user_op(name, VirtualMachine::request_restart).await,
+                        5 => w.user_op(name, VirtualMachine::request_reboot).await,
                         3 => {
                             let policy = *RunPolicy::ALL.choose(&mut rng).unwrap();
                             w.user_op(name, move |vm| {
@@ -160,7 +162,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                     trace.push(format!("step {step}: orphan {orphan} planted"));
                     continue;
                 }
-                match (live.first(), rng.gen_range(0..3)) {
+                match (live.first(), rng.gen_range(0..4)) {
                     (Some(inst), 0) => {
                         w.hv.crash(inst);
                         format!("guest {inst} crashes")
@@ -168,6 +170,10 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                     (Some(inst), 1) => {
                         w.hv.guest_poweroff(inst);
                         format!("guest {inst} powers off")
+                    }
+                    (Some(inst), 2) => {
+                        w.hv.guest_reset(inst);
+                        format!("guest {inst} reboots")
                     }
                     (Some(inst), _) => {
                         w.hv.hang_guest(inst);

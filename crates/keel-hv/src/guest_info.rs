@@ -164,9 +164,22 @@ pub struct LogScan {
     pub offset: u64,
     tail: Vec<u8>,
     pub found: bool,
+    /// The guest's reset count this scan belongs to: a guest that reset
+    /// boots again, and what it printed before says nothing of this boot.
+    pub resets: u32,
 }
 
 impl LogScan {
+    /// A scan of what the guest prints after its `resets`-th reset, which
+    /// came when the log was `offset` bytes long.
+    pub fn after_reset(resets: u32, offset: u64) -> Self {
+        Self {
+            offset,
+            resets,
+            ..Self::default()
+        }
+    }
+
     /// Feeds the bytes that follow `self.offset`.
     pub fn feed(&mut self, needle: &[u8], chunk: &[u8]) {
         if self.found || needle.is_empty() {

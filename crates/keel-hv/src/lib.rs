@@ -129,6 +129,11 @@ pub struct DomainInfo {
     pub started_at: Millis,
     /// Launched under the fence lease (see [`DomainSpec::fenced`]).
     pub fenced: bool,
+    /// Resets of the guest inside this domain since it started (its own
+    /// reboots and [`Hypervisor::reset`]s): a reboot keeps the domain, so
+    /// this count is how a controller learns of one.
+    #[serde(default)]
+    pub resets: u32,
 }
 
 /// Every domain a node knows, each on its own: one whose state could not
@@ -540,6 +545,23 @@ pub trait Hypervisor: Send + Sync + 'static {
         ))
     }
 
+    /// Asks the guest agent to reboot the guest (`guest-shutdown`, mode
+    /// `reboot`). Returns once the agent took the request (or the call
+    /// timed out), not when the guest has reset: the reset shows in
+    /// [`DomainInfo::resets`].
+    async fn guest_reboot(&self, instance: &str) -> Result<(), HvError> {
+        Err(unsupported_guest(
+            instance,
+            "reboot through the guest agent",
+        ))
+    }
+
+    /// Resets the guest now, as a reset button does (QMP `system_reset`),
+    /// inside the same domain. Counted in [`DomainInfo::resets`].
+    async fn reset(&self, instance: &str) -> Result<(), HvError> {
+        Err(unsupported_guest(instance, "reset"))
+    }
+
     /// Removes snapshot `name` from the disks of `vm`; absent is success.
     async fn delete_snapshot(
         &self,
@@ -588,6 +610,7 @@ mod tests {
             pid: None,
             started_at: 0,
             fenced: true,
+            resets: 0,
         }
     }
 

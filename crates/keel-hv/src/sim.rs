@@ -15,6 +15,7 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod reset;
 mod table;
 
 use table::{DomainTable, NextChange};
@@ -117,6 +118,13 @@ struct SimGuest {
     thaws: u32,
     /// What the guest typed back on its console after boot.
     console_extra: Vec<u8>,
+    /// Resets inside this domain (see `sim::reset`).
+    resets: u32,
+    last_reset_at: Option<Millis>,
+    /// The agent takes a reboot request and nothing happens.
+    ignores_reboot: bool,
+    /// What the console showed in the boots before the last reset.
+    console_before_reset: Vec<u8>,
 }
 
 /// What the sim guest prints on its console once booted.
@@ -615,7 +623,7 @@ impl SimDomain {
         if self.state != DomainState::Running {
             return Some(format!("guest is not running ({:?})", self.state));
         }
-        if now < self.started_at + ready_after_ms {
+        if now < self.booting_since() + ready_after_ms {
             return Some("guest agent not started yet".into());
         }
         if self.guest.agent_silent {
@@ -628,14 +636,30 @@ impl SimDomain {
 impl SimState {
     /// The console log of `instance`: the boot banner once it runs, then
     /// what its console sessions produced.
-    fn console(&self, instance: &str) -> Result<Vec<u8>, HvError> {
-        let d = self
-            .domains
-            .get(instance)
-            .ok_or_else(|| HvError::NotFound {
-                instance: instance.to_string(),
-            })?;
-        let booted = d.state == DomainState::Running
+    fn console(&self, instance: &str, now: Millis) -> Result<Vec<u8>, HvError> {
+        let mut log = self
+            .domain_ref(instance)?
+            .guest
+            .console_before_reset
+            .clone();
+        log.extend(self.console_of_this_boot(instance, now)?);
+        Ok(log)
+    }
+
+    fn domain_ref(&self, instance: &str) -> Result<&SimDomain, HvError> {
+        self.domains.get(instance).ok_or_else(|| HvError::NotFound {
+            instance: instance.to_string(),
+        })
+    }
+
+    /// What the console showed since the guest last (re)booted.
+    fn console_of_this_boot(&self, instance: &str, now: Millis) -> Result<Vec<u8>, HvError> {
+        let d = self.domain_ref(instance)?;
+        let rebooted = d
+            .guest
+            .last_reset_at
+            .is_none_or(|at| now >= at + self.config.boot_ms);
+        let booted = (d.state == DomainState::Running && rebooted)
             || (d.state.is_exited()
                 && d.crash_at
                     .is_none_or(|c| c > d.started_at + self.config.boot_ms));
@@ -844,6 +868,7 @@ impl SimState {
             pid: None,
             started_at: d.started_at,
             fenced: d.spec.fenced,
+            resets: d.guest.resets,
         })
     }
 }
@@ -1341,14 +1366,16 @@ impl Hypervisor for SimHypervisor {
         instance: &str,
         max_bytes: u64,
     ) -> Result<(Vec<u8>, u64), HvError> {
-        let log = self.lock().console(instance)?;
+        let now = self.clock.now_ms();
+        let log = self.lock().console(instance, now)?;
         let len = log.len() as u64;
         let start = log.len().saturating_sub(max_bytes.min(len) as usize);
         Ok((log[start..].to_vec(), len))
     }
 
     async fn console_contains(&self, instance: &str, text: &str) -> Result<bool, HvError> {
-        let log = self.lock().console(instance)?;
+        let now = self.clock.now_ms();
+        let log = self.lock().console_of_this_boot(instance, now)?;
         let needle = text.as_bytes();
         Ok(needle.is_empty() || log.windows(needle.len()).any(|w| w == needle))
     }
@@ -1477,6 +1504,14 @@ impl Hypervisor for SimHypervisor {
         d.guest.agent_shutdown_at.get_or_insert(now);
         s.log.push(format!("t={now}: guest-shutdown {instance}"));
         Ok(())
+    }
+
+    async fn guest_reboot(&self, instance: &str) -> Result<(), HvError> {
+        self.reboot_through_agent(instance).await
+    }
+
+    async fn reset(&self, instance: &str) -> Result<(), HvError> {
+        self.reset_by_hypervisor(instance).await
     }
 
     async fn snapshot_disks(

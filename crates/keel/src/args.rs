@@ -528,6 +528,10 @@ pub enum VmVerb {
     Stop(PowerArgs),
     /// Restart a VM: the old instance is stopped before a new one starts.
     Restart(PowerArgs),
+    /// Reboot the running guest inside its instance (no new instance): asked
+    /// through its guest agent, reset by the hypervisor if it has not
+    /// rebooted within its stop grace period (at once without an agent).
+    Reboot(PowerArgs),
     /// Delete a VM (its instance is stopped and its disks removed first).
     Delete(PowerArgs),
     /// Print the serial console log (ttyS0) of the VM's current instance.

@@ -8,6 +8,55 @@ use std::time::Duration;
 use common::{instance, phase, small_spec, TestServer};
 use serde_json::{json, Value};
 
+/// `POST /vms/NAME/reboot` resets the running guest inside its instance
+/// (the sim guest's agent answers, so through the agent), once; a VM that
+/// is not Running gets a 409 naming `status.phase` and nothing changes.
+#[test]
+fn vm_reboot_resets_the_guest_in_the_same_instance_and_is_refused_when_stopped() {
+    let server = TestServer::start();
+    server.create_vm("rb", small_spec());
+    let running = server.wait_vm("rb", "run", |v| phase(v) == "Running");
+    let first = instance(&running).expect("an instance");
+
+    let r = server.send("POST", "/api/v1/vms/rb/reboot", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.json()["vm"]["reboot_generation"], 1);
+    let rebooted = server.wait_vm("rb", "reboot", |v| {
+        v["vm"]["status"]["observed_reboot_generation"] == 1
+            && v["vm"]["status"]["instance"]["resets"] == 1
+    });
+    assert_eq!(instance(&rebooted), Some(first.clone()), "same instance");
+    assert_eq!(phase(&rebooted), "Running");
+    assert!(rebooted["vm"]["status"].get("last_exit").is_none());
+    let events = server.get("/api/v1/events?vm=rb").json();
+    let reasons: Vec<&str> = events["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|i| i["event"]["reason"].as_str())
+        .collect();
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.starts_with("guest rebooted as requested")),
+        "{reasons:?}"
+    );
+
+    let r = server.send("POST", "/api/v1/vms/rb/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_vm("rb", "stop", |v| {
+        phase(v) == "Stopped" && v["vm"]["status"].get("instance").is_none()
+    });
+    let r = server.send("POST", "/api/v1/vms/rb/reboot", "");
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json()["field"], "status.phase", "{}", r.text);
+    assert_eq!(
+        server.get("/api/v1/vms/rb").json()["vm"]["reboot_generation"],
+        1,
+        "the refused request changed nothing"
+    );
+}
+
 #[test]
 fn token_file_is_private_and_stable_across_restarts() {
     let server = TestServer::start();
@@ -1017,6 +1066,7 @@ fn openapi_describes_every_route_and_metrics_are_prometheus_text() {
         ("/api/v1/vms/{name}/start", vec!["post"]),
         ("/api/v1/vms/{name}/stop", vec!["post"]),
         ("/api/v1/vms/{name}/restart", vec!["post"]),
+        ("/api/v1/vms/{name}/reboot", vec!["post"]),
         ("/api/v1/events", vec!["get"]),
         ("/api/v1/nodes", vec!["get"]),
         ("/api/v1/nodes/{name}", vec!["get"]),

@@ -52,6 +52,22 @@ fn create_list_restart_wait_and_errors() {
     );
     assert!(stderr.contains("web: "), "{stderr}");
 
+    // A reboot: the same instance, its guest reset and ready again.
+    let out = ok(&keel(
+        &server,
+        &["vm", "reboot", "web", "--wait", "--timeout", "60"],
+    ));
+    assert!(
+        out.contains(&format!("web: Running (instance {second})")),
+        "{out}"
+    );
+    let got = ok(&keel(&server, &["vm", "get", "web"]));
+    let resets = got.lines().find(|l| l.starts_with("guest resets:"));
+    assert!(
+        resets.is_some_and(|l| l.split_whitespace().nth(2) == Some("1,")),
+        "{got}"
+    );
+
     let table = ok(&keel(&server, &["vm", "list"]));
     assert!(table.starts_with("NAME"), "{table}");
     assert!(table.contains(&second), "{table}");

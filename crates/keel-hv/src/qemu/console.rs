@@ -71,6 +71,12 @@ impl QemuDriver {
             .get(&key)
             .cloned()
             .unwrap_or_default();
+        // The guest reset since the last look: it boots again, and only
+        // what it printed since counts.
+        let resets = domain.resets();
+        if resets.count != scan.resets {
+            scan = LogScan::after_reset(resets.count, resets.console_offset);
+        }
         if scan.found {
             return Ok(true);
         }
@@ -155,7 +161,7 @@ impl QemuDriver {
 
     /// Runs `f` on a fresh agent session, alone on the instance's channel.
     /// The wait for the channel counts against the timeout too.
-    async fn with_agent<T>(
+    pub(super) async fn with_agent<T>(
         &self,
         instance: &str,
         op: &'static str,

@@ -229,7 +229,19 @@ impl QgaSession {
     /// a reply is awaited only briefly, for an error; silence or the
     /// channel closing is taken as accepted.
     pub async fn shutdown(&mut self) -> Result<(), QgaError> {
-        self.send("guest-shutdown", Some(json!({"mode": "powerdown"})))
+        self.shutdown_mode("powerdown").await
+    }
+
+    /// `guest-shutdown` with `mode: reboot`: the guest restarts its OS,
+    /// which QEMU turns into a reset of the same process.
+    pub async fn reboot(&mut self) -> Result<(), QgaError> {
+        self.shutdown_mode("reboot").await
+    }
+
+    /// The agent answers `guest-shutdown` only when it fails: on success
+    /// the guest goes down with no reply, so silence is success.
+    async fn shutdown_mode(&mut self, mode: &str) -> Result<(), QgaError> {
+        self.send("guest-shutdown", Some(json!({ "mode": mode })))
             .await?;
         let wait = self.timeout.min(Duration::from_secs(1));
         match tokio::time::timeout(wait, read_line(&mut self.read)).await {

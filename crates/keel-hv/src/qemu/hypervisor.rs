@@ -144,6 +144,14 @@ impl Hypervisor for QemuDriver {
         self.agent_shutdown(instance).await
     }
 
+    async fn guest_reboot(&self, instance: &str) -> Result<(), HvError> {
+        self.agent_reboot(instance).await
+    }
+
+    async fn reset(&self, instance: &str) -> Result<(), HvError> {
+        self.system_reset(instance).await
+    }
+
     async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
         let domain = self.existing(instance, "shutdown")?;
         let pid = match domain.phase() {

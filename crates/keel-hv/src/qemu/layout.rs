@@ -155,6 +155,8 @@ pub struct InstancePaths {
     pub snapshot_paused: PathBuf,
     pub fs_frozen: PathBuf,
     pub seed: PathBuf,
+    /// `resets.json`: the guest's resets so far (see `qemu::reset`).
+    pub resets: PathBuf,
 }
 
 impl InstancePaths {
@@ -175,6 +177,7 @@ impl InstancePaths {
             migration_out: dir.join("migration-out.json"),
             snapshot_paused: dir.join("snapshot-paused"),
             fs_frozen: dir.join("fs-frozen"),
+            resets: dir.join("resets.json"),
             seed: dir.join("cidata.img"),
             dir,
             sockets,
@@ -271,8 +274,9 @@ pub fn exit_cause(shutdown_reason: Option<&str>, kill_requested: bool) -> ExitCa
     match shutdown_reason {
         Some("guest-shutdown") => ExitCause::Poweroff,
         Some("host-qmp-quit" | "host-signal" | "host-ui") => ExitCause::Killed,
-        // guest-reset (with -no-reboot a reboot ends the process),
-        // guest-panic, host-error and anything newer we do not know.
+        // guest-reset (from QEMUs started with -no-reboot by earlier
+        // Keels, where a reboot ended the process), guest-panic,
+        // host-error and anything newer we do not know.
         Some(_) => ExitCause::Crashed,
         None if kill_requested => ExitCause::Killed,
         None => ExitCause::Crashed,
@@ -421,9 +425,15 @@ impl LaunchPlan {
             "-smp",
             &self.cpus.to_string(),
         ]);
-        // A guest reboot ends the process: Keel, not QEMU, decides whether
-        // the VM comes back, and reports the exit as a crash.
-        push(&["-no-reboot"]);
+        // A guest reboot is a reset inside this process, as on every other
+        // platform: the instance goes on, and the monitor counts the RESET
+        // event (qemu::reset). A kernel panic must not pass for a reboot:
+        // the pvpanic device lets the guest say it panicked, and the panic
+        // action ends QEMU with SHUTDOWN reason guest-panic, a crash. (A
+        // guest without a pvpanic driver whose kernel reboots on panic
+        // shows as a reset; its count on the instance tells a loop.)
+        push(&["-action", "reboot=reset,shutdown=poweroff,panic=shutdown"]);
+        push(&["-device", "pvpanic"]);
         push(&["-pidfile", &p.pidfile.to_string_lossy()]);
         push(&[
             "-chardev",

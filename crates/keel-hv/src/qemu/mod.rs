@@ -43,6 +43,8 @@ pub mod passt;
 mod proc;
 mod qmp;
 mod registry;
+mod reset;
+mod reset_count;
 mod snapshot;
 pub mod tls;
 

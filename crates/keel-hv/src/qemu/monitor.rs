@@ -29,6 +29,7 @@ use super::layout::{
 };
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
+use super::reset_count::{counts_as_reset, ResetCounter, ResetRecord};
 use crate::{DomainExit, DomainState, HvError};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +70,9 @@ pub struct Domain {
     phase: watch::Sender<Phase>,
     link: watch::Sender<QmpLink>,
     last_shutdown: Mutex<Option<ShutdownRecord>>,
+    /// The guest's resets (its reboots, `system_reset`): the instance goes
+    /// on through them.
+    resets: ResetCounter,
     /// This process decided to kill QEMU: set before the signal, so the
     /// exit it causes is Keel's kill even before the marker file is
     /// written (after the signal: a kill never waits on the disk).
@@ -118,7 +122,9 @@ impl Domain {
         exits: broadcast::Sender<DomainExit>,
     ) -> Arc<Domain> {
         let marker = paths.qmp_chardev_arg();
+        let resets = ResetCounter::load(paths.resets.clone(), paths.console.clone());
         Arc::new(Domain {
+            resets,
             instance,
             vm: spec.vm.clone(),
             started_at,
@@ -245,7 +251,37 @@ impl Domain {
         self.link.send_replace(link);
     }
 
+    /// The guest's resets so far, with where its current boot's console
+    /// output begins.
+    pub fn resets(&self) -> ResetRecord {
+        self.resets.current()
+    }
+
     fn on_event(&self, event: QmpEvent) {
+        if event.event == "RESET" {
+            let reason = event
+                .data
+                .get("reason")
+                .and_then(|r| r.as_str())
+                .unwrap_or("unknown");
+            if !counts_as_reset(reason) {
+                return;
+            }
+            match self.resets.note(reason, SystemClock.now_ms()) {
+                None => {
+                    tracing::debug!(instance = %self.instance, reason, "RESET of the reset just counted")
+                }
+                Some(rec) => {
+                    tracing::info!(instance = %self.instance, reason, resets = rec.count, "guest reset");
+                    // A hint, as for an exit: look at the instance now.
+                    let _ = self.exits.send(DomainExit {
+                        vm: self.vm.clone(),
+                        instance: self.instance.clone(),
+                    });
+                }
+            }
+            return;
+        }
         if event.event == "MIGRATION" {
             // Enabled on sources by `migrate`; targets send it unasked.
             let status = event

@@ -219,6 +219,7 @@ impl QemuDriver {
             },
             started_at: domain.started_at,
             fenced: domain.fenced,
+            resets: domain.resets().count,
         }
     }
 

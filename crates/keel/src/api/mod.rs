@@ -80,6 +80,7 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/vms/{name}/start", post(vms::start))
         .route("/api/v1/vms/{name}/stop", post(vms::stop))
         .route("/api/v1/vms/{name}/restart", post(vms::restart))
+        .route("/api/v1/vms/{name}/reboot", post(vms::reboot))
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
         .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))

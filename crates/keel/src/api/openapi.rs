@@ -263,6 +263,13 @@ pub fn spec() -> Value {
         }
     });
     super::images::describe(&mut doc);
+    // Outside the macro above, which is at serde_json's recursion limit.
+    doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
+        "reboot",
+        "Reboot the running guest inside the same instance: through its guest agent, reset by \
+         the hypervisor after the stop grace period (at once without an agent); 409 naming \
+         status.phase unless the VM is Running",
+    );
     doc
 }
 
@@ -325,6 +332,7 @@ fn schemas() -> Value {
             "generation": {"type": "integer"},
             "spec": {"$ref": "#/components/schemas/VmSpec"},
             "power_intent": {"$ref": "#/components/schemas/PowerIntent"},
+            "reboot_generation": {"type": "integer", "description": "Bumped by each reboot request; carried out once per bump (status.observed_reboot_generation)"},
             "deletion_requested_at": millis,
             "restore": {"type": "object", "description": "A restore not finished yet", "properties": {
                 "snapshot": {"$ref": "#/components/schemas/Name"},
@@ -337,10 +345,14 @@ fn schemas() -> Value {
             "observed_generation": {"type": "integer"},
             "instance": {"type": "object", "properties": {
                 "id": {"type": "string"}, "node": {"type": "string"},
-                "created_at": millis, "running_since": millis
+                "created_at": millis, "running_since": millis,
+                "resets": {"type": "integer", "description": "Resets of the guest inside this instance (its reboots, reboot requests)"},
+                "last_reset_at": millis,
+                "reboot": {"type": "object", "description": "A reboot request under way: asked at requested_at, reset by the hypervisor at fallback_at"}
             }},
             "stop": {"type": "object"},
             "observed_restart_generation": {"type": "integer"},
+            "observed_reboot_generation": {"type": "integer"},
             "instance_seq": {"type": "integer"},
             "failed_starts": {"type": "integer"},
             "next_start_at": millis,

@@ -201,6 +201,16 @@ pub async fn restart(
     power(state, name, headers, query, VirtualMachine::request_restart).await
 }
 
+/// Reboots the running guest inside its instance (`VirtualMachine::request_reboot`).
+pub async fn reboot(
+    state: State<AppState>,
+    name: NameParam,
+    headers: HeaderMap,
+    query: QueryParams,
+) -> Result<Response, ApiError> {
+    power(state, name, headers, query, VirtualMachine::request_reboot).await
+}
+
 async fn power(
     State(state): State<AppState>,
     NameParam(name): NameParam,

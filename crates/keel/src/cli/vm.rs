@@ -21,6 +21,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Start(args) => power(&client, out, args, "start"),
         VmVerb::Stop(args) => power(&client, out, args, "stop"),
         VmVerb::Restart(args) => power(&client, out, args, "restart"),
+        VmVerb::Reboot(args) => power(&client, out, args, "reboot"),
         VmVerb::Delete(args) => delete(&client, out, args),
         VmVerb::Logs(args) => logs(&client, args),
         VmVerb::Console { name } => super::console::run(&client, &name),
@@ -221,6 +222,26 @@ fn describe(resp: &VmResponse) -> String {
                 pairs.push(("running since", t(since)));
             }
             pairs.push(("ready", readiness_summary(vm)));
+            if i.resets > 0 {
+                let last = i.last_reset_at.map(|at| format!(", last {}", t(at)));
+                pairs.push((
+                    "guest resets",
+                    format!("{}{}", i.resets, last.unwrap_or_default()),
+                ));
+            }
+            if let Some(r) = &i.reboot {
+                pairs.push((
+                    "reboot",
+                    match r.reset_sent_at {
+                        Some(at) => format!("reset by the hypervisor at {}", t(at)),
+                        None => format!(
+                            "asked of the guest at {}; reset at {} if it has not rebooted",
+                            t(r.requested_at),
+                            t(r.fallback_at)
+                        ),
+                    },
+                ));
+            }
             if let Some(r) = &i.readiness {
                 pairs.push((
                     "guest agent",
@@ -325,6 +346,11 @@ fn power(client: &Client, out: OutputFormat, args: PowerArgs, verb: &str) -> any
         },
         "stop" => Goal::Stopped {
             generation: resp.vm.generation,
+        },
+        "reboot" => Goal::Rebooted {
+            instance: resp.vm.status.instance.as_ref().map(|i| i.id.clone()),
+            resets_before: resp.vm.status.instance.as_ref().map_or(0, |i| i.resets),
+            reboot_generation: resp.vm.reboot_generation,
         },
         _ => Goal::Restarted {
             old_instance: resp.vm.status.instance.as_ref().map(|i| i.id.clone()),

@@ -22,6 +22,13 @@ pub enum Goal {
         old_instance: Option<String>,
         restart_generation: u64,
     },
+    /// The same instance's guest has reset since the request
+    /// (`reboot_generation`), and is ready again.
+    Rebooted {
+        instance: Option<String>,
+        resets_before: u32,
+        reboot_generation: u64,
+    },
     /// The restore is done and the VM is back in the power state it ends
     /// in (`VirtualMachine::power_after_restore`, the controller's rule):
     /// Running with an instance (booted: the intent is cleared), or
@@ -54,6 +61,18 @@ impl Goal {
                     && s.instance.as_ref().map(|i| &i.id) != old_instance.as_ref()
                     && vm.ready_since().is_some()
             }
+            Goal::Rebooted {
+                instance,
+                resets_before,
+                reboot_generation,
+            } => {
+                let inst = s.instance.as_ref();
+                s.phase == Phase::Running
+                    && s.observed_reboot_generation >= *reboot_generation
+                    && inst.map(|i| &i.id) == instance.as_ref()
+                    && inst.is_some_and(|i| i.resets > *resets_before && i.reboot.is_none())
+                    && vm.ready_since().is_some()
+            }
             Goal::Restored { power } => vm.restored_to(*power),
             Goal::Gone => false,
         }
@@ -64,6 +83,7 @@ impl Goal {
             Goal::Running { .. } => "be Running and ready",
             Goal::Stopped { .. } => "be Stopped",
             Goal::Restarted { .. } => "run a new instance and be ready",
+            Goal::Rebooted { .. } => "reboot its guest and be ready again",
             Goal::Restored {
                 power: PowerState::Running,
             } => "be restored and Running",
