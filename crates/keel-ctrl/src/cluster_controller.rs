@@ -23,7 +23,7 @@ use crate::event_retention::{prune_events, PRUNE_INTERVAL_MS};
 use crate::events::{record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
-use crate::liveness::{ClockReading, Liveness};
+use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::schedule::{placement, NodeLoad};
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;

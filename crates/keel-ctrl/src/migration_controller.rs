@@ -21,7 +21,7 @@ use keel_store::{StoreError, TypedStore};
 
 use crate::config::LifecycleConfig;
 use crate::keys::{migration_key, node_key, vm_key};
-use crate::liveness::{ClockReading, Liveness};
+use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::observe::{LifecycleObserver, NoObserver};
 
 pub struct MigrationController {

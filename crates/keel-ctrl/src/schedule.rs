@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use keel_api::{Node, VirtualMachine};
 
 use crate::config::LifecycleConfig;
-use crate::liveness::{ClockReading, Liveness};
+use crate::node_lease::liveness::{ClockReading, Liveness};
 
 /// How many VMs each node owns: counted once per view and kept up to date
 /// by the writer, so choosing a node costs O(nodes) and placing N VMs is

@@ -11,14 +11,15 @@ use keel_store::{StoreError, TypedEntry, TypedStore};
 
 use crate::cluster_controller::{self, ClusterState};
 use crate::config::LifecycleConfig;
+use crate::error_chain::error_chain;
 use crate::events::{put_event, record_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{
     migration_key, migrations_of_prefix, node_key, snapshot_key, snapshots_of_prefix, vm_key,
     MIGRATIONS_PREFIX, VMS_PREFIX,
 };
-use crate::liveness::{ClockReading, Liveness};
-use crate::node_lease::{LeasePlan, NodeLease};
+use crate::node_lease::liveness::{ClockReading, Liveness};
+use crate::node_lease::{LeaseHolder, LeasePlan, NodeLease};
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
 use crate::schedule::candidate_nodes;
 use crate::step::{HvAction, Step};
@@ -96,18 +97,6 @@ impl ActError {
             ActError::Store { op, source } => ReconcileError::StoreForAction { vm, op, source },
         }
     }
-}
-
-/// `err` and its causes, outermost first, as one line.
-pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut cause = err.source();
-    while let Some(c) = cause {
-        text.push_str(": ");
-        text.push_str(&c.to_string());
-        cause = c.source();
-    }
-    text
 }
 
 pub struct VmController {
@@ -433,40 +422,6 @@ impl VmController {
     pub fn self_fence_due(&self, last_ok: Mono) -> bool {
         self.lease
             .self_fence_due(last_ok, self.clock.mono(), &self.cfg)
-    }
-
-    /// The lease half of housekeeping: heartbeat and fence-lease renewal,
-    /// self-fencing when the heartbeat could not be renewed for
-    /// `self_fence_ms`. Returns whether the heartbeat succeeded. The
-    /// simulations' step; production's loop of its own
-    /// (`runtime::run_housekeeping`) does the same with the heartbeat,
-    /// and only the heartbeat, bounded in time.
-    pub async fn keep_lease(&self, last_heartbeat_ok: &mut Mono) -> bool {
-        let now = self.clock.mono();
-        match self.renew_lease().await {
-            Ok(()) => {
-                *last_heartbeat_ok = now;
-                true
-            }
-            Err(err) => {
-                tracing::warn!(node = %self.cfg.node, err = %error_chain(&err), "heartbeat failed");
-                if self
-                    .lease
-                    .self_fence_due(*last_heartbeat_ok, now, &self.cfg)
-                {
-                    self.self_fence().await;
-                }
-                false
-            }
-        }
-    }
-
-    /// The node agent's periodic chores: the heartbeat (see
-    /// [`Self::keep_lease`]), then, if it succeeded, the others.
-    pub async fn housekeeping(&self, last_heartbeat_ok: &mut Mono) {
-        if self.keep_lease(last_heartbeat_ok).await {
-            self.chores().await;
-        }
     }
 
     /// Taking over the VMs of nodes whose lease ran out (with
@@ -1259,5 +1214,26 @@ impl VmController {
                 source,
             }),
         }
+    }
+}
+
+/// The heartbeat loop's view of the controller (`node_lease::heartbeat`).
+impl LeaseHolder for VmController {
+    type Error = HeartbeatError;
+
+    fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
+    async fn renew_lease(&self) -> Result<(), HeartbeatError> {
+        VmController::renew_lease(self).await
+    }
+
+    fn self_fence_due(&self, last_ok: Mono) -> bool {
+        VmController::self_fence_due(self, last_ok)
+    }
+
+    async fn self_fence(&self) {
+        VmController::self_fence(self).await
     }
 }

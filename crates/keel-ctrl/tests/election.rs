@@ -345,8 +345,10 @@ async fn the_leader_takes_over_vms_of_lost_nodes() {
     while w.clock.now_ms() <= lost_at + 3_000 {
         w.clock.advance(1_000);
         a.election().step().await.unwrap();
-        let mut ok = w.clock.mono();
-        n2.housekeeping(&mut ok).await;
+        let heartbeat = keel_ctrl::node_lease::Heartbeat::new(w.clock.mono());
+        if heartbeat.beat(&n2, &w.clock).await {
+            n2.chores().await;
+        }
         let owner = w.vm("vm").await.owner_node().map(str::to_string);
         if w.clock.now_ms() <= lost_at {
             assert_eq!(

@@ -78,16 +78,15 @@ async fn an_undecodable_record_stops_nothing() {
     c.drain("a").await;
     for _ in 0..(30_000 / TICK_MS) {
         c.tick().await;
-        assert_eq!(
-            c.node("a").await.status.last_heartbeat,
-            c.now(),
+        // Renewed on schedule, every heartbeat interval.
+        let every = keel_ctrl::node_lease::HEARTBEAT_INTERVAL_MS;
+        assert!(
+            c.now() - c.node("a").await.status.last_heartbeat < every,
             "a's heartbeat was not renewed while draining"
         );
         // What self-fencing goes by: every heartbeat succeeded.
-        assert_eq!(
-            c.agent("a").last_heartbeat_ok,
-            keel_api::Clock::mono(&c.clock)
-        );
+        let mono = keel_api::Clock::mono(&c.clock);
+        assert!(mono.since(c.agent("a").house.heartbeat.last_ok()) < every);
     }
     let vm = c.vm("vm").await;
     assert_ne!(owner(&vm), "a", "{vm:?}");
@@ -138,7 +137,8 @@ async fn an_undecodable_record_stops_nothing() {
     // reported as undecodable.
     let entry = raw.get(BROKEN).await.unwrap().unwrap();
     raw.delete(BROKEN, entry.mod_revision).await.unwrap();
-    c.tick().await;
+    // At a's next chores (one heartbeat interval at most).
+    c.run(keel_ctrl::node_lease::HEARTBEAT_INTERVAL_MS).await;
     assert!(c.node("a").await.drain.unwrap().completed_at.is_some());
     assert!(!c
         .agent("a")

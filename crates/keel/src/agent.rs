@@ -112,50 +112,48 @@ pub fn load_or_create_incarnation(data_dir: &Path) -> anyhow::Result<String> {
 
 /// Before an agent acts for `node`: if another incarnation holds the name,
 /// it is refused while that one's heartbeat moves, and the name is taken
-/// over only after a full node lease of silence (its guests are fenced by
-/// then, and the cluster has taken its VMs over).
+/// over only after a full node lease of silence on this agent's monotonic
+/// clock (`keel_ctrl::node_lease::name_claim`).
 pub async fn claim_node_name(
     store: &TypedStore,
     node: &str,
     ours: &str,
     lease_ms: u64,
 ) -> anyhow::Result<()> {
+    use keel_api::Clock;
+    use keel_ctrl::node_lease::name_claim::{ClaimStep, HeldName};
+    let clock = keel_api::SystemClock;
     let key = keel_ctrl::keys::node_key(node);
-    let Some(first) = store.get::<Node>(&key).await? else {
+    let first = store.get::<Node>(&key).await?;
+    let Some(held) = HeldName::first_look(first.as_ref().map(|e| &e.value), ours, clock.mono())
+    else {
         return Ok(());
     };
-    let theirs = match &first.value.status.incarnation {
-        Some(theirs) if theirs != ours => theirs.clone(),
-        _ => return Ok(()),
-    };
-    let heartbeat = first.value.status.last_heartbeat;
-    tracing::warn!(%node, %theirs, "another agent's incarnation holds this node name; waiting one node lease for it to go silent");
-    let silent_since = std::time::Instant::now();
-    let mut latest = first;
-    while silent_since.elapsed() < Duration::from_millis(lease_ms) {
+    tracing::warn!(%node, theirs = %held.theirs, "another agent's incarnation holds this node name; waiting one node lease for it to go silent");
+    loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let Some(now) = store.get::<Node>(&key).await? else {
-            return Ok(());
-        };
-        if now.value.status.last_heartbeat != heartbeat
-            || now.value.status.incarnation.as_deref() != Some(theirs.as_str())
-        {
-            bail!(
+        let latest = store.get::<Node>(&key).await?;
+        match held.look(latest.as_ref().map(|e| &e.value), clock.mono(), lease_ms) {
+            ClaimStep::Free => return Ok(()),
+            ClaimStep::Wait => continue,
+            ClaimStep::InUse { by } => bail!(
                 "node name {node} is in use by another live agent (incarnation {}); \
                  refusing to run a second agent for it",
-                now.value.status.incarnation.as_deref().unwrap_or("none")
-            );
+                by.as_deref().unwrap_or("none")
+            ),
+            ClaimStep::TakeOver => {
+                let latest = latest.expect("a look that takes over saw the record");
+                let mut claimed = latest.value.clone();
+                claimed.status.incarnation = Some(ours.to_string());
+                store
+                    .update(&key, &claimed, latest.revision)
+                    .await
+                    .with_context(|| format!("claiming node name {node}"))?;
+                tracing::warn!(%node, previous = %held.theirs, "took over the node name after a lease of silence");
+                return Ok(());
+            }
         }
-        latest = now;
     }
-    let mut claimed = latest.value.clone();
-    claimed.status.incarnation = Some(ours.to_string());
-    store
-        .update(&key, &claimed, latest.revision)
-        .await
-        .with_context(|| format!("claiming node name {node}"))?;
-    tracing::warn!(%node, previous = %theirs, "took over the node name after a lease of silence");
-    Ok(())
 }
 
 /// Everything `keel agent` needs; tests build one directly.

@@ -29,11 +29,8 @@ pub use runner::{Key, Runner};
 pub use running::{RunningControllers, StopError};
 pub use source::{EventSource, Incoming};
 
+use crate::node_lease::{Heartbeat, HEARTBEAT_INTERVAL_MS};
 use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
-
-/// How often this node's heartbeat is written and stray domains are ended;
-/// also how long a heartbeat may take before it counts as failed.
-const HOUSEKEEPING_MS: u64 = 5_000;
 
 /// How many reconciles of distinct keys may run at once, by default.
 pub const DEFAULT_MAX_CONCURRENT_RECONCILES: usize = 32;
@@ -287,53 +284,27 @@ pub async fn run_controllers(
     tokio::join!(runtime, run_housekeeping(&vms, &clock, stop, finished_rx));
 }
 
-/// The heartbeat (with the fence-lease renewal) and the other chores run
-/// on loops of their own: a chore stuck on a hung hypervisor or store call
-/// must never delay the heartbeat, or a healthy node would be fenced. The
-/// chores end with `stop`, the heartbeat only once the runtime has
-/// `finished` the reconciles under way at the stop: one may take longer
-/// than the fence lease, and the guests must not be fenced while their
-/// agent is still there.
+/// The heartbeat (with the fence-lease renewal, [`Heartbeat::beat`]) and
+/// the other chores run on loops of their own: a chore stuck on a hung
+/// hypervisor or store call must never delay the heartbeat, or a healthy
+/// node would be fenced. The chores end with `stop`, the heartbeat only
+/// once the runtime has `finished` the reconciles under way at the stop:
+/// one may take longer than the fence lease, and the guests must not be
+/// fenced while their agent is still there.
 async fn run_housekeeping(
     vms: &VmController,
     clock: &Arc<dyn Clock>,
     stop: watch::Receiver<bool>,
     finished: watch::Receiver<bool>,
 ) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    // The chores act on the cluster's state only while this node's own
-    // heartbeat gets through, as a node cut off must not take over others.
-    let heartbeat_ok_at = AtomicU64::new(clock.mono().origin_ms());
+    let every = Duration::from_millis(HEARTBEAT_INTERVAL_MS);
+    let heartbeat = Heartbeat::new(clock.mono());
     let lease = async {
         let mut stop = finished;
-        let mut last_heartbeat_ok = clock.mono();
         while !*stop.borrow() {
-            // A heartbeat that hangs counts as failed, so self-fencing is
-            // judged on time, whatever the store does. Only the heartbeat
-            // and the renewal are bounded: anything else in there would be
-            // dropped with them at the timeout, the renewal too.
-            let sent_at = clock.mono();
-            let bounded =
-                tokio::time::timeout(Duration::from_millis(HOUSEKEEPING_MS), vms.renew_lease());
-            let ok = match bounded.await {
-                Ok(Ok(())) => true,
-                Ok(Err(err)) => {
-                    tracing::warn!(err = %crate::error_chain(&err), "heartbeat failed");
-                    false
-                }
-                Err(_) => {
-                    tracing::warn!("heartbeat timed out");
-                    false
-                }
-            };
-            if ok {
-                last_heartbeat_ok = sent_at;
-                heartbeat_ok_at.store(sent_at.origin_ms(), Ordering::Relaxed);
-            } else if vms.self_fence_due(last_heartbeat_ok) {
-                vms.self_fence().await;
-            }
+            heartbeat.beat(vms, clock.as_ref()).await;
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = tokio::time::sleep(every) => {}
                 _ = stop.changed() => {}
             }
         }
@@ -342,12 +313,13 @@ async fn run_housekeeping(
         let mut stop = stop.clone();
         while !*stop.borrow() {
             tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(HOUSEKEEPING_MS)) => {}
+                _ = tokio::time::sleep(every) => {}
                 _ = stop.changed() => {}
             }
-            let last_ok = keel_api::Mono::from_origin_ms(heartbeat_ok_at.load(Ordering::Relaxed));
-            let fresh = clock.mono().since(last_ok) <= 2 * HOUSEKEEPING_MS;
-            if !*stop.borrow() && fresh {
+            // The chores act on the cluster's state only while this node's
+            // own heartbeat gets through: a node cut off must not take over
+            // others.
+            if !*stop.borrow() && heartbeat.recent(clock.mono()) {
                 vms.chores().await;
             }
         }

@@ -13,8 +13,10 @@ use keel_api::{Clock, Millis, Mono};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::{run_vm_controller_with, RuntimeConfig, HOUSEKEEPING_MS};
-use crate::vm_controller::{error_chain, HeartbeatError, VmController};
+use super::{run_vm_controller_with, RuntimeConfig};
+use crate::error_chain::error_chain;
+use crate::node_lease::HEARTBEAT_INTERVAL_MS;
+use crate::vm_controller::{HeartbeatError, VmController};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StopError {
@@ -81,7 +83,7 @@ impl RunningControllers {
         // Bounded as a heartbeat is: a store that does not answer must not
         // keep the agent from stopping.
         let first = tokio::time::timeout(
-            Duration::from_millis(HOUSEKEEPING_MS),
+            Duration::from_millis(HEARTBEAT_INTERVAL_MS),
             self.vms.freeze_for_restart(freeze_ms, reason),
         );
         let failed = match first.await {

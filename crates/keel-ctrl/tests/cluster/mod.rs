@@ -8,7 +8,10 @@
 mod cas;
 #[path = "../support/faulty_store.rs"]
 mod faulty_store;
+#[path = "../support/housekeeping.rs"]
+mod housekeeping;
 use faulty_store::FaultyStore;
+use housekeeping::VirtualHousekeeping;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,7 +55,8 @@ pub struct Agent {
     pub partitioned: Arc<AtomicBool>,
     /// VM records the agent read from the store.
     pub vm_reads: Arc<std::sync::atomic::AtomicU64>,
-    pub last_heartbeat_ok: keel_api::Mono,
+    /// Its heartbeat and chores, on production's schedule.
+    pub house: VirtualHousekeeping,
 }
 
 pub struct Cluster {
@@ -191,7 +195,7 @@ impl Cluster {
             running: true,
             migrations_stuck: false,
             partitioned,
-            last_heartbeat_ok: self.clock.mono(),
+            house: VirtualHousekeeping::new(self.clock.mono()),
         }
     }
 
@@ -309,7 +313,7 @@ impl Cluster {
         a.migrations = migrations;
         a.runtime = runtime;
         a.running = true;
-        a.last_heartbeat_ok = self.clock.mono();
+        a.house = VirtualHousekeeping::new(self.clock.mono());
     }
 
     pub fn agent_index(&self, name: &str) -> usize {
@@ -378,7 +382,7 @@ impl Cluster {
     pub async fn tick(&mut self) {
         self.clock.advance(TICK_MS);
         for a in self.agents.iter_mut().filter(|a| a.running) {
-            a.vms.housekeeping(&mut a.last_heartbeat_ok).await;
+            a.house.run_due(&a.vms, &self.clock).await;
             a.stuck.store(a.migrations_stuck, Ordering::SeqCst);
             a.vms_stuck_flag.store(a.vms_stuck, Ordering::SeqCst);
             a.runtime.settle().await;

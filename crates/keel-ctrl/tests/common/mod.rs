@@ -8,7 +8,10 @@
 pub mod cas;
 #[path = "../support/faulty_store.rs"]
 mod faulty_store;
+#[path = "../support/housekeeping.rs"]
+mod housekeeping;
 pub use faulty_store::FaultyStore;
+use housekeeping::VirtualHousekeeping;
 #[path = "../support/slow_store.rs"]
 pub mod slow_store;
 #[path = "../support/tokio_clock.rs"]
@@ -65,7 +68,9 @@ pub struct World {
     pub cfg: LifecycleConfig,
     pub runtime_cfg: RuntimeConfig,
     pub runtime: Runtime,
-    next_housekeeping: Millis,
+    /// The agent process's heartbeat and chores; `None` until it has
+    /// registered the node.
+    house: Option<VirtualHousekeeping>,
     /// Every write to a VM record, for [`Self::vm_versions`].
     history: keel_store::Watch,
 }
@@ -98,7 +103,7 @@ impl World {
             cfg,
             runtime_cfg,
             runtime,
-            next_housekeeping: 0,
+            house: None,
         }
     }
 
@@ -151,7 +156,7 @@ impl World {
             .heartbeat(None)
             .await
             .expect("heartbeat on an unfaulted store");
-        self.next_housekeeping = self.now() + 5_000;
+        self.house = Some(VirtualHousekeeping::new(self.clock.mono()));
     }
 
     pub fn now(&self) -> Millis {
@@ -162,11 +167,11 @@ impl World {
     /// (Its runtime lists everything on start, so every VM is looked at.)
     pub async fn restart_controller(&mut self) {
         self.restart_node_process();
-        self.next_housekeeping = 0;
+        self.house = None;
     }
 
     pub async fn create(&mut self, name: &str, spec: VmSpec) -> bool {
-        if self.next_housekeeping == 0 {
+        if self.house.is_none() {
             let fail_rate = std::mem::replace(&mut *self.faulty.fail_rate.lock().unwrap(), 0.0);
             self.register_node().await;
             *self.faulty.fail_rate.lock().unwrap() = fail_rate;
@@ -243,17 +248,16 @@ impl World {
         .await
     }
 
-    /// The node agent's periodic chores, as the runtime does them: the
-    /// heartbeat (which keeps the node schedulable) and garbage collection.
+    /// The node agent's periodic chores, on production's code and
+    /// schedule (`support/housekeeping.rs`): the heartbeat (which keeps
+    /// the node schedulable) and, while it gets through, the chores
+    /// (garbage collection among them).
     pub async fn housekeeping(&mut self) {
-        let now = self.now();
-        if now < self.next_housekeeping {
-            return;
-        }
-        if self.ctrl.heartbeat(None).await.is_ok() {
-            self.next_housekeeping = now + 5_000;
-        }
-        let _ = self.ctrl.collect_garbage().await;
+        let clock = self.clock.clone();
+        self.house
+            .get_or_insert_with(|| VirtualHousekeeping::new(clock.mono()))
+            .run_due(&self.ctrl, &clock)
+            .await;
     }
 
     /// Lets the node do everything ready now: housekeeping, then its
@@ -264,9 +268,17 @@ impl World {
         self.runtime.settle().await
     }
 
-    /// When the runtime next has something to do.
+    /// When the node next has something to do: its runtime, or its
+    /// housekeeping.
     pub fn next_due(&self) -> Option<Millis> {
-        self.runtime.next_wake()
+        let house = self.house.as_ref().map(|h| {
+            let now = self.clock.mono();
+            self.now() + h.next_due().since(now)
+        });
+        match (self.runtime.next_wake(), house) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Asks the runtime for a look at VM `name` now (as a change would).
