@@ -257,6 +257,9 @@ struct SimState {
     /// set by the first `renew_fence` (a node without one has no keepers).
     /// Once it has passed, every guest is killed and nothing starts.
     fence_deadline: Option<Millis>,
+    /// The lapsed deadline whose kills were done: a lapse kills once, and
+    /// the guests it spares (unfenced ones) keep their own moments.
+    lapse_done: Option<Millis>,
     /// Instances whose calls hang (a QMP socket that never answers) until
     /// released, and how many calls hang now.
     hung: std::collections::BTreeSet<String>,
@@ -312,6 +315,7 @@ impl SimHypervisor {
                 violations: Vec::new(),
                 log: Vec::new(),
                 fence_deadline: None,
+                lapse_done: None,
                 hung: Default::default(),
                 hanging_calls: 0,
                 stopped: Default::default(),
@@ -674,15 +678,17 @@ impl SimState {
     /// Moves every domain forward to `now`: boots finish, powered-down
     /// guests exit, scheduled crashes happen.
     fn advance(&mut self, now: Millis) {
-        if let Some(deadline) = self.fence_deadline.filter(|d| now >= *d) {
-            let mut fenced = Vec::new();
-            self.domains.settle_all(|d| {
-                // An unfenced guest runs without a keeper: no lease to lapse.
-                if !d.state.is_exited() && d.spec.fenced {
-                    d.exit(ExitCause::Killed, deadline);
-                    fenced.push(d.spec.instance.clone());
-                }
-            });
+        let lapsed = self
+            .fence_deadline
+            .filter(|d| now >= *d && self.lapse_done != Some(*d));
+        if let Some(deadline) = lapsed {
+            self.lapse_done = Some(deadline);
+            // An unfenced guest runs without a keeper: no lease to lapse,
+            // and it goes on booting, powering off, crashing on its own.
+            let fenced = self.domains.settle_where(
+                |d| !d.state.is_exited() && d.spec.fenced,
+                |d| d.exit(ExitCause::Killed, deadline),
+            );
             if !fenced.is_empty() {
                 self.log
                     .push(format!("fence lease lapsed: killed {fenced:?}"));

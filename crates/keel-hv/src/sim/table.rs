@@ -81,6 +81,28 @@ impl<D> DomainTable<D> {
         *self = Self::default();
     }
 
+    /// Changes the domains `pick` chooses so that they cannot change by
+    /// themselves any more (their process is gone); the others keep their
+    /// moments. Returns the names of those changed.
+    pub fn settle_where(
+        &mut self,
+        pick: impl Fn(&D) -> bool,
+        mut change: impl FnMut(&mut D),
+    ) -> Vec<String> {
+        let mut ended = Vec::new();
+        for (name, d) in self.domains.iter_mut() {
+            if pick(d) {
+                change(d);
+                ended.push(name.clone());
+            }
+        }
+        for name in &ended {
+            self.unschedule(name);
+            self.touched.remove(name);
+        }
+        ended
+    }
+
     /// Changes every domain so that none can change by itself any more
     /// (the host lost power, the fence lapsed: every process is gone).
     /// Touching them all would cost a copy of every name per call while
