@@ -11,7 +11,7 @@
 //! Printed: the seed and the faults injected, the most QEMUs of one VM seen
 //! at once (must be 1), VMs that converged (all), records lost (none).
 //! `KEEL_FAULT_SEED=<n>` replays a run's fault schedule,
-//! `KEEL_FAULT_SECONDS=<n>` sets the chaos time (default 150).
+//! `KEEL_FAULT_SECONDS=<n>` sets the chaos time (default 100; the nemesis suite injects the other faults).
 //! Needs the etcd of `scripts/start-etcd`, QEMU and the test guest.
 //! `scripts/test` runs it (`cargo test -p keel --test fault_processes --
 //! --ignored --nocapture`).
@@ -40,7 +40,7 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
         return;
     };
     let seed = env_u64("KEEL_FAULT_SEED", rand::random::<u16>() as u64);
-    let chaos = Duration::from_secs(env_u64("KEEL_FAULT_SECONDS", 150));
+    let chaos = Duration::from_secs(env_u64("KEEL_FAULT_SECONDS", 100));
     eprintln!("fault test: seed {seed} (replay with KEEL_FAULT_SEED={seed}), chaos {chaos:?}");
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
 
