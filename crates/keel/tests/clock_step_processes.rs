@@ -200,21 +200,13 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
         .map(|node| {
             Keel::spawn_with(
                 node,
-                clocks[node].apply(Command::new(keel).args([
-                    "agent",
-                    "--store",
+                clocks[node].apply(Command::new(keel).args(procs::shared_disk_agent_args(
                     &store,
-                    "--node",
                     node,
-                    "--data-dir",
                     &dir(node),
-                    "--disk-dir",
                     &disks,
-                    "--accel",
-                    "tcg",
-                    "--guest-dir",
                     &guest_dir,
-                ])),
+                ))),
             )
         })
         .collect();

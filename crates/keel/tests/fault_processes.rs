@@ -72,24 +72,7 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     for node in ["n1", "n2", "n3"] {
         members.push(Member {
             name: node.into(),
-            args: [
-                "agent",
-                "--store",
-                &store,
-                "--node",
-                node,
-                "--data-dir",
-                &dir(node),
-                "--disk-dir",
-                &disks,
-                "--accel",
-                "tcg",
-                "--guest-dir",
-                &guest_dir,
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+            args: procs::shared_disk_agent_args(&store, node, &dir(node), &disks, &guest_dir),
             proc: None,
             health: Health::Up,
         });

@@ -678,24 +678,13 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
             .map(String::from)
             .collect()
         } else {
-            vec![
-                "agent",
-                "--store",
+            procs::shared_disk_agent_args(
                 &store,
-                "--node",
                 name,
-                "--data-dir",
                 &data_dir,
-                "--disk-dir",
                 &work.dir("disks"),
-                "--accel",
-                "tcg",
-                "--guest-dir",
                 &work.guest_dir,
-            ]
-            .into_iter()
-            .map(String::from)
-            .collect()
+            )
         };
         let mut member = Member::new(name, args);
         member.start();

@@ -244,7 +244,15 @@ pub fn spawn_control_plane(store: &str, data_dir: &str, extra: &[&str]) -> Keel 
 /// A node agent `node` on `store` with data dir `data_dir`, with `extra`
 /// flags after.
 pub fn spawn_agent(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> Keel {
-    let mut args = vec![
+    let args = agent_args(store, node, data_dir, extra);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Keel::spawn(node, &args)
+}
+
+/// The command line of a node agent `node` on `store` with data dir
+/// `data_dir`, with `extra` flags after.
+pub fn agent_args(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> Vec<String> {
+    [
         "agent",
         "--store",
         store,
@@ -252,9 +260,31 @@ pub fn spawn_agent(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> K
         node,
         "--data-dir",
         data_dir,
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// [`agent_args`] of an agent that runs its guests under TCG from
+/// `guest_dir` on the disk dir `disks` its peers share.
+pub fn shared_disk_agent_args(
+    store: &str,
+    node: &str,
+    data_dir: &str,
+    disks: &str,
+    guest_dir: &str,
+) -> Vec<String> {
+    let extra = [
+        "--disk-dir",
+        disks,
+        "--accel",
+        "tcg",
+        "--guest-dir",
+        guest_dir,
     ];
-    args.extend_from_slice(extra);
-    Keel::spawn(node, &args)
+    agent_args(store, node, data_dir, &extra)
 }
 
 /// Every process's log, for a failure message.
