@@ -9,6 +9,7 @@ pub mod clock;
 pub mod cloud_init;
 pub mod disk_record;
 pub mod event;
+pub mod hardware;
 pub mod image;
 pub mod migration;
 pub mod name;
@@ -28,6 +29,7 @@ pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
 pub use cloud_init::CloudInitSpec;
 pub use disk_record::{DiskHome, DiskRecord};
 pub use event::Event;
+pub use hardware::{HostHardware, VmHardware};
 pub use image::{Image, ImageFormat, ImageKind};
 pub use migration::{
     Migration, MigrationEndpoint, MigrationPhase, MigrationStatus, MigrationTransport,

@@ -131,6 +131,11 @@ pub struct NodeStatus {
     /// pass `vm console` and `vm logs` on to it. `None`: it serves none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_url: Option<String>,
+    /// The machine types and CPU models this node's QEMU provides: VMs are
+    /// placed and migrated only where their recorded hardware is.
+    /// `None`: older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<crate::HostHardware>,
 }
 
 impl Node {

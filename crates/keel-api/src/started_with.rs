@@ -20,6 +20,10 @@ pub struct StartedWith {
     pub boot: String,
     pub network: String,
     pub cloud_init: String,
+    /// `spec.cpu_model` at the start (`None`: unnamed, or a record from
+    /// before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_model: Option<String>,
 }
 
 /// A digest of `value`'s JSON that stays the same across builds and

@@ -109,6 +109,12 @@ pub struct VmSpec {
     /// keeps running through its agent's death and store outages.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ha: Option<bool>,
+    /// The guest's CPU model: a QEMU model name, or `host` for passthrough
+    /// (fastest, but migrates only between identical CPUs under KVM).
+    /// `None`: the migratable default ([`crate::hardware::DEFAULT_CPU_MODEL`])
+    /// at the first start, kept after (`status.hardware`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_model: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -356,6 +362,12 @@ pub struct VmStatus {
     /// How the user's last migration request ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migrate_outcome: Option<crate::MigrateOutcome>,
+    /// The versioned machine type and CPU model, recorded with the VM's
+    /// first instance and given to every later one and to every migration
+    /// target ([`crate::hardware`]). A spec that names another CPU model
+    /// changes it at the next start; the machine type stays.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<crate::VmHardware>,
 }
 
 impl VmStatus {
@@ -1015,6 +1027,7 @@ impl VmSpec {
             cloud_init: _,
             // HA is an operating decision, like the node pin.
             ha: _,
+            cpu_model,
         } = snapshot.clone();
         // Readiness describes the guest on the disks (does it run an
         // agent?), so it comes back with them.
@@ -1024,6 +1037,7 @@ impl VmSpec {
             disks,
             boot,
             readiness,
+            cpu_model,
             ..self.clone()
         }
     }
@@ -1043,6 +1057,9 @@ impl VmSpec {
                     self.memory_mib
                 ),
             ));
+        }
+        if let Some(model) = &self.cpu_model {
+            crate::hardware::validate_cpu_model(model)?;
         }
         if self.disks.len() > MAX_DISKS {
             return Err(ValidationError::new(
@@ -1213,6 +1230,7 @@ mod tests {
             network: NetworkSpec::default(),
             cloud_init: None,
             ha: None,
+            cpu_model: None,
         }
     }
 

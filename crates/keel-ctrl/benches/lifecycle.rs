@@ -484,6 +484,7 @@ impl Bench {
             network: Default::default(),
             cloud_init: None,
             ha: None,
+            cpu_model: None,
         }
     }
 

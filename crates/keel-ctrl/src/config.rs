@@ -53,6 +53,10 @@ pub struct LifecycleConfig {
     pub readiness_refresh_ms: Millis,
     /// The caps on the event history the cluster's leader keeps.
     pub event_retention: EventRetention,
+    /// The versioned machine type a VM first started on this node gets
+    /// (the driver's `NodeFacts::hardware`). `None`: none is recorded, and
+    /// the driver uses its configured machine (simulations, tests).
+    pub default_machine: Option<String>,
 }
 
 impl LifecycleConfig {
@@ -86,6 +90,7 @@ impl Default for LifecycleConfig {
             readiness_probe_ms: 1_000,
             readiness_refresh_ms: 30_000,
             event_retention: EventRetention::default(),
+            default_machine: None,
         }
     }
 }

@@ -585,6 +585,7 @@ mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         )
     }
@@ -608,6 +609,7 @@ mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

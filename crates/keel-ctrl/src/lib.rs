@@ -15,6 +15,7 @@ pub mod event_retention;
 mod events;
 pub mod evict_decide;
 pub mod fence;
+pub mod hardware;
 pub mod images;
 pub mod keys;
 pub mod migration_controller;

@@ -155,6 +155,9 @@ impl MigrationController {
                     images,
                     // The guest keeps the fencing its source was started with.
                     fenced: vm.instance_fenced(&m.source_instance),
+                    // The machine the source runs as: the guest's device
+                    // state fits no other.
+                    hardware: vm.status.hardware.clone(),
                 };
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {

@@ -291,6 +291,7 @@ mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
                 cpus: 1,
                 memory_mib: 128,
                 disks: vec![],

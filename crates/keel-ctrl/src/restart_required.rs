@@ -17,10 +17,12 @@ pub fn started_with(vm: &VirtualMachine) -> StartedWith {
         boot: digest(&vm.spec.boot),
         network: digest(&vm.nic()),
         cloud_init: digest(&vm.spec.cloud_init),
+        cpu_model: vm.spec.cpu_model.clone(),
     }
 }
 
-/// The fields (`cpus`, `memory`, `disks`, `boot`, `network`, `cloud_init`)
+/// The fields (`cpus`, `memory`, `disks`, `boot`, `network`, `cloud_init`,
+/// `cpu_model`)
 /// in which `vm`'s spec differs from what its instance was started with.
 /// None without an instance, or for one from before this was recorded
 /// (nothing is known to differ).
@@ -41,6 +43,12 @@ pub fn fields(vm: &VirtualMachine) -> Vec<String> {
         ("boot", was.boot != now.boot),
         ("network", was.network != now.network),
         ("cloud_init", was.cloud_init != now.cloud_init),
+        // A model named now that the instance did not start with; unnaming
+        // it keeps the recorded one, which the instance has.
+        (
+            "cpu_model",
+            now.cpu_model.is_some() && now.cpu_model != was.cpu_model,
+        ),
     ]
     .into_iter()
     .filter(|(_, changed)| *changed)

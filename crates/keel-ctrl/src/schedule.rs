@@ -80,6 +80,8 @@ pub fn candidate_nodes(
                 .is_none_or(|h| *h == n.disk_home())
         })
         .filter(|n| sees_the_same_images(vm, n, nodes))
+        // Only where its QEMU provides the VM's machine type and CPU.
+        .filter(|n| crate::hardware::node_lacks(vm, n).is_none())
         .map(|n| (load.on_node_besides(&n.name, vm), n.name.clone()))
         .collect();
     candidates.sort();
@@ -118,7 +120,7 @@ pub fn placement(
         }
         None => {
             next.status.message = Some(format!(
-                "no ready, uncordoned node can run VM {}{}{}",
+                "no ready, uncordoned node can run VM {}{}{}{}",
                 vm.name,
                 vm.spec
                     .node
@@ -129,6 +131,14 @@ pub fn placement(
                     .disk_home
                     .as_ref()
                     .map(|h| format!(" where its disks are ({h})"))
+                    .unwrap_or_default(),
+                vm.status
+                    .hardware
+                    .as_ref()
+                    .map(|hw| format!(
+                        " with machine type {} and CPU model {}",
+                        hw.machine, hw.cpu_model
+                    ))
                     .unwrap_or_default()
             ));
         }
@@ -159,6 +169,7 @@ pub(crate) mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         );
         v.status.node = node.map(str::to_string);

@@ -87,6 +87,7 @@ mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
                 readiness: keel_api::Readiness::Agent,
             },
         );

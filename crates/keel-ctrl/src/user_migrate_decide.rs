@@ -142,7 +142,7 @@ fn target_of(req: &MigrateRequest, cluster: &ClusterView) -> Result<String, Stri
     match &req.to {
         Some(to) if cluster.targets.contains(to) => Ok(to.clone()),
         Some(to) => Err(format!(
-            "node {to} cannot take the VM now (not ready, cordoned, or without room)"
+            "node {to} cannot take the VM now (not ready, cordoned, without room, or its QEMU lacks the VM's machine type or CPU model)"
         )),
         None => cluster
             .targets

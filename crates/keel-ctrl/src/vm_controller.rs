@@ -231,6 +231,7 @@ impl VmController {
                     node.status.hypervisor = Some(facts.hypervisor.clone());
                     node.status.migration = facts.migration.clone();
                     node.status.storage_id = facts.storage_id.clone();
+                    node.status.hardware = facts.hardware.clone();
                 }
             })
             .await?;
@@ -1160,6 +1161,7 @@ impl VmController {
                         cloud_init: vm.spec.cloud_init.clone(),
                         images,
                         fenced: inst.fenced,
+                        hardware: vm.status.hardware.clone(),
                     })
                     .await?)
             }

@@ -728,6 +728,9 @@ fn no_instance(
     // the next instance.
     let fenced = vm.spec.fenced_on(&here);
     next.status.disk_home.get_or_insert(here);
+    // Recorded before the start, with the instance: every later instance
+    // and every migration target runs as the same machine.
+    next.status.hardware = crate::hardware::for_new_instance(vm, cfg.default_machine.as_deref());
     let id = next.mint_instance_id();
     next.status.instance = Some(Instance {
         started_with: Some(restart_required::started_with(vm)),
@@ -837,6 +840,7 @@ mod tests {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         )
     }

@@ -105,6 +105,7 @@ impl World {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

@@ -101,6 +101,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         network: Default::default(),
         cloud_init: None,
         ha: None,
+        cpu_model: None,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -31,6 +31,7 @@ fn spec(power: PowerState) -> VmSpec {
         network: Default::default(),
         cloud_init: None,
         ha: None,
+        cpu_model: None,
     }
 }
 

@@ -64,6 +64,7 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             cloud_init: None,
             fenced: true,
             images: vec![],
+            hardware: None,
         })
         .await
         .unwrap();

@@ -68,6 +68,12 @@ pub struct DomainSpec {
     /// before: fenced.
     #[serde(default = "fenced_default")]
     pub fenced: bool,
+    /// The machine type and CPU model the VM runs as (its recorded
+    /// `status.hardware`). `None` (launch records from before, VMs with
+    /// none recorded yet): the driver's configured machine and its
+    /// accelerator's CPU, as before hardware was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hardware: Option<keel_api::VmHardware>,
 }
 
 /// Launch records written before `fenced` existed: every guest of a
@@ -92,6 +98,7 @@ impl DomainSpec {
             cloud_init: None,
             fenced: true,
             images: vec![],
+            hardware: None,
         }
     }
 }
@@ -243,6 +250,9 @@ pub struct NodeFacts {
     /// The identity of the storage its disks are on: nodes with the same
     /// one see the same images.
     pub storage_id: Option<String>,
+    /// The machine types and CPU models the node provides; `None`: the
+    /// driver cannot tell (nothing is then judged by it).
+    pub hardware: Option<keel_api::HostHardware>,
 }
 
 /// A domain's process has just exited: a hint to look at it now rather than

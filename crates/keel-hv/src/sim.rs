@@ -597,7 +597,11 @@ impl SimHypervisor {
             .is_some_and(|d| d.guest.agent_shutdown_at.is_some())
     }
 
-    /// What the driver did, for replaying a failing seed.
+    /// The spec `instance` was started (or prepared for a migration) with.
+    pub fn domain_spec(&self, instance: &str) -> Option<DomainSpec> {
+        self.lock().domains.get(instance).map(|d| d.spec.clone())
+    }
+
     /// How the last outgoing migration of `instance` was tuned.
     pub fn migration_params(&self, instance: &str) -> Option<crate::MigrationParams> {
         let s = self.lock();
@@ -608,6 +612,7 @@ impl SimHypervisor {
             .map(|o| o.params.clone())
     }
 
+    /// What the driver did, for replaying a failing seed.
     pub fn log(&self) -> Vec<String> {
         self.lock().log.clone()
     }
@@ -892,6 +897,8 @@ impl Hypervisor for SimHypervisor {
             accelerator_note: "in-memory simulation driver".into(),
             migration: None,
             storage_id: None,
+            // The simulation has no machine types: nothing is recorded.
+            hardware: None,
         }
     }
 

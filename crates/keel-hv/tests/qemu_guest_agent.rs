@@ -100,6 +100,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         network: Default::default(),
         cloud_init: None,
         fenced: true,
+        hardware: None,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

@@ -42,6 +42,7 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         cloud_init: None,
         fenced: true,
         images: vec![image.clone()],
+        hardware: None,
     }
 }
 

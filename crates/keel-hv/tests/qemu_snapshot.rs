@@ -42,6 +42,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         cloud_init: None,
         fenced: true,
         images: vec![],
+        hardware: None,
     }
 }
 

@@ -41,12 +41,13 @@ impl NodeAgent {
         store: TypedStore,
         hv: Arc<dyn Hypervisor>,
         clock: Arc<dyn Clock>,
-        lifecycle: LifecycleConfig,
+        mut lifecycle: LifecycleConfig,
         observer: Arc<dyn LifecycleObserver>,
         runtime: &RuntimeConfig,
     ) -> anyhow::Result<Self> {
         let node = lifecycle.node.clone();
         let facts = hv.facts().await;
+        lifecycle.default_machine = default_machine(&facts);
         let ctrl = Arc::new(
             VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer),
         );
@@ -458,4 +459,10 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         );
         agent.stop_for_restart().await
     })
+}
+
+/// The versioned machine type VMs first started by this node's driver get
+/// ([`LifecycleConfig::default_machine`]).
+pub fn default_machine(facts: &keel_hv::NodeFacts) -> Option<String> {
+    facts.hardware.as_ref().map(|hw| hw.default_machine.clone())
 }

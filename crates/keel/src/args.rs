@@ -632,6 +632,12 @@ pub struct CreateArgs {
     /// if that is lost.
     #[arg(long)]
     pub no_ha: bool,
+    /// The guest's CPU model (`qemu-system-x86_64 -cpu help` lists them),
+    /// or `host` to pass the host's CPU through (KVM only; the VM then
+    /// migrates only to identical CPUs). Default: a migratable baseline
+    /// model, kept across restarts and migrations.
+    #[arg(long, value_name = "MODEL")]
+    pub cpu_model: Option<String>,
     /// Wait until the VM runs and its guest is ready.
     #[arg(long)]
     pub wait: bool,

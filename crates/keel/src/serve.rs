@@ -277,6 +277,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         // controller's, as under a control plane.
         cluster_duties: false,
         shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
+        default_machine: crate::agent::default_machine(&facts),
         ..cfg.lifecycle.clone()
     };
     // The same cluster controller as a control plane's, leading for good:
@@ -487,6 +488,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             network: Default::default(),
             cloud_init: None,
             ha: None,
+            cpu_model: None,
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

@@ -211,6 +211,7 @@ impl Cluster {
             network: Default::default(),
             cloud_init: None,
             ha: None,
+            cpu_model: None,
         }
     }
 
@@ -231,6 +232,7 @@ impl Cluster {
                 network: Default::default(),
                 cloud_init: None,
                 ha: None,
+                cpu_model: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

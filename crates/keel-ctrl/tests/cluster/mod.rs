@@ -117,6 +117,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         network: Default::default(),
         cloud_init: None,
         ha: None,
+        cpu_model: None,
     }
 }
 

@@ -52,6 +52,7 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         network: Default::default(),
         cloud_init: None,
         ha: None,
+        cpu_model: None,
     }
 }
 

@@ -225,6 +225,7 @@ impl Env {
             network: Default::default(),
             cloud_init: None,
             ha: None,
+            cpu_model: None,
         }
     }
 

@@ -207,6 +207,9 @@ pub async fn probe_kvm(
         paths: paths.clone(),
         accelerator: Accelerator::Kvm,
         machine: config.machine.clone(),
+        // What the probe asks of KVM: the host's CPU, which nested KVM
+        // may refuse where a baseline model would pass.
+        cpu_model: None,
         cpus: 1,
         memory_mib: 128,
         boot: super::boot::BootPlan::Kernel {

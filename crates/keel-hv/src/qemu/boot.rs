@@ -265,6 +265,7 @@ mod tests {
             boot,
             create_disks: crate::DiskCreation::Legacy(true),
             images: vec![],
+            hardware: None,
         }
     }
 

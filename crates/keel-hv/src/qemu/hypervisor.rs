@@ -18,6 +18,7 @@ use crate::{
 impl Hypervisor for QemuDriver {
     async fn facts(&self) -> NodeFacts {
         let verdict = self.inner.accel.now();
+        let verdict_accel = verdict.as_ref().map(|v| v.accelerator);
         NodeFacts {
             hypervisor: self.inner.qemu_version.clone(),
             accelerator: verdict.as_ref().map(|v| v.accelerator),
@@ -27,6 +28,7 @@ impl Hypervisor for QemuDriver {
             ),
             migration: Some(self.migration_endpoint()),
             storage_id: Some(self.inner.storage_id.clone()),
+            hardware: Some(self.inner.catalog.offered(verdict_accel)),
         }
     }
 

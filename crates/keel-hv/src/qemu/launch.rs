@@ -49,11 +49,25 @@ impl QemuDriver {
         };
         let vars = self.inner.layout.vm_disks(&spec.vm).join(boot::UEFI_VARS);
         let boot = boot::plan(spec, images, &defaults, &vars).map_err(failed)?;
+        // The recorded hardware, or nothing started rather than a guest
+        // on other hardware than its own.
+        if let Some(hw) = &spec.hardware {
+            if let Some(why) = self.inner.catalog.offered(Some(accelerator)).lacks(hw) {
+                return Err(failed(format!(
+                    "this node cannot run the VM's hardware ({} with CPU {}): {why}",
+                    hw.machine, hw.cpu_model
+                )));
+            }
+        }
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
             paths: self.inner.layout.new_instance(&spec.instance),
             accelerator,
-            machine: config.machine.clone(),
+            machine: spec
+                .hardware
+                .as_ref()
+                .map_or_else(|| config.machine.clone(), |hw| hw.machine.clone()),
+            cpu_model: spec.hardware.as_ref().map(|hw| hw.cpu_model.clone()),
             cpus: spec.cpus,
             memory_mib: spec.memory_mib,
             boot,

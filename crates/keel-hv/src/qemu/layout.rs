@@ -377,6 +377,9 @@ pub struct LaunchPlan {
     pub paths: InstancePaths,
     pub accelerator: Accelerator,
     pub machine: String,
+    /// `-cpu`; `None`: the host's under KVM, QEMU's default under TCG (the
+    /// launches of VMs with no recorded hardware).
+    pub cpu_model: Option<String>,
     pub cpus: u32,
     pub memory_mib: u64,
     /// Kernel or firmware, see [`super::boot`].
@@ -416,8 +419,10 @@ impl LaunchPlan {
             _ => "tcg",
         };
         push(&["-machine", &self.machine, "-accel", accel]);
-        if self.accelerator == Accelerator::Kvm {
-            push(&["-cpu", "host"]);
+        match &self.cpu_model {
+            Some(model) => push(&["-cpu", model]),
+            None if self.accelerator == Accelerator::Kvm => push(&["-cpu", "host"]),
+            None => {}
         }
         push(&[
             "-m",
@@ -560,6 +565,7 @@ mod tests {
             paths,
             accelerator: Accelerator::Tcg,
             machine: "q35".into(),
+            cpu_model: None,
             cpus: 2,
             memory_mib: 256,
             boot: super::super::boot::BootPlan::Kernel {
@@ -625,6 +631,18 @@ mod tests {
             "TCG keeps the default CPU"
         );
         assert!(!args.iter().any(|a| a == "-incoming"));
+        let recorded = LaunchPlan {
+            machine: "pc-q35-7.1".into(),
+            cpu_model: Some("qemu64-v1".into()),
+            accelerator: Accelerator::Kvm,
+            ..plan.clone()
+        }
+        .args()
+        .join(" ");
+        assert!(
+            recorded.contains("-machine pc-q35-7.1 -accel kvm -cpu qemu64-v1 "),
+            "the recorded hardware, not the host's CPU: {recorded}"
+        );
 
         let direct = LaunchPlan {
             direct_io: true,

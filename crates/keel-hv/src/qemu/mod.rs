@@ -30,6 +30,7 @@ mod console;
 pub mod console_log;
 mod disks;
 pub mod guest_agent;
+mod hardware_catalog;
 mod hypervisor;
 pub mod keeper;
 mod launch;
@@ -82,6 +83,8 @@ struct Inner {
     /// Read without waiting for facts; waited for by whatever launches.
     accel: accel::Settling,
     qemu_version: String,
+    /// The machine types and CPU models this QEMU provides.
+    catalog: hardware_catalog::Catalog,
     /// The disk dir's identity (see [`disks::storage_identity`]).
     storage_id: String,
     /// Disks are opened `cache=none` (see [`disks::direct_io`]).
@@ -222,6 +225,8 @@ impl QemuDriver {
         )
         .map_err(QemuInitError::ImageDir)?;
         let qemu_version = qemu_version(&config.qemu_binary).await?;
+        let catalog =
+            hardware_catalog::Catalog::probe(&config.qemu_binary, &config.machine).await?;
         let accel = accel::Settling::start(
             config.clone(),
             root.join(".kvm-probe"),
@@ -243,6 +248,7 @@ impl QemuDriver {
                 layout,
                 accel,
                 qemu_version,
+                catalog,
                 storage_id,
                 direct_io,
                 domains: Mutex::new(BTreeMap::new()),

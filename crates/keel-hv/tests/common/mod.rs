@@ -207,6 +207,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         cloud_init: None,
         fenced: true,
         images: vec![],
+        hardware: None,
     }
 }
 

@@ -69,7 +69,7 @@ pub async fn migrate(
         }
     }
     if let Some(to) = &req.to {
-        check_target(&state, to, now).await?;
+        check_target(&state, &vm, to, now).await?;
     }
     let (vm, revision) = vms::mutate(&state, &name, expected, |vm| {
         vm.request_migration(req.to.as_deref(), now)
@@ -80,10 +80,16 @@ pub async fn migrate(
     Ok(vm_response(StatusCode::ACCEPTED, vm, revision))
 }
 
-/// Whether node `to` can take a VM now: known, not cordoned or draining,
+/// Whether node `to` can take `vm` now: known, not cordoned or draining,
+/// able to run its recorded machine type and CPU model,
 /// and heard from recently (by its own heartbeat time; the agent decides
 /// again by what it has seen when it acts).
-async fn check_target(state: &AppState, to: &str, now: u64) -> Result<(), ApiError> {
+async fn check_target(
+    state: &AppState,
+    vm: &VirtualMachine,
+    to: &str,
+    now: u64,
+) -> Result<(), ApiError> {
     let Some(node) = state.store.get::<Node>(&node_key(to)).await? else {
         return Err(ApiError::not_found(format!("node {to} not found")).with_field("to"));
     };
@@ -92,6 +98,15 @@ async fn check_target(state: &AppState, to: &str, now: u64) -> Result<(), ApiErr
         return Err(ApiError::conflict(
             "to",
             format!("node {to} is cordoned or draining: it takes no VMs"),
+        ));
+    }
+    if let Some(why) = keel_ctrl::hardware::node_lacks(vm, &node) {
+        return Err(ApiError::conflict(
+            "to",
+            format!(
+                "{why}: VM {} runs as that and migrates only as that",
+                vm.name
+            ),
         ));
     }
     let ready_ms = LifecycleConfig::default().node_ready_ms;

@@ -42,6 +42,8 @@ struct StrictVmSpec {
     cloud_init: Option<StrictCloudInitSpec>,
     #[serde(default)]
     ha: Option<bool>,
+    #[serde(default)]
+    cpu_model: Option<String>,
 }
 
 #[derive(Default, Deserialize)]
@@ -125,6 +127,7 @@ impl From<StrictVmSpec> for VmSpec {
             network,
             cloud_init,
             ha,
+            cpu_model,
         } = s;
         let StrictNetworkSpec {
             mac,
@@ -200,6 +203,7 @@ impl From<StrictVmSpec> for VmSpec {
                 },
             ),
             ha,
+            cpu_model,
         }
     }
 }
@@ -222,6 +226,7 @@ fn covers_every_field(spec: VmSpec) {
         network,
         cloud_init,
         ha: _,
+        cpu_model: _,
     } = spec;
     let NetworkSpec {
         mac: _,
@@ -311,6 +316,7 @@ mod tests {
                 instance_id: Some("i-1".into()),
             }),
             ha: Some(false),
+            cpu_model: Some("Nehalem-v2".into()),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();

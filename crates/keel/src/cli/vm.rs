@@ -95,6 +95,7 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             (_, true) => Some(false),
             _ => None,
         },
+        cpu_model: args.cpu_model.clone(),
     })
 }
 
@@ -274,6 +275,12 @@ fn describe(resp: &VmResponse) -> String {
     }
     if !s.restart_required.is_empty() {
         pairs.push(("restart required", s.restart_required.join(", ")));
+    }
+    if let Some(hw) = &s.hardware {
+        pairs.push((
+            "hardware",
+            format!("machine {}, CPU {}", hw.machine, hw.cpu_model),
+        ));
     }
     if let Some(exit) = &s.last_exit {
         pairs.push((
