@@ -22,7 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::io::{IsTerminal, Read, Write};
+use std::io::{BufRead, IsTerminal, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -448,8 +448,10 @@ fn ask(authority: &str, fp: &str, known_path: &Path) -> anyhow::Result<bool> {
         known_path.display()
     );
     let _ = std::io::stderr().flush();
+    // One line (a terminal sends it on Enter), at most 64 bytes of it;
+    // read_to_string would wait for an end of file that never comes.
     let mut line = String::new();
-    std::io::stdin().take(64).read_to_string(&mut line).ok();
+    let _ = std::io::stdin().lock().take(64).read_line(&mut line);
     let line = line
         .lines()
         .next()
