@@ -70,7 +70,9 @@ impl ConsoleServer {
             follows: Default::default(),
         };
         let app = router(state, token);
-        let task = tokio::spawn(crate::http_listener::serve_until(listener, app, stop_rx));
+        let task = tokio::spawn(crate::http_listener::serve_until(
+            listener, app, None, stop_rx,
+        ));
         let url = format!("http://{addr}");
         tracing::info!(%url, node, "serving this node's consoles");
         Ok(Self { url, stop, task })

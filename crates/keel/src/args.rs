@@ -9,7 +9,7 @@ use keel_api::{DiskSpec, Readiness, RunPolicy};
 
 use crate::distributed::StoreSpec;
 
-pub const DEFAULT_SERVER: &str = "http://127.0.0.1:7280";
+pub const DEFAULT_SERVER: &str = "https://127.0.0.1:7280";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7280";
 pub const DEFAULT_DATA_DIR: &str = "./keel-data";
 
@@ -168,6 +168,17 @@ pub struct ServeArgs {
     /// Address to listen on. Loopback by default: expose it deliberately.
     #[arg(long, env = "KEEL_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
+    /// The API's certificate chain (PEM), instead of the self-signed one
+    /// generated into DATA_DIR/tls on first start. With --tls-key.
+    #[arg(long, env = "KEEL_TLS_CERT", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "KEEL_TLS_KEY", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+    /// Serve the API over plain HTTP instead of HTTPS: the token travels
+    /// unencrypted. Allowed only on a loopback --listen address.
+    #[arg(long)]
+    pub insecure_http: bool,
     /// Hypervisor driver.
     #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
     pub hypervisor: HypervisorKind,
@@ -498,9 +509,28 @@ pub struct ClientArgs {
     /// The API token's file (default DATA_DIR/token).
     #[arg(long, env = "KEEL_TOKEN_FILE", global = true)]
     pub token_file: Option<PathBuf>,
-    /// Where to find the token file when no token is given.
+    /// Where to find the token file when no token is given, and the
+    /// server's certificate (DATA_DIR/tls/cert.pem), trusted when readable.
     #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR, global = true)]
     pub data_dir: PathBuf,
+    /// Verify the server's certificate against this CA (PEM) and its host
+    /// name, instead of pinning its fingerprint.
+    #[arg(long, env = "KEEL_CA_FILE", value_name = "PEM", global = true)]
+    pub ca_file: Option<PathBuf>,
+    /// Trust (pin) the server's certificate if its fingerprint is this
+    /// (sha256:…, as `keel serve` logs it): for the first contact with a
+    /// remote server, or to re-pin one whose certificate was replaced.
+    #[arg(
+        long,
+        env = "KEEL_ACCEPT_FINGERPRINT",
+        value_name = "SHA256",
+        global = true
+    )]
+    pub accept_fingerprint: Option<String>,
+    /// The pinned fingerprints of servers (default
+    /// ~/.config/keel/known_servers).
+    #[arg(long, env = "KEEL_KNOWN_SERVERS", value_name = "FILE", global = true)]
+    pub known_servers: Option<PathBuf>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value_t = OutputFormat::Table, global = true)]
     pub output: OutputFormat,

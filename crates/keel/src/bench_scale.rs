@@ -413,7 +413,7 @@ fn wait_nodes(api: &Api, count: usize, timeout: Duration) -> anyhow::Result<()> 
 }
 
 fn wait_etcd(url: &str) -> anyhow::Result<()> {
-    let agent = http_agent();
+    let agent = http_agent(&crate::cli::server_trust::ServerTrust::PlainHttp);
     let since = Instant::now();
     while since.elapsed() < Duration::from_secs(30) {
         if let Ok(mut r) = agent.get(format!("{url}/health")).call() {
@@ -484,10 +484,12 @@ impl Api {
                 let addr = addr.split_whitespace().next().unwrap_or_default();
                 let token = std::fs::read_to_string(data.join("token"))
                     .with_context(|| format!("reading {}/token", data.display()))?;
+                // Trusts the certificate the server made in its data dir.
+                let trust = crate::cli::server_trust::ServerTrust::of_data_dir(data)?;
                 return Ok(Api {
-                    base: format!("http://{addr}"),
+                    base: format!("https://{addr}"),
                     authorization: format!("Bearer {}", token.trim()),
-                    agent: http_agent(),
+                    agent: http_agent(&trust),
                 });
             }
             procs.check_alive(index)?;
@@ -534,13 +536,14 @@ impl Api {
     }
 }
 
-fn http_agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .proxy(None)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .into()
+fn http_agent(trust: &crate::cli::server_trust::ServerTrust) -> ureq::Agent {
+    trust.agent(
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .timeout_global(Some(Duration::from_secs(60)))
+            .build(),
+    )
 }
 
 /// The bench's child processes, killed when it ends.

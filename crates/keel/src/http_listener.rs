@@ -20,6 +20,12 @@
 //!   a request, the newcomer is closed at once.
 //! - An accept that fails for want of descriptors waits a moment and
 //!   tries again, instead of spinning.
+//! - With TLS (the API), the handshake happens in the connection's own
+//!   task, bounded by the same header timeout, and the connection counts
+//!   as unproven until its first request head: a client that stalls in the
+//!   handshake holds no place for long and is the first displaced. A
+//!   client that sends plain HTTP to the TLS port gets a plain 400 saying
+//!   so, not a hang or a reset.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -31,8 +37,10 @@ use std::time::Duration;
 use axum::Router;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
+use tokio_rustls::TlsAcceptor;
 use tower_service::Service;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,15 +137,17 @@ impl Table {
 
 /// [`serve`] within [`Limits::for_this_process`] until `stop` turns true:
 /// how the API and an agent's console port run.
+/// With `tls`, every connection speaks HTTPS.
 pub async fn serve_until(
     listener: TcpListener,
     app: Router,
+    tls: Option<TlsAcceptor>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let stopped = async move {
         let _ = stop.wait_for(|s| *s).await;
     };
-    serve(listener, app, Limits::for_this_process(), stopped).await
+    serve(listener, app, Limits::for_this_process(), tls, stopped).await
 }
 
 /// Serves `app` on `listener` within `limits` until `shutdown` completes,
@@ -146,6 +156,7 @@ pub async fn serve(
     listener: TcpListener,
     app: Router,
     limits: Limits,
+    tls: Option<TlsAcceptor>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> std::io::Result<()> {
     let table = Arc::new(Mutex::new(Table::default()));
@@ -175,38 +186,37 @@ pub async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let app = app.clone();
-        let service = {
-            let conn = conn.clone();
-            hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
-                conn.proven.store(true, Ordering::Relaxed);
-                let mut app = app.clone();
-                async move { app.call(req.map(axum::body::Body::new)).await }
-            })
-        };
-        let mut http = hyper::server::conn::http1::Builder::new();
-        http.timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout);
-        let served = http
-            .serve_connection(TokioIo::new(stream), service)
-            .with_upgrades();
         let table = table.clone();
-        let mut stop_rx = stop_rx.clone();
+        let stop_rx = stop_rx.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            tokio::pin!(served);
-            let result = tokio::select! {
-                result = served.as_mut() => Some(result),
-                () = conn.evict.notified() => {
-                    tracing::debug!(%peer, "connection displaced before its request head");
-                    None
+            let evicted = conn.evict.notified();
+            tokio::pin!(evicted);
+            // Registered now, so a displacement during the handshake is seen.
+            evicted.as_mut().enable();
+            match tls {
+                None => drive(stream, &conn, evicted, app, limits, stop_rx, peer).await,
+                Some(acceptor) => {
+                    let handshake =
+                        tokio::time::timeout(limits.header_timeout, handshake(&acceptor, stream));
+                    let stream = tokio::select! {
+                        done = handshake => match done {
+                            Ok(Some(stream)) => Some(stream),
+                            Ok(None) => None,
+                            Err(_) => {
+                                tracing::debug!(%peer, "TLS handshake timed out");
+                                None
+                            }
+                        },
+                        () = evicted.as_mut() => {
+                            tracing::debug!(%peer, "connection displaced during its TLS handshake");
+                            None
+                        }
+                    };
+                    if let Some(stream) = stream {
+                        drive(stream, &conn, evicted, app, limits, stop_rx, peer).await;
+                    }
                 }
-                () = async { let _ = stop_rx.wait_for(|s| *s).await; } => {
-                    // The request under way finishes; no next one is read.
-                    served.as_mut().graceful_shutdown();
-                    Some(served.await)
-                }
-            };
-            if let Some(Err(e)) = result {
-                tracing::debug!(%peer, error = %e, "connection ended");
             }
             table.lock().expect("connection table").open.remove(&id);
         });
@@ -228,6 +238,87 @@ pub async fn serve(
         );
     }
     Ok(())
+}
+
+/// The TLS side of a new connection; `None` if it is not TLS (answered
+/// with a plain 400) or the handshake fails.
+async fn handshake(
+    acceptor: &TlsAcceptor,
+    mut stream: TcpStream,
+) -> Option<tokio_rustls::server::TlsStream<TcpStream>> {
+    let peer = stream.peer_addr().ok();
+    let mut first = [0u8; 1];
+    match stream.peek(&mut first).await {
+        Ok(1..) => {}
+        _ => return None,
+    }
+    // 0x16: a TLS handshake record. Anything else is most likely a plain
+    // HTTP request, which deserves an answer it can show.
+    if first[0] != 0x16 {
+        let body =
+            "this keel server speaks HTTPS: use https:// (with the CLI: --server https://…)\n";
+        let reply = format!(
+            "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = stream.write_all(reply.as_bytes()).await;
+        let _ = stream.shutdown().await;
+        tracing::debug!(?peer, "plain HTTP on the HTTPS port; answered 400");
+        return None;
+    }
+    match acceptor.accept(stream).await {
+        Ok(tls) => Some(tls),
+        Err(e) => {
+            tracing::debug!(?peer, error = %e, "TLS handshake failed");
+            None
+        }
+    }
+}
+
+/// Serves HTTP/1 on one connection until it ends, is displaced before its
+/// first request head, or the listener stops (then the request under way
+/// finishes and no next one is read).
+async fn drive<IO>(
+    io: IO,
+    conn: &Arc<Connection>,
+    evicted: std::pin::Pin<&mut tokio::sync::futures::Notified<'_>>,
+    app: Router,
+    limits: Limits,
+    mut stop_rx: tokio::sync::watch::Receiver<bool>,
+    peer: std::net::SocketAddr,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let service = {
+        let conn = conn.clone();
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            conn.proven.store(true, Ordering::Relaxed);
+            let mut app = app.clone();
+            async move { app.call(req.map(axum::body::Body::new)).await }
+        })
+    };
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let served = http
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
+    tokio::pin!(served);
+    let result = tokio::select! {
+        result = served.as_mut() => Some(result),
+        () = evicted => {
+            tracing::debug!(%peer, "connection displaced before its request head");
+            None
+        }
+        () = async { let _ = stop_rx.wait_for(|s| *s).await; } => {
+            // The request under way finishes; no next one is read.
+            served.as_mut().graceful_shutdown();
+            Some(served.await)
+        }
+    };
+    if let Some(Err(e)) = result {
+        tracing::debug!(%peer, error = %e, "connection ended");
+    }
 }
 
 #[cfg(test)]

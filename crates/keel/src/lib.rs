@@ -9,6 +9,8 @@
 pub mod agent;
 pub mod agent_console;
 pub mod api;
+pub mod api_tls;
+pub mod api_tls_cluster;
 pub mod args;
 pub mod auth;
 pub mod bench_scale;

@@ -37,6 +37,7 @@ use tokio::task::JoinHandle;
 use crate::agent::NodeAgent;
 use crate::api::limits::ApiLimits;
 use crate::api::{self, AppState};
+use crate::api_tls::{self, ApiTls, ServerIdentity};
 use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
 use crate::distributed::{self, StoreSpec};
@@ -93,6 +94,9 @@ pub struct ServeConfig {
     pub runtime: keel_ctrl::RuntimeConfig,
     /// The API's caps (`--max-vms` and the like).
     pub api_limits: ApiLimits,
+    /// HTTPS (self-signed in the data dir, or the operator's) or, on
+    /// loopback only, plain HTTP.
+    pub tls: ApiTls,
 }
 
 impl ServeConfig {
@@ -124,6 +128,7 @@ impl ServeConfig {
             election: ElectionConfig::default(),
             runtime: Default::default(),
             api_limits: ApiLimits::default(),
+            tls: ApiTls::default(),
         }
     }
 
@@ -244,6 +249,7 @@ impl RunningServer {
 /// may use port 0).
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     validate_name("node", &cfg.node).map_err(|e| anyhow!("--node: {e}"))?;
+    api_tls::check_listen(&cfg.tls, cfg.listen)?;
     if cfg.store.is_etcd() {
         return start_control_plane(cfg).await;
     }
@@ -266,9 +272,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
     let addr = listener.local_addr()?;
-    if !addr.ip().is_loopback() {
-        tracing::warn!(%addr, "listening beyond loopback: the API is plain HTTP guarded only by the bearer token");
-    }
+    let identity = api_tls::load_identity(&cfg.tls, &cfg.data_dir, addr)?;
 
     let (stop, stop_rx) = watch::channel(false);
     let lifecycle = LifecycleConfig {
@@ -319,12 +323,14 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         limits: cfg.api_limits,
         follows: Default::default(),
     };
-    let http = serve_api(listener, state, &token);
+    let http = serve_api(listener, state, &token, identity.as_ref());
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
     tracing::info!(
         %addr,
+        url = %api_url(addr, identity.as_ref()),
+        fingerprint = %identity.as_ref().map_or("none (plain HTTP)", |i| i.fingerprint.as_str()),
         node = %cfg.node,
         hypervisor = %facts.hypervisor,
         accelerator = %crate::hypervisor::accelerator_text(facts.accelerator),
@@ -345,15 +351,27 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     })
 }
 
-/// Serves the API until `state.shutdown` turns true.
+/// Serves the API until `state.shutdown` turns true: HTTPS with
+/// `identity`, else plain HTTP (loopback only, see [`api_tls::check_listen`]).
 fn serve_api(
     listener: tokio::net::TcpListener,
     state: AppState,
     token: &Token,
+    identity: Option<&ServerIdentity>,
 ) -> JoinHandle<std::io::Result<()>> {
     let stop = state.shutdown.clone();
     let app = api::router(state, token.clone());
-    tokio::spawn(crate::http_listener::serve_until(listener, app, stop))
+    let tls = identity.map(|i| tokio_rustls::TlsAcceptor::from(i.config.clone()));
+    if tls.is_none() {
+        tracing::warn!("--insecure-http: the API speaks plain HTTP (loopback only): the token and all traffic are unencrypted");
+    }
+    tokio::spawn(crate::http_listener::serve_until(listener, app, tls, stop))
+}
+
+/// The URL clients reach the API at.
+fn api_url(addr: SocketAddr, identity: Option<&ServerIdentity>) -> String {
+    let scheme = if identity.is_some() { "https" } else { "http" };
+    format!("{scheme}://{addr}")
 }
 
 /// A control plane on etcd: the API, the leader election and the cluster
@@ -365,13 +383,14 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let raw = cfg.store.connect_etcd().await?.expect("an etcd store spec");
     let store = TypedStore::new(raw.clone());
     let token = distributed::shared_token(&*raw, &cfg.token_path()).await?;
+    if cfg.tls == ApiTls::SelfSigned {
+        crate::api_tls_cluster::shared_self_signed(&*raw, &cfg.data_dir, cfg.listen).await?;
+    }
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;
     let addr = listener.local_addr()?;
-    if !addr.ip().is_loopback() {
-        tracing::warn!(%addr, "listening beyond loopback: the API is plain HTTP guarded only by the bearer token");
-    }
+    let identity = api_tls::load_identity(&cfg.tls, &cfg.data_dir, addr)?;
     let incarnation = crate::agent::load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
@@ -433,12 +452,14 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         limits: cfg.api_limits,
         follows: Default::default(),
     };
-    let http = serve_api(listener, state, &token);
+    let http = serve_api(listener, state, &token, identity.as_ref());
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
     tracing::info!(
         %addr,
+        url = %api_url(addr, identity.as_ref()),
+        fingerprint = %identity.as_ref().map_or("none (plain HTTP)", |i| i.fingerprint.as_str()),
         store = %cfg.store,
         candidate = %candidate,
         node_agent = cfg.agent,
@@ -523,6 +544,16 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.console_log_max_bytes = args.console_log_max_mib << 20;
     cfg.min_free_disk_bytes = args.min_free_disk_mib << 20;
     cfg.image_dir = args.image_dir;
+    cfg.tls = match (args.tls_cert, args.tls_key, args.insecure_http) {
+        (None, None, false) => ApiTls::SelfSigned,
+        (None, None, true) => ApiTls::InsecureHttp,
+        (Some(cert), Some(key), false) => ApiTls::Files { cert, key },
+        (Some(_), Some(_), true) => {
+            bail!("--insecure-http: cannot be combined with --tls-cert/--tls-key")
+        }
+        (Some(_), None, _) => bail!("--tls-cert: needs --tls-key (the certificate's private key)"),
+        (None, Some(_), _) => bail!("--tls-key: needs --tls-cert (the certificate chain)"),
+    };
     cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
     cfg.api_limits = ApiLimits {
         max_vms: args.max_vms,

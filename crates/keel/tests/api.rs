@@ -989,10 +989,9 @@ fn events_follow_streams_new_events() {
     );
     server.wait_vm("tail", "run", |v| phase(v) == "Running");
 
-    let mut resp = ureq::Agent::config_builder()
-        .proxy(None)
-        .build()
-        .new_agent()
+    let mut resp = server
+        .trust
+        .agent(ureq::Agent::config_builder().proxy(None).build())
         .get(format!("{}/api/v1/events?vm=tail&follow=true", server.base))
         .header("Authorization", format!("Bearer {}", server.token))
         .call()

@@ -107,6 +107,7 @@ fn create_list_restart_wait_and_errors() {
     // A wrong token is refused.
     let out = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args(["vm", "list", "--server", &server.base, "--token", "nope"])
+        .env("KEEL_DATA_DIR", server.dir.path())
         .output()
         .unwrap();
     assert!(!out.status.success());
@@ -454,7 +455,7 @@ fn serve_demo_boots_a_real_guest_from_a_deep_directory() {
         Command::new(env!("CARGO_BIN_EXE_keel"))
             .args(args)
             .current_dir(&checkout)
-            .env("KEEL_SERVER", format!("http://{addr}"))
+            .env("KEEL_SERVER", format!("https://{addr}"))
             // The CLI finds the token in the default data dir, as the server's.
             .env_remove("KEEL_DATA_DIR")
             .env_remove("KEEL_TOKEN")
@@ -543,7 +544,7 @@ fn serve_shuts_down_cleanly_on_sigterm() {
     let cli = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_keel"))
             .args(args)
-            .env("KEEL_SERVER", format!("http://{addr}"))
+            .env("KEEL_SERVER", format!("https://{addr}"))
             .env("KEEL_DATA_DIR", dir.path())
             .env_remove("KEEL_TOKEN")
             .output()

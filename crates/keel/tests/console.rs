@@ -46,16 +46,13 @@ type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
 async fn connect(server: &TestServer, name: &str, token: &str) -> Result<Ws, WsError> {
-    let url = format!(
-        "{}/api/v1/vms/{name}/console",
-        server.base.replace("http://", "ws://")
-    );
+    let (url, connector) = server.ws_url(&format!("/api/v1/vms/{name}/console"));
     let mut req = url.into_client_request().unwrap();
     req.headers_mut().insert(
         "authorization",
         HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
     );
-    tokio_tungstenite::connect_async(req)
+    tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector)
         .await
         .map(|(ws, _)| ws)
 }

@@ -243,7 +243,7 @@ fn debian_import_ssh_restart_snapshot_stop_restore() {
     let server = loop {
         let log = serve.log.lock().unwrap().clone();
         if let Some(addr) = log.split("serving addr=").nth(1) {
-            break format!("http://{}", addr.split_whitespace().next().unwrap());
+            break format!("https://{}", addr.split_whitespace().next().unwrap());
         }
         assert!(
             Instant::now() < deadline,
@@ -625,7 +625,7 @@ fn debian_live_migration_keeps_the_guests_uptime() {
     let server = loop {
         let log = cp.log.lock().unwrap().clone();
         if let Some(addr) = log.split("serving addr=").nth(1) {
-            break format!("http://{}", addr.split_whitespace().next().unwrap());
+            break format!("https://{}", addr.split_whitespace().next().unwrap());
         }
         assert!(Instant::now() < deadline, "no control plane:\n{}", logs());
         std::thread::sleep(Duration::from_millis(100));

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use keel::agent::{self, AgentConfig, RunningAgent};
 use keel::args::HypervisorKind;
+use keel::cli::server_trust::ServerTrust;
 use keel::distributed::StoreSpec;
 use keel::serve::{self, RunningServer, ServeConfig};
 use keel_api::{
@@ -445,15 +446,19 @@ async fn placement_continues_after_a_leader_change() {
     // Created through the surviving control plane's API.
     let server = &c.planes[&next];
     let (base, token) = (
-        format!("http://{}", server.addr()),
+        format!("https://{}", server.addr()),
         server.token().to_string(),
     );
+    // Every control plane presents the cluster's one certificate: the
+    // first one's data dir has it too.
+    let trust = ServerTrust::of_data_dir(&c.dir.path().join("cp1")).unwrap();
     let status = tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .proxy(None)
-            .build()
-            .into();
+        let agent: ureq::Agent = trust.agent(
+            ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .proxy(None)
+                .build(),
+        );
         let body = serde_json::json!({
             "name": "second",
             "spec": {"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOnUnlessStoppedManually"},
@@ -675,13 +680,23 @@ async fn a_second_agent_with_the_same_node_name_is_refused() {
 }
 
 /// A GET with an optional bearer token: status, `X-Keel-Instance`, body.
-async fn get_as(url: String, token: Option<String>) -> (u16, Option<String>, String) {
+async fn get_as(
+    trust: &ServerTrust,
+    url: String,
+    token: Option<String>,
+) -> (u16, Option<String>, String) {
+    let trust = if url.starts_with("https://") {
+        trust.clone()
+    } else {
+        ServerTrust::PlainHttp
+    };
     tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(10)))
-            .build()
-            .into();
+        let agent: ureq::Agent = trust.agent(
+            ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .timeout_global(Some(Duration::from_secs(10)))
+                .build(),
+        );
         let mut req = agent.get(&url);
         if let Some(t) = &token {
             req = req.header("Authorization", &format!("Bearer {t}"));
@@ -701,19 +716,22 @@ async fn get_as(url: String, token: Option<String>) -> (u16, Option<String>, Str
 type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
-async fn console_ws(base: &str, vm: &str, token: &str) -> Result<Ws, u16> {
+async fn console_ws(trust: &ServerTrust, base: &str, vm: &str, token: &str) -> Result<Ws, u16> {
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     use tokio_tungstenite::tungstenite::{http::HeaderValue, Error};
     let url = format!(
         "{}/api/v1/vms/{vm}/console",
-        base.replace("http://", "ws://")
+        base.replace("https://", "wss://")
     );
     let mut req = url.into_client_request().unwrap();
     req.headers_mut().insert(
         "authorization",
         HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
     );
-    match tokio_tungstenite::connect_async(req).await {
+    let connector = trust
+        .client_config()
+        .map(tokio_tungstenite::Connector::Rustls);
+    match tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector).await {
         Ok((ws, _)) => Ok(ws),
         Err(Error::Http(resp)) => Err(resp.status().as_u16()),
         Err(e) => panic!("console of {vm}: {e}"),
@@ -760,11 +778,13 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     let (node, instance) = c.running("web").await;
     assert_eq!(node, "n1");
     c.running("quiet").await;
-    let cp = format!("http://{}", c.planes["cp"].addr());
+    let cp = format!("https://{}", c.planes["cp"].addr());
+    let trust = ServerTrust::of_data_dir(&c.dir.path().join("cp")).unwrap();
     let token = c.planes["cp"].token().to_string();
 
     // The log, through the control plane.
     let (status, inst, body) = get_as(
+        &trust,
         format!("{cp}/api/v1/vms/web/console/log?tail=1"),
         Some(token.clone()),
     )
@@ -776,28 +796,42 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     );
     assert_eq!(body, "KEEL-GUEST-READY boot_id=sim\n");
     // The same auth at both hops.
-    let (status, _, _) = get_as(format!("{cp}/api/v1/vms/web/console/log"), None).await;
+    let (status, _, _) = get_as(&trust, format!("{cp}/api/v1/vms/web/console/log"), None).await;
     assert_eq!(status, 401);
-    let (status, _, _) = get_as(format!("{agent_url}/api/v1/vms/web/console/log"), None).await;
+    let (status, _, _) = get_as(
+        &trust,
+        format!("{agent_url}/api/v1/vms/web/console/log"),
+        None,
+    )
+    .await;
     assert_eq!(status, 401, "the agent checks the token too");
     let (status, _, _) = get_as(
+        &trust,
         format!("{agent_url}/api/v1/vms/web/console/log"),
         Some("not-the-token".into()),
     )
     .await;
     assert_eq!(status, 401);
     // The agent serves consoles, nothing else.
-    let (status, _, _) = get_as(format!("{agent_url}/api/v1/vms"), Some(token.clone())).await;
+    let (status, _, _) = get_as(
+        &trust,
+        format!("{agent_url}/api/v1/vms"),
+        Some(token.clone()),
+    )
+    .await;
     assert_eq!(status, 404);
 
     // An interactive session through the control plane.
-    let mut ws = console_ws(&cp, "web", &token).await.unwrap();
+    let mut ws = console_ws(&trust, &cp, "web", &token).await.unwrap();
     assert_eq!(
-        console_ws(&cp, "web", &token).await.unwrap_err(),
+        console_ws(&trust, &cp, "web", &token).await.unwrap_err(),
         409,
         "one session at a time, as the agent says"
     );
-    assert_eq!(console_ws(&cp, "web", "wrong").await.unwrap_err(), 401);
+    assert_eq!(
+        console_ws(&trust, &cp, "web", "wrong").await.unwrap_err(),
+        401
+    );
     ws.send(Message::binary(b"uname -a\n".to_vec()))
         .await
         .unwrap();
@@ -813,6 +847,7 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     ws.close(None).await.unwrap();
     drop(ws);
     let (_, _, body) = get_as(
+        &trust,
         format!("{cp}/api/v1/vms/web/console/log"),
         Some(token.clone()),
     )
@@ -820,7 +855,7 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     assert!(body.contains("sim: uname -a"), "{body}");
     // Detached: the agent's slot is free again.
     wait_for("the console slot to be free", || async {
-        console_ws(&cp, "web", &token).await.ok().map(drop)
+        console_ws(&trust, &cp, "web", &token).await.ok().map(drop)
     })
     .await;
 
@@ -857,6 +892,7 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
 
     // n2's agent serves no consoles.
     let (status, _, body) = get_as(
+        &trust,
         format!("{cp}/api/v1/vms/quiet/console/log"),
         Some(token.clone()),
     )
@@ -885,15 +921,18 @@ async fn keel_vm_migrate_moves_a_vm_between_agents() {
     c.create_vm("web").await;
     let (from, _) = c.running("web").await;
     let to = if from == "n1" { "n2" } else { "n1" };
-    let cp = format!("http://{}", c.planes["cp"].addr());
+    let cp = format!("https://{}", c.planes["cp"].addr());
+    let data_dir = c.dir.path().join("cp");
     let token = c.planes["cp"].token().to_string();
     let keel = move |args: Vec<String>| {
-        let (cp, token) = (cp.clone(), token.clone());
+        let (cp, token, data_dir) = (cp.clone(), token.clone(), data_dir.clone());
         tokio::task::spawn_blocking(move || {
             std::process::Command::new(env!("CARGO_BIN_EXE_keel"))
                 .args(&args)
                 .env("KEEL_SERVER", cp)
                 .env("KEEL_TOKEN", token)
+                // The control plane's certificate, pinned from its data dir.
+                .env("KEEL_DATA_DIR", data_dir)
                 .env("KEEL_CONFIG", "")
                 .output()
                 .expect("run keel")

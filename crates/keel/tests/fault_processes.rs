@@ -57,7 +57,7 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     // The CLI reads the token from the data dir of the control plane "cp".
     for cp in ["cp", "cp2"] {
         let addr = format!("127.0.0.1:{}", free_port());
-        servers.push(format!("http://{addr}"));
+        servers.push(format!("https://{addr}"));
         members.push(Member {
             name: cp.into(),
             args: ["serve", "--store", &store, "--listen", &addr, "--node", cp]

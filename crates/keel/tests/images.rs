@@ -380,7 +380,7 @@ fn images_keel_would_not_boot_safely_are_refused_and_leave_nothing() {
 /// A client that goes away mid-upload leaves neither record nor file.
 #[test]
 fn a_partial_upload_never_becomes_an_image() {
-    let server = TestServer::start();
+    let server = TestServer::start_plain_with(|_| {});
     let addr = server.base.trim_start_matches("http://").to_string();
     let mut conn = std::net::TcpStream::connect(&addr).unwrap();
     write!(

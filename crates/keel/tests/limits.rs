@@ -150,7 +150,7 @@ fn follow(server: &TestServer) -> (TcpStream, String) {
 
 #[test]
 fn follow_streams_are_capped_while_they_last() {
-    let server = TestServer::start_with(|cfg| cfg.api_limits.max_follows = 1);
+    let server = TestServer::start_plain_with(|cfg| cfg.api_limits.max_follows = 1);
     let (first, status) = follow(&server);
     assert!(status.contains(" 200 "), "{status}");
     let r = server.get("/api/v1/events?follow=true");

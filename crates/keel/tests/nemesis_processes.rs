@@ -693,7 +693,7 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
     let watch = Arc::new(Watch::default());
     let mut c = Cluster {
         root: root.clone(),
-        server: format!("http://{cp_addr}"),
+        server: format!("https://{cp_addr}"),
         members,
         proxies,
         stalls,

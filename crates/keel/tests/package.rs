@@ -478,7 +478,7 @@ fn an_unprivileged_server_runs_qemu_as_itself_with_private_files() {
     std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o640)).unwrap();
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");
-    let server = format!("http://{listen}");
+    let server = format!("https://{listen}");
     // setpriv (util-linux) drops to the user as systemd's User= would, and
     // a permissive umask shows that Keel sets its own.
     let script = format!(
@@ -496,6 +496,8 @@ fn an_unprivileged_server_runs_qemu_as_itself_with_private_files() {
             .args(args)
             .env("KEEL_SERVER", &server)
             .env("KEEL_TOKEN", token.trim())
+            // The server's certificate, pinned from its data dir.
+            .env("KEEL_DATA_DIR", &data)
             .output()
             .unwrap()
     };

@@ -1,9 +1,11 @@
 //! The CLI's HTTP client.
 //!
 //! `ureq` 3 with default features off: a small, well-kept, blocking client
-//! with no TLS stack and no async runtime to start. The CLI makes a handful
-//! of sequential requests to a (by default loopback, plain HTTP) server,
-//! so hyper's client would add tokio and hyper-util plumbing for nothing.
+//! with no async runtime to start. The CLI makes a handful of sequential
+//! requests to a (by default loopback) HTTPS server, so hyper's client
+//! would add tokio and hyper-util plumbing for nothing. TLS is rustls with
+//! the verification of [`super::server_trust`] (a pinned fingerprint or
+//! `--ca-file`).
 //! Environment proxies are ignored: the bearer token goes straight to the
 //! Keel server, never through a proxy.
 
@@ -20,6 +22,7 @@ use crate::api::paging::Paged;
 use crate::api::ErrorBody;
 use crate::args::ClientArgs;
 use crate::auth::{read_token_file, token_path};
+use crate::cli::server_trust::{self, ServerTrust, TrustArgs};
 
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -44,32 +47,35 @@ pub struct Client {
     stream_agent: Agent,
     base: String,
     authorization: String,
+    trust: ServerTrust,
 }
 
 impl Client {
-    pub fn new(server: &str, token: &str) -> anyhow::Result<Self> {
-        let base = server.trim_end_matches('/').to_string();
-        if base.starts_with("https://") {
-            bail!("--server {server}: https is not supported by this build of the CLI; use http:// (the server speaks plain HTTP)");
-        }
-        if !base.starts_with("http://") {
-            bail!("--server {server}: expected a URL like http://127.0.0.1:7280");
-        }
+    /// A client of `server` (`https://…`, or `http://…` for a loopback
+    /// server run with `--insecure-http`) that verifies it by `trust`.
+    pub fn new(server: &str, token: &str, trust: ServerTrust) -> anyhow::Result<Self> {
+        let base = check_server_url(server)?;
         let agent = |timeout: Option<Duration>| -> Agent {
-            Agent::config_builder()
+            let config = Agent::config_builder()
                 .http_status_as_error(false)
                 .proxy(None)
                 .timeout_global(timeout)
                 .timeout_connect(Some(Duration::from_secs(5)))
-                .build()
-                .into()
+                .build();
+            trust.agent(config)
         };
         Ok(Self {
             agent: agent(Some(REQUEST_TIMEOUT)),
             stream_agent: agent(None),
             base,
             authorization: format!("Bearer {}", token.trim()),
+            trust,
         })
+    }
+
+    /// How this client verifies the server (the console uses the same).
+    pub fn trust(&self) -> &ServerTrust {
+        &self.trust
     }
 
     /// From `--server` and `--token`, else the token file in `--data-dir`.
@@ -89,7 +95,17 @@ impl Client {
                 })?
             }
         };
-        Self::new(&args.server, &token)
+        check_server_url(&args.server)?;
+        let trust = server_trust::establish(
+            &args.server,
+            &TrustArgs {
+                ca_file: args.ca_file.clone(),
+                accept_fingerprint: args.accept_fingerprint.clone(),
+                known_servers: args.known_servers.clone(),
+                data_dir: Some(args.data_dir.clone()),
+            },
+        )?;
+        Self::new(&args.server, &token, trust)
     }
 
     /// The server's base URL, e.g. `http://127.0.0.1:7280`.
@@ -187,12 +203,20 @@ impl Client {
             .header("Content-Type", "application/octet-stream")
             .body(file)
             .with_context(|| format!("building PUT {url}"))?;
-        let mut resp = self.stream_agent.run(req).with_context(|| {
-            format!(
-                "uploading to the keel server at {} (PUT {path}); is `keel serve` running?",
-                self.base
-            )
-        })?;
+        let mut resp = match self.stream_agent.run(req) {
+            Ok(resp) => resp,
+            Err(e) => {
+                if let Some(refusal) = self.trust.refusal(&self.base) {
+                    bail!(refusal);
+                }
+                return Err(e).with_context(|| {
+                    format!(
+                        "uploading to the keel server at {} (PUT {path}); is `keel serve` running?",
+                        self.base
+                    )
+                });
+            }
+        };
         let status = resp.status().as_u16();
         let bytes = resp
             .body_mut()
@@ -254,13 +278,27 @@ impl Client {
         let req = req
             .body(body)
             .with_context(|| format!("building {method} {url}"))?;
-        agent.run(req).with_context(|| {
-            format!(
-                "cannot reach the keel server at {} ({method} {path}); is `keel serve` running? (set --server or $KEEL_SERVER)",
-                self.base
-            )
+        agent.run(req).or_else(|e| {
+            if let Some(refusal) = self.trust.refusal(&self.base) {
+                bail!(refusal);
+            }
+            Err(e).with_context(|| {
+                format!(
+                    "cannot reach the keel server at {} ({method} {path}); is `keel serve` running? (set --server or $KEEL_SERVER)",
+                    self.base
+                )
+            })
         })
     }
+}
+
+/// `server` without its trailing slash, if it is an http(s) URL.
+fn check_server_url(server: &str) -> anyhow::Result<String> {
+    let base = server.trim_end_matches('/').to_string();
+    if !base.starts_with("https://") && !base.starts_with("http://") {
+        bail!("--server {server}: expected a URL like https://127.0.0.1:7280");
+    }
+    Ok(base)
 }
 
 fn failure(status: u16, bytes: &[u8]) -> ApiFailure {
@@ -307,8 +345,8 @@ mod tests {
     }
 
     #[test]
-    fn refuses_https() {
-        assert!(Client::new("https://x", "t").is_err());
-        assert!(Client::new("ftp://x", "t").is_err());
+    fn takes_only_http_urls() {
+        assert!(Client::new("ftp://x", "t", ServerTrust::PlainHttp).is_err());
+        assert!(Client::new("https://x/", "t", ServerTrust::PlainHttp).is_ok());
     }
 }

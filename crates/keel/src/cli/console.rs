@@ -27,7 +27,10 @@ pub const LINGER: Duration = Duration::from_secs(2);
 pub fn run(client: &Client, name: &str) -> anyhow::Result<()> {
     let url = format!(
         "{}/api/v1/vms/{}/console",
-        client.base().replacen("http://", "ws://", 1),
+        client
+            .base()
+            .replacen("https://", "wss://", 1)
+            .replacen("http://", "ws://", 1),
         encode(name)
     );
     let mut request = url
@@ -43,7 +46,19 @@ pub fn run(client: &Client, name: &str) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let (socket, _) = match tokio_tungstenite::connect_async(request).await {
+        // wss with the same verification as every other request.
+        let connector = client
+            .trust()
+            .client_config()
+            .map(tokio_tungstenite::Connector::Rustls);
+        let connected =
+            tokio_tungstenite::connect_async_tls_with_config(request, None, true, connector).await;
+        if connected.is_err() {
+            if let Some(refusal) = client.trust().refusal(client.base()) {
+                bail!(refusal);
+            }
+        }
+        let (socket, _) = match connected {
             Ok(ok) => ok,
             Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => {
                 let status = resp.status().as_u16();

@@ -10,6 +10,7 @@ mod migration;
 pub mod net;
 mod node;
 pub mod output;
+pub mod server_trust;
 mod snapshot;
 mod vm;
 mod vm_ha;

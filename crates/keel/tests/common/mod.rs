@@ -1,6 +1,8 @@
-//! A real `keel serve` (SQLite store, controller, heartbeat, HTTP API) on
+//! A real `keel serve` (SQLite store, controller, heartbeat, HTTPS API) on
 //! 127.0.0.1:0 with a temp data dir and the sim hypervisor on the system
-//! clock, driven over a real socket. Waits poll with a deadline.
+//! clock, driven over a real socket. Waits poll with a deadline. The
+//! server makes its self-signed certificate in the data dir, and the
+//! test's client trusts it from there, as a local CLI does.
 
 #![allow(dead_code)]
 
@@ -9,7 +11,9 @@ pub mod cli;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use keel::api_tls::ApiTls;
 use keel::args::HypervisorKind;
+use keel::cli::server_trust::ServerTrust;
 use keel::serve::{self, RunningServer, ServeConfig};
 use keel_ctrl::LifecycleConfig;
 use keel_hv::sim::SimConfig;
@@ -71,6 +75,8 @@ pub struct TestServer {
     pub dir: TempDir,
     pub base: String,
     pub token: String,
+    /// How the test's clients verify the server (its data dir's certificate).
+    pub trust: ServerTrust,
     agent: ureq::Agent,
 }
 
@@ -87,6 +93,31 @@ impl TestServer {
         Self::start_cfg(dir, cfg)
     }
 
+    /// A server on [`fast_config`] speaking plain HTTP (`--insecure-http`),
+    /// for the tests that write raw requests to its socket.
+    pub fn start_plain_with(adjust: impl FnOnce(&mut ServeConfig)) -> Self {
+        Self::start_with(|cfg| {
+            cfg.tls = ApiTls::InsecureHttp;
+            adjust(cfg)
+        })
+    }
+
+    /// The `ws(s)://` URL of `path` and the connector that verifies it.
+    pub fn ws_url(&self, path: &str) -> (String, Option<tokio_tungstenite::Connector>) {
+        let url = format!(
+            "{}{path}",
+            self.base
+                .replacen("https://", "wss://", 1)
+                .replacen("http://", "ws://", 1)
+        );
+        (
+            url,
+            self.trust
+                .client_config()
+                .map(tokio_tungstenite::Connector::Rustls),
+        )
+    }
+
     pub fn start_in(dir: TempDir) -> Self {
         let cfg = fast_config(dir.path());
         Self::start_cfg(dir, cfg)
@@ -98,15 +129,25 @@ impl TestServer {
             .enable_all()
             .build()
             .unwrap();
+        let plain = cfg.tls == ApiTls::InsecureHttp;
+        let data_dir = cfg.data_dir.clone();
         let server = rt.block_on(serve::start(cfg)).expect("server starts");
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .proxy(None)
-            .timeout_global(Some(Duration::from_secs(30)))
-            .build()
-            .into();
+        let trust = if plain {
+            ServerTrust::PlainHttp
+        } else {
+            ServerTrust::of_data_dir(&data_dir).expect("the server's certificate")
+        };
+        let agent = trust.agent(
+            ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .proxy(None)
+                .timeout_global(Some(Duration::from_secs(30)))
+                .build(),
+        );
+        let scheme = if plain { "http" } else { "https" };
         Self {
-            base: format!("http://{}", server.addr()),
+            base: format!("{scheme}://{}", server.addr()),
+            trust,
             token: server.token().to_string(),
             server: Some(server),
             rt,

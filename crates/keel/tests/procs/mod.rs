@@ -303,7 +303,7 @@ pub async fn serving_url(cp: &Keel) -> String {
     loop {
         let log = cp.log.lock().unwrap().clone();
         if let Some(addr) = log.split("serving addr=").nth(1) {
-            return format!("http://{}", addr.split_whitespace().next().unwrap());
+            return format!("https://{}", addr.split_whitespace().next().unwrap());
         }
         assert!(Instant::now() < deadline, "no control plane:\n{}", cp.log());
         tokio::time::sleep(Duration::from_millis(100)).await;
