@@ -5,6 +5,8 @@
 // compile this crate with cfg(test)), `expect` states an invariant.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod api_token;
+pub mod audit;
 pub mod clock;
 pub mod cloud_init;
 pub mod disk_record;
@@ -25,6 +27,8 @@ pub mod user_migration;
 pub mod validation;
 pub mod vm;
 
+pub use api_token::{ApiToken, CreateTokenRequest, Role};
+pub use audit::{Audit, AuditEvent, AuditPart};
 pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
 pub use cloud_init::CloudInitSpec;
 pub use disk_record::{DiskHome, DiskRecord};

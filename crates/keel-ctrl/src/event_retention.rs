@@ -14,10 +14,12 @@ use keel_api::Millis;
 use keel_store::{Revision, StoreError, TypedStore};
 
 use crate::fence::Fence;
-use crate::keys::{event_subject, name_of, EVENTS_PREFIX, STORE_EVENTS, VMS_PREFIX};
+use crate::keys::{event_subject, name_of, AUDIT_EVENTS, EVENTS_PREFIX, STORE_EVENTS, VMS_PREFIX};
 
 pub const DEFAULT_MAX_EVENTS_PER_VM: usize = 200;
 pub const DEFAULT_MAX_EVENTS: usize = 50_000;
+/// The audit trail's own cap: it is one subject, but a busy one.
+pub const DEFAULT_MAX_AUDIT_EVENTS: usize = 10_000;
 /// How often the leader prunes: each pruning lists every event.
 pub const PRUNE_INTERVAL_MS: Millis = 60_000;
 
@@ -27,6 +29,8 @@ pub const PRUNE_INTERVAL_MS: Millis = 60_000;
 pub struct EventRetention {
     pub per_vm: usize,
     pub total: usize,
+    /// The audit trail's cap (`--max-audit-events`) in place of `per_vm`.
+    pub audit: usize,
 }
 
 impl Default for EventRetention {
@@ -34,6 +38,7 @@ impl Default for EventRetention {
         Self {
             per_vm: DEFAULT_MAX_EVENTS_PER_VM,
             total: DEFAULT_MAX_EVENTS,
+            audit: DEFAULT_MAX_AUDIT_EVENTS,
         }
     }
 }
@@ -46,8 +51,10 @@ pub struct ListedEvent {
 }
 
 /// The events to delete: every event of a VM that `exists` denies (its VM
-/// was deleted; events about records of no VM, [`STORE_EVENTS`], are
-/// capped but never orphaned), then the oldest beyond `per_vm` of each VM,
+/// was deleted; events about records of no VM, [`STORE_EVENTS`], and the
+/// audit trail, [`AUDIT_EVENTS`], are capped but never orphaned: who
+/// deleted a VM stays known after it is gone), then the oldest beyond
+/// `per_vm` of each VM (`audit` of the audit trail),
 /// then the oldest beyond `total` of what is left. Age is the revision the
 /// event was written at.
 ///
@@ -69,12 +76,17 @@ pub fn events_to_prune(
     let mut prune = Vec::new();
     let mut kept = Vec::new();
     for (vm, mut list) in by_vm {
-        if vm != STORE_EVENTS && !exists(vm) {
+        if vm != STORE_EVENTS && vm != AUDIT_EVENTS && !exists(vm) {
             prune.extend(list.into_iter().cloned());
             continue;
         }
         list.sort_by_key(|e| e.revision);
-        let excess = list.len().saturating_sub(limits.per_vm);
+        let cap = if vm == AUDIT_EVENTS {
+            limits.audit
+        } else {
+            limits.per_vm
+        };
+        let excess = list.len().saturating_sub(cap);
         prune.extend(list[..excess].iter().map(|e| (*e).clone()));
         kept.extend_from_slice(&list[excess..]);
     }
@@ -155,17 +167,34 @@ mod tests {
         let limits = EventRetention {
             per_vm: 2,
             total: 100,
+            audit: 100,
         };
         let exists = |vm: &str| vm != "gone";
         assert_eq!(revisions(&events_to_prune(&events, exists, limits)), [1, 3]);
         let limits = EventRetention {
             per_vm: 2,
             total: 3,
+            audit: 100,
         };
         // Left after the per-VM cap: 2, 4, 5, 6, 7; the two oldest go.
         assert_eq!(
             revisions(&events_to_prune(&events, exists, limits)),
             [1, 2, 3, 4]
+        );
+    }
+
+    #[test]
+    fn the_audit_trail_has_its_own_cap_and_is_never_orphaned() {
+        let events: Vec<ListedEvent> = (1..=5).map(|r| ev(AUDIT_EVENTS, r)).collect();
+        let limits = EventRetention {
+            per_vm: 1,
+            total: 100,
+            audit: 3,
+        };
+        // No VM exists, yet only the oldest beyond the audit cap go.
+        assert_eq!(
+            revisions(&events_to_prune(&events, |_| false, limits)),
+            [1, 2]
         );
     }
 }

@@ -42,7 +42,10 @@ mod tests {
     use keel_api::HostHardware;
 
     fn vm(cpu_model: Option<&str>, recorded: Option<(&str, &str)>) -> VirtualMachine {
-        let mut vm = crate::schedule::tests::vm("web", None);
+        // The API's minimal spec: every field but these has its default.
+        let spec = serde_json::from_value(serde_json::json!({"cpus": 1, "memory_mib": 64}))
+            .expect("a minimal spec");
+        let mut vm = VirtualMachine::new("web", spec);
         vm.spec.cpu_model = cpu_model.map(str::to_string);
         vm.status.hardware = recorded.map(|(machine, cpu)| VmHardware {
             machine: machine.into(),

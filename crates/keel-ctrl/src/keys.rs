@@ -11,7 +11,20 @@ pub const IMAGES_PREFIX: &str = "/images/";
 pub const LEADER_KEY: &str = "/leader";
 
 /// The API token every control plane of a distributed cluster accepts.
+/// Written in clear by versions before scoped tokens; a control plane
+/// that finds it turns it into a hashed token record and deletes it.
 pub const API_TOKEN_KEY: &str = "/config/api-token";
+
+/// API tokens by id: hashes of their secrets, never the secrets.
+pub const TOKENS_PREFIX: &str = "/tokens/";
+
+pub fn token_key(id: &str) -> String {
+    format!("{TOKENS_PREFIX}{id}")
+}
+
+/// The audit trail's events are kept under this name, which no VM can
+/// have: `/events/_audit/...`.
+pub const AUDIT_EVENTS: &str = "_audit";
 
 pub fn vm_key(name: &str) -> String {
     format!("{VMS_PREFIX}{name}")

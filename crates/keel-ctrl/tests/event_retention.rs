@@ -73,6 +73,7 @@ async fn the_leader_keeps_the_newest_events_per_vm_and_overall() {
     let limits = EventRetention {
         per_vm: 200,
         total: 50_000,
+        ..Default::default()
     };
     let cluster = controller(&store, &clock, limits);
 
@@ -104,6 +105,7 @@ async fn the_leader_keeps_the_newest_events_per_vm_and_overall() {
         EventRetention {
             per_vm: 200,
             total: 150,
+            ..Default::default()
         },
     );
     cluster.reconcile().await.unwrap();

@@ -360,11 +360,10 @@ async fn start_locked(
     let consoles = match cfg.listen {
         None => None,
         Some(listen) => {
-            // The control planes' token: they pass the user's request on
-            // with it, and nobody else may attach.
-            let token =
-                crate::distributed::shared_token(&*raw, &crate::auth::token_path(&cfg.data_dir))
-                    .await?;
+            // The cluster's token records: the control planes pass the
+            // user's token on, and only a live one of a role that may
+            // attach is let in.
+            let tokens = crate::token_book::TokenBook::new(store.clone(), clock.clone());
             let images = keel_hv::images::ImageStore::open(
                 &crate::hypervisor::image_dir(&cfg.data_dir, cfg.image_dir.as_deref()),
                 Path::new("qemu-img"),
@@ -379,7 +378,7 @@ async fn start_locked(
                     hv.clone(),
                     clock,
                     Arc::new(images),
-                    token,
+                    tokens,
                 )
                 .await?,
             )

@@ -1,7 +1,9 @@
 //! `keel agent --console-listen ADDR`: the agent serves the consoles of its node's
 //! VMs (`/api/v1/vms/{name}/console` and `/console/log`, the very handlers
-//! of `keel serve`) and nothing else, guarded by the cluster's API token
-//! (`/config/api-token` in the store, the one the control planes check).
+//! of `keel serve`) and nothing else, guarded by the cluster's API tokens
+//! (the hashed records in the store the control planes check, followed
+//! by this agent's own `token_book`: a control plane passes the user's
+//! token on, and the agent checks it, its role and its limits itself).
 //! Its URL goes on its node record (`status.agent_url`), where the control
 //! planes find it to pass a user's console request on
 //! (`api::console_proxy`).
@@ -20,9 +22,10 @@ use keel_store::{StoreError, TypedStore};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::api::token_limits::TokenLimits;
 use crate::api::{self, AppState, NodeAccess};
-use crate::auth::Token;
 use crate::metrics::Metrics;
+use crate::token_book::TokenBook;
 
 /// The console server of a running agent.
 pub struct ConsoleServer {
@@ -40,7 +43,7 @@ impl ConsoleServer {
         hv: Arc<dyn Hypervisor>,
         clock: Arc<dyn Clock>,
         images: Arc<ImageStore>,
-        token: Token,
+        tokens: Arc<TokenBook>,
     ) -> anyhow::Result<Self> {
         if listen.ip().is_unspecified() {
             bail!(
@@ -56,6 +59,8 @@ impl ConsoleServer {
             tracing::warn!(%addr, "serving consoles beyond loopback: plain HTTP guarded only by the bearer token");
         }
         let (stop, stop_rx) = watch::channel(false);
+        tokens.spawn_reflector(stop_rx.clone());
+        let door = api::Door::new(tokens, store.clone(), TokenLimits::default());
         let state = AppState {
             store,
             clock,
@@ -69,7 +74,7 @@ impl ConsoleServer {
             limits: Default::default(),
             follows: Default::default(),
         };
-        let app = router(state, token);
+        let app = router(state, door);
         let task = tokio::spawn(crate::http_listener::serve_until(
             listener, app, None, stop_rx,
         ));
@@ -88,12 +93,12 @@ impl ConsoleServer {
     }
 }
 
-fn router(state: AppState, token: Token) -> Router {
+fn router(state: AppState, door: api::Door) -> Router {
     Router::new()
         .route("/api/v1/vms/{name}/console", get(api::console::attach))
         .route("/api/v1/vms/{name}/console/log", get(api::console::log))
         .layer(middleware::from_fn_with_state(
-            token,
+            door,
             crate::api::require_token::require_token,
         ))
         .with_state(state)

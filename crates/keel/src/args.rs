@@ -46,7 +46,8 @@ pub enum Command {
     Migration(MigrationCommand),
     /// Check this host for running Keel: QEMU, KVM, disk space, the store.
     Doctor(DoctorArgs),
-    /// Create the API token file (e.g. /etc/keel/token shared with group keel).
+    /// Create, list and revoke API tokens (roles admin, operator, viewer);
+    /// `init-file` writes a token file on this host.
     Token(TokenCommand),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions {
@@ -84,22 +85,63 @@ pub enum BenchVerb {
 
 #[derive(Debug, Args)]
 pub struct TokenCommand {
+    #[command(flatten)]
+    pub client: ClientArgs,
     #[command(subcommand)]
     pub verb: TokenVerb,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum TokenVerb {
-    /// Write a new random token to FILE, unless it already holds one.
+    /// Create an API token (needs an admin token); its secret is printed
+    /// once and stored nowhere, only its hash.
     Create {
+        /// Who holds it: the actor named in the audit trail.
+        name: String,
+        /// viewer reads; operator also powers VMs, takes snapshots,
+        /// migrates, attaches consoles; admin does everything.
+        #[arg(long)]
+        role: keel_api::Role,
+        /// Lifetime: 30d, 12h, 90m or 3600s; unset, it never expires.
+        #[arg(long, value_name = "DURATION", value_parser = parse_lifetime)]
+        expires: Option<u64>,
+    },
+    /// List the tokens (names, roles, expiry, revocation; never secrets).
+    List,
+    /// Revoke a token, by name or id: refused on every control plane at once.
+    Revoke { token: String },
+    /// Write a new random admin token to FILE, unless it already holds
+    /// one (e.g. /etc/keel/token shared with group keel). A server given
+    /// it as --token-file makes it an admin token on start.
+    InitFile {
         file: PathBuf,
         /// Share it with this group (mode 0640, owner unchanged); else 0600.
         #[arg(long)]
         group: Option<String>,
-        /// Replace a token that is already there (servers using it must restart).
+        /// Replace a token that is already there (servers using it must
+        /// restart; the old one is revoked when they do).
         #[arg(long)]
         rotate: bool,
     },
+}
+
+/// `--expires 30d`: seconds.
+pub fn parse_lifetime(s: &str) -> Result<u64, String> {
+    let usage = "expected a number with a unit: 30d, 12h, 90m or 3600s";
+    let (digits, unit) = s.split_at(s.trim_end_matches(|c: char| c.is_ascii_alphabetic()).len());
+    let n: u64 = digits.parse().map_err(|_| format!("{s:?}: {usage}"))?;
+    let scale = match unit {
+        "d" => 86_400,
+        "h" => 3_600,
+        "m" => 60,
+        "s" => 1,
+        _ => return Err(format!("{s:?}: {usage}")),
+    };
+    match n.checked_mul(scale) {
+        Some(0) => Err(format!("{s:?}: must be at least 1s")),
+        Some(secs) if secs <= keel_api::api_token::MAX_TOKEN_LIFETIME_S => Ok(secs),
+        _ => Err(format!("{s:?}: at most ten years")),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -261,6 +303,19 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_MAX_EVENTS", value_name = "N", value_parser = parse_cap,
           default_value_t = keel_ctrl::event_retention::DEFAULT_MAX_EVENTS)]
     pub max_events: usize,
+    /// Audit events kept (one per mutating request), the oldest pruned first.
+    #[arg(long, env = "KEEL_MAX_AUDIT_EVENTS", value_name = "N", value_parser = parse_cap,
+          default_value_t = keel_ctrl::event_retention::DEFAULT_MAX_AUDIT_EVENTS)]
+    pub max_audit_events: usize,
+    /// API requests per second each token may make (bursts of twice that);
+    /// beyond it, 429 naming this limit. Counted per control plane.
+    #[arg(long, env = "KEEL_MAX_REQUESTS_PER_TOKEN", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::token_limits::DEFAULT_REQUESTS_PER_SECOND)]
+    pub max_requests_per_token: usize,
+    /// Console sessions each token may hold open at once; beyond it, 429.
+    #[arg(long, env = "KEEL_MAX_CONSOLES_PER_TOKEN", value_name = "N", value_parser = parse_cap,
+          default_value_t = crate::api::token_limits::DEFAULT_CONSOLES_PER_TOKEN)]
+    pub max_consoles_per_token: usize,
 }
 
 /// `keel agent`: a node agent without API, for a cluster on etcd.
@@ -701,6 +756,9 @@ pub struct EventsArgs {
     pub client: ClientArgs,
     /// Only events of this VM.
     pub vm: Option<String>,
+    /// Only the audit trail's requests made with the token of this name.
+    #[arg(long, value_name = "TOKEN_NAME")]
+    pub actor: Option<String>,
     /// Keep printing new events as they happen.
     #[arg(long, short = 'f')]
     pub follow: bool,

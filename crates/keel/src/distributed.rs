@@ -1,18 +1,14 @@
 //! Distributed mode: where the state lives (`--store sqlite` or
-//! `--store etcd://…`), and the API token every control plane of an etcd
-//! cluster accepts.
+//! `--store etcd://…`). The API tokens every control plane accepts are
+//! hashed records in the store (`crate::token_book`).
 
 use std::fmt;
-use std::path::Path;
 use std::str::FromStr;
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
-use keel_ctrl::keys::API_TOKEN_KEY;
+use anyhow::Context;
 use keel_store::etcd::EtcdStore;
-use keel_store::{Precondition, Store, StoreError};
-
-use crate::auth::{self, Token};
+use keel_store::Store;
 
 /// The etcd key namespace when `--store etcd://…` names none.
 pub const DEFAULT_NAMESPACE: &str = "/keel";
@@ -116,50 +112,6 @@ impl fmt::Display for StoreSpec {
     }
 }
 
-/// The API token of a cluster: stored at `/config/api-token` by the first
-/// control plane to start (create-if-absent, so racing control planes agree
-/// on one: the loser reads the winner's), and written to `data_dir/token`
-/// (mode 0600) for the CLI on this host. A first control plane that already
-/// has a local token publishes that one, so existing CLI setups keep
-/// working.
-pub async fn shared_token(store: &dyn Store, token_file: &Path) -> anyhow::Result<Token> {
-    for _ in 0..3 {
-        if let Some(entry) = store.get(API_TOKEN_KEY).await? {
-            let secret = String::from_utf8(entry.value)
-                .ok()
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .with_context(|| format!("the store's {API_TOKEN_KEY} is empty or not UTF-8"))?;
-            let token = Token::new(secret);
-            auth::write_local(token_file, &token)?;
-            return Ok(token);
-        }
-        let secret = match auth::read_local(token_file)? {
-            Some(local) => local.secret().to_string(),
-            None => auth::generate_secret(),
-        };
-        match store
-            .put(
-                API_TOKEN_KEY,
-                secret.clone().into_bytes(),
-                Precondition::Absent,
-            )
-            .await
-        {
-            Ok(_) => {
-                tracing::info!(key = API_TOKEN_KEY, "published the cluster's API token");
-                let token = Token::new(secret);
-                auth::write_local(token_file, &token)?;
-                return Ok(token);
-            }
-            // Another control plane published first: use its token.
-            Err(StoreError::Conflict { .. }) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    bail!("could not agree on the API token at {API_TOKEN_KEY}: it keeps changing")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,35 +146,5 @@ mod tests {
         ] {
             assert!(bad.parse::<StoreSpec>().is_err(), "{bad:?} parsed");
         }
-    }
-
-    #[tokio::test]
-    async fn control_planes_agree_on_one_token() {
-        let store: Arc<dyn Store> = Arc::new(keel_store::memory::MemoryStore::new());
-        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let (pa, pb) = (auth::token_path(a.path()), auth::token_path(b.path()));
-        let (ta, tb) = tokio::join!(shared_token(&*store, &pa), shared_token(&*store, &pb));
-        let (ta, tb) = (ta.unwrap(), tb.unwrap());
-        assert_eq!(ta.secret(), tb.secret());
-        for dir in [&a, &b] {
-            let local = auth::read_local(&auth::token_path(dir.path()))
-                .unwrap()
-                .expect("token file");
-            assert_eq!(local.secret(), ta.secret());
-        }
-        // A later control plane with a different local token adopts the cluster's.
-        let c = tempfile::tempdir().unwrap();
-        auth::load_or_create(c.path()).unwrap();
-        let tc = shared_token(&*store, &auth::token_path(c.path()))
-            .await
-            .unwrap();
-        assert_eq!(tc.secret(), ta.secret());
-        assert_eq!(
-            auth::read_local(&auth::token_path(c.path()))
-                .unwrap()
-                .unwrap()
-                .secret(),
-            ta.secret()
-        );
     }
 }

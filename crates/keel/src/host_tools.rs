@@ -8,33 +8,25 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 
-use crate::args::{TokenCommand, TokenVerb};
 use crate::auth::{self, Token};
 
-pub fn token(cmd: TokenCommand) -> anyhow::Result<()> {
-    match cmd.verb {
-        TokenVerb::Create {
-            file,
-            group,
-            rotate,
-        } => {
-            let existing = match std::fs::read_to_string(&file) {
-                Ok(t) if !t.trim().is_empty() => Some(t),
-                _ => None,
-            };
-            let mode = if group.is_some() { 0o640 } else { 0o600 };
-            let token = match existing {
-                Some(t) if !rotate => Token::new(t.trim().to_string()),
-                _ => Token::new(auth::generate_secret()),
-            };
-            auth::write_token_file(&file, &token, mode)?;
-            if let Some(group) = group {
-                chgrp(&file, &group)?;
-            }
-            eprintln!("token in {} (mode {mode:04o})", file.display());
-            Ok(())
-        }
+/// `keel token init-file FILE [--group G] [--rotate]`.
+pub fn token_file(file: &Path, group: Option<&str>, rotate: bool) -> anyhow::Result<()> {
+    let existing = match std::fs::read_to_string(file) {
+        Ok(t) if !t.trim().is_empty() => Some(t),
+        _ => None,
+    };
+    let mode = if group.is_some() { 0o640 } else { 0o600 };
+    let token = match existing {
+        Some(t) if !rotate => Token::new(t.trim().to_string()),
+        _ => Token::new(auth::generate_secret()),
+    };
+    auth::write_token_file(file, &token, mode)?;
+    if let Some(group) = group {
+        chgrp(file, group)?;
     }
+    eprintln!("token in {} (mode {mode:04o})", file.display());
+    Ok(())
 }
 
 fn chgrp(path: &Path, group: &str) -> anyhow::Result<()> {

@@ -291,8 +291,12 @@ async fn drive<IO>(
 {
     let service = {
         let conn = conn.clone();
-        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+        hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
             conn.proven.store(true, Ordering::Relaxed);
+            // What axum's own server would add: the audit trail names the
+            // address a request came from.
+            req.extensions_mut()
+                .insert(axum::extract::ConnectInfo(peer));
             let mut app = app.clone();
             async move { app.call(req.map(axum::body::Body::new)).await }
         })

@@ -26,3 +26,4 @@ pub mod metrics;
 pub mod migration_setup;
 pub mod serve;
 pub mod timefmt;
+pub mod token_book;

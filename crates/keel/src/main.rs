@@ -27,7 +27,14 @@ fn main() -> ExitCode {
         Command::Restore(args) => keel::cli::restore(args),
         Command::Migration(cmd) => keel::cli::migration(cmd),
         Command::Doctor(args) => keel::doctor::main(args),
-        Command::Token(cmd) => keel::host_tools::token(cmd),
+        Command::Token(cmd) => match cmd.verb {
+            keel::args::TokenVerb::InitFile {
+                file,
+                group,
+                rotate,
+            } => keel::host_tools::token_file(&file, group.as_deref(), rotate),
+            _ => keel::cli::token(cmd),
+        },
         Command::Completions { shell } => {
             keel::host_tools::completions(shell, &mut Cli::command(), &mut std::io::stdout())
         }

@@ -40,13 +40,14 @@ use crate::api::{self, AppState};
 use crate::api_tls::{self, ApiTls, ServerIdentity};
 use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
-use crate::distributed::{self, StoreSpec};
+use crate::distributed::StoreSpec;
 use crate::host::{
     create_private_dir, default_node_name, init_logging, lock_data_dir, private_umask,
     wait_for_signal,
 };
 use crate::hypervisor::{image_dir, make_hypervisor, shared_disk_dir, HypervisorOptions};
 use crate::metrics::Metrics;
+use crate::token_book::{self, TokenBook};
 
 pub const DB_FILE: &str = "keel.db";
 /// How long in-flight HTTP requests may take to finish at shutdown.
@@ -58,6 +59,8 @@ pub struct ServeConfig {
     pub data_dir: PathBuf,
     /// The API token's file; default `<data_dir>/token`.
     pub token_file: Option<PathBuf>,
+    /// Requests per second and console sessions per token.
+    pub token_limits: crate::api::token_limits::TokenLimits,
     pub listen: SocketAddr,
     pub hypervisor: HypervisorKind,
     pub node: String,
@@ -129,6 +132,7 @@ impl ServeConfig {
             runtime: Default::default(),
             api_limits: ApiLimits::default(),
             tls: ApiTls::default(),
+            token_limits: Default::default(),
         }
     }
 
@@ -263,9 +267,10 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
     let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
-    let token = auth::load_or_create_at(&cfg.token_path())?;
     let db = cfg.data_dir.join(DB_FILE);
     let store = TypedStore::new(Arc::new(SqliteStore::open(&db)?));
+    let tokens = TokenBook::new(store.clone(), clock.clone());
+    let token = token_book::bootstrap(&tokens, &cfg.token_path(), &cfg.node).await?;
     let facts = hv.facts().await;
     // Bind before starting anything, so a busy port fails cleanly.
     let listener = tokio::net::TcpListener::bind(cfg.listen)
@@ -275,6 +280,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     let identity = api_tls::load_identity(&cfg.tls, &cfg.data_dir, addr)?;
 
     let (stop, stop_rx) = watch::channel(false);
+    tokens.spawn_reflector(stop_rx.clone());
+    let door = api::Door::new(tokens, store.clone(), cfg.token_limits);
     let lifecycle = LifecycleConfig {
         node: cfg.node.clone(),
         // Placement and the takeover of lost nodes' VMs are the cluster
@@ -323,7 +330,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         limits: cfg.api_limits,
         follows: Default::default(),
     };
-    let http = serve_api(listener, state, &token, identity.as_ref());
+    let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -356,11 +363,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
 fn serve_api(
     listener: tokio::net::TcpListener,
     state: AppState,
-    token: &Token,
+    door: api::Door,
     identity: Option<&ServerIdentity>,
 ) -> JoinHandle<std::io::Result<()>> {
     let stop = state.shutdown.clone();
-    let app = api::router(state, token.clone());
+    let app = api::router(state, door);
     let tls = identity.map(|i| tokio_rustls::TlsAcceptor::from(i.config.clone()));
     if tls.is_none() {
         tracing::warn!("--insecure-http: the API speaks plain HTTP (loopback only): the token and all traffic are unencrypted");
@@ -382,7 +389,8 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let lock = lock_data_dir(&cfg.data_dir)?;
     let raw = cfg.store.connect_etcd().await?.expect("an etcd store spec");
     let store = TypedStore::new(raw.clone());
-    let token = distributed::shared_token(&*raw, &cfg.token_path()).await?;
+    let tokens = TokenBook::new(store.clone(), clock.clone());
+    let token = token_book::bootstrap(&tokens, &cfg.token_path(), &cfg.node).await?;
     if cfg.tls == ApiTls::SelfSigned {
         crate::api_tls_cluster::shared_self_signed(&*raw, &cfg.data_dir, cfg.listen).await?;
     }
@@ -404,6 +412,8 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
             .await?;
     }
     let (stop, stop_rx) = watch::channel(false);
+    tokens.spawn_reflector(stop_rx.clone());
+    let door = api::Door::new(tokens, store.clone(), cfg.token_limits);
     let metrics = Arc::new(Metrics::new());
     metrics.count_from(raw.clone(), stop_rx.clone());
     let (agent, hypervisor) = if cfg.agent {
@@ -452,7 +462,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         limits: cfg.api_limits,
         follows: Default::default(),
     };
-    let http = serve_api(listener, state, &token, identity.as_ref());
+    let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {
         create_demo_vm(&store).await?;
     }
@@ -561,9 +571,14 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         max_images: args.max_images,
         max_follows: args.max_follows,
     };
+    cfg.token_limits = crate::api::token_limits::TokenLimits {
+        requests_per_second: args.max_requests_per_token,
+        consoles_per_token: args.max_consoles_per_token,
+    };
     cfg.lifecycle.event_retention = keel_ctrl::event_retention::EventRetention {
         per_vm: args.max_events_per_vm,
         total: args.max_events,
+        audit: args.max_audit_events,
     };
     if cfg.agent && cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);

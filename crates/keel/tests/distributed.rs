@@ -20,7 +20,7 @@ use keel::serve::{self, RunningServer, ServeConfig};
 use keel_api::{
     Clock, EvictionWindows, Node, Phase, PowerState, RunPolicy, SystemClock, VirtualMachine, VmSpec,
 };
-use keel_ctrl::keys::{node_key, vm_key, API_TOKEN_KEY};
+use keel_ctrl::keys::{node_key, vm_key};
 use keel_ctrl::{ElectionConfig, LeaderElection, LifecycleConfig};
 use keel_hv::sim::{SimConfig, SimFabric, SimHypervisor};
 use keel_store::etcd::{EtcdOptions, EtcdStore};
@@ -424,16 +424,70 @@ async fn placement_continues_after_a_leader_change() {
     };
     c.control_plane("cp1").await;
     c.control_plane("cp2").await;
-    assert_eq!(
-        c.planes["cp1"].token(),
-        c.planes["cp2"].token(),
-        "every control plane accepts the cluster's token"
+    // Each control plane's token file is an admin token every control
+    // plane accepts, and the store holds only their hashes.
+    let (cp1, cp2) = (
+        format!("https://{}", c.planes["cp1"].addr()),
+        format!("https://{}", c.planes["cp2"].addr()),
     );
-    let stored = c.store.raw().get(API_TOKEN_KEY).await.unwrap().unwrap();
-    assert_eq!(
-        String::from_utf8(stored.value).unwrap(),
-        c.planes["cp1"].token()
+    // Every control plane presents the cluster's one certificate.
+    let trust = ServerTrust::of_data_dir(&c.dir.path().join("cp1")).unwrap();
+    let (t1, t2) = (
+        c.planes["cp1"].token().to_string(),
+        c.planes["cp2"].token().to_string(),
     );
+    let (status, _, _) = get_as(&trust, format!("{cp2}/api/v1/vms"), Some(t1.clone())).await;
+    assert_eq!(status, 200, "cp2 accepts cp1's token");
+    let (all, _) = c.store.raw().list("/").await.unwrap();
+    for entry in all {
+        let text = String::from_utf8_lossy(&entry.value);
+        assert!(
+            !text.contains(&t1) && !text.contains(&t2),
+            "{} holds a token in clear",
+            entry.key
+        );
+    }
+    // A token made on cp1 works on cp2, and its revocation on cp1 counts
+    // on cp2 within a second.
+    let (status, body) = send_as(
+        &trust,
+        "POST",
+        format!("{cp1}/api/v1/tokens"),
+        &t1,
+        Some(serde_json::json!({"name": "ci", "role": "viewer"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let created: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let (id, viewer) = (
+        created["token"]["id"].as_str().unwrap().to_string(),
+        created["secret"].as_str().unwrap().to_string(),
+    );
+    let (status, _, _) = get_as(&trust, format!("{cp2}/api/v1/vms"), Some(viewer.clone())).await;
+    assert_eq!(status, 200, "cp2 accepts a token made on cp1");
+    let (status, body) = send_as(
+        &trust,
+        "DELETE",
+        format!("{cp1}/api/v1/tokens/{id}"),
+        &t1,
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let revoked_at = Instant::now();
+    loop {
+        let (status, _, body) =
+            get_as(&trust, format!("{cp2}/api/v1/vms"), Some(viewer.clone())).await;
+        if status == 401 {
+            assert!(body.contains("token revoked"), "{body}");
+            break;
+        }
+        assert!(
+            revoked_at.elapsed() < Duration::from_secs(1),
+            "cp2 still accepts a token revoked on cp1: {status}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     c.agent("n1").await;
     c.agent("n2").await;
     let leader = c.leader().await;
@@ -677,6 +731,39 @@ async fn a_second_agent_with_the_same_node_name_is_refused() {
         "took {:?}",
         t.elapsed()
     );
+}
+
+/// A request with a bearer token and an optional JSON body: status, body.
+async fn send_as(
+    trust: &ServerTrust,
+    method: &'static str,
+    url: String,
+    token: &str,
+    body: Option<serde_json::Value>,
+) -> (u16, String) {
+    let token = token.to_string();
+    let trust = trust.clone();
+    tokio::task::spawn_blocking(move || {
+        let agent: ureq::Agent = trust.agent(
+            ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .proxy(None)
+                .timeout_global(Some(Duration::from_secs(10)))
+                .build(),
+        );
+        let req = ureq::http::Request::builder()
+            .method(method)
+            .uri(url)
+            .header("Authorization", format!("Bearer {token}"))
+            .header("Content-Type", "application/json")
+            .body(body.map(|b| b.to_string()).unwrap_or_default())
+            .unwrap();
+        let mut resp = agent.run(req).unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.body_mut().read_to_string().unwrap_or_default())
+    })
+    .await
+    .unwrap()
 }
 
 /// A GET with an optional bearer token: status, `X-Keel-Instance`, body.

@@ -126,7 +126,7 @@ fn the_package_has_its_files_with_their_modes() {
     let postinst = std::fs::read_to_string(control.join("postinst")).unwrap();
     assert!(postinst.contains("adduser --system"), "{postinst}");
     assert!(postinst.contains("install -d -m 0700 -o keel -g keel /var/lib/keel"));
-    assert!(postinst.contains("token create /etc/keel/token --group keel"));
+    assert!(postinst.contains("token init-file /etc/keel/token --group keel"));
     // The shipped config file is one the binary accepts.
     let out = keel()
         .env("KEEL_CONFIG", root.join("etc/keel/keel.toml"))
@@ -464,7 +464,7 @@ fn an_unprivileged_server_runs_qemu_as_itself_with_private_files() {
     std::fs::create_dir(&shared).unwrap();
     let token_file = shared.join("token");
     let status = keel()
-        .args(["token", "create"])
+        .args(["token", "init-file"])
         .arg(&token_file)
         .status()
         .unwrap();

@@ -21,6 +21,7 @@ use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use futures_util::{SinkExt, StreamExt};
 use keel_api::{Node, VirtualMachine};
 use keel_ctrl::keys::{node_key, vm_key};
@@ -29,6 +30,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::console_proxy::{self, Remote};
 use super::extract::{NameParam, QueryParams};
+use super::require_token::ConsoleHold;
 use super::{ApiError, AppState};
 
 // The wire contract of the log endpoint, shared with the proxy that
@@ -161,9 +163,13 @@ pub async fn attach(
     NameParam(name): NameParam,
     headers: HeaderMap,
     query: QueryParams,
+    hold: Option<Extension<ConsoleHold>>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     query.finish()?;
+    // The token's console session (`--max-consoles-per-token`), kept
+    // until the socket closes.
+    let session = hold.and_then(|Extension(h)| h.take());
     let located = locate(&state, &name).await?;
     let Ok(ws) = ws else {
         return Err(ApiError::bad_request(
@@ -175,7 +181,15 @@ pub async fn attach(
     let (hv, instance) = match located {
         Console::Here(hv, instance) => (hv, instance),
         Console::Agent(remote) => {
-            return console_proxy::attach(remote, &headers, &name, ws, state.shutdown.clone()).await
+            return console_proxy::attach(
+                remote,
+                &headers,
+                &name,
+                ws,
+                state.shutdown.clone(),
+                session,
+            )
+            .await
         }
     };
     // Claimed before the upgrade, so a second session gets its 409 here
@@ -184,6 +198,7 @@ pub async fn attach(
     tracing::info!(vm = %name, %instance, "console attached");
     let shutdown = state.shutdown.clone();
     Ok(ws.on_upgrade(move |socket| async move {
+        let _session = session;
         pump(socket, console, shutdown).await;
         tracing::info!(vm = %name, %instance, "console detached");
     }))

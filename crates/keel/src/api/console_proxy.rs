@@ -14,6 +14,7 @@ use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{self, Error as WsError};
 
+use super::token_limits::ConsoleSession;
 use super::ApiError;
 
 /// The most of a console log one request returns.
@@ -126,6 +127,7 @@ pub async fn attach(
     vm: &str,
     ws: WebSocketUpgrade,
     shutdown: tokio::sync::watch::Receiver<bool>,
+    session: Option<ConsoleSession>,
 ) -> Result<Response, ApiError> {
     let url = format!(
         "{}{}",
@@ -163,6 +165,7 @@ pub async fn attach(
     tracing::info!(vm, instance = %remote.instance, node = %remote.node, "console attached through the node's agent");
     let vm = vm.to_string();
     Ok(ws.on_upgrade(move |client| async move {
+        let _session = session;
         relay(client, agent, shutdown).await;
         tracing::info!(vm = %vm, instance = %remote.instance, "proxied console detached");
     }))

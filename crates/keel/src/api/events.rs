@@ -1,5 +1,6 @@
-//! `GET /api/v1/events[?vm=NAME][&follow=true]`: the recorded phase
-//! changes, oldest first. With `follow`, newline-delimited JSON: the
+//! `GET /api/v1/events[?vm=NAME][&actor=TOKEN][&follow=true]`: the
+//! recorded phase changes and the audit trail (`actor`: only the requests
+//! made with the token of that name), oldest first. With `follow`, newline-delimited JSON: the
 //! recorded events, then each new one as the store's watch delivers it.
 
 use std::convert::Infallible;
@@ -9,8 +10,8 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_api::Event;
-use keel_ctrl::keys::EVENTS_PREFIX;
+use keel_api::{Audit, AuditPart, Event};
+use keel_ctrl::keys::{AUDIT_EVENTS, EVENTS_PREFIX};
 use keel_store::{Entry, Revision, WatchEvent};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -26,6 +27,9 @@ pub struct EventItem {
     /// Store revision at which the event was recorded; orders events.
     pub revision: Revision,
     pub event: Event,
+    /// Set on the audit trail's events: who made which request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audit: Option<Audit>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -44,6 +48,7 @@ pub async fn list(
     mut query: QueryParams,
 ) -> Result<Response, ApiError> {
     let vm = query.take_name("vm")?;
+    let actor = query.take_name("actor")?;
     let follow = query.take_bool("follow")?.unwrap_or(false);
     let page = PageRequest::take(&mut query)?;
     query.finish()?;
@@ -54,14 +59,19 @@ pub async fn list(
         ));
     }
     let after = page.after_revision()?;
-    let prefix = match &vm {
-        Some(vm) => format!("{EVENTS_PREFIX}{vm}/"),
-        None => EVENTS_PREFIX.to_string(),
+    let prefix = match (&vm, &actor) {
+        // The audit trail is kept apart; `vm` then picks its requests
+        // about that VM.
+        (_, Some(_)) => format!("{EVENTS_PREFIX}{AUDIT_EVENTS}/"),
+        (Some(vm), None) => format!("{EVENTS_PREFIX}{vm}/"),
+        (None, None) => EVENTS_PREFIX.to_string(),
     };
+    let filter = Filter { vm, actor };
     let (entries, revision) = state.store.raw().list(&prefix).await?;
     let mut items = entries
         .iter()
         .filter_map(decode)
+        .filter(|i| filter.admits(i))
         .collect::<Vec<EventItem>>();
     if !follow {
         let (items, continue_token) = page.page(items, |i| i.revision, after, u64::to_string);
@@ -77,7 +87,7 @@ pub async fn list(
     let slot = state.follows.acquire(state.limits.max_follows)?;
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
-        follow_events(state, prefix, revision, items, tx).await;
+        follow_events(state, prefix, filter, revision, items, tx).await;
         drop(slot);
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -94,6 +104,7 @@ pub async fn list(
 async fn follow_events(
     state: AppState,
     prefix: String,
+    filter: Filter,
     listed_at: Revision,
     existing: Vec<EventItem>,
     tx: mpsc::Sender<Bytes>,
@@ -115,7 +126,7 @@ async fn follow_events(
         tokio::select! {
             ev = watch.next() => match ev {
                 Some(Ok(WatchEvent::Put(entry))) => {
-                    if let Some(item) = decode(&entry) {
+                    if let Some(item) = decode(&entry).filter(|i| filter.admits(i)) {
                         if tx.send(line(&item)).await.is_err() {
                             return;
                         }
@@ -134,11 +145,30 @@ async fn follow_events(
     }
 }
 
+/// What `?vm=` and `?actor=` ask for, once the prefix is listed.
+struct Filter {
+    vm: Option<String>,
+    actor: Option<String>,
+}
+
+impl Filter {
+    fn admits(&self, item: &EventItem) -> bool {
+        let Some(actor) = &self.actor else {
+            return true;
+        };
+        item.audit.as_ref().is_some_and(|a| &a.actor == actor)
+            && self.vm.as_ref().is_none_or(|vm| &item.event.vm == vm)
+    }
+}
+
 fn decode(entry: &Entry) -> Option<EventItem> {
     match serde_json::from_slice::<Event>(&entry.value) {
         Ok(event) => Some(EventItem {
             revision: entry.mod_revision,
             event,
+            audit: serde_json::from_slice::<AuditPart>(&entry.value)
+                .ok()
+                .and_then(|p| p.audit),
         }),
         Err(err) => {
             tracing::warn!(key = %entry.key, %err, "skipping undecodable event");

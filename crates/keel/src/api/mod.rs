@@ -5,6 +5,7 @@
 //! of times on a conflict with another writer; a revision the client sent
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
+pub mod audit;
 pub mod console;
 pub mod console_proxy;
 mod error;
@@ -19,8 +20,11 @@ pub mod nodes;
 pub mod openapi;
 pub mod paging;
 pub(crate) mod require_token;
+pub mod roles;
 pub mod snapshots;
 pub mod strict;
+pub mod token_limits;
+pub mod tokens;
 pub mod vms;
 mod write;
 
@@ -30,7 +34,7 @@ use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use keel_api::Clock;
 use keel_store::TypedStore;
@@ -39,8 +43,8 @@ use tokio::sync::watch;
 pub use error::{ApiError, ErrorBody};
 pub use extract::{parse_json, MAX_BODY_BYTES};
 
-use crate::auth::Token;
 use crate::metrics::Metrics;
+pub use require_token::Door;
 
 /// What the handlers share.
 #[derive(Clone)]
@@ -68,7 +72,7 @@ pub struct NodeAccess {
     pub hv: Arc<dyn keel_hv::Hypervisor>,
 }
 
-pub fn router(state: AppState, token: Token) -> Router {
+pub fn router(state: AppState, door: Door) -> Router {
     let metrics = state.metrics.clone();
     Router::new()
         .route("/healthz", get(healthz))
@@ -110,11 +114,13 @@ pub fn router(state: AppState, token: Token) -> Router {
         .route("/api/v1/nodes/{name}/uncordon", post(nodes::uncordon))
         .route("/api/v1/nodes/{name}/drain", post(nodes::drain))
         .route("/api/v1/nodes/{name}/freeze", post(freeze::freeze))
+        .route("/api/v1/tokens", get(tokens::list).post(tokens::create))
+        .route("/api/v1/tokens/{id}", delete(tokens::revoke))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(
-            token,
+            door,
             require_token::require_token,
         ))
         .layer(middleware::from_fn_with_state(metrics, observe))

@@ -37,6 +37,8 @@ pub fn spec() -> Value {
             let description = match *code {
                 "400" => "Malformed input: bad JSON, wrong type, unknown field, bad name or query parameter",
                 "401" => "Missing or wrong bearer token",
+                "403" => "The token's role may not do this (see README, Tokens and roles)",
+                "429" => "The token's request rate limit",
                 "404" => "No such resource",
                 "409" => "Refused by the current state: already exists, stale revision, run policy, deletion in progress",
                 "413" => "Body larger than the limit",
@@ -98,7 +100,7 @@ pub fn spec() -> Value {
         "info": {
             "title": "Keel API",
             "version": "v1",
-            "description": format!("VM lifecycle management. Every /api/v1 path and /metrics need `Authorization: Bearer <token>` (DATA_DIR/token); /healthz is open. Request bodies are limited to {MAX_BODY_BYTES} bytes. Errors are {{\"error\": message, \"field\": offending field}}.")
+            "description": format!("VM lifecycle management. Every /api/v1 path and /metrics need `Authorization: Bearer <token>` (DATA_DIR/token, or one made by POST /api/v1/tokens) of a role the route allows (viewer reads; operator powers, snapshots, migrates, consoles; admin everything; else 403); /healthz is open. Request bodies are limited to {MAX_BODY_BYTES} bytes. Errors are {{\"error\": message, \"field\": offending field}}.")
         },
         "security": [{"bearer": []}],
         "paths": {
@@ -263,6 +265,7 @@ pub fn spec() -> Value {
         }
     });
     super::images::describe(&mut doc);
+    super::tokens::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",

@@ -1,4 +1,4 @@
-//! `keel events [VM] [--follow]`.
+//! `keel events [VM] [--actor TOKEN_NAME] [--follow]`.
 
 use std::io::Write;
 
@@ -17,6 +17,9 @@ pub fn run(args: EventsArgs) -> anyhow::Result<()> {
     let mut query = Vec::new();
     if let Some(vm) = &args.vm {
         query.push(format!("vm={}", encode(vm)));
+    }
+    if let Some(actor) = &args.actor {
+        query.push(format!("actor={}", encode(actor)));
     }
     if args.follow {
         query.push("follow=true".to_string());

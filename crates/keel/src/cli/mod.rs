@@ -12,6 +12,7 @@ mod node;
 pub mod output;
 pub mod server_trust;
 mod snapshot;
+mod token;
 mod vm;
 mod vm_ha;
 mod vm_migrate;
@@ -21,11 +22,15 @@ pub use client::{encode, ApiFailure, Client};
 
 use crate::args::{
     EventsArgs, ImageCommand, MigrationCommand, NodeCommand, RestoreArgs, SnapshotCommand,
-    VmCommand,
+    TokenCommand, VmCommand,
 };
 
 pub fn vm(cmd: VmCommand) -> anyhow::Result<()> {
     vm::run(cmd)
+}
+
+pub fn token(cmd: TokenCommand) -> anyhow::Result<()> {
+    token::run(cmd)
 }
 
 pub fn events(args: EventsArgs) -> anyhow::Result<()> {

@@ -375,13 +375,26 @@ impl TestServer {
         }
     }
 
+    /// Every raw store entry under `prefix`.
+    pub fn raw_entries(&self, prefix: &str) -> Vec<Entry> {
+        let store = self.server.as_ref().unwrap().store().raw().clone();
+        self.rt
+            .block_on(async { store.list(prefix).await.unwrap().0 })
+    }
+
     /// The raw store entries of VMs and events: keys, value bytes, revisions.
+    /// The VMs and their events: what a refused request must leave as it
+    /// was. The audit trail is left out, since it records refusals too.
     pub fn snapshot(&self) -> Vec<Entry> {
         let store = self.server.as_ref().unwrap().store().raw().clone();
         self.rt.block_on(async {
             let (mut vms, _) = store.list("/vms/").await.unwrap();
             let (events, _) = store.list("/events/").await.unwrap();
-            vms.extend(events);
+            vms.extend(
+                events
+                    .into_iter()
+                    .filter(|e| !e.key.starts_with("/events/_audit/")),
+            );
             vms
         })
     }
