@@ -360,10 +360,6 @@ async fn start_locked(
     let consoles = match cfg.listen {
         None => None,
         Some(listen) => {
-            // The cluster's token records: the control planes pass the
-            // user's token on, and only a live one of a role that may
-            // attach is let in.
-            let tokens = crate::token_book::TokenBook::new(store.clone(), clock.clone());
             let images = keel_hv::images::ImageStore::open(
                 &crate::hypervisor::image_dir(&cfg.data_dir, cfg.image_dir.as_deref()),
                 Path::new("qemu-img"),
@@ -378,7 +374,7 @@ async fn start_locked(
                     hv.clone(),
                     clock,
                     Arc::new(images),
-                    tokens,
+                    &crate::agent_link::creds_dir(&cfg.data_dir),
                 )
                 .await?,
             )

@@ -1,14 +1,13 @@
 //! `keel agent --console-listen ADDR`: the agent serves the consoles of its node's
 //! VMs (`/api/v1/vms/{name}/console` and `/console/log`, the very handlers
-//! of `keel serve`) and nothing else, guarded by the cluster's API tokens
-//! (the hashed records in the store the control planes check, followed
-//! by this agent's own `token_book`: a control plane passes the user's
-//! token on, and the agent checks it, its role and its limits itself).
+//! of `keel serve`) and nothing else, to the cluster's control planes only:
+//! mutual TLS on the cluster CA (`agent_link`), no user token.
 //! Its URL goes on its node record (`status.agent_url`), where the control
 //! planes find it to pass a user's console request on
 //! (`api::console_proxy`).
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
@@ -22,10 +21,8 @@ use keel_store::{StoreError, TypedStore};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::api::token_limits::TokenLimits;
 use crate::api::{self, AppState, NodeAccess};
 use crate::metrics::Metrics;
-use crate::token_book::TokenBook;
 
 /// The console server of a running agent.
 pub struct ConsoleServer {
@@ -43,7 +40,7 @@ impl ConsoleServer {
         hv: Arc<dyn Hypervisor>,
         clock: Arc<dyn Clock>,
         images: Arc<ImageStore>,
-        tokens: Arc<TokenBook>,
+        creds: &Path,
     ) -> anyhow::Result<Self> {
         if listen.ip().is_unspecified() {
             bail!(
@@ -51,16 +48,21 @@ impl ConsoleServer {
                  (it goes on the node record), not an unspecified one"
             );
         }
+        // Before binding: without its certificate the node serves no
+        // consoles rather than serving them unauthenticated.
+        let tls = crate::agent_link::server_config(creds).with_context(|| {
+            format!(
+                "--console-listen needs this node's cluster certificate in {} \
+                 (`keel cluster issue-cert {node} --data-dir DATA_DIR`)",
+                creds.display()
+            )
+        })?;
         let listener = tokio::net::TcpListener::bind(listen)
             .await
             .with_context(|| format!("--console-listen {listen}"))?;
         let addr = listener.local_addr()?;
-        if !addr.ip().is_loopback() {
-            tracing::warn!(%addr, "serving consoles beyond loopback: plain HTTP guarded only by the bearer token");
-        }
+
         let (stop, stop_rx) = watch::channel(false);
-        tokens.spawn_reflector(stop_rx.clone());
-        let door = api::Door::new(tokens, store.clone(), TokenLimits::default());
         let state = AppState {
             store,
             clock,
@@ -73,12 +75,18 @@ impl ConsoleServer {
             }),
             limits: Default::default(),
             follows: Default::default(),
+            // An agent passes no console on: it serves its own node's.
+            cluster_creds: None,
         };
-        let app = router(state, door);
+        let app = router(state);
+        let acceptor = tokio_rustls::TlsAcceptor::from(tls);
         let task = tokio::spawn(crate::http_listener::serve_until(
-            listener, app, None, stop_rx,
+            listener,
+            app,
+            Some(acceptor),
+            stop_rx,
         ));
-        let url = format!("http://{addr}");
+        let url = format!("https://{addr}");
         tracing::info!(%url, node, "serving this node's consoles");
         Ok(Self { url, stop, task })
     }
@@ -93,13 +101,12 @@ impl ConsoleServer {
     }
 }
 
-fn router(state: AppState, door: api::Door) -> Router {
+fn router(state: AppState) -> Router {
     Router::new()
         .route("/api/v1/vms/{name}/console", get(api::console::attach))
         .route("/api/v1/vms/{name}/console/log", get(api::console::log))
-        .layer(middleware::from_fn_with_state(
-            door,
-            crate::api::require_token::require_token,
+        .layer(middleware::from_fn(
+            crate::agent_link::require_control_plane,
         ))
         .with_state(state)
 }

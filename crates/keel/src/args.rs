@@ -494,6 +494,11 @@ pub enum ClusterVerb {
         #[arg(long, default_value_t = keel_hv::qemu::tls::DEFAULT_NODE_VALID_DAYS,
               value_parser = clap::value_parser!(u32).range(1..=i64::from(keel_hv::qemu::tls::MAX_NODE_VALID_DAYS)))]
         valid_days: u32,
+        /// Issue a control plane's certificate instead (NODE: its
+        /// --node name, DATA_DIR: its --data-dir): what it presents to the
+        /// agents to reach their consoles, which no node's certificate can.
+        #[arg(long)]
+        control_plane: bool,
     },
     /// Revoke every certificate issued to NODE so far: the CA's CRL
     /// (CA_DIR/ca-crl.pem) lists them, and is copied into each --data-dir

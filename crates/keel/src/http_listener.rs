@@ -195,7 +195,21 @@ pub async fn serve(
             // Registered now, so a displacement during the handshake is seen.
             evicted.as_mut().enable();
             match tls {
-                None => drive(stream, &conn, evicted, app, limits, stop_rx, peer).await,
+                None => {
+                    drive(
+                        stream,
+                        &conn,
+                        evicted,
+                        app,
+                        limits,
+                        stop_rx,
+                        Peer {
+                            addr: peer,
+                            certs: None,
+                        },
+                    )
+                    .await
+                }
                 Some(acceptor) => {
                     let handshake =
                         tokio::time::timeout(limits.header_timeout, handshake(&acceptor, stream));
@@ -214,6 +228,12 @@ pub async fn serve(
                         }
                     };
                     if let Some(stream) = stream {
+                        let certs = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .map(|c| PeerCertificates(Arc::new(c.to_vec())));
+                        let peer = Peer { addr: peer, certs };
                         drive(stream, &conn, evicted, app, limits, stop_rx, peer).await;
                     }
                 }
@@ -238,6 +258,17 @@ pub async fn serve(
         );
     }
     Ok(())
+}
+
+/// The certificate chain a TLS client presented (where the listener asks
+/// for one: an agent's console port), on each of its requests.
+#[derive(Debug, Clone)]
+pub struct PeerCertificates(pub Arc<Vec<rustls_pki_types::CertificateDer<'static>>>);
+
+/// Who is at the other end of a connection.
+struct Peer {
+    addr: std::net::SocketAddr,
+    certs: Option<PeerCertificates>,
 }
 
 /// The TLS side of a new connection; `None` if it is not TLS (answered
@@ -285,10 +316,11 @@ async fn drive<IO>(
     app: Router,
     limits: Limits,
     mut stop_rx: tokio::sync::watch::Receiver<bool>,
-    peer: std::net::SocketAddr,
+    peer: Peer,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let Peer { addr: peer, certs } = peer;
     let service = {
         let conn = conn.clone();
         hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
@@ -297,6 +329,9 @@ async fn drive<IO>(
             // address a request came from.
             req.extensions_mut()
                 .insert(axum::extract::ConnectInfo(peer));
+            if let Some(certs) = &certs {
+                req.extensions_mut().insert(certs.clone());
+            }
             let mut app = app.clone();
             async move { app.call(req.map(axum::body::Body::new)).await }
         })

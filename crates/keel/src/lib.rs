@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod agent_console;
+pub mod agent_link;
 pub mod api;
 pub mod api_tls;
 pub mod api_tls_cluster;

@@ -32,16 +32,22 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<()> {
             ca_dir,
             data_dir,
             valid_days,
+            control_plane,
         } => {
             let out = creds_dir(&data_dir);
-            tls::issue_valid_for(&ca_dir, &node, &out, valid_days).with_context(|| {
+            let (issue, what): (fn(&Path, &str, &Path, u32) -> _, _) = if control_plane {
+                (tls::issue_control_plane, "control plane")
+            } else {
+                (tls::issue_valid_for, "node")
+            };
+            issue(&ca_dir, &node, &out, valid_days).with_context(|| {
                 format!(
-                    "issuing node {node}'s certificate from --ca-dir {}",
+                    "issuing {what} {node}'s certificate from --ca-dir {}",
                     ca_dir.display()
                 )
             })?;
             println!(
-                "issued node {node}'s migration certificate into {} (valid {valid_days} days; \
+                "issued {what} {node}'s cluster certificate into {} (valid {valid_days} days; \
                  renew it by issuing it again)",
                 out.display()
             );

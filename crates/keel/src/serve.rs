@@ -329,6 +329,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         images: open_image_store(&cfg)?,
         limits: cfg.api_limits,
         follows: Default::default(),
+        cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
     };
     let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {
@@ -461,6 +462,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         images: open_image_store(&cfg)?,
         limits: cfg.api_limits,
         follows: Default::default(),
+        cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
     };
     let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {

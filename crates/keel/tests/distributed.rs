@@ -22,6 +22,7 @@ use keel_api::{
 };
 use keel_ctrl::keys::{node_key, vm_key};
 use keel_ctrl::{ElectionConfig, LeaderElection, LifecycleConfig};
+use keel_hv::qemu::tls;
 use keel_hv::sim::{SimConfig, SimFabric, SimHypervisor};
 use keel_store::etcd::{EtcdOptions, EtcdStore};
 use keel_store::{StoreError, TypedStore};
@@ -766,6 +767,23 @@ async fn send_as(
     .unwrap()
 }
 
+/// Rewrites a node record's console URL, as whoever can write the store
+/// could.
+async fn set_agent_url(store: &TypedStore, node: &str, url: &str) {
+    loop {
+        let entry = store.get::<Node>(&node_key(node)).await.unwrap().unwrap();
+        let mut record = entry.value;
+        record.status.agent_url = Some(url.to_string());
+        if store
+            .update(&node_key(node), &record, entry.revision)
+            .await
+            .is_ok()
+        {
+            return;
+        }
+    }
+}
+
 /// A GET with an optional bearer token: status, `X-Keel-Instance`, body.
 async fn get_as(
     trust: &ServerTrust,
@@ -827,8 +845,8 @@ async fn console_ws(trust: &ServerTrust, base: &str, vm: &str, token: &str) -> R
 
 /// `vm logs` and `vm console` of a VM on a `keel agent` node, asked of a
 /// control plane that runs no guests: passed on to the node's agent (which
-/// serves them on `--console-listen`, published on its node record) with the same
-/// token; the agent's own answers (the log, a 409 while a session lasts)
+/// serves them on `--console-listen`, published on its node record) over
+/// mutual TLS on the cluster CA, the user's token left behind; the agent's own answers (the log, a 409 while a session lasts)
 /// come back as they are. An agent without `--console-listen` serves no consoles:
 /// 501 naming the node's field.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -838,11 +856,18 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     let Some(mut c) = Cluster::new("console-proxy").await else {
         return;
     };
+    // The cluster CA: a control plane's certificate for cp, a node's for
+    // n1, whose agent serves consoles over mutual TLS.
+    let ca = c.dir.path().join("ca");
+    tls::init_ca(&ca).unwrap();
+    tls::issue_control_plane(&ca, "cp", &c.dir.path().join("cp").join(tls::CREDS_DIR), 1).unwrap();
+    tls::issue(&ca, "n1", &c.dir.path().join("n1").join(tls::CREDS_DIR)).unwrap();
     c.control_plane("cp").await;
     c.agent_listening("n1", Some("127.0.0.1:0".parse().unwrap()))
         .await;
     c.agent_listening("n2", None).await;
     let agent_url = c.agents["n1"].console_url().unwrap().to_string();
+    assert!(agent_url.starts_with("https://"), "{agent_url}");
     wait_for("n1's console URL on its record", || async {
         let node = c.store.get::<Node>(&node_key("n1")).await.unwrap()?;
         (node.value.status.agent_url.as_deref() == Some(agent_url.as_str())).then_some(())
@@ -882,30 +907,36 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
         "{body}"
     );
     assert_eq!(body, "KEEL-GUEST-READY boot_id=sim\n");
-    // The same auth at both hops.
+    // The control plane checks the user's token; the agent admits only a
+    // control plane's certificate: n1's own (a node's, of the same CA)
+    // is refused, even with the admin token.
     let (status, _, _) = get_as(&trust, format!("{cp}/api/v1/vms/web/console/log"), None).await;
     assert_eq!(status, 401);
-    let (status, _, _) = get_as(
-        &trust,
+    let as_node =
+        keel::agent_link::client_trust(&c.dir.path().join("n1").join(tls::CREDS_DIR), "n1")
+            .unwrap();
+    let (status, _, body) = get_as(
+        &as_node,
         format!("{agent_url}/api/v1/vms/web/console/log"),
-        None,
-    )
-    .await;
-    assert_eq!(status, 401, "the agent checks the token too");
-    let (status, _, _) = get_as(
-        &trust,
-        format!("{agent_url}/api/v1/vms/web/console/log"),
-        Some("not-the-token".into()),
-    )
-    .await;
-    assert_eq!(status, 401);
-    // The agent serves consoles, nothing else.
-    let (status, _, _) = get_as(
-        &trust,
-        format!("{agent_url}/api/v1/vms"),
         Some(token.clone()),
     )
     .await;
+    assert_eq!(
+        status, 403,
+        "a node's certificate is no control plane's: {body}"
+    );
+    let as_plane =
+        keel::agent_link::client_trust(&c.dir.path().join("cp").join(tls::CREDS_DIR), "n1")
+            .unwrap();
+    let (status, _, body) = get_as(
+        &as_plane,
+        format!("{agent_url}/api/v1/vms/web/console/log?tail=1"),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200, "a control plane needs no user token: {body}");
+    // The agent serves consoles, nothing else.
+    let (status, _, _) = get_as(&as_plane, format!("{agent_url}/api/v1/vms"), None).await;
     assert_eq!(status, 404);
 
     // An interactive session through the control plane.
@@ -976,6 +1007,55 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
         String::from_utf8_lossy(&out.stdout).contains("sim: echo hi"),
         "{out:?}"
     );
+
+    // A node record rewritten to send consoles elsewhere: a plain URL gets
+    // nothing at all, an https one a TLS handshake the control plane
+    // refuses (the listener's certificate cannot name n1), and the user's
+    // token reaches neither.
+    for scheme in ["http", "https"] {
+        let rogue = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let rogue_url = format!("{scheme}://{}", rogue.local_addr().unwrap());
+        let caught = std::thread::spawn(move || {
+            use std::io::{Read, Write};
+            rogue.set_nonblocking(false).unwrap();
+            let mut got = Vec::new();
+            // One connection at most, read until the peer gives up.
+            if let Ok((mut conn, _)) = rogue.accept() {
+                conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = conn.read(&mut buf) {
+                    got.extend_from_slice(&buf[..n]);
+                    let _ = conn.write_all(b"\x15\x03\x03\x00\x02\x02\x28");
+                }
+            }
+            got
+        });
+        set_agent_url(&c.store, "n1", &rogue_url).await;
+        let (status, _, body) = get_as(
+            &trust,
+            format!("{cp}/api/v1/vms/web/console/log"),
+            Some(token.clone()),
+        )
+        .await;
+        assert_eq!(status, 502, "{scheme}: {body}");
+        if scheme == "http" {
+            let err: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(err["field"], "status.agent_url", "{body}");
+            // Nothing connected: unblock the accept ourselves.
+            drop(std::net::TcpStream::connect(
+                rogue_url.trim_start_matches("http://"),
+            ));
+        }
+        let got = caught.join().unwrap();
+        assert!(
+            !String::from_utf8_lossy(&got).contains(&token),
+            "{scheme}: the user's token reached the rewritten URL"
+        );
+        if scheme == "https" {
+            assert_eq!(got.first(), Some(&0x16), "a TLS ClientHello, nothing else");
+        }
+    }
+    set_agent_url(&c.store, "n1", &agent_url).await;
 
     // n2's agent serves no consoles.
     let (status, _, body) = get_as(

@@ -209,6 +209,33 @@ pub fn issue_valid_for(
     out_dir: &Path,
     days: u32,
 ) -> Result<(), TlsError> {
+    issue_as(ca_dir, node, &[], out_dir, days)
+}
+
+/// Issues a control plane's certificate: a node certificate of the name
+/// `name` that also carries [`CONTROL_PLANE_DNS_NAME`], which agents
+/// require of whoever asks them for a console. A node's own certificate
+/// never carries it, so a node cannot pass for a control plane.
+pub fn issue_control_plane(
+    ca_dir: &Path,
+    name: &str,
+    out_dir: &Path,
+    days: u32,
+) -> Result<(), TlsError> {
+    issue_as(ca_dir, name, &[CONTROL_PLANE_DNS_NAME], out_dir, days)
+}
+
+/// The DNS name of every control plane's certificate. It has a dot, so no
+/// node (whose names are DNS labels) can be issued it by accident.
+pub const CONTROL_PLANE_DNS_NAME: &str = "control-plane.keel";
+
+fn issue_as(
+    ca_dir: &Path,
+    node: &str,
+    extra_names: &[&str],
+    out_dir: &Path,
+    days: u32,
+) -> Result<(), TlsError> {
     keel_api::validate_name("node", node).map_err(|e| TlsError::Invalid {
         path: out_dir.to_path_buf(),
         reason: e.to_string(),
@@ -245,12 +272,17 @@ pub fn issue_valid_for(
     let mut dn = DistinguishedName::new();
     dn.push(DnType::CommonName, node);
     params.distinguished_name = dn;
-    params.subject_alt_names = vec![SanType::DnsName(node.try_into().map_err(|e| {
-        TlsError::Invalid {
-            path: out_dir.to_path_buf(),
-            reason: format!("node name {node:?} is not a DNS name: {e}"),
-        }
-    })?)];
+    params.subject_alt_names = std::iter::once(node)
+        .chain(extra_names.iter().copied())
+        .map(|name| {
+            name.try_into()
+                .map(SanType::DnsName)
+                .map_err(|e| TlsError::Invalid {
+                    path: out_dir.to_path_buf(),
+                    reason: format!("node name {name:?} is not a DNS name: {e}"),
+                })
+        })
+        .collect::<Result<_, _>>()?;
     params.is_ca = IsCa::ExplicitNoCa;
     // What QEMU checks of a non-CA certificate (crypto/tlscredsx509.c).
     params.key_usages = vec![

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures_util::{SinkExt, StreamExt};
@@ -32,6 +32,8 @@ use super::console_proxy::{self, Remote};
 use super::extract::{NameParam, QueryParams};
 use super::require_token::ConsoleHold;
 use super::{ApiError, AppState};
+use crate::cli::server_trust::ServerTrust;
+use crate::token_book::Caller;
 
 // The wire contract of the log endpoint, shared with the proxy that
 // passes it on (kept there, so the proxy needs nothing of this file).
@@ -45,8 +47,9 @@ enum Console {
     Agent(Remote),
 }
 
-/// The VM's current instance and who holds its console.
-async fn locate(state: &AppState, name: &str) -> Result<Console, ApiError> {
+/// The VM's current instance and who holds its console; `actor` is who
+/// asks, named to another node's agent.
+async fn locate(state: &AppState, name: &str, actor: &str) -> Result<Console, ApiError> {
     let vm = state
         .store
         .get::<VirtualMachine>(&vm_key(name))
@@ -74,11 +77,16 @@ async fn locate(state: &AppState, name: &str) -> Result<Console, ApiError> {
         .await?
         .and_then(|n| n.value.status.agent_url);
     match url {
-        Some(url) => Ok(Console::Agent(Remote {
-            node: inst.node,
-            instance: inst.id,
-            url,
-        })),
+        Some(url) => {
+            let trust = agent_trust(state, &inst.node, &url)?;
+            Ok(Console::Agent(Remote {
+                node: inst.node,
+                instance: inst.id,
+                url,
+                trust,
+                actor: actor.to_string(),
+            }))
+        }
         None => Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
             format!(
@@ -90,6 +98,40 @@ async fn locate(state: &AppState, name: &str) -> Result<Console, ApiError> {
         )
         .with_field("status.instance.node")),
     }
+}
+
+/// How this server reaches `node`'s agent at `url`: mutual TLS with its
+/// own cluster certificate, or not at all.
+fn agent_trust(state: &AppState, node: &str, url: &str) -> Result<ServerTrust, ApiError> {
+    if !url.starts_with("https://") {
+        return Err(ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "node {node}'s record gives its console URL as {url}: consoles are passed on \
+                 only over mutual TLS (https), so nothing was sent there; restart that agent \
+                 with its cluster certificate (`keel cluster issue-cert {node}`)"
+            ),
+        )
+        .with_field("status.agent_url"));
+    }
+    let Some(creds) = &state.cluster_creds else {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("this server serves only its own node's consoles; node {node}'s are served by the control planes"),
+        )
+        .with_field("status.instance.node"));
+    };
+    crate::agent_link::client_trust(creds, node).map_err(|e| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "the console is on node {node}, whose agent this control plane reaches only with \
+                 its own cluster certificate in {} (`keel cluster issue-cert NAME --control-plane \
+                 --data-dir DATA_DIR`): {e:#}",
+                creds.display()
+            ),
+        )
+    })
 }
 
 fn hv_error(err: HvError) -> ApiError {
@@ -104,20 +146,26 @@ fn hv_error(err: HvError) -> ApiError {
     }
 }
 
+/// The name of the token's holder (none on an agent's console port,
+/// where the control plane names the user itself).
+fn actor(caller: Option<Extension<Caller>>) -> String {
+    caller.map(|Extension(c)| c.name).unwrap_or_default()
+}
+
 /// `GET /api/v1/vms/{name}/console/log[?tail=LINES]`: `text/plain`, the
 /// end of the console log of the current instance (at most 1 MiB), the
 /// instance in `X-Keel-Instance`.
 pub async fn log(
     State(state): State<AppState>,
     NameParam(name): NameParam,
-    headers: HeaderMap,
+    caller: Option<Extension<Caller>>,
     mut query: QueryParams,
 ) -> Result<Response, ApiError> {
     let tail = query.take_u64("tail")?;
     query.finish()?;
-    let (hv, instance) = match locate(&state, &name).await? {
+    let (hv, instance) = match locate(&state, &name, &actor(caller)).await? {
         Console::Here(hv, instance) => (hv, instance),
-        Console::Agent(remote) => return console_proxy::log(remote, &headers, &name, tail).await,
+        Console::Agent(remote) => return console_proxy::log(remote, &name, tail).await,
     };
     let (bytes, _len) = hv
         .console_tail(&instance, MAX_LOG_BYTES)
@@ -161,7 +209,7 @@ pub fn last_lines(bytes: &[u8], n: u64) -> &[u8] {
 pub async fn attach(
     State(state): State<AppState>,
     NameParam(name): NameParam,
-    headers: HeaderMap,
+    caller: Option<Extension<Caller>>,
     query: QueryParams,
     hold: Option<Extension<ConsoleHold>>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
@@ -170,7 +218,7 @@ pub async fn attach(
     // The token's console session (`--max-consoles-per-token`), kept
     // until the socket closes.
     let session = hold.and_then(|Extension(h)| h.take());
-    let located = locate(&state, &name).await?;
+    let located = locate(&state, &name, &actor(caller)).await?;
     let Ok(ws) = ws else {
         return Err(ApiError::bad_request(
             "upgrade",
@@ -181,15 +229,7 @@ pub async fn attach(
     let (hv, instance) = match located {
         Console::Here(hv, instance) => (hv, instance),
         Console::Agent(remote) => {
-            return console_proxy::attach(
-                remote,
-                &headers,
-                &name,
-                ws,
-                state.shutdown.clone(),
-                session,
-            )
-            .await
+            return console_proxy::attach(remote, &name, ws, state.shutdown.clone(), session).await
         }
     };
     // Claimed before the upgrade, so a second session gets its 409 here

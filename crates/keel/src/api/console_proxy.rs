@@ -1,14 +1,15 @@
 //! Consoles of VMs on other nodes: this server passes `console` and
 //! `console/log` on to the agent of the VM's node, at the URL that agent
 //! published on its node record (`keel agent --console-listen`,
-//! `crate::agent_console`). The user's `Authorization` header goes along
-//! unchanged: this server has checked it already, and the agent checks it
-//! again against the same cluster token, so the hop adds no credential of
-//! its own. The agent's answer (a 409 for a console in use, a 404, the log
+//! `crate::agent_console`), over mutual TLS on the cluster CA
+//! (`crate::agent_link`): the agent's certificate must name that node, and
+//! this server presents its own. The user's token stays here (this server
+//! has checked it); only its holder's name goes along, for the agent's
+//! log. The agent's answer (a 409 for a console in use, a 404, the log
 //! itself) comes back as it gave it.
 
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -16,6 +17,8 @@ use tokio_tungstenite::tungstenite::{self, Error as WsError};
 
 use super::token_limits::ConsoleSession;
 use super::ApiError;
+use crate::agent_link::ACTOR_HEADER;
+use crate::cli::server_trust::ServerTrust;
 
 /// The most of a console log one request returns.
 pub const MAX_LOG_BYTES: u64 = 1 << 20;
@@ -28,8 +31,13 @@ pub const INSTANCE_HEADER: &str = "x-keel-instance";
 pub struct Remote {
     pub node: String,
     pub instance: String,
-    /// `http://HOST:PORT`, from the node record.
+    /// `https://HOST:PORT`, from the node record.
     pub url: String,
+    /// How to reach it: this server's certificate, and the agent's
+    /// verified to name `node`.
+    pub trust: ServerTrust,
+    /// Who asked (the token's holder), for the agent's log.
+    pub actor: String,
 }
 
 /// How long a proxied log request may take, the agent included.
@@ -53,16 +61,11 @@ impl Remote {
 }
 
 /// `GET …/console/log` from the agent, its answer passed back.
-pub async fn log(
-    remote: Remote,
-    headers: &HeaderMap,
-    vm: &str,
-    tail: Option<u64>,
-) -> Result<Response, ApiError> {
+pub async fn log(remote: Remote, vm: &str, tail: Option<u64>) -> Result<Response, ApiError> {
     let query = tail.map(|n| format!("?tail={n}")).unwrap_or_default();
     let url = format!("{}{}", remote.url, remote.path(vm, &format!("/log{query}")));
-    let auth = headers.get(header::AUTHORIZATION).cloned();
-    let fetched = tokio::task::spawn_blocking(move || fetch(&url, auth.as_ref()))
+    let (trust, actor) = (remote.trust.clone(), remote.actor.clone());
+    let fetched = tokio::task::spawn_blocking(move || fetch(&trust, &url, &actor))
         .await
         .map_err(|e| remote.unreachable(e))?;
     let (status, content_type, instance, body) = fetched.map_err(|e| remote.unreachable(e))?;
@@ -85,19 +88,20 @@ type Fetched = (
 );
 
 /// One GET, any status taken as an answer (not an error), bounded.
-fn fetch(url: &str, auth: Option<&HeaderValue>) -> Result<Fetched, String> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        // Straight to the agent, never through an HTTP_PROXY.
-        .proxy(None)
-        .timeout_global(Some(std::time::Duration::from_secs(LOG_TIMEOUT_S)))
-        .build()
-        .into();
-    let mut req = agent.get(url);
-    if let Some(v) = auth.and_then(|v| v.to_str().ok()) {
-        req = req.header("Authorization", v);
-    }
-    let mut resp = req.call().map_err(|e| e.to_string())?;
+fn fetch(trust: &ServerTrust, url: &str, actor: &str) -> Result<Fetched, String> {
+    let agent = trust.agent(
+        ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            // Straight to the agent, never through an HTTP_PROXY.
+            .proxy(None)
+            .timeout_global(Some(std::time::Duration::from_secs(LOG_TIMEOUT_S)))
+            .build(),
+    );
+    let mut resp = agent
+        .get(url)
+        .header(ACTOR_HEADER, actor)
+        .call()
+        .map_err(|e| e.to_string())?;
     let status = StatusCode::from_u16(resp.status().as_u16()).map_err(|e| e.to_string())?;
     let header = |name: &str| {
         resp.headers()
@@ -123,7 +127,6 @@ type AgentSocket =
 /// upgrades the client and relays messages both ways until either ends.
 pub async fn attach(
     remote: Remote,
-    headers: &HeaderMap,
     vm: &str,
     ws: WebSocketUpgrade,
     shutdown: tokio::sync::watch::Receiver<bool>,
@@ -131,19 +134,21 @@ pub async fn attach(
 ) -> Result<Response, ApiError> {
     let url = format!(
         "{}{}",
-        remote.url.replacen("http://", "ws://", 1),
+        remote.url.replacen("https://", "wss://", 1),
         remote.path(vm, "")
     );
     let mut req = url
         .as_str()
         .into_client_request()
         .map_err(|e| remote.unreachable(e))?;
-    if let Some(v) = headers.get(header::AUTHORIZATION) {
-        if let Ok(v) = tungstenite::http::HeaderValue::from_bytes(v.as_bytes()) {
-            req.headers_mut().insert("authorization", v);
-        }
+    if let Ok(v) = tungstenite::http::HeaderValue::from_str(&remote.actor) {
+        req.headers_mut().insert(ACTOR_HEADER, v);
     }
-    let connect = tokio_tungstenite::connect_async(req);
+    let connector = remote
+        .trust
+        .client_config()
+        .map(tokio_tungstenite::Connector::Rustls);
+    let connect = tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector);
     let agent =
         match tokio::time::timeout(std::time::Duration::from_secs(LOG_TIMEOUT_S), connect).await {
             Err(_) => return Err(remote.unreachable("no answer in time")),

@@ -63,6 +63,9 @@ pub struct AppState {
     pub limits: limits::ApiLimits,
     /// The event streams followed now, against `limits.max_follows`.
     pub follows: Arc<limits::FollowSlots>,
+    /// This server's cluster credentials (`agent_link`), with which it
+    /// reaches other nodes' agents for their consoles; `None`: it does not.
+    pub cluster_creds: Option<std::path::PathBuf>,
 }
 
 /// A node whose hypervisor is in this process.
