@@ -73,6 +73,7 @@ impl ConsoleServer {
             }),
             limits: Default::default(),
             follows: Default::default(),
+            image_imports: Default::default(),
         };
         let app = router(state, door);
         let task = tokio::spawn(crate::http_listener::serve_until(

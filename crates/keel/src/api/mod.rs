@@ -12,6 +12,7 @@ mod error;
 pub mod events;
 mod extract;
 pub mod freeze;
+pub mod image_urls;
 pub mod images;
 pub mod limits;
 pub mod migrate;
@@ -63,6 +64,8 @@ pub struct AppState {
     pub limits: limits::ApiLimits,
     /// The event streams followed now, against `limits.max_follows`.
     pub follows: Arc<limits::FollowSlots>,
+    /// The URL imports in progress, for their progress reports.
+    pub image_imports: Arc<image_urls::ImageImports>,
 }
 
 /// A node whose hypervisor is in this process.
@@ -105,6 +108,10 @@ pub fn router(state: AppState, door: Door) -> Router {
                 .layer(DefaultBodyLimit::disable())
                 .get(images::get)
                 .delete(images::delete),
+        )
+        .route(
+            "/api/v1/images/{name}/import-url",
+            get(image_urls::progress).post(image_urls::import_url),
         )
         .route("/api/v1/events", get(events::list))
         .route("/api/v1/migrations", get(migrations::list))
