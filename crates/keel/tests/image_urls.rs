@@ -443,3 +443,26 @@ fn the_cli_imports_from_a_url_and_names_the_field_it_refuses() {
     assert!(err.contains("[field: url]"), "{err}");
     assert_eq!(server.get("/api/v1/images/cli2").status, 404);
 }
+
+/// The limit holds for uploads as well: one past it is cut off, leaving
+/// nothing.
+#[test]
+fn an_upload_past_the_limit_is_413_naming_size() {
+    let server = small_limit();
+    let r = server.request(
+        "PUT",
+        "/api/v1/images/up?kind=initrd",
+        Some(&server.token),
+        Some(&vec![5u8; LIMIT as usize + 1]),
+        &[("Connection", "close")],
+    );
+    refused(&server, &r, 413, "size", "up");
+    let r = server.request(
+        "PUT",
+        "/api/v1/images/up?kind=initrd",
+        Some(&server.token),
+        Some(&vec![5u8; LIMIT as usize]),
+        &[("Connection", "close")],
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+}
