@@ -466,3 +466,18 @@ fn an_upload_past_the_limit_is_413_naming_size() {
     );
     assert_eq!(r.status, 201, "{}", r.text);
 }
+
+/// HTTPS is verified against the webpki roots: the Keel server's own
+/// self-signed certificate is not trusted, and the refusal names `url`.
+#[test]
+fn an_https_url_with_an_untrusted_certificate_is_refused() {
+    let server = small_limit();
+    assert!(server.base.starts_with("https://"), "{}", server.base);
+    let r = import(
+        &server,
+        "self-signed",
+        json!({"url": format!("{}/healthz", server.base), "kind": "initrd"}),
+    );
+    refused(&server, &r, 502, "url", "self-signed");
+    assert!(r.text.to_lowercase().contains("certificate"), "{}", r.text);
+}
