@@ -203,6 +203,29 @@ impl ImageStore {
         Ok(None)
     }
 
+    /// Refuses (`NoSpace`) an import of `needed` bytes that the image
+    /// dir's filesystem cannot hold above its floor, before any is written.
+    pub async fn check_room(&self, name: &str, needed: u64) -> Result<(), ImageError> {
+        let (dir, floor) = (self.dir.clone(), self.min_free_bytes);
+        let free = tokio::task::spawn_blocking(move || crate::free_space::free_bytes(&dir))
+            .await
+            .map_err(|e| io_err(name, "free space", &self.dir, io::Error::other(e)))?
+            .map_err(|e| io_err(name, "free space", &self.dir, e))?;
+        if free >= needed.saturating_add(floor) {
+            return Ok(());
+        }
+        Err(ImageError::NoSpace {
+            name: name.to_string(),
+            reason: format!(
+                "not importing: {needed} bytes do not fit in the {} MiB free on the filesystem of {} \
+                 (above its floor of {} MiB, --min-free-disk-mib)",
+                free >> 20,
+                self.dir.display(),
+                floor >> 20
+            ),
+        })
+    }
+
     /// Starts an upload of image `name` into a temporary file.
     pub async fn begin(&self, name: &str) -> Result<Upload, ImageError> {
         validate_name("name", name).map_err(|e| ImageError::Rejected {
@@ -607,6 +630,12 @@ impl Upload {
 
     pub fn size(&self) -> u64 {
         self.size
+    }
+
+    /// The SHA-256 (hex) of what was written so far: a download is checked
+    /// against its expected sum before the (slower) format probe.
+    pub fn sha256_so_far(&self) -> String {
+        hex::encode(self.hasher.clone().finalize())
     }
 }
 

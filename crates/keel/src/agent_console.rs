@@ -77,6 +77,7 @@ impl ConsoleServer {
             follows: Default::default(),
             // An agent passes no console on: it serves its own node's.
             cluster_creds: None,
+            image_imports: Default::default(),
         };
         let app = router(state);
         let acceptor = tokio_rustls::TlsAcceptor::from(tls);

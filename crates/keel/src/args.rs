@@ -291,6 +291,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KEEL_MAX_IMAGES", value_name = "N", value_parser = parse_cap,
           default_value_t = crate::api::limits::DEFAULT_MAX_IMAGES)]
     pub max_images: usize,
+    /// The largest image an import may write, in bytes or with a binary
+    /// suffix (KiB, MiB, GiB, TiB; K, M, G, T): an upload or a download
+    /// past it is cut off and refused (413), leaving nothing.
+    #[arg(long, env = "KEEL_MAX_IMAGE_SIZE", value_name = "SIZE", value_parser = parse_size,
+          default_value = "64GiB")]
+    pub max_image_size: u64,
     /// The most `events --follow` streams this server serves at once.
     #[arg(long, env = "KEEL_MAX_FOLLOWS", value_name = "N", value_parser = parse_cap,
           default_value_t = crate::api::limits::DEFAULT_MAX_FOLLOWS)]
@@ -413,6 +419,35 @@ pub fn parse_cap(s: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(format!("{s:?} is not a count: {e}")),
+    }
+}
+
+/// A size in bytes: `1048576`, `512MiB`, `64G` (suffixes are binary).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let text = s.trim();
+    let digits = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(digits);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size (e.g. 64GiB, 512M, 1048576)"))?;
+    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        other => {
+            return Err(format!(
+                "{s:?}: unknown unit {other:?} (use KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    match number.checked_mul(1 << shift) {
+        Some(0) => Err("must be at least 1 byte".into()),
+        Some(bytes) => Ok(bytes),
+        None => Err(format!("{s:?} is too large")),
     }
 }
 
@@ -539,10 +574,20 @@ pub enum ImageVerb {
 #[derive(Debug, Args)]
 pub struct ImportArgs {
     pub name: String,
-    pub file: PathBuf,
+    /// A local file (uploaded), or an http:// or https:// URL the server
+    /// downloads itself.
+    #[arg(value_name = "FILE|URL")]
+    pub source: String,
     /// disk, kernel or initrd.
     #[arg(long, default_value = "disk", value_parser = parse_image_kind)]
     pub kind: keel_api::ImageKind,
+    /// The SHA-256 the download must have (URL imports; hex).
+    #[arg(long, value_name = "HEX", conflicts_with = "sha512")]
+    pub sha256: Option<String>,
+    /// The SHA-512 the download must have (URL imports; hex), as in
+    /// Debian's SHA512SUMS.
+    #[arg(long, value_name = "HEX")]
+    pub sha512: Option<String>,
 }
 
 fn parse_image_kind(s: &str) -> Result<keel_api::ImageKind, String> {
@@ -985,6 +1030,20 @@ fn parse_policy(s: &str) -> Result<RunPolicy, String> {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    #[test]
+    fn sizes_take_binary_units() {
+        assert_eq!(parse_size("64GiB"), Ok(64 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert!(parse_size("0").is_err());
+        assert!(parse_size("12 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_size("99999999999T")
+            .unwrap_err()
+            .contains("too large"));
+    }
 
     #[test]
     fn cli_definition_is_consistent() {

@@ -330,6 +330,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         limits: cfg.api_limits,
         follows: Default::default(),
         cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
+        image_imports: Default::default(),
     };
     let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {
@@ -463,6 +464,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         limits: cfg.api_limits,
         follows: Default::default(),
         cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
+        image_imports: Default::default(),
     };
     let http = serve_api(listener, state, door, identity.as_ref());
     if cfg.demo {
@@ -572,6 +574,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         max_snapshots_per_vm: args.max_snapshots_per_vm,
         max_images: args.max_images,
         max_follows: args.max_follows,
+        max_image_bytes: args.max_image_size,
     };
     cfg.token_limits = crate::api::token_limits::TokenLimits {
         requests_per_second: args.max_requests_per_token,

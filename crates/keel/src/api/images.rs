@@ -16,7 +16,7 @@ use axum::Json;
 use futures_util::StreamExt;
 use keel_api::{Image, ImageKind, Snapshot, VirtualMachine, VmSpec};
 use keel_ctrl::keys::{image_key, IMAGES_PREFIX, SNAPSHOTS_PREFIX, VMS_PREFIX};
-use keel_hv::images::ImageError;
+use keel_hv::images::{ImageError, Staged};
 use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
 
@@ -49,7 +49,7 @@ fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!("image {name} not found")).with_field("name")
 }
 
-fn image_error(err: ImageError) -> ApiError {
+pub(super) fn image_error(err: ImageError) -> ApiError {
     match err {
         ImageError::Rejected { .. } => {
             ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, err.to_string()).with_field("file")
@@ -91,19 +91,13 @@ pub async fn import(
             return Err(refused);
         }
     };
-    let key = image_key(&name);
-    // Early, so a name in use costs no disk writes; the create below is
-    // what decides. The body is still read (and dropped): a client whose
+    // The body is still read (and dropped) on a refusal: a client whose
     // upload is cut off mid-send sees a broken pipe, not this answer.
-    if state.store.get::<Image>(&key).await?.is_some() {
-        while let Some(Ok(_)) = stream.next().await {}
-        return Err(exists(&name));
-    }
-    let images = state.store.raw().count(IMAGES_PREFIX).await?;
-    if let Err(refused) = check_cap(images, state.limits.max_images, "images", "--max-images") {
+    if let Err(refused) = admit(&state, &name).await {
         while let Some(Ok(_)) = stream.next().await {}
         return Err(refused);
     }
+    let max_bytes = state.limits.max_image_bytes;
     let store = &state.images;
     let mut upload = match store.begin(&name).await {
         Ok(upload) => upload,
@@ -120,12 +114,47 @@ pub async fn import(
                 format!("the upload broke off after {} bytes: {e}", upload.size()),
             )
         })?;
+        if upload.size() + chunk.len() as u64 > max_bytes {
+            return Err(too_large(max_bytes, "the upload"));
+        }
         upload.write(&chunk).await.map_err(image_error)?;
     }
     let staged = store
         .finish(upload, kind, state.clock.now_ms())
         .await
         .map_err(image_error)?;
+    record(&state, staged).await
+}
+
+/// Refuses an import before any byte is written: the name is taken, or
+/// the store holds `--max-images` already. Early, so a name in use costs
+/// no disk writes; the create in [`record`] is what decides.
+pub(super) async fn admit(state: &AppState, name: &str) -> Result<(), ApiError> {
+    if state.store.get::<Image>(&image_key(name)).await?.is_some() {
+        return Err(exists(name));
+    }
+    let images = state.store.raw().count(IMAGES_PREFIX).await?;
+    check_cap(images, state.limits.max_images, "images", "--max-images")
+}
+
+/// The 413 of an image past `--max-image-size`; `what` is what grew.
+pub(super) fn too_large(max_bytes: u64, what: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!(
+            "{what} is larger than {max_bytes} bytes, the most an image may be \
+             (keel serve --max-image-size)"
+        ),
+    )
+    .with_field("size")
+}
+
+/// Creates the record of a checked import, then moves its file into
+/// place: the 201, or nothing left behind.
+pub(super) async fn record(state: &AppState, staged: Staged) -> Result<Response, ApiError> {
+    let store = &state.images;
+    let name = staged.image.name.clone();
+    let key = image_key(&name);
     let image = staged.image.clone();
     image.validate().map_err(ApiError::invalid)?;
     let revision = match state.store.create(&key, &image).await {

@@ -2,7 +2,9 @@
 //! images, and event streams followed at once (`keel serve --max-vms`,
 //! `--max-snapshots-per-vm`, `--max-images`, `--max-follows`). Creating
 //! past a cap is a 409 naming the cap and its flag: the request is fine,
-//! the current state refuses it, as with a name already taken.
+//! the current state refuses it, as with a name already taken. An image
+//! larger than `--max-image-size` is a 413 naming `size` instead: that
+//! request can never succeed.
 //!
 //! Counts are read just before the create, so creates racing each other
 //! may pass a cap by as many as run at once; the cap bounds growth, it
@@ -19,6 +21,9 @@ pub const DEFAULT_MAX_VMS: usize = 10_000;
 pub const DEFAULT_MAX_SNAPSHOTS_PER_VM: usize = 100;
 pub const DEFAULT_MAX_IMAGES: usize = 1_000;
 pub const DEFAULT_MAX_FOLLOWS: usize = 256;
+/// 64 GiB: a cloud image is a few hundred MiB to a few GiB; a bigger one
+/// is more likely a mistake (a URL to a whole disk dump) than an image.
+pub const DEFAULT_MAX_IMAGE_BYTES: u64 = 64 << 30;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ApiLimits {
@@ -26,6 +31,8 @@ pub struct ApiLimits {
     pub max_snapshots_per_vm: usize,
     pub max_images: usize,
     pub max_follows: usize,
+    /// The largest image file an import (upload or URL) may write.
+    pub max_image_bytes: u64,
 }
 
 impl Default for ApiLimits {
@@ -35,6 +42,7 @@ impl Default for ApiLimits {
             max_snapshots_per_vm: DEFAULT_MAX_SNAPSHOTS_PER_VM,
             max_images: DEFAULT_MAX_IMAGES,
             max_follows: DEFAULT_MAX_FOLLOWS,
+            max_image_bytes: DEFAULT_MAX_IMAGE_BYTES,
         }
     }
 }

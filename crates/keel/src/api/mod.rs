@@ -12,6 +12,7 @@ mod error;
 pub mod events;
 mod extract;
 pub mod freeze;
+pub mod image_urls;
 pub mod images;
 pub mod limits;
 pub mod migrate;
@@ -66,6 +67,8 @@ pub struct AppState {
     /// This server's cluster credentials (`agent_link`), with which it
     /// reaches other nodes' agents for their consoles; `None`: it does not.
     pub cluster_creds: Option<std::path::PathBuf>,
+    /// The URL imports in progress, for their progress reports.
+    pub image_imports: Arc<image_urls::ImageImports>,
 }
 
 /// A node whose hypervisor is in this process.
@@ -108,6 +111,10 @@ pub fn router(state: AppState, door: Door) -> Router {
                 .layer(DefaultBodyLimit::disable())
                 .get(images::get)
                 .delete(images::delete),
+        )
+        .route(
+            "/api/v1/images/{name}/import-url",
+            get(image_urls::progress).post(image_urls::import_url),
         )
         .route("/api/v1/events", get(events::list))
         .route("/api/v1/migrations", get(migrations::list))

@@ -60,6 +60,8 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("GET", "/api/v1/images/{name}", Needs(Viewer)),
     ("PUT", "/api/v1/images/{name}", Needs(Admin)),
     ("DELETE", "/api/v1/images/{name}", Needs(Admin)),
+    ("GET", "/api/v1/images/{name}/import-url", Needs(Viewer)),
+    ("POST", "/api/v1/images/{name}/import-url", Needs(Admin)),
     ("GET", "/api/v1/events", Needs(Viewer)),
     ("GET", "/api/v1/migrations", Needs(Viewer)),
     ("GET", "/api/v1/nodes", Needs(Viewer)),

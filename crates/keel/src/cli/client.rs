@@ -169,11 +169,32 @@ impl Client {
         path: &str,
         body: Option<&B>,
     ) -> anyhow::Result<T> {
+        self.call_with(&self.agent, method, path, body)
+    }
+
+    /// [`Client::call`] without the overall request timeout, for a request
+    /// the server takes long to answer (it downloads an image first).
+    pub fn call_untimed<T: DeserializeOwned, B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> anyhow::Result<T> {
+        self.call_with(&self.stream_agent, method, path, body)
+    }
+
+    fn call_with<T: DeserializeOwned, B: Serialize>(
+        &self,
+        agent: &Agent,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+    ) -> anyhow::Result<T> {
         let body = match body {
             Some(b) => serde_json::to_vec(b).context("encoding the request")?,
             None => Vec::new(),
         };
-        let mut resp = self.send(&self.agent, method, path, body)?;
+        let mut resp = self.send(agent, method, path, body)?;
         let status = resp.status().as_u16();
         let bytes = resp
             .body_mut()

@@ -1,8 +1,10 @@
-//! `keel image import|list|get|delete`.
+//! `keel image import|list|get|delete`; an import from a URL is
+//! `image_url`'s.
 
 use anyhow::Context;
 use ureq::http::Method;
 
+use super::image_url;
 use super::output::{self, fields, Table};
 use super::{encode, Client};
 use crate::api::images::{ImageList, ImageResponse};
@@ -80,10 +82,22 @@ fn mib(bytes: u64) -> String {
 }
 
 fn import(client: &Client, args: &ImportArgs) -> anyhow::Result<ImageResponse> {
-    let file = std::fs::File::open(&args.file)
-        .with_context(|| format!("opening {}", args.file.display()))?;
+    if image_url::is_url(&args.source) {
+        return image_url::import(client, args);
+    }
+    if args.sha256.is_some() || args.sha512.is_some() {
+        anyhow::bail!(
+            "--sha256/--sha512 check a download: they apply to a URL (http:// or https://), \
+             not to the file {}; compare `sha256sum {}` yourself",
+            args.source,
+            args.source
+        );
+    }
+    let file_path = std::path::Path::new(&args.source);
+    let file = std::fs::File::open(file_path)
+        .with_context(|| format!("opening {}", file_path.display()))?;
     if !file.metadata()?.is_file() {
-        anyhow::bail!("{} is not a regular file", args.file.display());
+        anyhow::bail!("{} is not a regular file", file_path.display());
     }
     // Before sending a whole file for nothing (the server decides).
     if client

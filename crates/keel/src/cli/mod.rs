@@ -6,6 +6,7 @@ mod console;
 mod events;
 mod freeze;
 mod image;
+mod image_url;
 mod migration;
 pub mod net;
 mod node;
