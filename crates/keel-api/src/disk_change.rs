@@ -74,7 +74,7 @@ impl VirtualMachine {
     }
 
     /// Grows `disk` to `size_mib` (the same size changes nothing). A made
-    /// disk's file is grown by the next start, or by the running instance.
+    /// disk's file is grown by the next start.
     pub fn resize_disk(&mut self, disk: &str, size_mib: u64) -> Result<(), DiskChangeError> {
         self.refuse_if_busy().map_err(DiskChangeError::Refused)?;
         let index = self.disk_index(disk)?;

@@ -634,15 +634,15 @@ pub enum VmVerb {
 
 #[derive(Debug, Subcommand)]
 pub enum DiskVerb {
-    /// Add a blank disk: made at a stopped VM's next start, hot-plugged
-    /// into a running one on the qemu driver.
+    /// Add a blank disk, made at the VM's next start (a running VM's waits
+    /// for `keel vm restart`).
     Add(DiskAddArgs),
     /// Remove a disk from the spec. Its file stays in the VM's disk dir
     /// (removed with the VM); added back under its name, it is that disk.
     /// The disk the VM boots from cannot be removed.
     Remove(DiskRemoveArgs),
     /// Grow a disk (never shrink): a stopped VM's file grows at its next
-    /// start, a running one's online on the qemu driver.
+    /// start (a running VM's waits for `keel vm restart`).
     Resize(DiskAddArgs),
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::cli::{fails, keel, ok};
 use common::TestServer;
 use serde_json::{json, Value};
 
@@ -111,4 +112,35 @@ fn disks_are_added_grown_and_removed_and_refusals_name_their_field() {
     let r = server.send("DELETE", "/api/v1/vms/d/disks/data", "");
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(disks(&server, "d"), [("root".into(), 64)]);
+}
+
+/// The CLI: `keel vm disk add|resize|remove`, sizes with units, and the
+/// server's refusal (with its field) as a failed command.
+#[test]
+fn the_cli_adds_grows_and_removes_a_disk() {
+    let server = TestServer::start();
+    server.create_vm(
+        "c",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    let out = ok(&keel(
+        &server,
+        &["vm", "disk", "add", "c", "data", "--size", "1G"],
+    ));
+    assert!(out.contains("disk data (1024 MiB) added"), "{out}");
+    let err = fails(&keel(
+        &server,
+        &["vm", "disk", "resize", "c", "data", "--size", "512"],
+    ));
+    assert!(err.contains("size"), "{err}");
+    ok(&keel(
+        &server,
+        &["vm", "disk", "resize", "c", "data", "--size", "2G"],
+    ));
+    assert_eq!(disks(&server, "c"), [("data".into(), 2048)]);
+    let out = ok(&keel(&server, &["vm", "disk", "remove", "c", "data"]));
+    assert!(out.contains("its file stays"), "{out}");
+    assert!(disks(&server, "c").is_empty());
+    let err = fails(&keel(&server, &["vm", "disk", "remove", "c", "data"]));
+    assert!(err.contains("no disk data"), "{err}");
 }

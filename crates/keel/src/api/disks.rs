@@ -1,8 +1,9 @@
 //! `/api/v1/vms/{name}/disks…`: one disk of a VM's spec added, removed or
 //! grown (`keel vm disk add|remove|resize`), each a compare-and-swap of the
 //! VM record; the rules are `keel_api::disk_change`'s. The controller
-//! carries the change out: a stopped VM's next start makes or grows the
-//! disk, a running instance on the qemu driver gets it hot-plugged.
+//! carries the change out at the VM's next start, which makes an added
+//! disk and grows a resized one; a running VM's change waits for it, as
+//! any disk change of the spec does (no hot-plug yet).
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
@@ -162,7 +163,7 @@ pub fn describe(doc: &mut serde_json::Value) {
     };
     let paths = json!({
         "/api/v1/vms/{name}/disks": {"post": {
-            "summary": "Add a blank disk to the VM's spec (admin): a stopped VM makes it at its next start; a running one on the qemu driver gets it hot-plugged (recorded in status.disks first)",
+            "summary": "Add a blank disk to the VM's spec (admin): made at the VM's next start (a running VM's waits for a restart)",
             "operationId": "addDisk",
             "parameters": [name, revision, if_match],
             "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AddDiskRequest"}}}},
@@ -175,7 +176,7 @@ pub fn describe(doc: &mut serde_json::Value) {
             "responses": with(vm_ok("200", "Removed from the spec"), &errs(&[("404", "No such VM, or no such disk (field disk)"), ("409", "The boot disk (field disk), a stale revision, or a restore or deletion is under way")]))
         }},
         "/api/v1/vms/{name}/disks/{disk}/resize": {"post": {
-            "summary": "Grow a disk (admin): the next start grows a made disk's file, a running instance on the qemu driver grows it online. A smaller size is refused (422 naming size)",
+            "summary": "Grow a disk (admin): the VM's next start grows a made disk's file (qemu-img resize; a running VM's waits for a restart). A smaller size is refused (422 naming size)",
             "operationId": "resizeDisk",
             "parameters": [name, disk, revision, if_match],
             "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResizeDiskRequest"}}}},
