@@ -980,7 +980,7 @@ impl VirtualMachine {
 
     /// Power and spec changes wait for a restore to finish: the restore
     /// decides the power state from the recorded intent.
-    fn refuse_if_busy(&self) -> Result<(), ValidationError> {
+    pub(crate) fn refuse_if_busy(&self) -> Result<(), ValidationError> {
         self.refuse_if_deleting()?;
         match &self.restore {
             Some(r) => Err(ValidationError::new(
@@ -1208,7 +1208,7 @@ impl VmSpec {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub fn spec() -> VmSpec {

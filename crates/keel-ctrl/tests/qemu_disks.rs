@@ -1,7 +1,8 @@
 //! Per-disk creation and restart-required against real QEMU, through the
 //! controller runtime as `keel serve` runs it: a disk added to a stopped
 //! VM that ran is made at its next start, which runs with both disks (the
-//! guest's record on the first is still there); a CPU change of the
+//! guest's record on the first is still there) and a disk resized while
+//! stopped is grown before it boots; a CPU change of the
 //! running VM shows as `restart_required` without a restart.
 
 mod qemu;
@@ -33,14 +34,15 @@ async fn a_disk_added_after_the_first_run_is_made_and_both_are_attached() {
     })
     .await;
 
+    // `keel vm disk add` and `keel vm disk resize` of the stopped VM.
     env.user(vm, |v| {
-        let mut spec = v.spec.clone();
-        spec.disks.push(DiskSpec {
+        v.add_disk(DiskSpec {
             name: "extra".into(),
             size_mib: 16,
             image: None,
-        });
-        v.replace_spec(spec)?;
+        })
+        .map_err(|e| e.error().clone())?;
+        v.resize_disk("data", 96).map_err(|e| e.error().clone())?;
         v.request_start()
     })
     .await;
@@ -54,6 +56,11 @@ async fn a_disk_added_after_the_first_run_is_made_and_both_are_attached() {
     let data = env.driver.disk_path(vm, "data");
     let extra = env.driver.disk_path(vm, "extra");
     assert!(extra.is_file(), "{} not made", extra.display());
+    assert_eq!(
+        keel_hv::qcow2::virtual_size(&data).unwrap(),
+        Some(96 << 20),
+        "the resized disk was grown by the start"
+    );
     let pids = env.qemu_pids(&format!("guest={second}"));
     assert_eq!(pids.len(), 1, "{pids:?}");
     let argv = cmdline(pids[0]);

@@ -47,6 +47,24 @@ pub fn backing_file(path: &Path) -> io::Result<Option<PathBuf>> {
     Ok(Some(PathBuf::from(std::ffi::OsString::from_vec(name))))
 }
 
+/// The guest-visible size of the qcow2 at `path`, in bytes (the header's
+/// `size` field); `None` for a file that is not qcow2.
+pub fn virtual_size(path: &Path) -> io::Result<Option<u64>> {
+    let mut file = std::fs::File::open(path)?;
+    let mut header = [0u8; 32];
+    match file.read_exact(&mut header) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    if header[..4] != MAGIC {
+        return Ok(None);
+    }
+    Ok(Some(u64::from_be_bytes(
+        header[24..32].try_into().expect("8 bytes"),
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,5 +104,7 @@ mod tests {
         assert_eq!(backing_file(Path::new(&base)).unwrap(), None);
         assert_eq!(backing_file(Path::new(&p("base.raw"))).unwrap(), None);
         assert!(backing_file(Path::new(&p("absent"))).is_err());
+        assert_eq!(virtual_size(Path::new(&base)).unwrap(), Some(1 << 20));
+        assert_eq!(virtual_size(Path::new(&p("base.raw"))).unwrap(), None);
     }
 }

@@ -677,6 +677,40 @@ pub enum VmVerb {
     /// Live-migrate a running VM to another node (the drain's tuning and
     /// limits; drains go first). A failure leaves it running where it is.
     Migrate(MigrateArgs),
+    /// Add, remove or grow one of a VM's disks.
+    #[command(subcommand)]
+    Disk(DiskVerb),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DiskVerb {
+    /// Add a blank disk, made at the VM's next start (a running VM's waits
+    /// for `keel vm restart`).
+    Add(DiskAddArgs),
+    /// Remove a disk from the spec. Its file stays in the VM's disk dir
+    /// (removed with the VM); added back under its name, it is that disk.
+    /// The disk the VM boots from cannot be removed.
+    Remove(DiskRemoveArgs),
+    /// Grow a disk (never shrink): a stopped VM's file grows at its next
+    /// start (a running VM's waits for `keel vm restart`).
+    Resize(DiskAddArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DiskAddArgs {
+    /// The VM.
+    pub name: String,
+    /// The disk's name.
+    pub disk: String,
+    /// Its size: MiB, or with a suffix M, G or T (`2G`).
+    #[arg(long, value_parser = parse_size_mib)]
+    pub size: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct DiskRemoveArgs {
+    pub name: String,
+    pub disk: String,
 }
 
 #[derive(Debug, Args)]
@@ -1022,6 +1056,25 @@ fn parse_disk(s: &str) -> Result<DiskSpec, String> {
     })
 }
 
+/// A size in MiB: a number of MiB, or one with a suffix M, G or T.
+pub fn parse_size_mib(s: &str) -> Result<u64, String> {
+    let (number, unit) = match s.trim_end_matches(['i', 'B']).char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&s[..i], c.to_ascii_uppercase()),
+        _ => (s, 'M'),
+    };
+    let shift = match unit {
+        'M' => 0,
+        'G' => 10,
+        'T' => 20,
+        _ => return Err(format!("{s:?}: the unit is not one of M, G, T")),
+    };
+    let n = number
+        .parse::<u64>()
+        .map_err(|e| format!("{s:?}: {number:?} is not a whole number: {e}"))?;
+    n.checked_mul(1 << shift)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
 fn parse_policy(s: &str) -> Result<RunPolicy, String> {
     s.parse::<RunPolicy>().map_err(|e| e.message)
 }
@@ -1048,6 +1101,17 @@ mod tests {
     #[test]
     fn cli_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes_read_as_mib() {
+        assert_eq!(parse_size_mib("512"), Ok(512));
+        assert_eq!(parse_size_mib("64M"), Ok(64));
+        assert_eq!(parse_size_mib("2G"), Ok(2048));
+        assert_eq!(parse_size_mib("2GiB"), Ok(2048));
+        assert_eq!(parse_size_mib("1T"), Ok(1 << 20));
+        assert!(parse_size_mib("2K").is_err());
+        assert!(parse_size_mib("big").is_err());
     }
 
     #[test]

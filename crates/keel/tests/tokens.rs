@@ -33,6 +33,7 @@ fn mutating_routes(server: &TestServer) -> Vec<(String, String)> {
                 let path = path
                     .replace("{name}", "web")
                     .replace("{snap}", "s1")
+                    .replace("{disk}", "data")
                     .replace("{id}", "nope");
                 routes.push((method.to_uppercase(), path));
             }

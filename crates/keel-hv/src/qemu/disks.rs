@@ -143,6 +143,61 @@ impl QemuDriver {
         Ok(paths)
     }
 
+    /// A disk the spec asks to be larger than its file (`keel vm disk
+    /// resize` of a stopped VM) is grown before the start, so the guest
+    /// boots on the new size. Never shrunk: the API refuses a smaller size,
+    /// and a file already larger is left alone.
+    pub(super) async fn grow_to_spec(
+        &self,
+        vm: &str,
+        disk: &keel_api::DiskSpec,
+        path: &std::path::Path,
+    ) -> Result<(), String> {
+        let file = path.to_path_buf();
+        let size = blocking::unblocked("read a disk's size", move || {
+            Ok(crate::qcow2::virtual_size(&file))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+        let wanted = disk.size_mib << 20;
+        match size {
+            Some(size) if size < wanted => {}
+            _ => return Ok(()),
+        }
+        tracing::info!(%vm, disk = %disk.name, size_mib = disk.size_mib, "growing disk to its spec's size");
+        let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
+        crate::unprivileged::without_capabilities(&mut cmd);
+        let run = cmd
+            .args(["resize", "-q", "-f", "qcow2"])
+            .arg(path)
+            .arg(format!("{}M", disk.size_mib))
+            .stdin(Stdio::null())
+            .kill_on_drop(true)
+            .output();
+        let timeout = self.inner.config.storage_timeout;
+        let out = tokio::time::timeout(timeout, run)
+            .await
+            .map_err(|_| {
+                format!(
+                    "qemu-img resize {}: no answer within {timeout:?}",
+                    path.display()
+                )
+            })?
+            .map_err(|e| format!("run {}: {e}", self.inner.config.qemu_img.display()))?;
+        if !out.status.success() {
+            return Err(format!(
+                "grow disk {} of VM {vm} to {} MiB: qemu-img resize {} ({}): {}",
+                disk.name,
+                disk.size_mib,
+                path.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(())
+    }
+
     /// Before a disk made from `image` is used: an existing one must sit
     /// on `base`, the file just verified against the image's record (never
     /// on another base); and the image store notes the overlay, so the

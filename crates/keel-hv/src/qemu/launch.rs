@@ -105,9 +105,17 @@ impl QemuDriver {
         let disks = if incoming {
             self.existing_disks(spec).await?
         } else {
-            self.ensure_disks(&spec.vm, &spec.disks, &spec.create_disks, &images)
+            let paths = self
+                .ensure_disks(&spec.vm, &spec.disks, &spec.create_disks, &images)
                 .await
-                .map_err(&failed)?
+                .map_err(&failed)?;
+            // Not on an incoming target: the source's QEMU holds the files.
+            for (disk, path) in spec.disks.iter().zip(&paths) {
+                self.grow_to_spec(&spec.vm, disk, path)
+                    .await
+                    .map_err(&failed)?;
+            }
+            paths
         };
         self.ensure_uefi_vars(spec, incoming)
             .await

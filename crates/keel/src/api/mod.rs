@@ -8,6 +8,7 @@
 pub mod audit;
 pub mod console;
 pub mod console_proxy;
+pub mod disks;
 mod error;
 pub mod events;
 mod extract;
@@ -91,6 +92,12 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/vms/{name}/stop", post(vms::stop))
         .route("/api/v1/vms/{name}/restart", post(vms::restart))
         .route("/api/v1/vms/{name}/reboot", post(vms::reboot))
+        .route("/api/v1/vms/{name}/disks", post(disks::add))
+        .route("/api/v1/vms/{name}/disks/{disk}", delete(disks::remove))
+        .route(
+            "/api/v1/vms/{name}/disks/{disk}/resize",
+            post(disks::resize),
+        )
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
         .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))

@@ -267,6 +267,7 @@ pub fn spec() -> Value {
     super::images::describe(&mut doc);
     super::image_urls::describe(&mut doc);
     super::tokens::describe(&mut doc);
+    super::disks::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",

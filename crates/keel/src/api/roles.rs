@@ -7,7 +7,7 @@
 //! - operator: powers VMs (start, stop, restart, reboot), takes
 //!   snapshots, live-migrates, and the console and its log (the console
 //!   is interactive power over the guest, its log that session's text);
-//! - admin: what creates, changes or destroys: VMs (create, spec, delete),
+//! - admin: what creates, changes or destroys: VMs (create, spec, disks, delete),
 //!   restoring and deleting snapshots (both discard disk contents), images,
 //!   nodes (cordon, uncordon, drain, freeze), tokens.
 //!
@@ -44,6 +44,13 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("POST", "/api/v1/vms/{name}/stop", Needs(Operator)),
     ("POST", "/api/v1/vms/{name}/restart", Needs(Operator)),
     ("POST", "/api/v1/vms/{name}/reboot", Needs(Operator)),
+    ("POST", "/api/v1/vms/{name}/disks", Needs(Admin)),
+    ("DELETE", "/api/v1/vms/{name}/disks/{disk}", Needs(Admin)),
+    (
+        "POST",
+        "/api/v1/vms/{name}/disks/{disk}/resize",
+        Needs(Admin),
+    ),
     ("POST", "/api/v1/vms/{name}/restore", Needs(Admin)),
     ("POST", "/api/v1/vms/{name}/migrate", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console", Needs(Operator)),
