@@ -26,6 +26,10 @@
 //!   handshake holds no place for long and is the first displaced. A
 //!   client that sends plain HTTP to the TLS port gets a plain 400 saying
 //!   so, not a hang or a reset.
+//! - A request answered before its body was read (a refusal) gets
+//!   `Connection: close`: hyper closes such a connection, and a client
+//!   that pooled it would send its next request into a closed socket
+//!   (seen: `Peer disconnected` on the POST after a 403).
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -265,6 +269,36 @@ pub async fn serve(
 #[derive(Debug, Clone)]
 pub struct PeerCertificates(pub Arc<Vec<rustls_pki_types::CertificateDer<'static>>>);
 
+/// A request body that notes when it has been read to its end.
+struct ReadToEnd {
+    inner: Incoming,
+    read: Arc<AtomicBool>,
+}
+
+impl http_body::Body for ReadToEnd {
+    type Data = <Incoming as http_body::Body>::Data;
+    type Error = <Incoming as http_body::Body>::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.read.store(true, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Who is at the other end of a connection.
 struct Peer {
     addr: std::net::SocketAddr,
@@ -323,17 +357,37 @@ async fn drive<IO>(
     let Peer { addr: peer, certs } = peer;
     let service = {
         let conn = conn.clone();
-        hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
+        hyper::service::service_fn(move |req: hyper::Request<Incoming>| {
+            let (mut parts, incoming) = req.into_parts();
             conn.proven.store(true, Ordering::Relaxed);
             // What axum's own server would add: the audit trail names the
             // address a request came from.
-            req.extensions_mut()
-                .insert(axum::extract::ConnectInfo(peer));
+            parts.extensions.insert(axum::extract::ConnectInfo(peer));
             if let Some(certs) = &certs {
-                req.extensions_mut().insert(certs.clone());
+                parts.extensions.insert(certs.clone());
             }
+            let sends_body = !http_body::Body::is_end_stream(&incoming);
+            let read = Arc::new(AtomicBool::new(false));
+            let body = ReadToEnd {
+                inner: incoming,
+                read: read.clone(),
+            };
+            let req = hyper::Request::from_parts(parts, axum::body::Body::new(body));
             let mut app = app.clone();
-            async move { app.call(req.map(axum::body::Body::new)).await }
+            async move {
+                let mut resp = app.call(req).await?;
+                // Answered before its body was read (a refusal: 401, 403,
+                // 413, 429): hyper then closes the connection rather than
+                // wait for the rest, so say so, or a client that pools it
+                // sends its next request into a closed socket.
+                if sends_body && !read.load(Ordering::Relaxed) {
+                    resp.headers_mut().insert(
+                        hyper::header::CONNECTION,
+                        hyper::header::HeaderValue::from_static("close"),
+                    );
+                }
+                Ok::<_, std::convert::Infallible>(resp)
+            }
         })
     };
     let mut http = hyper::server::conn::http1::Builder::new();
