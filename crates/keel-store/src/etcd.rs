@@ -10,8 +10,18 @@
 //! the lease calls. The alternatives are either unmaintained, v2 (HTTP/JSON,
 //! no revisions or transactions) or would mean generating and maintaining
 //! our own gRPC bindings. Its build script compiles etcd's `.proto` files,
-//! so building Keel needs `protoc` (Debian: `protobuf-compiler`). TLS is
-//! not enabled (the crate's `tls` feature); endpoints are `http://`.
+//! so building Keel needs `protoc` (Debian: `protobuf-compiler`).
+//!
+//! # TLS
+//!
+//! Endpoints are `http://` (plain gRPC, no authentication: whoever reaches
+//! etcd can rewrite any key) or `https://` with [`EtcdOptions::tls`]: the
+//! client verifies etcd's certificate against the given CA only (no
+//! system roots) and presents its own certificate, which an etcd run
+//! with `--client-cert-auth --trusted-ca-file` requires. The crate's `tls`
+//! feature is rustls on ring, as everywhere else in Keel. A handshake that
+//! fails (wrong CA, no or foreign client certificate) fails the connect
+//! within the request timeout with the TLS reason, not a hang.
 //!
 //! # Semantics
 //!
@@ -67,8 +77,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, PutOptions, Txn, TxnOp,
-    TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
+    Certificate, Client, Compare, CompareOp, ConnectOptions, GetOptions, Identity, KeyValue,
+    PutOptions, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::mpsc;
 
@@ -100,6 +110,28 @@ pub struct EtcdOptions {
     pub keep_alive_interval: Duration,
     /// How long a ping may go unanswered before the connection is dropped.
     pub keep_alive_timeout: Duration,
+    /// TLS for `https://` endpoints; `None` for `http://` ones.
+    pub tls: Option<EtcdTls>,
+}
+
+/// What the client trusts and presents on `https://` endpoints (PEM).
+#[derive(Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA etcd's server certificate must chain to; the only root.
+    pub ca_pem: Vec<u8>,
+    /// The client certificate and its private key, which etcd checks
+    /// with `--client-cert-auth`; `None` presents none.
+    pub identity: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("EtcdTls")
+            .field("ca_pem_bytes", &self.ca_pem.len())
+            .field("client_certificate", &self.identity.is_some())
+            .finish()
+    }
 }
 
 impl Default for EtcdOptions {
@@ -108,6 +140,7 @@ impl Default for EtcdOptions {
             request_timeout: Duration::from_secs(5),
             keep_alive_interval: Duration::from_secs(10),
             keep_alive_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -161,7 +194,18 @@ impl Failure {
     fn reason(&self, write: bool) -> String {
         match self {
             Failure::Etcd(etcd_client::Error::GRpcStatus(s)) => {
-                format!("gRPC status {:?}: {}", s.code(), s.message())
+                // The transport's causes (a TLS alert, a refused
+                // certificate) are only in the source chain.
+                let mut text = format!("gRPC status {:?}: {}", s.code(), s.message());
+                let mut source = std::error::Error::source(s);
+                while let Some(e) = source {
+                    let cause = e.to_string();
+                    if !text.contains(&cause) {
+                        text.push_str(&format!(": {cause}"));
+                    }
+                    source = e.source();
+                }
+                text
             }
             Failure::Etcd(e) => format!("etcd request failed: {e}"),
             Failure::Timeout(t) if write => {
@@ -187,6 +231,38 @@ fn unavailable(subject: &str, failure: &Failure, write: bool) -> StoreError {
     }
 }
 
+/// What a failed first request over TLS most likely means. With TLS 1.3
+/// the client's handshake completes before etcd checks the client
+/// certificate, so a refused certificate shows as a closed connection
+/// (or a `BadCertificate` alert) on the first request, not as a handshake
+/// error; say so rather than leave "operation was canceled".
+fn tls_hint(tls: &EtcdTls, failure: &Failure) -> String {
+    let Failure::Etcd(etcd_client::Error::GRpcStatus(status)) = failure else {
+        return String::new();
+    };
+    let text = failure.reason(false);
+    if text.contains("invalid peer certificate") {
+        return "; etcd's server certificate is not signed by the trusted CA (or does not \
+                name this endpoint)"
+            .into();
+    }
+    // Codes Unknown (2), Cancelled (1), Unavailable (14) with a transport
+    // cause: the connection itself failed.
+    let transport = std::error::Error::source(status).is_some();
+    if !transport {
+        return String::new();
+    }
+    if tls.identity.is_none() {
+        "; etcd closed the TLS connection: it requires a client certificate \
+         (--client-cert-auth) and this client presents none"
+            .into()
+    } else {
+        "; etcd closed the TLS connection: it refused this client's certificate \
+         (not signed by its --trusted-ca-file, expired, or without clientAuth)"
+            .into()
+    }
+}
+
 fn lease_subject(lease: LeaseId) -> String {
     format!("lease {lease}")
 }
@@ -205,7 +281,7 @@ impl EtcdStore {
         options: EtcdOptions,
     ) -> Result<Self, StoreError> {
         let subject = format!("etcd {} (namespace {namespace:?})", endpoints.join(","));
-        let connect_options = ConnectOptions::new()
+        let mut connect_options = ConnectOptions::new()
             .with_connect_timeout(options.request_timeout)
             .with_keep_alive(options.keep_alive_interval, options.keep_alive_timeout)
             // etcd's default policy treats pings without open streams as
@@ -215,9 +291,33 @@ impl EtcdStore {
             // quorum waits silently; with it etcd fails it, and we report
             // Unavailable.
             .with_require_leader(true);
-        let client = Client::connect(endpoints, Some(connect_options))
-            .await
-            .map_err(|e| unavailable(&subject, &Failure::Etcd(e), false))?;
+        if let Some(tls) = &options.tls {
+            let mut tls_options =
+                TlsOptions::new().ca_certificate(Certificate::from_pem(&tls.ca_pem));
+            if let Some((cert, key)) = &tls.identity {
+                tls_options = tls_options.identity(Identity::from_pem(cert, key));
+            }
+            connect_options = connect_options.with_tls(tls_options);
+        }
+        // Bounded as a whole: the client's own connect timeout covers the
+        // TCP connect, not every way a TLS handshake can stall.
+        let client = match tokio::time::timeout(
+            options.request_timeout,
+            Client::connect(endpoints, Some(connect_options)),
+        )
+        .await
+        {
+            Ok(connected) => {
+                connected.map_err(|e| unavailable(&subject, &Failure::Etcd(e), false))?
+            }
+            Err(_) => {
+                return Err(unavailable(
+                    &subject,
+                    &Failure::Timeout(options.request_timeout),
+                    false,
+                ))
+            }
+        };
         let store = Self {
             client,
             namespace: normalise_namespace(namespace).into(),
@@ -232,7 +332,15 @@ impl EtcdStore {
                 Some(GetOptions::new().with_prefix().with_count_only()),
             ))
             .await
-            .map_err(|f| unavailable(&subject, &f, false))?;
+            .map_err(|f| {
+                let mut error = unavailable(&subject, &f, false);
+                if let (Some(tls), StoreError::Unavailable { reason, .. }) =
+                    (&options.tls, &mut error)
+                {
+                    reason.push_str(&tls_hint(tls, &f));
+                }
+                error
+            })?;
         Ok(store)
     }
 

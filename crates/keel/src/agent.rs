@@ -404,7 +404,7 @@ fn check(cfg: &AgentConfig) -> anyhow::Result<()> {
     }
     if !cfg.store.is_etcd() {
         bail!(
-            "keel agent needs the cluster's etcd store (--store etcd://HOST:PORT[/NAMESPACE]); \
+            "keel agent needs the cluster's etcd store (--store etcds://HOST:PORT[/NAMESPACE]); \
              with SQLite, `keel serve` is the node agent"
         );
     }
@@ -420,7 +420,8 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         Some(node) => node,
         None => host::default_node_name()?,
     };
-    let mut cfg = AgentConfig::new(args.store, args.data_dir, node, args.hypervisor);
+    let store = args.store_access.resolve(args.store)?;
+    let mut cfg = AgentConfig::new(store, args.data_dir, node, args.hypervisor);
     cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
     cfg.accel = args.accel;
     cfg.disk_dir = args.disk_dir;

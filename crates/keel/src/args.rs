@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use keel_api::{DiskSpec, Readiness, RunPolicy};
 
 use crate::distributed::StoreSpec;
+use crate::store_access::StoreAccessArgs;
 
 pub const DEFAULT_SERVER: &str = "https://127.0.0.1:7280";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7280";
@@ -155,9 +156,12 @@ pub struct DoctorArgs {
     /// The image store, if not DATA_DIR/images.
     #[arg(long, env = "KEEL_IMAGE_DIR")]
     pub image_dir: Option<PathBuf>,
-    /// The store to check: `sqlite` or `etcd://…` (reachability, clock offset).
+    /// The store to check: `sqlite`, `etcds://…` or `etcd://…`
+    /// (reachability; the clock offset on plain etcd).
     #[arg(long, env = "KEEL_STORE", default_value = "sqlite")]
     pub store: StoreSpec,
+    #[command(flatten)]
+    pub store_access: StoreAccessArgs,
     /// QEMU binary to check.
     #[arg(long, env = "KEEL_QEMU", default_value = "qemu-system-x86_64")]
     pub qemu: PathBuf,
@@ -240,11 +244,14 @@ pub struct ServeArgs {
     #[arg(long)]
     pub demo: bool,
     /// Where the state lives: `sqlite` (DATA_DIR/keel.db; this process does
-    /// everything) or `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (default
-    /// namespace /keel): a control plane (API, leader election, placement)
-    /// with no node agent unless --agent.
+    /// everything) or `etcds://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (default
+    /// namespace /keel; etcd over TLS, see --etcd-ca): a control plane (API,
+    /// leader election, placement) with no node agent unless --agent.
+    /// `etcd://…` (plain) only with --insecure-store.
     #[arg(long, env = "KEEL_STORE", default_value = "sqlite")]
     pub store: StoreSpec,
+    #[command(flatten)]
+    pub store_access: StoreAccessArgs,
     /// With an etcd store: also run a node agent (--node) in this process.
     #[arg(long)]
     pub agent: bool,
@@ -327,9 +334,13 @@ pub struct ServeArgs {
 /// `keel agent`: a node agent without API, for a cluster on etcd.
 #[derive(Debug, Args)]
 pub struct AgentArgs {
-    /// The cluster's store: `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (default namespace /keel).
+    /// The cluster's store: `etcds://HOST:PORT[,HOST:PORT…][/NAMESPACE]`
+    /// (default namespace /keel; see --etcd-ca), or `etcd://…` with
+    /// --insecure-store.
     #[arg(long, env = "KEEL_STORE")]
     pub store: StoreSpec,
+    #[command(flatten)]
+    pub store_access: StoreAccessArgs,
     /// This node's name (default: the host name, lowercased, first label).
     #[arg(long, env = "KEEL_NODE")]
     pub node: Option<String>,
@@ -509,7 +520,8 @@ pub struct ClusterCommand {
 
 #[derive(Debug, Subcommand)]
 pub enum ClusterVerb {
-    /// Create the cluster's migration CA (ca-cert.pem, ca-key.pem mode 0600) in CA_DIR.
+    /// Create the cluster CA (ca-cert.pem, ca-key.pem mode 0600) in CA_DIR: it
+    /// issues the nodes' migration certificates and etcd's and Keel's for etcd.
     InitCa {
         #[arg(long, default_value = "./keel-ca")]
         ca_dir: PathBuf,
@@ -532,8 +544,28 @@ pub enum ClusterVerb {
         /// Issue a control plane's certificate instead (NODE: its
         /// --node name, DATA_DIR: its --data-dir): what it presents to the
         /// agents to reach their consoles, which no node's certificate can.
-        #[arg(long)]
+        #[arg(long, conflicts_with_all = ["etcd_server", "etcd_client"])]
         control_plane: bool,
+        /// Instead of a migration certificate: etcd's server certificate
+        /// (serverAuth; SANs NODE, --ip and --dns) into --out, for etcd's
+        /// --cert-file/--key-file, with the CA for its --trusted-ca-file.
+        #[arg(long, conflicts_with = "etcd_client")]
+        etcd_server: bool,
+        /// Instead of a migration certificate: a client certificate for
+        /// etcd (clientAuth) into --out, for keel serve/agent's
+        /// --etcd-cert/--etcd-key (and the CA for --etcd-ca).
+        #[arg(long)]
+        etcd_client: bool,
+        /// With --etcd-server: an IP address etcd is reached at (repeatable).
+        #[arg(long, requires = "etcd_server")]
+        ip: Vec<std::net::IpAddr>,
+        /// With --etcd-server: a DNS name etcd is reached at (repeatable).
+        #[arg(long, requires = "etcd_server")]
+        dns: Vec<String>,
+        /// With --etcd-server/--etcd-client: where NODE-cert.pem,
+        /// NODE-key.pem (0600) and ca-cert.pem go.
+        #[arg(long, default_value = "./etcd-tls")]
+        out: PathBuf,
     },
     /// Revoke every certificate issued to NODE so far: the CA's CRL
     /// (CA_DIR/ca-crl.pem) lists them, and is copied into each --data-dir

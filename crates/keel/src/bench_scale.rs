@@ -193,6 +193,7 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
         ],
     )?;
     wait_etcd(&client_url)?;
+    // Its own throwaway etcd on loopback: plain is acceptable here.
     let store = format!("etcd://127.0.0.1:{client_port}/keel-bench");
     let mut apis = Vec::new();
     for i in 0..args.control_planes {
@@ -205,6 +206,7 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
                 "serve",
                 "--store",
                 &store,
+                "--insecure-store",
                 "--listen",
                 "127.0.0.1:0",
                 "--node",
@@ -225,6 +227,7 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
                 "agent",
                 "--store",
                 &store,
+                "--insecure-store",
                 "--hypervisor",
                 "sim",
                 "--node",

@@ -1,35 +1,50 @@
-//! Distributed mode: where the state lives (`--store sqlite` or
-//! `--store etcd://…`). The API tokens every control plane accepts are
-//! hashed records in the store (`crate::token_book`).
+//! Distributed mode: where the state lives (`--store sqlite`,
+//! `--store etcds://…` or, with `--insecure-store`, `--store etcd://…`).
+//! The TLS files and the insecure switch are `crate::store_access`. The
+//! API tokens every control plane accepts are hashed records in the store
+//! (`crate::token_book`).
 
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::Context;
-use keel_store::etcd::EtcdStore;
+use keel_store::etcd::{EtcdOptions, EtcdStore, EtcdTls};
 use keel_store::Store;
 
 /// The etcd key namespace when `--store etcd://…` names none.
 pub const DEFAULT_NAMESPACE: &str = "/keel";
 
 /// `--store`: `sqlite` (the data dir's keel.db, one process does
-/// everything) or `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]`.
+/// everything), `etcds://HOST:PORT[,HOST:PORT…][/NAMESPACE]` (etcd over
+/// TLS with a client certificate) or `etcd://…` (plain gRPC).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum StoreSpec {
     #[default]
     Sqlite,
     Etcd {
-        /// `http://HOST:PORT` each.
+        /// `https://HOST:PORT` each for `etcds://`, `http://` for `etcd://`.
         endpoints: Vec<String>,
         /// Starts with `/`, no trailing `/`.
         namespace: String,
+        /// What an `etcds://` store trusts and presents, filled in from
+        /// the flags by `store_access::StoreAccessArgs::resolve`.
+        tls: Option<EtcdTls>,
     },
 }
+
+const HTTPS: &str = "https://";
+const HTTP: &str = "http://";
 
 impl StoreSpec {
     pub fn is_etcd(&self) -> bool {
         matches!(self, StoreSpec::Etcd { .. })
+    }
+
+    /// `etcds://`: etcd over TLS.
+    pub fn is_tls(&self) -> bool {
+        matches!(self, StoreSpec::Etcd { endpoints, .. }
+            if endpoints.iter().all(|e| e.starts_with(HTTPS)))
     }
 
     /// Connects to the etcd cluster; `None` for SQLite (opened by `serve`).
@@ -37,11 +52,27 @@ impl StoreSpec {
         let StoreSpec::Etcd {
             endpoints,
             namespace,
+            tls,
         } = self
         else {
             return Ok(None);
         };
-        let store = EtcdStore::connect(endpoints, namespace)
+        if self.is_tls() && tls.is_none() {
+            anyhow::bail!("--store {self}: etcds:// needs --etcd-ca, --etcd-cert and --etcd-key");
+        }
+        if !self.is_tls() {
+            tracing::warn!(
+                store = %self,
+                "the store is plain etcd:// (--insecure-store): no TLS and no authentication, \
+                 anyone who reaches etcd can rewrite every VM, node and the leader key; \
+                 use etcds:// with --etcd-ca/--etcd-cert/--etcd-key"
+            );
+        }
+        let options = EtcdOptions {
+            tls: tls.clone(),
+            ..EtcdOptions::default()
+        };
+        let store = EtcdStore::connect_with(endpoints, namespace, options)
             .await
             .with_context(|| format!("connecting to the store {self}"))?;
         Ok(Some(Arc::new(store)))
@@ -55,8 +86,13 @@ impl FromStr for StoreSpec {
         if s == "sqlite" {
             return Ok(StoreSpec::Sqlite);
         }
-        let usage = "expected `sqlite` or `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]`";
-        let Some(rest) = s.strip_prefix("etcd://") else {
+        let usage = "expected `sqlite`, `etcds://HOST:PORT[,HOST:PORT…][/NAMESPACE]` \
+                     or `etcd://HOST:PORT[,HOST:PORT…][/NAMESPACE]`";
+        let (rest, scheme) = if let Some(rest) = s.strip_prefix("etcds://") {
+            (rest, HTTPS)
+        } else if let Some(rest) = s.strip_prefix("etcd://") {
+            (rest, HTTP)
+        } else {
             return Err(format!("{s:?}: {usage}"));
         };
         let (hosts, namespace) = match rest.split_once('/') {
@@ -85,11 +121,12 @@ impl FromStr for StoreSpec {
                     "{s:?}: endpoint {host:?} is not HOST:PORT; {usage}"
                 ));
             }
-            endpoints.push(format!("http://{host}"));
+            endpoints.push(format!("{scheme}{host}"));
         }
         Ok(StoreSpec::Etcd {
             endpoints,
             namespace,
+            tls: None,
         })
     }
 }
@@ -101,15 +138,22 @@ impl fmt::Display for StoreSpec {
             StoreSpec::Etcd {
                 endpoints,
                 namespace,
+                ..
             } => {
-                let hosts: Vec<&str> = endpoints
-                    .iter()
-                    .map(|e| e.strip_prefix("http://").unwrap_or(e))
-                    .collect();
-                write!(f, "etcd://{}{namespace}", hosts.join(","))
+                let scheme = if self.is_tls() { "etcds" } else { "etcd" };
+                let hosts: Vec<&str> = endpoints.iter().map(|e| host_port(e)).collect();
+                write!(f, "{scheme}://{}{namespace}", hosts.join(","))
             }
         }
     }
+}
+
+/// `HOST:PORT` of an endpoint URL.
+pub fn host_port(endpoint: &str) -> &str {
+    endpoint
+        .strip_prefix(HTTPS)
+        .or_else(|| endpoint.strip_prefix(HTTP))
+        .unwrap_or(endpoint)
 }
 
 #[cfg(test)]
@@ -124,14 +168,27 @@ mod tests {
             Ok(StoreSpec::Etcd {
                 endpoints: vec!["http://127.0.0.1:2379".into()],
                 namespace: "/keel".into(),
+                tls: None,
             })
         );
+        let tls: StoreSpec = "etcds://127.0.0.1:2379,b:2/k".parse().unwrap();
+        assert_eq!(
+            tls,
+            StoreSpec::Etcd {
+                endpoints: vec!["https://127.0.0.1:2379".into(), "https://b:2".into()],
+                namespace: "/k".into(),
+                tls: None,
+            }
+        );
+        assert!(tls.is_tls());
+        assert_eq!(tls.to_string(), "etcds://127.0.0.1:2379,b:2/k");
         let spec: StoreSpec = "etcd://a:1,b:2/prod/keel/".parse().unwrap();
         assert_eq!(
             spec,
             StoreSpec::Etcd {
                 endpoints: vec!["http://a:1".into(), "http://b:2".into()],
                 namespace: "/prod/keel".into(),
+                tls: None,
             }
         );
         assert_eq!(spec.to_string(), "etcd://a:1,b:2/prod/keel");
@@ -139,6 +196,8 @@ mod tests {
             "",
             "etcd",
             "etcd://",
+            "etcds://",
+            "etcds://host",
             "etcd://host",
             "etcd://host:notaport",
             "etcd://a:1,,b:2",

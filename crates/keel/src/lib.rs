@@ -26,5 +26,6 @@ pub mod hypervisor;
 pub mod metrics;
 pub mod migration_setup;
 pub mod serve;
+pub mod store_access;
 pub mod timefmt;
 pub mod token_book;

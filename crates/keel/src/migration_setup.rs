@@ -30,9 +30,59 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<()> {
         ClusterVerb::IssueCert {
             node,
             ca_dir,
+            valid_days,
+            etcd_server,
+            etcd_client,
+            ip,
+            dns,
+            out,
+            ..
+        } if etcd_server || etcd_client => {
+            let role = if etcd_server {
+                tls::service::ServiceRole::EtcdServer
+            } else {
+                tls::service::ServiceRole::EtcdClient
+            };
+            tls::service::issue_service(&ca_dir, &node, role, &ip, &dns, &out, valid_days)
+                .with_context(|| {
+                    format!(
+                        "issuing {node}'s etcd certificate from --ca-dir {}",
+                        ca_dir.display()
+                    )
+                })?;
+            let (cert, key) = (
+                out.join(tls::service::cert_file(&node)),
+                out.join(tls::service::key_file(&node)),
+            );
+            let ca = out.join(tls::CA_CERT);
+            if etcd_server {
+                println!(
+                    "issued etcd server certificate {node} into {}; run etcd with \
+                     --client-cert-auth --trusted-ca-file {} --cert-file {} --key-file {}",
+                    out.display(),
+                    ca.display(),
+                    cert.display(),
+                    key.display()
+                );
+            } else {
+                println!(
+                    "issued etcd client certificate {node} into {}; pass keel serve/agent \
+                     --etcd-ca {} --etcd-cert {} --etcd-key {}",
+                    out.display(),
+                    ca.display(),
+                    cert.display(),
+                    key.display()
+                );
+            }
+            Ok(())
+        }
+        ClusterVerb::IssueCert {
+            node,
+            ca_dir,
             data_dir,
             valid_days,
             control_plane,
+            ..
         } => {
             let out = creds_dir(&data_dir);
             let (issue, what): (fn(&Path, &str, &Path, u32) -> _, _) = if control_plane {

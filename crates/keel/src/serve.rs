@@ -551,7 +551,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
     cfg.accel = args.accel;
     cfg.demo = args.demo;
-    cfg.store = args.store;
+    cfg.store = args.store_access.resolve(args.store)?;
     cfg.agent = args.agent;
     cfg.disk_dir = args.disk_dir;
     cfg.runtime_dir = args.runtime_dir;

@@ -183,17 +183,19 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
         .collect();
     let cp = Keel::spawn_with(
         "cp",
-        clocks["cp"].apply(Command::new(keel).args([
-            "serve",
-            "--store",
-            &store,
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "cp",
-            "--data-dir",
-            &dir("cp"),
-        ])),
+        clocks["cp"].apply(
+            Command::new(keel)
+                .arg("serve")
+                .args(procs::store_flags(&store))
+                .args([
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--node",
+                    "cp",
+                    "--data-dir",
+                    &dir("cp"),
+                ]),
+        ),
     );
     let agents: Vec<Keel> = ["n1", "n2"]
         .into_iter()

@@ -578,40 +578,15 @@ fn debian_live_migration_keeps_the_guests_uptime() {
     let _kill_all = KillAll(root.clone());
     let dir = |name: &str| root.join(name).to_string_lossy().into_owned();
     let (disks, images) = (dir("disks"), dir("images"));
-    let cp = Keel::spawn(
-        "control plane",
-        &[
-            "serve",
-            "--store",
-            &store,
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "cp",
-            "--data-dir",
-            &dir("cp"),
-            "--image-dir",
-            &images,
-        ],
-    );
+    let cp = procs::spawn_control_plane(&store, &dir("cp"), &["--image-dir", &images]);
     let agents: Vec<Keel> = ["n1", "n2"]
         .iter()
         .map(|node| {
-            Keel::spawn(
+            procs::spawn_agent(
+                &store,
                 node,
-                &[
-                    "agent",
-                    "--store",
-                    &store,
-                    "--node",
-                    node,
-                    "--data-dir",
-                    &dir(node),
-                    "--disk-dir",
-                    &disks,
-                    "--image-dir",
-                    &images,
-                ],
+                &dir(node),
+                &["--disk-dir", &disks, "--image-dir", &images],
             )
         })
         .collect();

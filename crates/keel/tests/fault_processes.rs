@@ -60,9 +60,13 @@ async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
         servers.push(format!("https://{addr}"));
         members.push(Member {
             name: cp.into(),
-            args: ["serve", "--store", &store, "--listen", &addr, "--node", cp]
-                .iter()
-                .map(|s| s.to_string())
+            args: std::iter::once("serve".to_string())
+                .chain(procs::store_flags(&store))
+                .chain(
+                    ["--listen", &addr, "--node", cp]
+                        .iter()
+                        .map(|s| s.to_string()),
+                )
                 .chain(["--data-dir".into(), dir(cp)])
                 .collect(),
             proc: None,

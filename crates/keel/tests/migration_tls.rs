@@ -81,6 +81,7 @@ fn the_ca_issues_private_node_credentials_and_agents_need_them_for_tcp() {
         "agent",
         "--store",
         "etcd://127.0.0.1:2379",
+        "--insecure-store",
         "--hypervisor",
         "sim",
         "--node",
@@ -95,6 +96,7 @@ fn the_ca_issues_private_node_credentials_and_agents_need_them_for_tcp() {
         "agent",
         "--store",
         "etcd://127.0.0.1:2379",
+        "--insecure-store",
         "--migration-listen",
         "127.0.0.1:9-2",
     ]));

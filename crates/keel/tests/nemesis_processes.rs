@@ -663,20 +663,21 @@ async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record(
         proxies.insert(name.to_string(), proxy);
         let data_dir = work.dir(name);
         let args: Vec<String> = if name == "cp" {
-            vec![
-                "serve",
-                "--store",
-                &store,
-                "--listen",
-                &cp_addr,
-                "--node",
-                "cp",
-                "--data-dir",
-                &data_dir,
-            ]
-            .into_iter()
-            .map(String::from)
-            .collect()
+            std::iter::once("serve".to_string())
+                .chain(procs::store_flags(&store))
+                .chain(
+                    [
+                        "--listen",
+                        &cp_addr,
+                        "--node",
+                        "cp",
+                        "--data-dir",
+                        &data_dir,
+                    ]
+                    .into_iter()
+                    .map(String::from),
+                )
+                .collect()
         } else {
             procs::shared_disk_agent_args(
                 &store,

@@ -269,6 +269,7 @@ fn doctor_prints_each_check_with_a_fix() {
             "--json",
             "--store",
             "etcd://127.0.0.1:1",
+            "--insecure-store",
             "--data-dir",
         ])
         .arg(data.path())
@@ -292,6 +293,7 @@ fn doctor_prints_each_check_with_a_fix() {
         let out = keel()
             .args(["doctor", "--store"])
             .arg(format!("etcd://{}", endpoint.trim_start_matches("http://")))
+            .arg("--insecure-store")
             .arg("--data-dir")
             .arg(data.path())
             .output()

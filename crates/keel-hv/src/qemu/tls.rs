@@ -35,6 +35,7 @@ use rcgen::{
 };
 
 pub mod revocation;
+pub mod service;
 
 pub use revocation::{revoke, CA_CRL};
 

@@ -192,6 +192,43 @@ pub fn store_spec(test: &str) -> String {
     )
 }
 
+/// `--store STORE` and the flags its scheme needs: the one place the
+/// process tests say how they reach etcd. The shared test etcd
+/// (`scripts/start-etcd`) is plain, on loopback only, so `etcd://` gets
+/// `--insecure-store`; `etcds://` gets the client certificate of the TLS
+/// etcd (`scripts/start-etcd --tls`, [`etcd_tls_certs`]).
+pub fn store_flags(store: &str) -> Vec<String> {
+    let mut flags = vec!["--store".to_string(), store.to_string()];
+    if store.starts_with("etcds://") {
+        let certs = etcd_tls_certs();
+        for (flag, file) in [
+            ("--etcd-ca", "ca-cert.pem"),
+            ("--etcd-cert", "keel-cert.pem"),
+            ("--etcd-key", "keel-key.pem"),
+        ] {
+            flags.push(flag.to_string());
+            flags.push(certs.join(file).to_string_lossy().into_owned());
+        }
+    } else if store.starts_with("etcd://") {
+        flags.push("--insecure-store".to_string());
+    }
+    flags
+}
+
+/// Where `scripts/start-etcd --tls` keeps the certificates Keel's CA
+/// issued for the TLS test etcd (`KEEL_ETCD_TLS_DIR`, default
+/// target/etcd-tls-data), under `certs/`.
+pub fn etcd_tls_certs() -> std::path::PathBuf {
+    etcd_tls_dir().join("certs")
+}
+
+pub fn etcd_tls_dir() -> std::path::PathBuf {
+    std::env::var_os("KEEL_ETCD_TLS_DIR").map_or_else(
+        || Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/etcd-tls-data"),
+        std::path::PathBuf::from,
+    )
+}
+
 /// The command channel of `instance`'s guest on the agent with data dir
 /// `agent_dir`, once the guest is ready. The socket dir is where the
 /// instance's launch record says.
@@ -226,19 +263,26 @@ pub fn test_guest() -> std::path::PathBuf {
 /// `data_dir`, on an ephemeral loopback port (see [`serving_url`]), with
 /// `extra` flags after.
 pub fn spawn_control_plane(store: &str, data_dir: &str, extra: &[&str]) -> Keel {
-    let mut args = vec![
-        "serve",
-        "--store",
-        store,
-        "--listen",
-        "127.0.0.1:0",
-        "--node",
-        "cp",
-        "--data-dir",
-        data_dir,
-    ];
-    args.extend_from_slice(extra);
-    Keel::spawn("control plane", &args)
+    let args: Vec<String> = std::iter::once("serve".to_string())
+        .chain(store_flags(store))
+        .chain(
+            [
+                "--listen",
+                "127.0.0.1:0",
+                "--node",
+                "cp",
+                "--data-dir",
+                data_dir,
+            ]
+            .iter()
+            .chain(extra)
+            .map(|s| s.to_string()),
+        )
+        .collect();
+    Keel::spawn_with(
+        "control plane",
+        Command::new(env!("CARGO_BIN_EXE_keel")).args(&args),
+    )
 }
 
 /// A node agent `node` on `store` with data dir `data_dir`, with `extra`
@@ -252,19 +296,15 @@ pub fn spawn_agent(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> K
 /// The command line of a node agent `node` on `store` with data dir
 /// `data_dir`, with `extra` flags after.
 pub fn agent_args(store: &str, node: &str, data_dir: &str, extra: &[&str]) -> Vec<String> {
-    [
-        "agent",
-        "--store",
-        store,
-        "--node",
-        node,
-        "--data-dir",
-        data_dir,
-    ]
-    .iter()
-    .chain(extra)
-    .map(|s| s.to_string())
-    .collect()
+    std::iter::once("agent".to_string())
+        .chain(store_flags(store))
+        .chain(
+            ["--node", node, "--data-dir", data_dir]
+                .iter()
+                .chain(extra)
+                .map(|s| s.to_string()),
+        )
+        .collect()
 }
 
 /// [`agent_args`] of an agent that runs its guests under TCG from
