@@ -544,25 +544,33 @@ pub enum ClusterVerb {
         /// Issue a control plane's certificate instead (NODE: its
         /// --node name, DATA_DIR: its --data-dir): what it presents to the
         /// agents to reach their consoles, which no node's certificate can.
-        #[arg(long, conflicts_with_all = ["etcd_server", "etcd_client"])]
+        #[arg(long, conflicts_with_all = ["etcd_server", "etcd_client", "api_server"])]
         control_plane: bool,
         /// Instead of a migration certificate: etcd's server certificate
         /// (serverAuth; SANs NODE, --ip and --dns) into --out, for etcd's
         /// --cert-file/--key-file, with the CA for its --trusted-ca-file.
-        #[arg(long, conflicts_with = "etcd_client")]
+        #[arg(long, conflicts_with_all = ["etcd_client", "api_server"], group = "server_certificate")]
         etcd_server: bool,
         /// Instead of a migration certificate: a client certificate for
         /// etcd (clientAuth) into --out, for keel serve/agent's
         /// --etcd-cert/--etcd-key (and the CA for --etcd-ca).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "api_server")]
         etcd_client: bool,
-        /// With --etcd-server: an IP address etcd is reached at (repeatable).
-        #[arg(long, requires = "etcd_server")]
+        /// Instead of a migration certificate: the API's certificate
+        /// (serverAuth; SANs NODE, --ip and --dns) into --out, for every
+        /// control plane's --tls-cert/--tls-key; clients then verify with
+        /// --ca-file CA_DIR/ca-cert.pem whichever control plane answers.
+        #[arg(long, group = "server_certificate")]
+        api_server: bool,
+        /// With --etcd-server/--api-server: an IP address the service is
+        /// reached at (repeatable).
+        #[arg(long, requires = "server_certificate")]
         ip: Vec<std::net::IpAddr>,
-        /// With --etcd-server: a DNS name etcd is reached at (repeatable).
-        #[arg(long, requires = "etcd_server")]
+        /// With --etcd-server/--api-server: a DNS name the service is
+        /// reached at (repeatable).
+        #[arg(long, requires = "server_certificate")]
         dns: Vec<String>,
-        /// With --etcd-server/--etcd-client: where NODE-cert.pem,
+        /// With --etcd-server/--etcd-client/--api-server: where NODE-cert.pem,
         /// NODE-key.pem (0600) and ca-cert.pem go.
         #[arg(long, default_value = "./etcd-tls")]
         out: PathBuf,

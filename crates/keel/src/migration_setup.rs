@@ -33,20 +33,24 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<()> {
             valid_days,
             etcd_server,
             etcd_client,
+            api_server,
             ip,
             dns,
             out,
             ..
-        } if etcd_server || etcd_client => {
-            let role = if etcd_server {
-                tls::service::ServiceRole::EtcdServer
+        } if etcd_server || etcd_client || api_server => {
+            use tls::service::ServiceRole;
+            let (role, what) = if etcd_server {
+                (ServiceRole::EtcdServer, "etcd server")
+            } else if etcd_client {
+                (ServiceRole::EtcdClient, "etcd client")
             } else {
-                tls::service::ServiceRole::EtcdClient
+                (ServiceRole::ApiServer, "API server")
             };
             tls::service::issue_service(&ca_dir, &node, role, &ip, &dns, &out, valid_days)
                 .with_context(|| {
                     format!(
-                        "issuing {node}'s etcd certificate from --ca-dir {}",
+                        "issuing {node}'s {what} certificate from --ca-dir {}",
                         ca_dir.display()
                     )
                 })?;
@@ -55,25 +59,32 @@ pub fn cluster(cmd: ClusterCommand) -> anyhow::Result<()> {
                 out.join(tls::service::key_file(&node)),
             );
             let ca = out.join(tls::CA_CERT);
-            if etcd_server {
-                println!(
-                    "issued etcd server certificate {node} into {}; run etcd with \
-                     --client-cert-auth --trusted-ca-file {} --cert-file {} --key-file {}",
-                    out.display(),
+            let next = match role {
+                ServiceRole::EtcdServer => format!(
+                    "run etcd with --client-cert-auth --trusted-ca-file {} --cert-file {} \
+                     --key-file {}",
                     ca.display(),
                     cert.display(),
                     key.display()
-                );
-            } else {
-                println!(
-                    "issued etcd client certificate {node} into {}; pass keel serve/agent \
-                     --etcd-ca {} --etcd-cert {} --etcd-key {}",
-                    out.display(),
+                ),
+                ServiceRole::EtcdClient => format!(
+                    "pass keel serve/agent --etcd-ca {} --etcd-cert {} --etcd-key {}",
                     ca.display(),
                     cert.display(),
                     key.display()
-                );
-            }
+                ),
+                ServiceRole::ApiServer => format!(
+                    "pass every control plane --tls-cert {} --tls-key {}, and clients \
+                     --ca-file {}",
+                    cert.display(),
+                    key.display(),
+                    ca.display()
+                ),
+            };
+            println!(
+                "issued {what} certificate {node} into {}; {next}",
+                out.display()
+            );
             Ok(())
         }
         ClusterVerb::IssueCert {

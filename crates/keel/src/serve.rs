@@ -393,9 +393,8 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let store = TypedStore::new(raw.clone());
     let tokens = TokenBook::new(store.clone(), clock.clone());
     let token = token_book::bootstrap(&tokens, &cfg.token_path(), &cfg.node).await?;
-    if cfg.tls == ApiTls::SelfSigned {
-        crate::api_tls_cluster::shared_self_signed(&*raw, &cfg.data_dir, cfg.listen).await?;
-    }
+    // Whatever the API serves with, no key stays in the store.
+    crate::api_tls_cluster::withdraw_published_key(&*raw, &cfg.data_dir).await?;
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .with_context(|| format!("listening on {}", cfg.listen))?;

@@ -302,6 +302,82 @@ fn an_operator_certificate_is_verified_against_its_ca() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-key"));
 }
 
+/// The cluster's own CA issues the API certificate every control plane of
+/// a cluster serves (`issue-cert --api-server`): a client with its CA
+/// trusts whichever answers, by name.
+#[test]
+fn the_cluster_ca_issues_the_api_certificate() {
+    let scratch = tempfile::tempdir().unwrap();
+    let (ca_dir, out) = (scratch.path().join("ca"), scratch.path().join("api-tls"));
+    let keel = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("KEEL_CONFIG", "")
+            .output()
+            .unwrap()
+    };
+    let (ca_arg, out_arg) = (ca_dir.to_str().unwrap(), out.to_str().unwrap());
+    ok(&keel(&["cluster", "init-ca", "--ca-dir", ca_arg]));
+    let issued = ok(&keel(&[
+        "cluster",
+        "issue-cert",
+        "keel-api",
+        "--api-server",
+        "--ca-dir",
+        ca_arg,
+        "--ip",
+        "127.0.0.1",
+        "--dns",
+        "localhost",
+        "--out",
+        out_arg,
+    ]));
+    assert!(issued.contains("--tls-cert"), "{issued}");
+    // An address belongs on a server's certificate only.
+    let err = fails(&keel(&[
+        "cluster",
+        "issue-cert",
+        "n1",
+        "--ca-dir",
+        ca_arg,
+        "--ip",
+        "127.0.0.1",
+    ]));
+    assert!(
+        err.contains("--api-server") || err.contains("--etcd-server"),
+        "{err}"
+    );
+
+    let data = scratch.path().join("data");
+    let known = scratch.path().join("known_servers");
+    let cert = out.join("keel-api-cert.pem");
+    let key = out.join("keel-api-key.pem");
+    let ca = out.join("ca-cert.pem");
+    let mut server = serve(
+        &data,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let (addr, _) = serving(&mut server);
+    let tok = token(&data);
+    let port = addr.rsplit(':').next().unwrap();
+    for url in [
+        format!("https://{addr}"),
+        format!("https://localhost:{port}"),
+    ] {
+        let env = [("KEEL_SERVER", url.as_str()), ("KEEL_TOKEN", tok.as_str())];
+        ok(&cli(
+            &known,
+            &env,
+            &["vm", "list", "--ca-file", ca.to_str().unwrap()],
+        ));
+    }
+}
+
 #[test]
 fn plain_http_is_only_for_loopback_and_only_when_asked() {
     let scratch = tempfile::tempdir().unwrap();

@@ -164,6 +164,71 @@ fn console_session_log_and_readiness_over_the_api() {
     assert_eq!(r.json()["field"], "status.instance");
 }
 
+/// Console sessions are a per-token resource: past the cap the upgrade is
+/// refused with a 429 naming the limit (whatever VM), another token is not
+/// held back, and closing a session gives its slot back.
+#[test]
+fn too_many_consoles_for_one_token_are_refused_naming_the_limit() {
+    let server = TestServer::start_with(|cfg| cfg.token_limits.consoles_per_token = 2);
+    for name in ["c1", "c2", "c3"] {
+        running_vm(&server, name);
+    }
+    let token = server.token.clone();
+    let created = server.send(
+        "POST",
+        "/api/v1/tokens",
+        &json!({"name": "second", "role": "operator"}).to_string(),
+    );
+    assert_eq!(created.status, 201, "{}", created.text);
+    let other = created.json()["secret"].as_str().unwrap().to_string();
+    server.rt.block_on(async {
+        let one = connect(&server, "c1", &token).await.unwrap();
+        let _two = connect(&server, "c2", &token).await.unwrap();
+        let refused = match connect(&server, "c3", &token).await.unwrap_err() {
+            WsError::Http(resp) => {
+                let body = resp.body().clone().unwrap_or_default();
+                (
+                    resp.status().as_u16(),
+                    String::from_utf8_lossy(&body).to_string(),
+                )
+            }
+            other => panic!("expected an HTTP refusal, got {other}"),
+        };
+        assert_eq!(refused.0, 429, "{}", refused.1);
+        assert!(
+            refused.1.contains("max-consoles-per-token"),
+            "{}",
+            refused.1
+        );
+        // Another token has its own sessions.
+        let mut theirs = connect(&server, "c3", &other).await.unwrap();
+        theirs.close(None).await.unwrap();
+        drop(theirs);
+        // Closing one of ours gives its slot back (the server notices the
+        // close a moment later).
+        let mut one = one;
+        one.close(None).await.unwrap();
+        drop(one);
+        let mut opened = false;
+        for _ in 0..100 {
+            match connect(&server, "c3", &token).await {
+                Ok(_) => {
+                    opened = true;
+                    break;
+                }
+                Err(e) => {
+                    // Either slot may still be held an instant: the token's
+                    // (429) or c3's own console, just closed by `other` (409).
+                    let status = status_of(e);
+                    assert!(status == 429 || status == 409, "{status}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        assert!(opened, "a closed session never gave its slot back");
+    });
+}
+
 #[test]
 fn cli_logs_console_and_create_wait() {
     let server = TestServer::start();

@@ -350,6 +350,20 @@ where
     }
 }
 
+/// Trusting cp1's and cp2's own certificates.
+fn both_planes_trust(c: &Cluster) -> ServerTrust {
+    let pins = ["cp1", "cp2"]
+        .map(|plane| {
+            let path = keel::api_tls::self_signed_cert_path(&c.dir.path().join(plane));
+            let fp = keel::cli::server_trust::cert_file_fingerprint(&path).unwrap();
+            (fp, keel::cli::server_trust::PinSource::DataDir(path))
+        })
+        .to_vec();
+    let (a, b) = (&pins[0].0, &pins[1].0);
+    assert_ne!(a, b, "two control planes share one key");
+    ServerTrust::pinned(pins)
+}
+
 fn other(planes: [&str; 2], leader: &str) -> String {
     planes
         .into_iter()
@@ -431,8 +445,9 @@ async fn placement_continues_after_a_leader_change() {
         format!("https://{}", c.planes["cp1"].addr()),
         format!("https://{}", c.planes["cp2"].addr()),
     );
-    // Every control plane presents the cluster's one certificate.
-    let trust = ServerTrust::of_data_dir(&c.dir.path().join("cp1")).unwrap();
+    // Each control plane presents its own certificate: the store holds
+    // no key to share (a reader of etcd could stand in for the API).
+    let trust = both_planes_trust(&c);
     let (t1, t2) = (
         c.planes["cp1"].token().to_string(),
         c.planes["cp2"].token().to_string(),
@@ -445,6 +460,11 @@ async fn placement_continues_after_a_leader_change() {
         assert!(
             !text.contains(&t1) && !text.contains(&t2),
             "{} holds a token in clear",
+            entry.key
+        );
+        assert!(
+            !text.contains("PRIVATE KEY"),
+            "{} holds a private key",
             entry.key
         );
     }
@@ -504,9 +524,7 @@ async fn placement_continues_after_a_leader_change() {
         format!("https://{}", server.addr()),
         server.token().to_string(),
     );
-    // Every control plane presents the cluster's one certificate: the
-    // first one's data dir has it too.
-    let trust = ServerTrust::of_data_dir(&c.dir.path().join("cp1")).unwrap();
+    let trust = ServerTrust::of_data_dir(&c.dir.path().join(&next)).unwrap();
     let status = tokio::task::spawn_blocking(move || {
         let agent: ureq::Agent = trust.agent(
             ureq::Agent::config_builder()

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use keel_store::conformance::{self, Fixture};
 use keel_store::etcd::{EtcdOptions, EtcdStore, EtcdTls};
 use keel_store::{Precondition, Store, StoreError};
-use procs::{cli, etcd_tls_certs, etcd_tls_dir, serving_url, spawn_control_plane};
+use procs::{
+    cli, etcd_tls_certs, etcd_tls_dir, serving_url, spawn_agent, spawn_control_plane, wait_running,
+};
 
 fn endpoint() -> String {
     std::env::var("KEEL_ETCD_TLS_ENDPOINT").unwrap_or_else(|_| "https://127.0.0.1:2389".into())
@@ -254,6 +256,26 @@ async fn keel_serve_on_etcds_serves_a_vm() {
         "warned about a plain store on etcds://:\n{}",
         cp.log()
     );
+    // A node agent on the same etcds:// registers and runs the VM the
+    // control plane places on it: every process of the cluster talks to
+    // an etcd that requires client certificates.
+    let agent = spawn_agent(
+        &store,
+        "n1",
+        root.join("n1").to_str().unwrap(),
+        &["--hypervisor", "sim"],
+    );
+    let logs = || format!("{}\n{}", cp.log(), agent.log());
+    let out = cli(&root, &server, &["vm", "start", "web"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs()
+    );
+    let (node, _) = wait_running(&root, &server, "web", logs).await;
+    assert_eq!(node, "n1", "{}", logs());
+    assert!(!agent.log().contains("--insecure-store"), "{}", agent.log());
 }
 
 #[test]

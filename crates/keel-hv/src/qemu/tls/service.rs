@@ -1,8 +1,10 @@
 //! Certificates from the cluster CA for the services around Keel rather
-//! than for a node's migrations: today etcd's server certificate (its
-//! client URLs' IP addresses and DNS names as SANs) and the client
-//! certificates `keel serve`/`keel agent` present to an etcd run with
-//! `--client-cert-auth`. One CA for the cluster: the operator keeps one
+//! than for a node's migrations: etcd's server certificate (its client
+//! URLs' IP addresses and DNS names as SANs), the client certificates
+//! `keel serve`/`keel agent` present to an etcd run with
+//! `--client-cert-auth`, and the API certificate the control planes of a
+//! cluster serve with `--tls-cert/--tls-key` (every one the same names, so
+//! a CLI with `--ca-file` trusts whichever answers, through a failover). One CA for the cluster: the operator keeps one
 //! key private, and a certificate of another CA is refused by etcd.
 //!
 //! A server certificate carries both TLS purposes: etcd 3.4's own gRPC
@@ -30,6 +32,14 @@ pub enum ServiceRole {
     EtcdServer,
     /// A client of etcd: `keel serve`, `keel agent` (clientAuth).
     EtcdClient,
+    /// The HTTPS API of `keel serve` (serverAuth only).
+    ApiServer,
+}
+
+impl ServiceRole {
+    fn is_server(self) -> bool {
+        matches!(self, ServiceRole::EtcdServer | ServiceRole::ApiServer)
+    }
 }
 
 /// The files [`issue_service`] writes into its output directory.
@@ -66,9 +76,9 @@ pub fn issue_service(
             "valid days {days}: expected 1-{MAX_NODE_VALID_DAYS}"
         )));
     }
-    if role == ServiceRole::EtcdClient && (!ips.is_empty() || !dns.is_empty()) {
+    if !role.is_server() && (!ips.is_empty() || !dns.is_empty()) {
         return Err(invalid(
-            "a client certificate names no addresses (--ip/--dns are for --etcd-server)".into(),
+            "a client certificate names no addresses (--ip/--dns are for --etcd-server and --api-server)".into(),
         ));
     }
     owned(ca_dir)?;
@@ -97,7 +107,7 @@ pub fn issue_service(
     dn.push(DnType::CommonName, name);
     params.distinguished_name = dn;
     let mut sans = Vec::new();
-    if role == ServiceRole::EtcdServer {
+    if role.is_server() {
         for host in std::iter::once(name).chain(dns.iter().map(String::as_str)) {
             sans.push(SanType::DnsName(host.try_into().map_err(|e| {
                 invalid(format!("{host:?} is not a DNS name: {e}"))
@@ -117,6 +127,7 @@ pub fn issue_service(
             ExtendedKeyUsagePurpose::ClientAuth,
         ],
         ServiceRole::EtcdClient => vec![ExtendedKeyUsagePurpose::ClientAuth],
+        ServiceRole::ApiServer => vec![ExtendedKeyUsagePurpose::ServerAuth],
     };
     params.use_authority_key_identifier_extension = true;
     let serial = revocation::new_serial();
@@ -203,5 +214,28 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("--ip"), "{err}");
+    }
+
+    #[test]
+    fn an_api_certificate_serves_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca");
+        super::super::init_ca(&ca).unwrap();
+        let out = dir.path().join("api-tls");
+        let loopback: IpAddr = "127.0.0.1".parse().unwrap();
+        issue_service(
+            &ca,
+            "keel-api",
+            ServiceRole::ApiServer,
+            &[loopback],
+            &["keel.example".to_string()],
+            &out,
+            30,
+        )
+        .unwrap();
+        let api = der(&std::fs::read_to_string(out.join(cert_file("keel-api"))).unwrap());
+        assert!(contains(&api, &[0x87, 4, 127, 0, 0, 1]), "no IP SAN");
+        assert!(contains(&api, b"keel.example"), "no DNS SAN");
+        assert!(contains(&api, SERVER_AUTH) && !contains(&api, CLIENT_AUTH));
     }
 }
