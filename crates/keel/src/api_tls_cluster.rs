@@ -67,6 +67,20 @@ mod tests {
     use keel_store::memory::MemoryStore;
     use keel_store::Precondition;
 
+    /// What an earlier version stored: `dir`'s certificate and key.
+    async fn publish_as_before(store: &MemoryStore, dir: &Path) {
+        let (cert_pem, key_pem) = api_tls::read_self_signed(dir).unwrap();
+        let value = serde_json::json!({"cert_pem": cert_pem, "key_pem": key_pem});
+        store
+            .put(
+                LEGACY_API_TLS_KEY,
+                serde_json::to_vec(&value).unwrap(),
+                Precondition::Absent,
+            )
+            .await
+            .unwrap();
+    }
+
     fn fingerprint_in(dir: &Path) -> String {
         crate::cli::server_trust::cert_file_fingerprint(&api_tls::self_signed_cert_path(dir))
             .unwrap()
@@ -79,16 +93,7 @@ mod tests {
         // What an earlier version left: cp1's certificate, shared.
         let (old, fresh) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         api_tls::ensure_self_signed(old.path(), listen).unwrap();
-        let (cert_pem, key_pem) = api_tls::read_self_signed(old.path()).unwrap();
-        let value = serde_json::json!({"cert_pem": cert_pem, "key_pem": key_pem});
-        store
-            .put(
-                LEGACY_API_TLS_KEY,
-                serde_json::to_vec(&value).unwrap(),
-                Precondition::Absent,
-            )
-            .await
-            .unwrap();
+        publish_as_before(&store, old.path()).await;
 
         assert!(withdraw_published_key(&store, fresh.path()).await.unwrap());
         assert_eq!(fingerprint_in(fresh.path()), fingerprint_in(old.path()));
@@ -105,16 +110,7 @@ mod tests {
         let (other, mine) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
         api_tls::ensure_self_signed(other.path(), listen).unwrap();
         api_tls::ensure_self_signed(mine.path(), listen).unwrap();
-        let (cert_pem, key_pem) = api_tls::read_self_signed(other.path()).unwrap();
-        let value = serde_json::json!({"cert_pem": cert_pem, "key_pem": key_pem});
-        store
-            .put(
-                LEGACY_API_TLS_KEY,
-                serde_json::to_vec(&value).unwrap(),
-                Precondition::Absent,
-            )
-            .await
-            .unwrap();
+        publish_as_before(&store, other.path()).await;
         let before = fingerprint_in(mine.path());
         assert!(withdraw_published_key(&store, mine.path()).await.unwrap());
         assert_eq!(fingerprint_in(mine.path()), before);
