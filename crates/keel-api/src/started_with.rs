@@ -13,7 +13,8 @@ pub struct StartedWith {
     pub memory_mib: u64,
     /// The disks by name, in the spec's order (the first is the boot
     /// disk). A disk's size is not here: it only grows (`keel vm disk
-    /// resize`), and the next start grows the file.
+    /// resize`), under a running instance (`Instance::disk_sizes_mib`) or
+    /// by the next start.
     pub disks: Vec<String>,
     /// Digests ([`digest`]) of `spec.boot`, the NIC and `spec.cloud_init`:
     /// the values can be large (user-data), only a change matters.

@@ -12,6 +12,8 @@
 //! - `status`: the controller's bookkeeping, including the live instance,
 //!   which stays recorded until cleanup (not until stop).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -496,6 +498,13 @@ pub struct Instance {
     /// A `keel vm reboot` under way on this instance.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reboot: Option<crate::RebootProgress>,
+    /// The size (MiB) each disk of this instance has as its guest sees it,
+    /// by disk name: the spec's at the start, then grown in place by
+    /// online resizes (`keel vm disk resize` of a running VM). Empty on
+    /// instances from before it was kept (their disks are not resized
+    /// online).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub disk_sizes_mib: BTreeMap<String, u64>,
 }
 
 fn fenced_before_ha() -> bool {
@@ -519,6 +528,7 @@ impl Instance {
             resets: 0,
             last_reset_at: None,
             reboot: None,
+            disk_sizes_mib: BTreeMap::new(),
         }
     }
 }

@@ -178,6 +178,8 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         readiness,
         // The guest's hardware is the source's.
         started_with: source.and_then(|i| i.started_with.clone()),
+        // Its disks are the source's, at the sizes the source had them.
+        disk_sizes_mib: source.map(|i| i.disk_sizes_mib.clone()).unwrap_or_default(),
         resuming_after: Some(m.id.clone()),
         // As the target was launched (the migration controller's start).
         fenced: vm.instance_fenced(&m.source_instance),

@@ -21,6 +21,7 @@ pub mod keys;
 pub mod migration_controller;
 pub mod node_lease;
 pub mod observe;
+pub mod online_resize;
 pub mod queue;
 pub mod readiness;
 pub mod reboot;

@@ -28,7 +28,7 @@ fn under_way(vm: &VirtualMachine) -> bool {
 }
 
 /// Whether the observed instance is alive (its guest can have reset).
-fn alive(observed: &Observed) -> bool {
+pub(crate) fn alive(observed: &Observed) -> bool {
     matches!(
         observed,
         Observed::Instance(DomainState::Running | DomainState::Paused)
@@ -36,8 +36,9 @@ fn alive(observed: &Observed) -> bool {
 }
 
 /// The record `step` writes (or the one read, for a wait), if the step
-/// leaves the same instance recorded and asks for no action yet.
-fn writable(vm: &VirtualMachine, step: &Step) -> Option<(VirtualMachine, Millis)> {
+/// leaves the same instance recorded and asks for no action yet: a step
+/// that a further change of that instance's record can join.
+pub(crate) fn writable(vm: &VirtualMachine, step: &Step) -> Option<(VirtualMachine, Millis)> {
     let id = vm.status.instance.as_ref().map(|i| &i.id)?;
     match step {
         Step::Wait { requeue_at } => Some((vm.clone(), *requeue_at)),

@@ -15,6 +15,12 @@ pub enum HvAction {
     GuestReboot(String),
     /// Reset the guest through the hypervisor (`system_reset`).
     Reset(String),
+    /// Grow a disk under the running instance (online resize).
+    GrowDisk {
+        instance: String,
+        disk: String,
+        size_mib: u64,
+    },
     Kill(String),
     Cleanup(String),
     DeleteDisks,

@@ -523,6 +523,7 @@ impl VmController {
         let step = crate::reboot::note_resets(&vm, &observed, resets, step, now);
         let step = self.with_readiness(&vm, &observed, step, now).await;
         let step = crate::reboot::reboot_step(&vm, &observed, step, now);
+        let step = crate::online_resize::grow_step(&vm, &observed, step, now);
         if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
             // Before anything is done for it: an action must not run for
             // a record that will be refused.
@@ -1033,6 +1034,10 @@ impl VmController {
             tracing::info!(vm = %new.name, reason = %event.reason, "guest reset");
             self.put_event(&event, revision).await;
         }
+        if let Some(event) = crate::online_resize::grown_event(old, new, now) {
+            tracing::info!(vm = %new.name, reason = %event.reason, "disk grown online");
+            self.put_event(&event, revision).await;
+        }
         record_event(&self.store, old, new, revision, now, Fence::Cas).await
     }
 
@@ -1176,6 +1181,13 @@ impl VmController {
                 other => Ok(absent_is_ok(other)?),
             },
             HvAction::Reset(id) => Ok(absent_is_ok(self.hv.reset(id).await)?),
+            HvAction::GrowDisk {
+                instance,
+                disk,
+                size_mib,
+            } => Ok(absent_is_ok(
+                self.hv.grow_disk(&vm.name, instance, disk, *size_mib).await,
+            )?),
             HvAction::Kill(id) => Ok(absent_is_ok(self.hv.kill(id).await)?),
             HvAction::Cleanup(id) => Ok(absent_is_ok(self.hv.cleanup(id).await)?),
             HvAction::DeleteDisks => Ok(self.hv.delete_disks(&vm.name).await?),

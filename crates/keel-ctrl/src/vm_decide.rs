@@ -734,6 +734,7 @@ fn no_instance(
     let id = next.mint_instance_id();
     next.status.instance = Some(Instance {
         started_with: Some(restart_required::started_with(vm)),
+        disk_sizes_mib: crate::online_resize::sizes_at_start(vm),
         fenced,
         ..Instance::new(id, &cfg.node, now)
     });

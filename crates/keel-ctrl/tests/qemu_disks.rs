@@ -3,7 +3,8 @@
 //! VM that ran is made at its next start, which runs with both disks (the
 //! guest's record on the first is still there) and a disk resized while
 //! stopped is grown before it boots; a CPU change of the
-//! running VM shows as `restart_required` without a restart.
+//! running VM shows as `restart_required` without a restart; a disk grown
+//! under a running guest is grown in the same QEMU, and the guest sees it.
 
 mod qemu;
 
@@ -89,4 +90,52 @@ async fn a_disk_added_after_the_first_run_is_made_and_both_are_attached() {
         .await;
     assert_eq!(shown.status.instance.unwrap().id, second);
     eprintln!("took {:?}", began.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_vms_disk_grows_under_its_guest_without_a_restart() {
+    let Some(env) = Env::new().await else { return };
+    let vm = "h5online";
+    env.create(vm, Env::spec(RunPolicy::Manual, 30)).await;
+    let (first, mut guest) = env.ready(vm, BOOT).await;
+    assert_eq!(guest.disk_bytes("vda").await.unwrap(), 64 << 20);
+    guest.put(3, "written before the growth").await.unwrap();
+
+    // `keel vm disk resize` of the running VM.
+    env.user(vm, |v| {
+        v.resize_disk("data", 160).map_err(|e| e.error().clone())
+    })
+    .await;
+    let grown = env
+        .wait_for(vm, Duration::from_secs(20), "grown", |v| {
+            v.status
+                .instance
+                .as_ref()
+                .is_some_and(|i| i.disk_sizes_mib.get("data") == Some(&160))
+        })
+        .await;
+    assert_eq!(grown.status.instance.unwrap().id, first, "no new instance");
+    assert_eq!(env.qemu_pids(&format!("guest={first}")).len(), 1);
+    // The guest's kernel learns the new capacity from virtio-blk's config
+    // change; the image's header has it already.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let seen = guest.disk_bytes("vda").await.unwrap();
+        if seen == 160 << 20 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the guest still sees {seen} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        keel_hv::qcow2::virtual_size(&env.driver.disk_path(vm, "data")).unwrap(),
+        Some(160 << 20)
+    );
+    assert_eq!(guest.get(3).await.unwrap(), "written before the growth");
+    let vm_now = env.vm(vm).await;
+    assert_eq!(vm_now.status.phase, Phase::Running);
+    assert!(vm_now.status.restart_required.is_empty(), "{vm_now:?}");
 }

@@ -248,6 +248,17 @@ impl GuestChannel {
         }
     }
 
+    /// The capacity in bytes the guest's kernel has for disk `dev` (`vda`,
+    /// `vdb`, …) now.
+    pub async fn disk_bytes(&mut self, dev: &str) -> Result<u64, GuestError> {
+        let command = format!("size {dev}");
+        let answer = self.command(&command).await?;
+        answer
+            .strip_prefix(&format!("SIZE {dev} "))
+            .and_then(|n| n.parse().ok())
+            .ok_or(GuestError::Unexpected { command, answer })
+    }
+
     pub async fn ticks(&mut self) -> Result<Ticks, GuestError> {
         let answer = self.command("ticks").await?;
         parse_ticks(&answer).ok_or(GuestError::Unexpected {

@@ -572,6 +572,20 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported_guest(instance, "reset"))
     }
 
+    /// Grows disk `disk` of `vm` to `size_mib` under its running instance
+    /// `instance`, which the guest sees as a capacity change. A disk
+    /// already that large (or larger) is left as it is: never a shrink.
+    async fn grow_disk(
+        &self,
+        vm: &str,
+        instance: &str,
+        disk: &str,
+        size_mib: u64,
+    ) -> Result<(), HvError> {
+        let _ = (vm, disk, size_mib);
+        Err(unsupported_guest(instance, "grow a disk online"))
+    }
+
     /// Removes snapshot `name` from the disks of `vm`; absent is success.
     async fn delete_snapshot(
         &self,

@@ -15,6 +15,7 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod online_resize;
 mod reset;
 mod table;
 
@@ -268,6 +269,9 @@ struct SimState {
     /// its monitor gives up unanswered, as the QEMU driver's bounded QMP
     /// calls do; a kill (by pid) still ends it.
     stopped: std::collections::BTreeSet<String>,
+    /// Instances whose disks cannot be grown online, and why (a driver
+    /// whose `block_resize` fails).
+    growth_refused: BTreeMap<String, String>,
 }
 
 #[derive(Clone)]
@@ -311,6 +315,7 @@ impl SimHypervisor {
                 config,
                 starts_per_vm: BTreeMap::new(),
                 crash_next_boot: Default::default(),
+                growth_refused: Default::default(),
                 failing_starts: BTreeMap::new(),
                 violations: Vec::new(),
                 log: Vec::new(),
@@ -1525,6 +1530,16 @@ impl Hypervisor for SimHypervisor {
 
     async fn reset(&self, instance: &str) -> Result<(), HvError> {
         self.reset_by_hypervisor(instance).await
+    }
+
+    async fn grow_disk(
+        &self,
+        _vm: &str,
+        instance: &str,
+        disk: &str,
+        size_mib: u64,
+    ) -> Result<(), HvError> {
+        self.grow_disk_now(instance, disk, size_mib)
     }
 
     async fn snapshot_disks(

@@ -731,8 +731,8 @@ pub enum DiskVerb {
     /// (removed with the VM); added back under its name, it is that disk.
     /// The disk the VM boots from cannot be removed.
     Remove(DiskRemoveArgs),
-    /// Grow a disk (never shrink): a stopped VM's file grows at its next
-    /// start (a running VM's waits for `keel vm restart`).
+    /// Grow a disk (never shrink): a running VM's disk is grown under its
+    /// guest at once, a stopped VM's file at its next start.
     Resize(DiskAddArgs),
 }
 

@@ -154,6 +154,16 @@ impl Hypervisor for QemuDriver {
         self.system_reset(instance).await
     }
 
+    async fn grow_disk(
+        &self,
+        vm: &str,
+        instance: &str,
+        disk: &str,
+        size_mib: u64,
+    ) -> Result<(), HvError> {
+        self.grow_disk_online(vm, instance, disk, size_mib).await
+    }
+
     async fn shutdown(&self, instance: &str) -> Result<(), HvError> {
         let domain = self.existing(instance, "shutdown")?;
         let pid = match domain.phase() {

@@ -39,6 +39,7 @@ mod listing;
 mod migration;
 mod monitor;
 pub mod network;
+mod online_resize;
 mod opts;
 pub mod passt;
 mod proc;

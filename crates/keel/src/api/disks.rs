@@ -1,9 +1,10 @@
 //! `/api/v1/vms/{name}/disks…`: one disk of a VM's spec added, removed or
 //! grown (`keel vm disk add|remove|resize`), each a compare-and-swap of the
 //! VM record; the rules are `keel_api::disk_change`'s. The controller
-//! carries the change out at the VM's next start, which makes an added
-//! disk and grows a resized one; a running VM's change waits for it, as
-//! any disk change of the spec does (no hot-plug yet).
+//! carries the change out: a running VM's resized disk is grown under its
+//! guest (`keel_ctrl::online_resize`); otherwise the VM's next start makes
+//! an added disk and grows a resized one (an added or removed disk of a
+//! running VM waits for it: no hot-plug yet).
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
@@ -176,7 +177,7 @@ pub fn describe(doc: &mut serde_json::Value) {
             "responses": with(vm_ok("200", "Removed from the spec"), &errs(&[("404", "No such VM, or no such disk (field disk)"), ("409", "The boot disk (field disk), a stale revision, or a restore or deletion is under way")]))
         }},
         "/api/v1/vms/{name}/disks/{disk}/resize": {"post": {
-            "summary": "Grow a disk (admin): the VM's next start grows a made disk's file (qemu-img resize; a running VM's waits for a restart). A smaller size is refused (422 naming size)",
+            "summary": "Grow a disk (admin): a running VM's disk is grown under its guest at once (block_resize), a stopped one's file at its next start (qemu-img resize). A smaller size is refused (422 naming size)",
             "operationId": "resizeDisk",
             "parameters": [name, disk, revision, if_match],
             "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ResizeDiskRequest"}}}},

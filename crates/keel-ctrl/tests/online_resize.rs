@@ -1,0 +1,143 @@
+//! Disks grown under a running guest, on the sim driver and a manual clock:
+//! the same instance goes on with the larger disk, the size is recorded on
+//! it and an event says so; a growth the hypervisor refuses is retried with
+//! its reason on the record and recorded only once it worked; a disk added
+//! since the start waits for the next one, which has it at its size.
+
+mod common;
+
+use common::{spec, World};
+use keel_api::{DiskSpec, Event, Phase, PowerState, RunPolicy};
+use keel_ctrl::keys::EVENTS_PREFIX;
+use keel_hv::sim::SimConfig;
+
+fn sim() -> SimConfig {
+    SimConfig {
+        boot_ms: 1_000,
+        agent_ready_ms: 1_000,
+        ..Default::default()
+    }
+}
+
+async fn events(w: &World, vm: &str) -> Vec<String> {
+    let (all, _) = w
+        .user
+        .list::<Event>(&format!("{EVENTS_PREFIX}{vm}/"))
+        .await
+        .unwrap();
+    all.into_iter().map(|(_, e)| e.value.reason).collect()
+}
+
+#[tokio::test]
+async fn a_running_vms_disk_grows_in_the_same_instance() {
+    let mut w = World::new(7, sim()).await;
+    w.create("web", spec(RunPolicy::AlwaysOn, PowerState::Running, 10))
+        .await;
+    w.run_for(4_000).await;
+    let before = w.get("web").await.unwrap();
+    let first = before.status.instance.clone().unwrap();
+    assert_eq!(before.status.phase, Phase::Running);
+    assert_eq!(first.disk_sizes_mib["root"], 64);
+    assert_eq!(w.hv.disk_size_mib(&first.id, "root"), Some(64));
+
+    w.user_op("web", |v| {
+        v.resize_disk("root", 256).map_err(|e| e.error().clone())
+    })
+    .await
+    .unwrap();
+    w.run_for(1_000).await;
+    let vm = w.get("web").await.unwrap();
+    let inst = vm.status.instance.clone().unwrap();
+    assert_eq!(inst.id, first.id, "the same instance");
+    assert_eq!(w.hv.live_instances("web"), std::slice::from_ref(&first.id));
+    assert_eq!(w.hv.disk_size_mib(&first.id, "root"), Some(256));
+    assert_eq!(inst.disk_sizes_mib["root"], 256);
+    assert!(vm.status.restart_required.is_empty(), "{vm:?}");
+    assert_eq!(vm.ready_since(), before.ready_since(), "the guest went on");
+    let trail = events(&w, "web").await;
+    assert!(
+        trail
+            .iter()
+            .any(|e| e.contains("grown under the running guest")
+                && e.contains("disk root from 64 MiB to 256 MiB")),
+        "{trail:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_refused_growth_shows_why_is_retried_and_recorded_only_once_done() {
+    let mut w = World::new(8, sim()).await;
+    w.create("db", spec(RunPolicy::AlwaysOn, PowerState::Running, 10))
+        .await;
+    w.run_for(4_000).await;
+    let first = w.get("db").await.unwrap().status.instance.unwrap();
+    w.hv.refuse_disk_growth(&first.id, Some("block_resize: device busy"));
+
+    w.user_op("db", |v| {
+        v.resize_disk("root", 128).map_err(|e| e.error().clone())
+    })
+    .await
+    .unwrap();
+    w.run_for(5_000).await;
+    let vm = w.get("db").await.unwrap();
+    let inst = vm.status.instance.clone().unwrap();
+    assert_eq!(inst.id, first.id);
+    assert_eq!(inst.disk_sizes_mib["root"], 64, "not recorded: not done");
+    assert_eq!(w.hv.disk_size_mib(&first.id, "root"), Some(64));
+    let message = vm.status.message.clone().unwrap_or_default();
+    assert!(message.contains("block_resize: device busy"), "{vm:?}");
+    assert_eq!(vm.status.phase, Phase::Running, "the guest runs on");
+
+    w.hv.refuse_disk_growth(&first.id, None);
+    w.run_for(60_000).await;
+    let vm = w.get("db").await.unwrap();
+    assert!(
+        !vm.status
+            .message
+            .clone()
+            .unwrap_or_default()
+            .contains("busy"),
+        "the old reason is gone once done: {vm:?}"
+    );
+    assert_eq!(vm.status.instance.unwrap().disk_sizes_mib["root"], 128);
+    assert_eq!(w.hv.disk_size_mib(&first.id, "root"), Some(128));
+}
+
+#[tokio::test]
+async fn a_disk_added_to_a_running_vm_waits_for_the_next_instance() {
+    let mut w = World::new(9, sim()).await;
+    w.create("app", spec(RunPolicy::AlwaysOn, PowerState::Running, 10))
+        .await;
+    w.run_for(4_000).await;
+    let first = w.get("app").await.unwrap().status.instance.unwrap();
+    w.user_op("app", |v| {
+        v.add_disk(DiskSpec {
+            name: "extra".into(),
+            size_mib: 32,
+            image: None,
+        })
+        .map_err(|e| e.error().clone())?;
+        v.resize_disk("extra", 48).map_err(|e| e.error().clone())
+    })
+    .await
+    .unwrap();
+    w.run_for(2_000).await;
+    let vm = w.get("app").await.unwrap();
+    assert_eq!(vm.status.restart_required, ["disks"]);
+    assert!(!vm
+        .status
+        .instance
+        .unwrap()
+        .disk_sizes_mib
+        .contains_key("extra"));
+    assert_eq!(w.hv.disk_size_mib(&first.id, "extra"), None);
+
+    w.user_op("app", |v| v.request_restart()).await.unwrap();
+    w.run_for(30_000).await;
+    let vm = w.get("app").await.unwrap();
+    let inst = vm.status.instance.unwrap();
+    assert_ne!(inst.id, first.id);
+    assert_eq!(inst.disk_sizes_mib["extra"], 48);
+    assert_eq!(w.hv.disk_size_mib(&inst.id, "extra"), Some(48));
+    assert!(vm.status.restart_required.is_empty());
+}
