@@ -34,8 +34,9 @@ impl DiskChangeError {
 }
 
 impl VirtualMachine {
-    /// Adds a blank disk at the end of the spec. A stopped VM makes it at
-    /// its next start (per-disk records, `disk_record`).
+    /// Adds a blank disk at the end of the spec. A running VM has it
+    /// plugged in (`hotplug`), a stopped one makes it at its next start
+    /// (per-disk records, `disk_record`).
     pub fn add_disk(&mut self, disk: DiskSpec) -> Result<(), DiskChangeError> {
         self.refuse_if_busy().map_err(DiskChangeError::Refused)?;
         if self.spec.disks.iter().any(|d| d.name == disk.name) {

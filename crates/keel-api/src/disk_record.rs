@@ -86,14 +86,21 @@ pub fn record_start(
 ) {
     records.retain(|r| r.used || spec_disks.contains(&r.name.as_str()));
     for name in spec_disks {
-        if !records.iter().any(|r| r.name == *name) {
-            records.push(DiskRecord {
-                name: name.to_string(),
-                made_at: Some(now),
-                home: here.clone(),
-                used: false,
-            });
-        }
+        record_plug(records, name, here, now);
+    }
+}
+
+/// Records disk `name` about to be made (or found) here for a running
+/// instance (a plugged disk): a record of it, if it has none yet. The
+/// other records stay as they are.
+pub fn record_plug(records: &mut Vec<DiskRecord>, name: &str, here: &DiskHome, now: Millis) {
+    if !records.iter().any(|r| r.name == name) {
+        records.push(DiskRecord {
+            name: name.to_string(),
+            made_at: Some(now),
+            home: here.clone(),
+            used: false,
+        });
     }
 }
 

@@ -13,6 +13,7 @@ pub mod disk_change;
 pub mod disk_record;
 pub mod event;
 pub mod hardware;
+pub mod hotplug;
 pub mod image;
 pub mod migration;
 pub mod name;
@@ -36,6 +37,7 @@ pub use disk_change::DiskChangeError;
 pub use disk_record::{DiskHome, DiskRecord};
 pub use event::Event;
 pub use hardware::{HostHardware, VmHardware};
+pub use hotplug::{PluggedDisk, HOTPLUG_PORTS};
 pub use image::{Image, ImageFormat, ImageKind};
 pub use migration::{
     Migration, MigrationEndpoint, MigrationPhase, MigrationStatus, MigrationTransport,

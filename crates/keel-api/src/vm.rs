@@ -505,6 +505,14 @@ pub struct Instance {
     /// online).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub disk_sizes_mib: BTreeMap<String, u64>,
+    /// Spare PCIe root ports it is launched with, for disks plugged while
+    /// it runs ([`crate::hotplug`]); a migration target gets the same. 0 on
+    /// instances from before (nothing can be plugged into them).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hotplug_ports: u32,
+    /// Disks plugged into it since its start, each on its own port.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plugged: Vec<crate::PluggedDisk>,
 }
 
 fn fenced_before_ha() -> bool {
@@ -529,6 +537,8 @@ impl Instance {
             last_reset_at: None,
             reboot: None,
             disk_sizes_mib: BTreeMap::new(),
+            hotplug_ports: 0,
+            plugged: Vec::new(),
         }
     }
 }

@@ -178,8 +178,11 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         readiness,
         // The guest's hardware is the source's.
         started_with: source.and_then(|i| i.started_with.clone()),
-        // Its disks are the source's, at the sizes the source had them.
+        // Its disks are the source's, at the sizes the source had them,
+        // plugged ones on the same ports (the target was launched so).
         disk_sizes_mib: source.map(|i| i.disk_sizes_mib.clone()).unwrap_or_default(),
+        hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
+        plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
         resuming_after: Some(m.id.clone()),
         // As the target was launched (the migration controller's start).
         fenced: vm.instance_fenced(&m.source_instance),

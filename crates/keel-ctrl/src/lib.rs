@@ -16,6 +16,7 @@ mod events;
 pub mod evict_decide;
 pub mod fence;
 pub mod hardware;
+pub mod hotplug;
 pub mod images;
 pub mod keys;
 pub mod migration_controller;

@@ -139,12 +139,22 @@ impl MigrationController {
                     return Ok(Some(now + self.cfg.retry_ms));
                 }
                 let images = crate::images::records_for(&self.store, &vm.spec).await?;
+                // The guest's device state arrives from the source and fits
+                // only the source's hardware: its CPUs, memory and disks
+                // (a spec change that waits for a restart is not the
+                // target's), its spare ports and the disks plugged on them.
+                let source = vm
+                    .status
+                    .instance
+                    .as_ref()
+                    .filter(|i| i.id == m.source_instance);
+                let started = source.and_then(|i| i.started_with.as_ref());
                 let spec = DomainSpec {
                     vm: vm.name.clone(),
                     instance: m.target_instance.clone(),
-                    cpus: vm.spec.cpus,
-                    memory_mib: vm.spec.memory_mib,
-                    disks: vm.spec.disks.clone(),
+                    cpus: started.map_or(vm.spec.cpus, |s| s.cpus),
+                    memory_mib: started.map_or(vm.spec.memory_mib, |s| s.memory_mib),
+                    disks: crate::hotplug::instance_disks(&vm, source),
                     boot: vm.spec.boot.clone(),
                     // The source's disks, on storage both nodes share.
                     create_disks: keel_hv::DiskCreation::none(),
@@ -158,6 +168,8 @@ impl MigrationController {
                     // The machine the source runs as: the guest's device
                     // state fits no other.
                     hardware: vm.status.hardware.clone(),
+                    hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
+                    plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
                 };
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {

@@ -37,8 +37,15 @@ pub fn sizes_at_start(vm: &VirtualMachine) -> BTreeMap<String, u64> {
 /// than the instance has it: its name and the size asked.
 fn next_growth(vm: &VirtualMachine) -> Option<(String, u64)> {
     let inst = vm.status.instance.as_ref()?;
-    let attached = &inst.started_with.as_ref()?.disks;
-    attached.iter().find_map(|name| {
+    // Those it started with and those plugged in since (confirmed: one
+    // being plugged is made at its size).
+    let attached = inst.started_with.as_ref()?.disks.iter().chain(
+        inst.plugged
+            .iter()
+            .filter(|p| p.attached_at.is_some())
+            .map(|p| &p.disk),
+    );
+    attached.into_iter().find_map(|name| {
         let has = *inst.disk_sizes_mib.get(name)?;
         let asked = vm.spec.disks.iter().find(|d| &d.name == name)?.size_mib;
         (asked > has).then(|| (name.clone(), asked))
@@ -185,6 +192,36 @@ mod tests {
         );
         // Once recorded, nothing more to do.
         assert_eq!(grow_step(&next, &up(), wait(), NOW), wait());
+    }
+
+    #[test]
+    fn a_plugged_disk_grows_once_its_plug_is_confirmed() {
+        let mut vm = running();
+        vm.spec.disks.push(DiskSpec {
+            name: "logs".into(),
+            size_mib: 40,
+            image: None,
+        });
+        let inst = vm.status.instance.as_mut().unwrap();
+        inst.disk_sizes_mib.insert("logs".into(), 32);
+        inst.plugged.push(keel_api::PluggedDisk {
+            disk: "logs".into(),
+            port: 0,
+            attached_at: None,
+        });
+        assert_eq!(grow_step(&vm, &up(), wait(), NOW), wait(), "plug under way");
+        vm.status.instance.as_mut().unwrap().plugged[0].attached_at = Some(NOW - 1);
+        let Step::ActThenPersist { action, .. } = grow_step(&vm, &up(), wait(), NOW) else {
+            panic!("not grown")
+        };
+        assert_eq!(
+            action,
+            HvAction::GrowDisk {
+                instance: "web-1".into(),
+                disk: "logs".into(),
+                size_mib: 40
+            }
+        );
     }
 
     #[test]

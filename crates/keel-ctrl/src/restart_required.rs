@@ -36,10 +36,17 @@ pub fn fields(vm: &VirtualMachine) -> Vec<String> {
         return Vec::new();
     };
     let now = started_with(vm);
+    // The instance's disks: those it started with and those plugged since.
+    let has = vm
+        .status
+        .instance
+        .as_ref()
+        .and_then(|i| i.disk_names())
+        .unwrap_or_else(|| was.disks.clone());
     [
         ("cpus", was.cpus != now.cpus),
         ("memory", was.memory_mib != now.memory_mib),
-        ("disks", was.disks != now.disks),
+        ("disks", has != now.disks),
         ("boot", was.boot != now.boot),
         ("network", was.network != now.network),
         ("cloud_init", was.cloud_init != now.cloud_init),

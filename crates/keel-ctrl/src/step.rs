@@ -15,6 +15,16 @@ pub enum HvAction {
     GuestReboot(String),
     /// Reset the guest through the hypervisor (`system_reset`).
     Reset(String),
+    /// Plug a disk of the spec into the running instance, on a root port
+    /// (made first if it is missing and its record allows it).
+    AttachDisk {
+        instance: String,
+        disk: String,
+        port: u32,
+        /// Whether the disk may be made if missing: its record, as read
+        /// before this step, allows it (`disk_record::makeable`).
+        create: bool,
+    },
     /// Grow a disk under the running instance (online resize).
     GrowDisk {
         instance: String,

@@ -524,6 +524,7 @@ impl VmController {
         let step = self.with_readiness(&vm, &observed, step, now).await;
         let step = crate::reboot::reboot_step(&vm, &observed, step, now);
         let step = crate::online_resize::grow_step(&vm, &observed, step, now);
+        let step = crate::hotplug::plug_step(&vm, &observed, step, now);
         if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
             // Before anything is done for it: an action must not run for
             // a record that will be refused.
@@ -1034,6 +1035,10 @@ impl VmController {
             tracing::info!(vm = %new.name, reason = %event.reason, "guest reset");
             self.put_event(&event, revision).await;
         }
+        if let Some(event) = crate::hotplug::plugged_event(old, new, now) {
+            tracing::info!(vm = %new.name, reason = %event.reason, "disk plugged in");
+            self.put_event(&event, revision).await;
+        }
         if let Some(event) = crate::online_resize::grown_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk grown online");
             self.put_event(&event, revision).await;
@@ -1167,6 +1172,9 @@ impl VmController {
                         images,
                         fenced: inst.fenced,
                         hardware: vm.status.hardware.clone(),
+                        hotplug_ports: inst.hotplug_ports,
+                        // A new instance: every disk on the root complex.
+                        plugged: Vec::new(),
                     })
                     .await?)
             }
@@ -1181,6 +1189,15 @@ impl VmController {
                 other => Ok(absent_is_ok(other)?),
             },
             HvAction::Reset(id) => Ok(absent_is_ok(self.hv.reset(id).await)?),
+            HvAction::AttachDisk {
+                instance,
+                disk,
+                port,
+                create,
+            } => {
+                let plug = crate::hotplug::disk_plug(vm, instance, disk, *port, *create);
+                Ok(self.hv.attach_disk(&plug).await?)
+            }
             HvAction::GrowDisk {
                 instance,
                 disk,

@@ -362,10 +362,23 @@ fn keep_running(
             .disk_home
             .get_or_insert_with(|| cfg.disk_home())
             .clone();
-        let started = inst.started_with.as_ref().map_or_else(
-            || vm.spec.disks.iter().map(|d| d.name.clone()).collect(),
-            |s| s.disks.clone(),
-        );
+        // With the disks plugged in since (confirmed ones: a plug under
+        // way is marked by its confirmation, `hotplug`).
+        let started: Vec<String> = inst
+            .started_with
+            .as_ref()
+            .map_or_else(
+                || vm.spec.disks.iter().map(|d| d.name.clone()).collect(),
+                |s| s.disks.clone(),
+            )
+            .into_iter()
+            .chain(
+                inst.plugged
+                    .iter()
+                    .filter(|p| p.attached_at.is_some())
+                    .map(|p| p.disk.clone()),
+            )
+            .collect();
         let mut records = vm.status.disk_records(&vm.spec, &home);
         disk_record::mark_used(&mut records, &started, &home);
         status.disks = Some(records);
@@ -735,6 +748,7 @@ fn no_instance(
     next.status.instance = Some(Instance {
         started_with: Some(restart_required::started_with(vm)),
         disk_sizes_mib: crate::online_resize::sizes_at_start(vm),
+        hotplug_ports: keel_api::HOTPLUG_PORTS,
         fenced,
         ..Instance::new(id, &cfg.node, now)
     });

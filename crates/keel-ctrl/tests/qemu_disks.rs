@@ -139,3 +139,84 @@ async fn a_running_vms_disk_grows_under_its_guest_without_a_restart() {
     assert_eq!(vm_now.status.phase, Phase::Running);
     assert!(vm_now.status.restart_required.is_empty(), "{vm_now:?}");
 }
+
+/// Polls the guest until it sees `dev` at `bytes`.
+async fn guest_sees(guest: &mut keel_hv::guest::GuestChannel, dev: &str, bytes: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = guest.disk_bytes(dev).await.ok();
+        if seen == Some(bytes) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the guest sees {dev} at {seen:?}, not {bytes} bytes"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disk_added_to_a_running_vm_is_plugged_in_and_kept_by_the_next_start() {
+    let Some(env) = Env::new().await else { return };
+    let vm = "h5plug";
+    env.create(vm, Env::spec(RunPolicy::Manual, 30)).await;
+    let (first, mut guest) = env.ready(vm, BOOT).await;
+    assert!(guest.disk_bytes("vdb").await.is_err(), "no second disk yet");
+
+    // `keel vm disk add` of the running VM.
+    env.user(vm, |v| {
+        v.add_disk(DiskSpec {
+            name: "extra".into(),
+            size_mib: 48,
+            image: None,
+        })
+        .map_err(|e| e.error().clone())
+    })
+    .await;
+    let plugged = env
+        .wait_for(vm, Duration::from_secs(30), "plugged in", |v| {
+            v.status.instance.as_ref().is_some_and(|i| {
+                i.plugged
+                    .iter()
+                    .any(|p| p.disk == "extra" && p.attached_at.is_some())
+            })
+        })
+        .await;
+    assert_eq!(
+        plugged.status.instance.as_ref().unwrap().id,
+        first,
+        "no new instance"
+    );
+    assert_eq!(env.qemu_pids(&format!("guest={first}")).len(), 1);
+    assert!(plugged.status.restart_required.is_empty(), "{plugged:?}");
+    let extra = env.driver.disk_path(vm, "extra");
+    assert!(extra.is_file(), "{} not made", extra.display());
+    let record = plugged.status.disks.unwrap();
+    assert!(
+        record.iter().any(|d| d.name == "extra" && d.used),
+        "{record:?}"
+    );
+    guest_sees(&mut guest, "vdb", 48 << 20).await;
+
+    // A plugged disk grows online too (its backend has no name: its node).
+    env.user(vm, |v| {
+        v.resize_disk("extra", 80).map_err(|e| e.error().clone())
+    })
+    .await;
+    guest_sees(&mut guest, "vdb", 80 << 20).await;
+    drop(guest);
+
+    // The next instance has it from its start, on its command line.
+    env.user(vm, VirtualMachine::request_stop).await;
+    env.wait_for(vm, BOOT, "stopped", |v| {
+        v.status.phase == Phase::Stopped && v.status.instance.is_none()
+    })
+    .await;
+    env.user(vm, VirtualMachine::request_start).await;
+    let (second, mut guest) = env.ready(vm, BOOT).await;
+    assert_ne!(first, second);
+    guest_sees(&mut guest, "vdb", 80 << 20).await;
+    let pids = env.qemu_pids(&format!("guest={second}"));
+    assert!(cmdline(pids[0]).contains(&*extra.to_string_lossy()));
+}

@@ -65,6 +65,8 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             fenced: true,
             images: vec![],
             hardware: None,
+            hotplug_ports: 0,
+            plugged: Vec::new(),
         })
         .await
         .unwrap();

@@ -74,6 +74,31 @@ pub struct DomainSpec {
     /// accelerator's CPU, as before hardware was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<keel_api::VmHardware>,
+    /// Spare PCIe root ports to launch with, for disks plugged later
+    /// (`Instance::hotplug_ports`). 0 on launch records from before.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hotplug_ports: u32,
+    /// Disks of `disks` that sit on a root port rather than on the root
+    /// complex: a migration target's, whose source had them plugged.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plugged: Vec<keel_api::PluggedDisk>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+/// A disk to plug into a running instance (`Hypervisor::attach_disk`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DiskPlug {
+    pub vm: String,
+    pub instance: String,
+    pub disk: keel_api::DiskSpec,
+    /// The root port it goes on.
+    pub port: u32,
+    /// Whether the disk may be made if it is missing (never made, or made
+    /// on this home and never used); otherwise a missing one fails.
+    pub create: bool,
 }
 
 /// Launch records written before `fenced` existed: every guest of a
@@ -99,6 +124,8 @@ impl DomainSpec {
             fenced: true,
             images: vec![],
             hardware: None,
+            hotplug_ports: 0,
+            plugged: Vec::new(),
         }
     }
 }
@@ -570,6 +597,14 @@ pub trait Hypervisor: Send + Sync + 'static {
     /// inside the same domain. Counted in [`DomainInfo::resets`].
     async fn reset(&self, instance: &str) -> Result<(), HvError> {
         Err(unsupported_guest(instance, "reset"))
+    }
+
+    /// Plugs a disk into a running instance: makes it if it is missing and
+    /// allowed, then attaches it on its root port. Attaching one already
+    /// attached (by its file) does nothing, so a repeat after a lost
+    /// answer is safe.
+    async fn attach_disk(&self, plug: &DiskPlug) -> Result<(), HvError> {
+        Err(unsupported_guest(&plug.instance, "plug a disk in"))
     }
 
     /// Grows disk `disk` of `vm` to `size_mib` under its running instance

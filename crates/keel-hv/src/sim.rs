@@ -15,6 +15,7 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod hotplug;
 mod online_resize;
 mod reset;
 mod table;
@@ -1530,6 +1531,10 @@ impl Hypervisor for SimHypervisor {
 
     async fn reset(&self, instance: &str) -> Result<(), HvError> {
         self.reset_by_hypervisor(instance).await
+    }
+
+    async fn attach_disk(&self, plug: &crate::DiskPlug) -> Result<(), HvError> {
+        self.attach_now(plug)
     }
 
     async fn grow_disk(

@@ -101,6 +101,8 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         cloud_init: None,
         fenced: true,
         hardware: None,
+        hotplug_ports: 0,
+        plugged: Vec::new(),
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

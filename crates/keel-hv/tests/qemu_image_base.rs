@@ -43,6 +43,8 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         fenced: true,
         images: vec![image.clone()],
         hardware: None,
+        hotplug_ports: 0,
+        plugged: Vec::new(),
     }
 }
 

@@ -5,7 +5,8 @@
 //! What is proven: the guest keeps running across the move (its tick
 //! counter goes on, its boot id stays), its disk writes are there on the
 //! target, the target has its own command channel, the source ends paused,
-//! and a cancelled migration leaves the source running.
+//! a disk plugged into the source is on the target (same port), and a
+//! cancelled migration leaves the source running.
 //!
 //! Same conventions as `qemu_e2e.rs`: TCG, a guard that kills whatever a
 //! test started; helpers in `common/mod.rs`.
@@ -226,6 +227,58 @@ async fn a_running_guest_moves_to_another_node_and_back() {
     assert_eq!(ch.get(5).await.unwrap(), "moved");
     a.kill("web-3").await.unwrap();
     a.cleanup("web-3").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_disk_plugged_on_the_source_is_on_the_target_after_the_move() {
+    let Some(cluster) = Cluster::new() else {
+        return;
+    };
+    let a = cluster.node("a").await;
+    let b = cluster.node("b").await;
+    let db1 = DomainSpec {
+        hotplug_ports: 2,
+        ..spec("db", "db-1")
+    };
+    let mut ch = boot(&a, &db1).await;
+    let extra = keel_api::DiskSpec {
+        name: "extra".into(),
+        size_mib: 24,
+        image: None,
+    };
+    let plug = keel_hv::DiskPlug {
+        vm: "db".into(),
+        instance: "db-1".into(),
+        disk: extra.clone(),
+        port: 1,
+        create: true,
+    };
+    a.attach_disk(&plug).await.unwrap();
+    // Asked again (an answer lost): the disk it has, nothing added.
+    a.attach_disk(&plug).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while ch.disk_bytes("vdb").await.ok() != Some(24 << 20) {
+        assert!(Instant::now() < deadline, "the guest never saw vdb");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(ch.disk_bytes("vdc").await.is_err(), "plugged once");
+    let before = ch.ticks().await.unwrap();
+
+    // The source as the controller describes it to a target: the plugged
+    // disk after the others, on its port.
+    let source = DomainSpec {
+        disks: [db1.disks.clone(), vec![extra]].concat(),
+        plugged: vec![keel_api::PluggedDisk {
+            disk: "extra".into(),
+            port: 1,
+            attached_at: Some(1),
+        }],
+        ..db1.clone()
+    };
+    let mut ch = migrate_and_check(&a, &source, &b, "db-2", &before).await;
+    assert_eq!(ch.disk_bytes("vdb").await.unwrap(), 24 << 20);
+    b.kill("db-2").await.unwrap();
+    b.cleanup("db-2").await.unwrap();
 }
 
 #[tokio::test]

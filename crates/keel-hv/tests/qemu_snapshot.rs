@@ -43,6 +43,8 @@ fn db_spec(instance: &str) -> DomainSpec {
         fenced: true,
         images: vec![],
         hardware: None,
+        hotplug_ports: 0,
+        plugged: Vec::new(),
     }
 }
 

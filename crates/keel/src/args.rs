@@ -724,8 +724,8 @@ pub enum VmVerb {
 
 #[derive(Debug, Subcommand)]
 pub enum DiskVerb {
-    /// Add a blank disk, made at the VM's next start (a running VM's waits
-    /// for `keel vm restart`).
+    /// Add a blank disk: plugged into a running VM (up to four per
+    /// instance), made at a stopped VM's next start.
     Add(DiskAddArgs),
     /// Remove a disk from the spec. Its file stays in the VM's disk dir
     /// (removed with the VM); added back under its name, it is that disk.

@@ -223,6 +223,8 @@ pub async fn probe_kvm(
         nic: None,
         seed: None,
         direct_io: false,
+        hotplug_ports: 0,
+        plugged: vec![],
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

@@ -266,6 +266,8 @@ mod tests {
             create_disks: crate::DiskCreation::Legacy(true),
             images: vec![],
             hardware: None,
+            hotplug_ports: 0,
+            plugged: Vec::new(),
         }
     }
 

@@ -154,6 +154,10 @@ impl Hypervisor for QemuDriver {
         self.system_reset(instance).await
     }
 
+    async fn attach_disk(&self, plug: &crate::DiskPlug) -> Result<(), HvError> {
+        self.attach_disk_online(plug).await
+    }
+
     async fn grow_disk(
         &self,
         vm: &str,

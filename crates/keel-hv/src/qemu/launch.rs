@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use keel_api::{validate_name, Accelerator, Clock, SystemClock};
 
-use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRecord};
+use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRecord, PluggedPath};
 use super::monitor::{Domain, Phase, ProcessWatch};
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
@@ -59,14 +59,42 @@ impl QemuDriver {
                 )));
             }
         }
+        let machine = spec
+            .hardware
+            .as_ref()
+            .map_or_else(|| config.machine.clone(), |hw| hw.machine.clone());
+        // A plugged disk (a migration target's) sits on its root port; the
+        // others are on the root complex, in the spec's order.
+        let (plugged, disks): (Vec<_>, Vec<_>) = spec
+            .disks
+            .iter()
+            .zip(disks)
+            .partition(|(d, _)| spec.plugged.iter().any(|p| p.disk == d.name));
+        let plugged = plugged
+            .into_iter()
+            .map(|(d, path)| PluggedPath {
+                disk: d.name.clone(),
+                port: spec
+                    .plugged
+                    .iter()
+                    .find(|p| p.disk == d.name)
+                    .expect("partitioned by it")
+                    .port,
+                path,
+            })
+            .collect();
+        let disks = disks.into_iter().map(|(_, path)| path).collect();
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
             paths: self.inner.layout.new_instance(&spec.instance),
             accelerator,
-            machine: spec
-                .hardware
-                .as_ref()
-                .map_or_else(|| config.machine.clone(), |hw| hw.machine.clone()),
+            hotplug_ports: if super::hotplug::is_q35(&machine) {
+                spec.hotplug_ports
+            } else {
+                0
+            },
+            plugged,
+            machine,
             cpu_model: spec.hardware.as_ref().map(|hw| hw.cpu_model.clone()),
             cpus: spec.cpus,
             memory_mib: spec.memory_mib,

@@ -397,6 +397,19 @@ pub struct LaunchPlan {
     /// page cache) rather than `cache=writeback`: shared storage, where
     /// another host's QEMU takes over the images (see `disks`).
     pub direct_io: bool,
+    /// Spare PCIe root ports for disks plugged later (q35 only).
+    pub hotplug_ports: u32,
+    /// Disks on a root port (a migration target's, plugged on its source):
+    /// each after the ports, on its own.
+    pub plugged: Vec<PluggedPath>,
+}
+
+/// A disk of a launch that sits on a root port.
+#[derive(Debug, Clone)]
+pub struct PluggedPath {
+    pub disk: String,
+    pub port: u32,
+    pub path: PathBuf,
 }
 
 impl LaunchPlan {
@@ -522,6 +535,24 @@ impl LaunchPlan {
         if let Some(nic) = &self.nic {
             a.extend(nic.args());
         }
+        // Last: every device before keeps the address it has without them.
+        a.extend(super::hotplug::port_args(self.hotplug_ports));
+        for p in &self.plugged {
+            let cache = if self.direct_io { "none" } else { "writeback" };
+            let id = super::hotplug::plugged_id(&p.disk);
+            a.extend([
+                "-drive".to_string(),
+                format!(
+                    "file={},format=qcow2,cache={cache},id={id},if=none",
+                    opt_escape(&p.path)
+                ),
+                "-device".to_string(),
+                format!(
+                    "virtio-blk-pci,drive={id},bus={},id={id}",
+                    super::hotplug::port_id(p.port)
+                ),
+            ]);
+        }
         a
     }
 }
@@ -589,6 +620,8 @@ mod tests {
             ),
             seed: Some("/data,x/instances/web-1/cidata.img".into()),
             direct_io: false,
+            hotplug_ports: 0,
+            plugged: vec![],
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -660,6 +693,33 @@ mod tests {
         let joined = incoming.args().join(" ");
         assert!(joined.contains("-incoming defer"), "{joined}");
         assert!(incoming.args().iter().any(|a| a == "-S"), "{joined}");
+
+        // Spare root ports and a disk plugged on the source: last, after
+        // the NIC, so every other device keeps its address.
+        let target = LaunchPlan {
+            hotplug_ports: 2,
+            plugged: vec![PluggedPath {
+                disk: "logs".into(),
+                port: 1,
+                path: "/d/logs.qcow2".into(),
+            }],
+            ..incoming.clone()
+        };
+        let joined = target.args().join(" ");
+        let tail = joined.split_once("virtio-net-pci").unwrap().1;
+        assert!(
+            tail.contains(
+                &[
+                    "-device pcie-root-port,id=keel-hp0,bus=pcie.0,chassis=1,slot=0",
+                    "-device pcie-root-port,id=keel-hp1,bus=pcie.0,chassis=2,slot=0",
+                    "-drive file=/d/logs.qcow2,format=qcow2,cache=writeback,id=plugged-logs,if=none",
+                    "-device virtio-blk-pci,drive=plugged-logs,bus=keel-hp1,id=plugged-logs",
+                ]
+                .join(" ")
+            ),
+            "{joined}"
+        );
+        assert!(!incoming.args().join(" ").contains("pcie-root-port"));
 
         // Firmware boot: the first disk carries the bootindex, the others
         // stay as they were; no kernel is handed to QEMU.

@@ -21,31 +21,42 @@ use crate::HvError;
 const OP: &str = "grow a disk online";
 
 /// One entry of `query-block`, of the fields needed here.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct BlockInfo {
     device: String,
     #[serde(default)]
     inserted: Option<Inserted>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct Inserted {
     file: String,
     image: ImageSize,
+    #[serde(default, rename = "node-name")]
+    node_name: String,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 struct ImageSize {
     #[serde(rename = "virtual-size")]
     virtual_size: u64,
 }
 
-/// The block backend open on `file` and its guest-visible size in bytes.
-fn open_on(blocks: Vec<BlockInfo>, file: &std::path::Path) -> Option<(String, u64)> {
+/// How `block_resize` names the disk open on `file` (its backend, or for
+/// a plugged disk, whose backend has no name, its node), and the disk's
+/// guest-visible size in bytes.
+fn open_on(blocks: Vec<BlockInfo>, file: &std::path::Path) -> Option<(serde_json::Value, u64)> {
     blocks.into_iter().find_map(|b| {
         let inserted = b.inserted?;
-        (std::path::Path::new(&inserted.file) == file)
-            .then_some((b.device, inserted.image.virtual_size))
+        if std::path::Path::new(&inserted.file) != file {
+            return None;
+        }
+        let name = if b.device.is_empty() {
+            json!({"node-name": inserted.node_name})
+        } else {
+            json!({"device": b.device})
+        };
+        Some((name, inserted.image.virtual_size))
     })
 }
 
@@ -82,7 +93,7 @@ impl QemuDriver {
             serde_json::from_value(client.execute("query-block", None).await.map_err(qmp)?)
                 .map_err(|e| failed(format!("query-block result: {e}")))?;
         let file = self.disk_path(vm, disk);
-        let Some((device, size)) = open_on(blocks, &file) else {
+        let Some((mut args, size)) = open_on(blocks, &file) else {
             return Err(failed(format!(
                 "disk {disk} ({}) is not open in this instance; it takes the new size at its \
                  next start",
@@ -94,11 +105,9 @@ impl QemuDriver {
             return Ok(());
         }
         tracing::info!(%vm, %instance, %disk, size_mib, "growing a disk under its running guest");
+        args["size"] = json!(wanted);
         client
-            .execute(
-                "block_resize",
-                Some(json!({"device": device, "size": wanted})),
-            )
+            .execute("block_resize", Some(args))
             .await
             .map_err(qmp)?;
         Ok(())
@@ -116,12 +125,21 @@ mod tests {
             {"device": "disk0", "inserted": {"file": "/d/web/root.qcow2",
                 "image": {"virtual-size": 1048576, "filename": "/d/web/root.qcow2"}}},
             {"device": "disk1", "inserted": {"file": "/d/web/data.qcow2",
-                "image": {"virtual-size": 2097152}}},
+                "image": {"virtual-size": 2097152}, "node-name": "#block123"}},
+            {"device": "", "qdev": "plugged-logs", "inserted": {"file": "/d/web/logs.qcow2",
+                "image": {"virtual-size": 4194304}, "node-name": "plugged-logs"}},
         ]))
         .unwrap();
+        let find = |file: &str| open_on(blocks.clone(), std::path::Path::new(file));
         assert_eq!(
-            open_on(blocks, std::path::Path::new("/d/web/data.qcow2")),
-            Some(("disk1".into(), 2 << 20))
+            find("/d/web/data.qcow2"),
+            Some((json!({"device": "disk1"}), 2 << 20))
         );
+        // A plugged disk's backend has no name: its node stands for it.
+        assert_eq!(
+            find("/d/web/logs.qcow2"),
+            Some((json!({"node-name": "plugged-logs"}), 4 << 20))
+        );
+        assert_eq!(find("/d/web/other.qcow2"), None);
     }
 }

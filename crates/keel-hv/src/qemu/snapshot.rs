@@ -80,6 +80,10 @@ struct Inserted {
     file: String,
     #[serde(default)]
     image: ImageInfo,
+    /// A plugged disk's backend has no name (`device` is empty): its
+    /// node's name stands for it in the snapshot commands.
+    #[serde(default, rename = "node-name")]
+    node_name: String,
 }
 
 /// A disk as a live QEMU has it: its block backend name and snapshots.
@@ -97,7 +101,11 @@ fn attached(blocks: Vec<BlockInfo>) -> BTreeMap<PathBuf, Attached> {
             Some((
                 PathBuf::from(inserted.file),
                 Attached {
-                    device: b.device,
+                    device: if b.device.is_empty() {
+                        inserted.node_name
+                    } else {
+                        b.device
+                    },
                     image: inserted.image,
                 },
             ))

@@ -7,9 +7,9 @@ use crate::HvError;
 const OP: &str = "grow a disk online";
 
 impl SimHypervisor {
-    /// From now on, growing a disk of `instance` fails with `why`
-    /// (`None`: it works again).
-    pub fn refuse_disk_growth(&self, instance: &str, why: Option<&str>) {
+    /// From now on, growing or plugging a disk of `instance` fails with
+    /// `why` (`None`: it works again).
+    pub fn refuse_disk_changes(&self, instance: &str, why: Option<&str>) {
         let mut s = self.lock();
         match why {
             Some(why) => s

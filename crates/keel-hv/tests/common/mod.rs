@@ -208,6 +208,8 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         fenced: true,
         images: vec![],
         hardware: None,
+        hotplug_ports: 0,
+        plugged: Vec::new(),
     }
 }
 

@@ -1,10 +1,11 @@
 //! `/api/v1/vms/{name}/disks…`: one disk of a VM's spec added, removed or
 //! grown (`keel vm disk add|remove|resize`), each a compare-and-swap of the
 //! VM record; the rules are `keel_api::disk_change`'s. The controller
-//! carries the change out: a running VM's resized disk is grown under its
-//! guest (`keel_ctrl::online_resize`); otherwise the VM's next start makes
-//! an added disk and grows a resized one (an added or removed disk of a
-//! running VM waits for it: no hot-plug yet).
+//! carries the change out: a running VM's added disk is plugged in
+//! (`keel_ctrl::hotplug`) and its resized one grown under the guest
+//! (`keel_ctrl::online_resize`); otherwise the VM's next start makes an
+//! added disk and grows a resized one (a removed disk of a running VM, or
+//! one beyond its spare ports, waits for it).
 
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::request::Parts;
@@ -164,7 +165,7 @@ pub fn describe(doc: &mut serde_json::Value) {
     };
     let paths = json!({
         "/api/v1/vms/{name}/disks": {"post": {
-            "summary": "Add a blank disk to the VM's spec (admin): made at the VM's next start (a running VM's waits for a restart)",
+            "summary": "Add a blank disk to the VM's spec (admin): plugged into a running VM on a spare root port, made at a stopped VM's next start",
             "operationId": "addDisk",
             "parameters": [name, revision, if_match],
             "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/AddDiskRequest"}}}},

@@ -353,7 +353,12 @@ fn schemas() -> Value {
                 "created_at": millis, "running_since": millis,
                 "resets": {"type": "integer", "description": "Resets of the guest inside this instance (its reboots, reboot requests)"},
                 "last_reset_at": millis,
-                "reboot": {"type": "object", "description": "A reboot request under way: asked at requested_at, reset by the hypervisor at fallback_at"}
+                "reboot": {"type": "object", "description": "A reboot request under way: asked at requested_at, reset by the hypervisor at fallback_at"},
+                "disk_sizes_mib": {"type": "object", "additionalProperties": {"type": "integer"}, "description": "The size each disk of this instance has as its guest sees it: the spec's at the start, grown online since"},
+                "hotplug_ports": {"type": "integer", "description": "Spare PCIe root ports the instance was launched with, for disks plugged while it runs"},
+                "plugged": {"type": "array", "description": "Disks plugged in since the start; attached_at absent while the plug is under way", "items": {"type": "object", "properties": {
+                    "disk": {"type": "string"}, "port": {"type": "integer"}, "attached_at": millis
+                }}}
             }},
             "stop": {"type": "object"},
             "observed_restart_generation": {"type": "integer"},
