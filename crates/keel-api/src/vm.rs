@@ -543,6 +543,33 @@ impl Instance {
     }
 }
 
+/// What [`crate::hotplug`] asks of an instance.
+impl Instance {
+    /// The disks this instance has, by name, in the guest's order: those it
+    /// was started with, then those plugged since (also one still being
+    /// plugged). `None` for an instance from before `started_with`.
+    pub fn disk_names(&self) -> Option<Vec<String>> {
+        let started = &self.started_with.as_ref()?.disks;
+        Some(
+            started
+                .iter()
+                .cloned()
+                .chain(self.plugged.iter().map(|p| p.disk.clone()))
+                .collect(),
+        )
+    }
+
+    /// A root port no plugged disk holds, if any is left.
+    pub fn free_port(&self) -> Option<u32> {
+        (0..self.hotplug_ports).find(|port| self.plugged.iter().all(|p| p.port != *port))
+    }
+
+    /// The plug under way (recorded, not yet confirmed), if any.
+    pub fn plug_under_way(&self) -> Option<&crate::PluggedDisk> {
+        self.plugged.iter().find(|p| p.attached_at.is_none())
+    }
+}
+
 impl DiskHome {
     /// Whether another node could open these disks (and so run the VM).
     pub fn is_shared(&self) -> bool {
@@ -1557,5 +1584,40 @@ pub(crate) mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn plugged_disks_follow_the_started_ones_and_take_free_ports() {
+        let mut inst = Instance::new("web-1", "a", 0);
+        assert_eq!(inst.disk_names(), None);
+        inst.started_with = Some(crate::StartedWith {
+            generation: 1,
+            cpus: 1,
+            memory_mib: 64,
+            disks: vec!["root".into()],
+            boot: String::new(),
+            network: String::new(),
+            cloud_init: String::new(),
+            cpu_model: None,
+        });
+        assert_eq!(inst.free_port(), None, "no ports: nothing to plug into");
+        inst.hotplug_ports = 2;
+        assert_eq!(inst.free_port(), Some(0));
+        inst.plugged.push(crate::PluggedDisk {
+            disk: "data".into(),
+            port: 0,
+            attached_at: None,
+        });
+        assert_eq!(inst.plug_under_way().map(|p| p.disk.as_str()), Some("data"));
+        assert_eq!(inst.free_port(), Some(1));
+        inst.plugged[0].attached_at = Some(5);
+        inst.plugged.push(crate::PluggedDisk {
+            disk: "logs".into(),
+            port: 1,
+            attached_at: Some(6),
+        });
+        assert_eq!(inst.free_port(), None);
+        assert_eq!(inst.plug_under_way(), None);
+        assert_eq!(inst.disk_names().unwrap(), ["root", "data", "logs"]);
     }
 }

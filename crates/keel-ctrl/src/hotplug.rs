@@ -20,9 +20,9 @@
 //! with all of them taken), waits for the next start: `restart required:
 //! disks` says so.
 
-use keel_api::{disk_record, DiskSpec, Event, Millis, Phase, PluggedDisk, VirtualMachine};
+use keel_api::{disk_record, DiskSpec, Event, Millis, PluggedDisk, VirtualMachine};
 
-use crate::reboot::{alive, writable};
+use crate::joined_step::{disks_may_change, instance_event, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -44,16 +44,10 @@ pub fn plug_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
     if under_way.is_none() && (wanted.is_none() || inst.free_port().is_none()) {
         return step;
     }
-    let busy = vm.status.phase != Phase::Running
-        || !alive(observed)
-        || vm.status.stop.is_some()
-        || !vm.wants_running()
-        || vm.status.eviction.is_some()
-        || vm.restore.is_some();
     let Some(home) = vm.status.disk_home.clone() else {
         return step;
     };
-    if busy {
+    if !disks_may_change(vm, observed) {
         return step;
     }
     let Some((mut next, requeue_at)) = writable(vm, &step) else {
@@ -211,43 +205,30 @@ pub fn plugged_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) ->
     if confirmed.is_empty() {
         return None;
     }
-    Some(Event {
-        at: now,
-        vm: new.name.clone(),
-        from: old.status.phase,
-        to: new.status.phase,
-        reason: format!(
+    Some(instance_event(
+        old,
+        new,
+        now,
+        format!(
             "plugged into the running guest (instance {}): {}",
             after.id,
             confirmed.join(", ")
         ),
-        key: None,
-    })
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{DiskHome, Instance, VmSpec, HOTPLUG_PORTS};
-    use keel_hv::DomainState;
+    use crate::joined_step::fixtures::{migrating, up, wait_until};
+    use keel_api::{DiskHome, HOTPLUG_PORTS};
 
     const NOW: Millis = 80_000;
 
     fn running(ports: u32) -> VirtualMachine {
-        let spec: VmSpec = serde_json::from_str(
-            r#"{"cpus":1,"memory_mib":128,"disks":[{"name":"root","size_mib":64}]}"#,
-        )
-        .unwrap();
-        let mut vm = VirtualMachine::new("web", spec);
-        vm.status.phase = Phase::Running;
+        let mut vm = crate::joined_step::fixtures::running(r#"[{"name":"root","size_mib":64}]"#);
         vm.status.disk_home = Some(DiskHome::Node("a".into()));
-        vm.status.instance = Some(Instance {
-            started_with: Some(crate::restart_required::started_with(&vm)),
-            disk_sizes_mib: crate::online_resize::sizes_at_start(&vm),
-            running_since: Some(1_000),
-            hotplug_ports: ports,
-            ..Instance::new("web-1", "a", 0)
-        });
+        vm.status.instance.as_mut().unwrap().hotplug_ports = ports;
         vm
     }
 
@@ -260,14 +241,8 @@ mod tests {
         vm
     }
 
-    fn up() -> Observed {
-        Observed::Instance(DomainState::Running)
-    }
-
     fn wait() -> Step {
-        Step::Wait {
-            requeue_at: NOW + 30_000,
-        }
+        wait_until(NOW + 30_000)
     }
 
     #[test]
@@ -376,12 +351,9 @@ mod tests {
         let mut stopping = vm.clone();
         stopping.spec.power = keel_api::PowerState::Stopped;
         assert_eq!(plug_step(&stopping, &up(), wait(), NOW), wait());
-        let mut migrating = vm.clone();
-        migrating.status.eviction = Some(
-            serde_json::from_str(r#"{"drain_requested_at":1,"phase":"Migrating","started_at":1}"#)
-                .unwrap(),
-        );
-        assert_eq!(plug_step(&migrating, &up(), wait(), NOW), wait());
+        let mut moving = vm.clone();
+        migrating(&mut moving);
+        assert_eq!(plug_step(&moving, &up(), wait(), NOW), wait());
         let shutdown = Step::Persist {
             vm: Box::new(vm.clone()),
             then: Some(HvAction::Shutdown("web-1".into())),

@@ -18,6 +18,7 @@ pub mod fence;
 pub mod hardware;
 pub mod hotplug;
 pub mod images;
+mod joined_step;
 pub mod keys;
 pub mod migration_controller;
 pub mod node_lease;

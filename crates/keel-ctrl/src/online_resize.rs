@@ -18,9 +18,9 @@
 
 use std::collections::BTreeMap;
 
-use keel_api::{Event, Millis, Phase, VirtualMachine};
+use keel_api::{Event, Millis, VirtualMachine};
 
-use crate::reboot::{alive, writable};
+use crate::joined_step::{disks_may_change, instance_event, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -58,14 +58,7 @@ pub fn grow_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
     let Some((disk, size_mib)) = next_growth(vm) else {
         return step;
     };
-    let busy = vm.status.phase != Phase::Running
-        || !alive(observed)
-        || vm.status.stop.is_some()
-        || !vm.wants_running()
-        // The migration's target opens the same files: not while they move.
-        || vm.status.eviction.is_some()
-        || vm.restore.is_some();
-    if busy {
+    if !disks_may_change(vm, observed) {
         return step;
     }
     let Some((mut next, requeue_at)) = writable(vm, &step) else {
@@ -111,53 +104,34 @@ pub fn grown_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> O
     if grown.is_empty() {
         return None;
     }
-    Some(Event {
-        at: now,
-        vm: new.name.clone(),
-        from: old.status.phase,
-        to: new.status.phase,
-        reason: format!(
+    Some(instance_event(
+        old,
+        new,
+        now,
+        format!(
             "grown under the running guest (instance {}): {}",
             after.id,
             grown.join(", ")
         ),
-        key: None,
-    })
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{DiskSpec, Instance, StopProgress, StopReason, VmSpec};
-    use keel_hv::DomainState;
+    use crate::joined_step::fixtures::{migrating, up, wait_until};
+    use keel_api::{DiskSpec, StopProgress, StopReason};
 
     const NOW: Millis = 50_000;
 
     fn running() -> VirtualMachine {
-        let spec: VmSpec = serde_json::from_str(
-            r#"{"cpus":1,"memory_mib":128,"disks":[{"name":"root","size_mib":64},
-                {"name":"data","size_mib":100}]}"#,
+        crate::joined_step::fixtures::running(
+            r#"[{"name":"root","size_mib":64},{"name":"data","size_mib":100}]"#,
         )
-        .unwrap();
-        let mut vm = VirtualMachine::new("web", spec);
-        vm.status.phase = Phase::Running;
-        vm.status.instance = Some(Instance {
-            started_with: Some(crate::restart_required::started_with(&vm)),
-            disk_sizes_mib: sizes_at_start(&vm),
-            running_since: Some(1_000),
-            ..Instance::new("web-1", "a", 0)
-        });
-        vm
-    }
-
-    fn up() -> Observed {
-        Observed::Instance(DomainState::Running)
     }
 
     fn wait() -> Step {
-        Step::Wait {
-            requeue_at: NOW + 30_000,
-        }
+        wait_until(NOW + 30_000)
     }
 
     #[test]
@@ -269,12 +243,9 @@ mod tests {
         });
         assert_eq!(grow_step(&stopping, &up(), wait(), NOW), wait());
 
-        let mut migrating = vm.clone();
-        migrating.status.eviction = Some(
-            serde_json::from_str(r#"{"drain_requested_at":1,"phase":"Migrating","started_at":1}"#)
-                .unwrap(),
-        );
-        assert_eq!(grow_step(&migrating, &up(), wait(), NOW), wait());
+        let mut moving = vm.clone();
+        migrating(&mut moving);
+        assert_eq!(grow_step(&moving, &up(), wait(), NOW), wait());
 
         // Added since the start: the next start makes it at its size.
         let mut added = running();

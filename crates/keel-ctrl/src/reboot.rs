@@ -16,6 +16,7 @@ use keel_api::reboot::RESET_SEEN_WITHIN_MS;
 use keel_api::{Event, Millis, Phase, RebootProgress, VirtualMachine};
 use keel_hv::DomainState;
 
+use crate::joined_step::{alive, instance_event, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -25,32 +26,6 @@ fn under_way(vm: &VirtualMachine) -> bool {
         .instance
         .as_ref()
         .is_some_and(|i| i.reboot.is_some())
-}
-
-/// Whether the observed instance is alive (its guest can have reset).
-pub(crate) fn alive(observed: &Observed) -> bool {
-    matches!(
-        observed,
-        Observed::Instance(DomainState::Running | DomainState::Paused)
-    )
-}
-
-/// The record `step` writes (or the one read, for a wait), if the step
-/// leaves the same instance recorded and asks for no action yet: a step
-/// that a further change of that instance's record can join.
-pub(crate) fn writable(vm: &VirtualMachine, step: &Step) -> Option<(VirtualMachine, Millis)> {
-    let id = vm.status.instance.as_ref().map(|i| &i.id)?;
-    match step {
-        Step::Wait { requeue_at } => Some((vm.clone(), *requeue_at)),
-        Step::Persist {
-            vm: next,
-            then: None,
-            requeue_at,
-        } if next.status.instance.as_ref().map(|i| &i.id) == Some(id) => {
-            Some(((**next).clone(), *requeue_at))
-        }
-        _ => None,
-    }
 }
 
 fn persist(old: &VirtualMachine, next: VirtualMachine, then: Option<HvAction>, at: Millis) -> Step {
@@ -110,19 +85,17 @@ pub fn reset_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> O
         return None;
     }
     let asked = before.reboot.is_some() && after.reboot.is_none();
-    Some(Event {
-        at: now,
-        vm: new.name.clone(),
-        from: old.status.phase,
-        to: new.status.phase,
-        reason: format!(
+    Some(instance_event(
+        old,
+        new,
+        now,
+        format!(
             "guest rebooted{}: instance {} goes on (reset {} of it)",
             if asked { " as requested" } else { "" },
             after.id,
             after.resets
         ),
-        key: None,
-    })
+    ))
 }
 
 /// `step` carrying out the user's `keel vm reboot`, if one is pending or

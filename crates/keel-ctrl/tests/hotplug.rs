@@ -8,8 +8,7 @@
 mod common;
 
 use common::{spec, World};
-use keel_api::{DiskSpec, Event, Phase, PowerState, RunPolicy, HOTPLUG_PORTS};
-use keel_ctrl::keys::EVENTS_PREFIX;
+use keel_api::{DiskSpec, Phase, PowerState, RunPolicy, HOTPLUG_PORTS};
 use keel_hv::sim::SimConfig;
 
 fn sim() -> SimConfig {
@@ -26,15 +25,6 @@ fn disk(name: &str) -> DiskSpec {
         size_mib: 32,
         image: None,
     }
-}
-
-async fn events(w: &World, vm: &str) -> Vec<String> {
-    let (all, _) = w
-        .user
-        .list::<Event>(&format!("{EVENTS_PREFIX}{vm}/"))
-        .await
-        .unwrap();
-    all.into_iter().map(|(_, e)| e.value.reason).collect()
 }
 
 async fn running(w: &mut World, name: &str) -> String {
@@ -73,7 +63,7 @@ async fn a_disk_added_to_a_running_vm_is_plugged_into_the_same_instance() {
         "{record:?}"
     );
     assert!(vm.status.restart_required.is_empty(), "{vm:?}");
-    let trail = events(&w, "web").await;
+    let trail = w.event_reasons("web").await;
     assert!(
         trail
             .iter()

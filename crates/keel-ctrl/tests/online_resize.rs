@@ -6,8 +6,7 @@
 mod common;
 
 use common::{spec, World};
-use keel_api::{Event, Phase, PowerState, RunPolicy};
-use keel_ctrl::keys::EVENTS_PREFIX;
+use keel_api::{Phase, PowerState, RunPolicy};
 use keel_hv::sim::SimConfig;
 
 fn sim() -> SimConfig {
@@ -16,15 +15,6 @@ fn sim() -> SimConfig {
         agent_ready_ms: 1_000,
         ..Default::default()
     }
-}
-
-async fn events(w: &World, vm: &str) -> Vec<String> {
-    let (all, _) = w
-        .user
-        .list::<Event>(&format!("{EVENTS_PREFIX}{vm}/"))
-        .await
-        .unwrap();
-    all.into_iter().map(|(_, e)| e.value.reason).collect()
 }
 
 #[tokio::test]
@@ -53,7 +43,7 @@ async fn a_running_vms_disk_grows_in_the_same_instance() {
     assert_eq!(inst.disk_sizes_mib["root"], 256);
     assert!(vm.status.restart_required.is_empty(), "{vm:?}");
     assert_eq!(vm.ready_since(), before.ready_since(), "the guest went on");
-    let trail = events(&w, "web").await;
+    let trail = w.event_reasons("web").await;
     assert!(
         trail
             .iter()

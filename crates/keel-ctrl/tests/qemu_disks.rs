@@ -118,18 +118,7 @@ async fn a_running_vms_disk_grows_under_its_guest_without_a_restart() {
     assert_eq!(env.qemu_pids(&format!("guest={first}")).len(), 1);
     // The guest's kernel learns the new capacity from virtio-blk's config
     // change; the image's header has it already.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let seen = guest.disk_bytes("vda").await.unwrap();
-        if seen == 160 << 20 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the guest still sees {seen} bytes"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    guest_sees(&mut guest, "vda", 160 << 20).await;
     assert_eq!(
         keel_hv::qcow2::virtual_size(&env.driver.disk_path(vm, "data")).unwrap(),
         Some(160 << 20)

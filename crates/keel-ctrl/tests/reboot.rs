@@ -7,8 +7,7 @@
 mod common;
 
 use common::{spec, World};
-use keel_api::{Event, Instance, Phase, PowerState, Readiness, RunPolicy, VirtualMachine};
-use keel_ctrl::keys::EVENTS_PREFIX;
+use keel_api::{Instance, Phase, PowerState, Readiness, RunPolicy, VirtualMachine};
 use keel_hv::sim::SimConfig;
 
 fn sim() -> SimConfig {
@@ -29,15 +28,6 @@ async fn ready(w: &mut World, name: &str, readiness: Readiness) -> Instance {
     let vm = w.get(name).await.unwrap();
     assert!(vm.ready_since().is_some(), "{vm:?}");
     vm.status.instance.unwrap()
-}
-
-async fn events(w: &World, vm: &str) -> Vec<String> {
-    let (all, _) = w
-        .user
-        .list::<Event>(&format!("{EVENTS_PREFIX}{vm}/"))
-        .await
-        .unwrap();
-    all.into_iter().map(|(_, e)| e.value.reason).collect()
 }
 
 fn count(log: &[String], what: &str) -> usize {
@@ -67,7 +57,7 @@ async fn a_guest_reboot_is_a_reset_of_the_same_instance_and_readiness_starts_ove
     );
     let r = inst.readiness.clone().unwrap();
     assert!(!r.agent && r.reason.is_some(), "{r:?}");
-    let trail = events(&w, "web").await;
+    let trail = w.event_reasons("web").await;
     assert!(
         trail.iter().any(|e| e.starts_with("guest rebooted:")
             && e.contains(&first.id)
@@ -112,7 +102,8 @@ async fn a_reboot_request_resets_the_guest_once_through_its_agent_across_a_contr
     let log = w.hv.log();
     assert_eq!(count(&log, "guest-shutdown reboot: reset"), 1, "{log:?}");
     assert_eq!(count(&log, "system_reset"), 0, "{log:?}");
-    assert!(events(&w, "web")
+    assert!(w
+        .event_reasons("web")
         .await
         .iter()
         .any(|e| e.starts_with("guest rebooted as requested")));

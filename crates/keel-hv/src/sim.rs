@@ -15,6 +15,7 @@ use keel_api::{Accelerator, Clock, Millis};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+mod disk_change;
 mod hotplug;
 mod online_resize;
 mod reset;
@@ -272,7 +273,7 @@ struct SimState {
     stopped: std::collections::BTreeSet<String>,
     /// Instances whose disks cannot be grown online, and why (a driver
     /// whose `block_resize` fails).
-    growth_refused: BTreeMap<String, String>,
+    disk_changes_refused: BTreeMap<String, String>,
 }
 
 #[derive(Clone)]
@@ -316,7 +317,7 @@ impl SimHypervisor {
                 config,
                 starts_per_vm: BTreeMap::new(),
                 crash_next_boot: Default::default(),
-                growth_refused: Default::default(),
+                disk_changes_refused: Default::default(),
                 failing_starts: BTreeMap::new(),
                 violations: Vec::new(),
                 log: Vec::new(),

@@ -189,6 +189,16 @@ impl World {
             .map(|e| e.value)
     }
 
+    /// The reasons of `vm`'s events, oldest first.
+    pub async fn event_reasons(&self, vm: &str) -> Vec<String> {
+        let (all, _) = self
+            .user
+            .list::<keel_api::Event>(&format!("{}{vm}/", keel_ctrl::keys::EVENTS_PREFIX))
+            .await
+            .unwrap();
+        all.into_iter().map(|(_, e)| e.value.reason).collect()
+    }
+
     /// A user request: read, modify, compare-and-swap, retry on conflict.
     pub async fn user_op(
         &mut self,

@@ -20,9 +20,8 @@
 use serde::Deserialize;
 use serde_json::json;
 
-use super::monitor::Phase;
-use super::qmp::QmpError;
-use super::{unavailable, QemuDriver};
+use super::query_block::BlockInfo;
+use super::QemuDriver;
 use crate::{DiskCreation, DiskPlug, HvError};
 
 const OP: &str = "plug a disk in";
@@ -60,17 +59,6 @@ pub(super) fn port_args(ports: u32) -> Vec<String> {
 }
 
 #[derive(Debug, Deserialize)]
-struct BlockInfo {
-    #[serde(default)]
-    inserted: Option<Inserted>,
-}
-
-#[derive(Debug, Deserialize)]
-struct Inserted {
-    file: String,
-}
-
-#[derive(Debug, Deserialize)]
 struct NamedNode {
     #[serde(rename = "node-name")]
     node_name: String,
@@ -79,42 +67,16 @@ struct NamedNode {
 impl QemuDriver {
     pub(super) async fn attach_disk_online(&self, plug: &DiskPlug) -> Result<(), HvError> {
         let instance = plug.instance.as_str();
-        let failed = |reason: String| HvError::Failed {
-            instance: instance.to_string(),
-            op: OP,
-            reason,
-        };
+        let monitor = self.live_monitor(instance, OP).await?;
         if plug.disk.image.is_some() {
-            return Err(failed(format!(
+            return Err(monitor.failed(format!(
                 "disk {} is made from an image: it is added at the next start",
                 plug.disk.name
             )));
         }
-        let domain = self.existing(instance, OP)?;
-        match domain.phase() {
-            Phase::Live { .. } => {}
-            Phase::Launching { .. } => {
-                return Err(unavailable(instance, OP, "QEMU is still launching".into()))
-            }
-            Phase::Exited(_) => return Err(failed("the instance has exited".into())),
-        }
-        let client = domain
-            .qmp()
-            .await
-            .map_err(|e| unavailable(instance, OP, e))?;
-        let qmp = |e: QmpError| match e {
-            QmpError::Command { .. } => failed(e.to_string()),
-            other => unavailable(instance, OP, other.to_string()),
-        };
         let file = self.disk_path(&plug.vm, &plug.disk.name);
-        let blocks: Vec<BlockInfo> =
-            serde_json::from_value(client.execute("query-block", None).await.map_err(qmp)?)
-                .map_err(|e| failed(format!("query-block result: {e}")))?;
-        if blocks
-            .iter()
-            .filter_map(|b| b.inserted.as_ref())
-            .any(|i| std::path::Path::new(&i.file) == file)
-        {
+        let blocks: Vec<BlockInfo> = monitor.query("query-block").await?;
+        if blocks.iter().any(|b| b.open_on(&file).is_some()) {
             return Ok(());
         }
         let create = if plug.create {
@@ -125,39 +87,34 @@ impl QemuDriver {
         let made = self
             .ensure_disks(&plug.vm, std::slice::from_ref(&plug.disk), &create, &[])
             .await
-            .map_err(&failed)?;
+            .map_err(|e| monitor.failed(e))?;
         let path = made.into_iter().next().expect("one disk asked, one path");
         // Added back under its name: the disk it was, at least as large as
         // the spec asks (nothing has it open yet).
         self.grow_to_spec(&plug.vm, &plug.disk, &path)
             .await
-            .map_err(&failed)?;
+            .map_err(|e| monitor.failed(e))?;
         let node = plugged_id(&plug.disk.name);
-        let nodes: Vec<NamedNode> = serde_json::from_value(
-            client
-                .execute("query-named-block-nodes", None)
-                .await
-                .map_err(qmp)?,
-        )
-        .map_err(|e| failed(format!("query-named-block-nodes result: {e}")))?;
+        let nodes: Vec<NamedNode> = monitor.query("query-named-block-nodes").await?;
         if !nodes.iter().any(|n| n.node_name == node) {
-            client
+            // As the command line's cache=none or cache=writeback.
+            let cache = json!({"direct": self.inner.direct_io, "no-flush": false});
+            monitor
                 .execute(
                     "blockdev-add",
                     Some(json!({
                         "driver": "qcow2",
                         "node-name": node,
-                        // As the command line's cache=none or cache=writeback.
-                        "cache": {"direct": self.inner.direct_io, "no-flush": false},
-                        "file": {"driver": "file", "filename": path.to_string_lossy()},
+                        "cache": cache,
+                        "file": {"driver": "file", "filename": path.to_string_lossy(),
+                            "cache": cache},
                     })),
                 )
-                .await
-                .map_err(qmp)?;
+                .await?;
         }
         tracing::info!(vm = %plug.vm, %instance, disk = %plug.disk.name, port = plug.port,
             "plugging a disk into the running guest");
-        client
+        monitor
             .execute(
                 "device_add",
                 Some(json!({
@@ -167,8 +124,7 @@ impl QemuDriver {
                     "bus": port_id(plug.port),
                 })),
             )
-            .await
-            .map_err(qmp)?;
+            .await?;
         Ok(())
     }
 }

@@ -37,54 +37,16 @@ use std::process::Stdio;
 use std::sync::Arc;
 
 use keel_api::{validate_name, DiskSpec};
-use serde::Deserialize;
 use serde_json::json;
 
 use super::migration::{query_migrate, read_outgoing, Stage};
 use super::monitor::Domain;
 use super::opts::opt_escape;
 use super::qmp::{QmpClient, QmpError};
+use super::query_block::{BlockInfo, ImageInfo};
 use super::{blocking, unavailable, QemuDriver};
 use crate::{DomainState, HvError, Hypervisor};
 use uefi_vars::VarsStore;
-
-/// `ImageInfo` as in `qemu-img info --output=json` and in `query-block`;
-/// only the snapshot names.
-#[derive(Debug, Clone, Default, Deserialize)]
-struct ImageInfo {
-    #[serde(default)]
-    snapshots: Vec<SnapshotName>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct SnapshotName {
-    name: String,
-}
-
-impl ImageInfo {
-    fn has(&self, name: &str) -> bool {
-        self.snapshots.iter().any(|s| s.name == name)
-    }
-}
-
-/// One entry of `query-block`.
-#[derive(Debug, Clone, Deserialize)]
-struct BlockInfo {
-    device: String,
-    #[serde(default)]
-    inserted: Option<Inserted>,
-}
-
-#[derive(Debug, Clone, Deserialize)]
-struct Inserted {
-    file: String,
-    #[serde(default)]
-    image: ImageInfo,
-    /// A plugged disk's backend has no name (`device` is empty): its
-    /// node's name stands for it in the snapshot commands.
-    #[serde(default, rename = "node-name")]
-    node_name: String,
-}
 
 /// A disk as a live QEMU has it: its block backend name and snapshots.
 struct Attached {
@@ -97,15 +59,12 @@ fn attached(blocks: Vec<BlockInfo>) -> BTreeMap<PathBuf, Attached> {
     blocks
         .into_iter()
         .filter_map(|b| {
+            let device = b.name()?.to_string();
             let inserted = b.inserted?;
             Some((
                 PathBuf::from(inserted.file),
                 Attached {
-                    device: if b.device.is_empty() {
-                        inserted.node_name
-                    } else {
-                        b.device
-                    },
+                    device,
                     image: inserted.image,
                 },
             ))

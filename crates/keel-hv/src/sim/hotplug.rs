@@ -12,20 +12,7 @@ impl SimHypervisor {
         let now = self.clock.now_ms();
         let instance = plug.instance.as_str();
         let mut s = self.lock();
-        s.monitor_answers(instance, OP)?;
-        let p = s.config.faults.op_unavailable;
-        s.maybe_unavailable(instance, OP, p)?;
-        if let Some(why) = s.growth_refused.get(instance) {
-            return Err(sim_failed(instance, OP, why.clone()));
-        }
-        let d = s.domain_mut(instance)?;
-        if !d.executing() {
-            return Err(sim_failed(
-                instance,
-                OP,
-                format!("the guest is not running ({:?})", d.state),
-            ));
-        }
+        let d = s.live_for_disk_change(instance, OP)?;
         let name = &plug.disk.name;
         if d.spec.disks.iter().any(|x| &x.name == name) {
             return Ok(());

@@ -7,18 +7,6 @@ use crate::HvError;
 const OP: &str = "grow a disk online";
 
 impl SimHypervisor {
-    /// From now on, growing or plugging a disk of `instance` fails with
-    /// `why` (`None`: it works again).
-    pub fn refuse_disk_changes(&self, instance: &str, why: Option<&str>) {
-        let mut s = self.lock();
-        match why {
-            Some(why) => s
-                .growth_refused
-                .insert(instance.to_string(), why.to_string()),
-            None => s.growth_refused.remove(instance),
-        };
-    }
-
     pub(super) fn grow_disk_now(
         &self,
         instance: &str,
@@ -27,20 +15,7 @@ impl SimHypervisor {
     ) -> Result<(), HvError> {
         let now = self.clock.now_ms();
         let mut s = self.lock();
-        s.monitor_answers(instance, OP)?;
-        let p = s.config.faults.op_unavailable;
-        s.maybe_unavailable(instance, OP, p)?;
-        if let Some(why) = s.growth_refused.get(instance) {
-            return Err(sim_failed(instance, OP, why.clone()));
-        }
-        let d = s.domain_mut(instance)?;
-        if !d.executing() {
-            return Err(sim_failed(
-                instance,
-                OP,
-                format!("the guest is not running ({:?})", d.state),
-            ));
-        }
+        let d = s.live_for_disk_change(instance, OP)?;
         let Some(spec) = d.spec.disks.iter_mut().find(|x| x.name == disk) else {
             return Err(sim_failed(
                 instance,

@@ -1,0 +1,113 @@
+//! What the changes of a running instance that join the step `vm_decide`
+//! chose (`reboot`, `online_resize`, `hotplug`) have in common: whether the
+//! instance is alive, the record the chosen step leaves (to which such a
+//! change may add), whether nothing else is being done to the instance,
+//! and the event such a change records.
+
+use keel_api::{Event, Millis, Phase, VirtualMachine};
+use keel_hv::DomainState;
+
+use crate::step::Step;
+use crate::view::Observed;
+
+/// Whether the observed instance is alive (its guest can have reset).
+pub(crate) fn alive(observed: &Observed) -> bool {
+    matches!(
+        observed,
+        Observed::Instance(DomainState::Running | DomainState::Paused)
+    )
+}
+
+/// The record `step` writes (or the one read, for a wait), if the step
+/// leaves the same instance recorded and asks for no action yet: a step
+/// that a further change of that instance's record can join.
+pub(crate) fn writable(vm: &VirtualMachine, step: &Step) -> Option<(VirtualMachine, Millis)> {
+    let id = vm.status.instance.as_ref().map(|i| &i.id)?;
+    match step {
+        Step::Wait { requeue_at } => Some((vm.clone(), *requeue_at)),
+        Step::Persist {
+            vm: next,
+            then: None,
+            requeue_at,
+        } if next.status.instance.as_ref().map(|i| &i.id) == Some(id) => {
+            Some(((**next).clone(), *requeue_at))
+        }
+        _ => None,
+    }
+}
+
+/// Whether `vm`'s instance runs with nothing else under way that a change
+/// of its disks would disturb: no stop asked or in progress, no migration
+/// (its target opens the same files), no restore.
+pub(crate) fn disks_may_change(vm: &VirtualMachine, observed: &Observed) -> bool {
+    vm.status.phase == Phase::Running
+        && alive(observed)
+        && vm.status.stop.is_none()
+        && vm.wants_running()
+        && vm.status.eviction.is_none()
+        && vm.restore.is_none()
+}
+
+/// An event of `new`'s running instance (not a phase change of its own).
+pub(crate) fn instance_event(
+    old: &VirtualMachine,
+    new: &VirtualMachine,
+    now: Millis,
+    reason: String,
+) -> Event {
+    Event {
+        at: now,
+        vm: new.name.clone(),
+        from: old.status.phase,
+        to: new.status.phase,
+        reason,
+        key: None,
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use keel_api::{Instance, Millis, Phase, VirtualMachine, VmSpec};
+    use keel_hv::DomainState;
+
+    use crate::step::Step;
+    use crate::view::Observed;
+
+    /// VM `web` running instance `web-1` on node `a`, with `disks` (JSON),
+    /// its sizes and start recorded as a start records them.
+    pub fn running(disks: &str) -> VirtualMachine {
+        let spec: VmSpec =
+            serde_json::from_str(&format!(r#"{{"cpus":1,"memory_mib":128,"disks":{disks}}}"#))
+                .unwrap();
+        let mut vm = VirtualMachine::new("web", spec);
+        vm.status.phase = Phase::Running;
+        vm.status.instance = Some(Instance {
+            started_with: Some(crate::restart_required::started_with(&vm)),
+            disk_sizes_mib: vm
+                .spec
+                .disks
+                .iter()
+                .map(|d| (d.name.clone(), d.size_mib))
+                .collect(),
+            running_since: Some(1_000),
+            ..Instance::new("web-1", "a", 0)
+        });
+        vm
+    }
+
+    pub fn up() -> Observed {
+        Observed::Instance(DomainState::Running)
+    }
+
+    pub fn wait_until(at: Millis) -> Step {
+        Step::Wait { requeue_at: at }
+    }
+
+    /// A migration under way, as an eviction records it.
+    pub fn migrating(vm: &mut VirtualMachine) {
+        vm.status.eviction = Some(
+            serde_json::from_str(r#"{"drain_requested_at":1,"phase":"Migrating","started_at":1}"#)
+                .unwrap(),
+        );
+    }
+}
