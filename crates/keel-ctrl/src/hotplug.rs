@@ -22,7 +22,7 @@
 
 use keel_api::{disk_record, DiskSpec, Event, Millis, PluggedDisk, VirtualMachine};
 
-use crate::joined_step::{disks_may_change, instance_event, writable};
+use crate::joined_step::{disks_may_change, instance_event, same_instance, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -186,10 +186,7 @@ pub fn disk_plug(
 
 /// The event for a plug `new` confirms since `old`.
 pub fn plugged_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> Option<Event> {
-    let (before, after) = (old.status.instance.as_ref()?, new.status.instance.as_ref()?);
-    if before.id != after.id {
-        return None;
-    }
+    let (before, after) = same_instance(old, new)?;
     let confirmed: Vec<String> = after
         .plugged
         .iter()

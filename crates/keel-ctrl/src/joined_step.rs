@@ -4,7 +4,7 @@
 //! change may add), whether nothing else is being done to the instance,
 //! and the event such a change records.
 
-use keel_api::{Event, Millis, Phase, VirtualMachine};
+use keel_api::{Event, Instance, Millis, Phase, VirtualMachine};
 use keel_hv::DomainState;
 
 use crate::step::Step;
@@ -46,6 +46,16 @@ pub(crate) fn disks_may_change(vm: &VirtualMachine, observed: &Observed) -> bool
         && vm.wants_running()
         && vm.status.eviction.is_none()
         && vm.restore.is_none()
+}
+
+/// The instance `old` and `new` both record, as each records it: an
+/// event of a change inside it is only for the same instance.
+pub(crate) fn same_instance<'a>(
+    old: &'a VirtualMachine,
+    new: &'a VirtualMachine,
+) -> Option<(&'a Instance, &'a Instance)> {
+    let (before, after) = (old.status.instance.as_ref()?, new.status.instance.as_ref()?);
+    (before.id == after.id).then_some((before, after))
 }
 
 /// An event of `new`'s running instance (not a phase change of its own).

@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use keel_api::{Event, Millis, VirtualMachine};
 
-use crate::joined_step::{disks_may_change, instance_event, writable};
+use crate::joined_step::{disks_may_change, instance_event, same_instance, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -89,10 +89,7 @@ pub fn grow_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
 
 /// The event for each disk `new` records grown since `old`, in one.
 pub fn grown_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> Option<Event> {
-    let (before, after) = (old.status.instance.as_ref()?, new.status.instance.as_ref()?);
-    if before.id != after.id {
-        return None;
-    }
+    let (before, after) = same_instance(old, new)?;
     let grown: Vec<String> = after
         .disk_sizes_mib
         .iter()

@@ -16,7 +16,7 @@ use keel_api::reboot::RESET_SEEN_WITHIN_MS;
 use keel_api::{Event, Millis, Phase, RebootProgress, VirtualMachine};
 use keel_hv::DomainState;
 
-use crate::joined_step::{alive, instance_event, writable};
+use crate::joined_step::{alive, instance_event, same_instance, writable};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -80,8 +80,8 @@ pub fn note_resets(
 
 /// The event for the resets `new` recorded since `old`, if any.
 pub fn reset_event(old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> Option<Event> {
-    let (before, after) = (old.status.instance.as_ref()?, new.status.instance.as_ref()?);
-    if before.id != after.id || after.resets <= before.resets {
+    let (before, after) = same_instance(old, new)?;
+    if after.resets <= before.resets {
         return None;
     }
     let asked = before.reboot.is_some() && after.reboot.is_none();
