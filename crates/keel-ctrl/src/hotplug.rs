@@ -102,6 +102,9 @@ pub fn plug_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
     disk_record::record_plug(&mut records, &disk.name, &home, now);
     let create = makeable(&disk.name, &records);
     next.status.disks = Some(records);
+    // The instance has the disk from now on: no restart is due for it
+    // (the step chose restart_required from the record before the plug).
+    next.status.restart_required = crate::restart_required::fields(&next);
     next.status.message = Some(format!(
         "plugging disk {} into the running guest (root port {port})",
         disk.name
@@ -244,7 +247,10 @@ mod tests {
 
     #[test]
     fn a_plug_is_recorded_first_and_confirmed_only_after_the_node_did_it() {
-        let vm = added(running(HOTPLUG_PORTS), "data");
+        let mut vm = added(running(HOTPLUG_PORTS), "data");
+        // As the look that chose the step found it: a disk the instance lacks.
+        vm.status.restart_required = crate::restart_required::fields(&vm);
+        assert_eq!(vm.status.restart_required, ["disks"]);
         let Step::Persist {
             vm: recorded,
             then: Some(action),
@@ -269,6 +275,7 @@ mod tests {
                 attached_at: None
             }]
         );
+        assert!(recorded.status.restart_required.is_empty(), "{recorded:?}");
         let record = recorded.status.disks.as_ref().unwrap();
         let data = record.iter().find(|r| r.name == "data").unwrap();
         assert!(!data.used && data.made_at == Some(NOW), "{record:?}");
