@@ -559,6 +559,26 @@ impl Instance {
         )
     }
 
+    /// The disks this instance has attached, by name, in the guest's
+    /// order: those it was started with, then the plugs confirmed since (a
+    /// plug under way is not attached until its confirmation). `None` for
+    /// an instance from before `started_with`.
+    pub fn attached_disk_names(&self) -> Option<Vec<String>> {
+        let started = &self.started_with.as_ref()?.disks;
+        Some(
+            started
+                .iter()
+                .cloned()
+                .chain(
+                    self.plugged
+                        .iter()
+                        .filter(|p| p.attached_at.is_some())
+                        .map(|p| p.disk.clone()),
+                )
+                .collect(),
+        )
+    }
+
     /// A root port no plugged disk holds, if any is left.
     pub fn free_port(&self) -> Option<u32> {
         (0..self.hotplug_ports).find(|port| self.plugged.iter().all(|p| p.port != *port))
@@ -1609,6 +1629,11 @@ pub(crate) mod tests {
             attached_at: None,
         });
         assert_eq!(inst.plug_under_way().map(|p| p.disk.as_str()), Some("data"));
+        assert_eq!(
+            inst.attached_disk_names().unwrap(),
+            ["root"],
+            "not yet confirmed"
+        );
         assert_eq!(inst.free_port(), Some(1));
         inst.plugged[0].attached_at = Some(5);
         inst.plugged.push(crate::PluggedDisk {

@@ -37,18 +37,11 @@ pub fn sizes_at_start(vm: &VirtualMachine) -> BTreeMap<String, u64> {
 /// than the instance has it: its name and the size asked.
 fn next_growth(vm: &VirtualMachine) -> Option<(String, u64)> {
     let inst = vm.status.instance.as_ref()?;
-    // Those it started with and those plugged in since (confirmed: one
-    // being plugged is made at its size).
-    let attached = inst.started_with.as_ref()?.disks.iter().chain(
-        inst.plugged
-            .iter()
-            .filter(|p| p.attached_at.is_some())
-            .map(|p| &p.disk),
-    );
-    attached.into_iter().find_map(|name| {
-        let has = *inst.disk_sizes_mib.get(name)?;
-        let asked = vm.spec.disks.iter().find(|d| &d.name == name)?.size_mib;
-        (asked > has).then(|| (name.clone(), asked))
+    // A disk being plugged is made at its size.
+    inst.attached_disk_names()?.into_iter().find_map(|name| {
+        let has = *inst.disk_sizes_mib.get(&name)?;
+        let asked = vm.spec.disks.iter().find(|d| d.name == name)?.size_mib;
+        (asked > has).then_some((name, asked))
     })
 }
 

@@ -362,23 +362,11 @@ fn keep_running(
             .disk_home
             .get_or_insert_with(|| cfg.disk_home())
             .clone();
-        // With the disks plugged in since (confirmed ones: a plug under
-        // way is marked by its confirmation, `hotplug`).
-        let started: Vec<String> = inst
-            .started_with
-            .as_ref()
-            .map_or_else(
-                || vm.spec.disks.iter().map(|d| d.name.clone()).collect(),
-                |s| s.disks.clone(),
-            )
-            .into_iter()
-            .chain(
-                inst.plugged
-                    .iter()
-                    .filter(|p| p.attached_at.is_some())
-                    .map(|p| p.disk.clone()),
-            )
-            .collect();
+        // With the disks plugged in since (a plug under way is marked by
+        // its confirmation, `hotplug`).
+        let started = inst
+            .attached_disk_names()
+            .unwrap_or_else(|| vm.spec.disks.iter().map(|d| d.name.clone()).collect());
         let mut records = vm.status.disk_records(&vm.spec, &home);
         disk_record::mark_used(&mut records, &started, &home);
         status.disks = Some(records);
