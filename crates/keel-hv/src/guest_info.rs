@@ -180,6 +180,13 @@ impl LogScan {
         }
     }
 
+    /// Goes on from `offset` instead: what lay between is gone (or was
+    /// never there), so no match may straddle the jump.
+    pub fn jump_to(&mut self, offset: u64) {
+        self.offset = offset;
+        self.tail.clear();
+    }
+
     /// Feeds the bytes that follow `self.offset`.
     pub fn feed(&mut self, needle: &[u8], chunk: &[u8]) {
         if self.found || needle.is_empty() {

@@ -11,7 +11,6 @@
 //! on adoption thaws the guest, so a Keel that died between the two does
 //! not leave the guest's filesystems frozen for good.
 
-use std::io::{Read, Seek, SeekFrom};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -52,9 +51,9 @@ impl QemuDriver {
         max_bytes: u64,
     ) -> Result<(Vec<u8>, u64), HvError> {
         let domain = self.existing(instance, "read console log")?;
-        let path = domain.paths.console.clone();
+        let log = domain.console_log.clone();
         let max = max_bytes.min(MAX_LOG_READ);
-        let read = tokio::task::spawn_blocking(move || super::console_log::tail(&path, max))
+        let read = tokio::task::spawn_blocking(move || log.tail(max))
             .await
             .map_err(|e| failed(instance, "read console log", e))?;
         read.map_err(|e| failed(instance, "read console log", e))
@@ -80,29 +79,13 @@ impl QemuDriver {
         if scan.found {
             return Ok(true);
         }
-        let path = domain.paths.console.clone();
+        let log = domain.console_log.clone();
         let needle = text.as_bytes().to_vec();
-        let scanned = tokio::task::spawn_blocking(move || -> std::io::Result<LogScan> {
-            let mut file = match std::fs::File::open(&path) {
-                Ok(f) => f,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(scan),
-                Err(e) => return Err(e),
-            };
-            // Rotated since the last look (console_log): the log started
-            // again from nothing.
-            if file.metadata()?.len() < scan.offset {
-                scan.offset = 0;
-            }
-            file.seek(SeekFrom::Start(scan.offset))?;
-            // Bounded per call; the next probe continues from here.
-            let mut chunk = Vec::new();
-            (&mut file).take(MAX_LOG_READ).read_to_end(&mut chunk)?;
-            scan.feed(&needle, &chunk);
-            Ok(scan)
-        })
-        .await
-        .map_err(|e| failed(instance, "scan console log", e))?
-        .map_err(|e| failed(instance, "scan console log", e))?;
+        // Bounded per call; the next probe continues from here.
+        let scanned = tokio::task::spawn_blocking(move || log.scan(scan, &needle, MAX_LOG_READ))
+            .await
+            .map_err(|e| failed(instance, "scan console log", e))?
+            .map_err(|e| failed(instance, "scan console log", e))?;
         let found = scanned.found;
         self.inner
             .console_scans

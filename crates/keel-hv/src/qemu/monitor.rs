@@ -24,6 +24,7 @@ use keel_api::{Clock, Millis, SystemClock};
 use tokio::sync::{broadcast, mpsc, watch};
 use tokio::task::AbortHandle;
 
+use super::console_log::ConsoleLog;
 use super::layout::{
     exit_cause, read_json, write_json_atomic, ExitRecord, InstancePaths, ShutdownRecord,
 };
@@ -73,6 +74,8 @@ pub struct Domain {
     /// The guest's resets (its reboots, `system_reset`): the instance goes
     /// on through them.
     resets: ResetCounter,
+    /// The guest's serial console log, bounded (`console_log`).
+    pub console_log: Arc<ConsoleLog>,
     /// This process decided to kill QEMU: set before the signal, so the
     /// exit it causes is Keel's kill even before the marker file is
     /// written (after the signal: a kill never waits on the disk).
@@ -122,9 +125,11 @@ impl Domain {
         exits: broadcast::Sender<DomainExit>,
     ) -> Arc<Domain> {
         let marker = paths.qmp_chardev_arg();
-        let resets = ResetCounter::load(paths.resets.clone(), paths.console.clone());
+        let console_log = Arc::new(ConsoleLog::open(paths.console.clone()));
+        let resets = ResetCounter::load(paths.resets.clone(), console_log.clone());
         Arc::new(Domain {
             resets,
+            console_log,
             instance,
             vm: spec.vm.clone(),
             started_at,

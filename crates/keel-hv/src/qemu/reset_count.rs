@@ -5,18 +5,20 @@
 //! sends events to the connected client only.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use keel_api::Millis;
 use serde::{Deserialize, Serialize};
 
+use super::console_log::ConsoleLog;
 use super::layout::{read_json, write_json_atomic};
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResetRecord {
     pub count: u32,
-    /// The console log's length at the last reset: the guest's current
-    /// boot printed what follows (readiness by console looks only there).
+    /// The console log's end at the last reset (a position, see
+    /// `console_log`): the guest's current boot printed what follows
+    /// (readiness by console looks only there).
     pub console_offset: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_reason: Option<String>,
@@ -36,7 +38,7 @@ pub const SAME_RESET_WITHIN_MS: Millis = 1_000;
 #[derive(Debug)]
 pub struct ResetCounter {
     file: PathBuf,
-    console: PathBuf,
+    console: Arc<ConsoleLog>,
     record: Mutex<ResetRecord>,
 }
 
@@ -44,7 +46,7 @@ impl ResetCounter {
     /// The count kept in `file` (none yet: zero). An unreadable file is
     /// logged and counts from zero: the count informs, it decides nothing
     /// about whether the guest runs.
-    pub fn load(file: PathBuf, console: PathBuf) -> Self {
+    pub fn load(file: PathBuf, console: Arc<ConsoleLog>) -> Self {
         let record = read_json::<ResetRecord>(&file).unwrap_or_else(|e| {
             tracing::warn!(file = %file.display(), "cannot read the reset count: {e}");
             None
@@ -66,7 +68,7 @@ impl ResetCounter {
     /// takes effect, and QEMU reports each: one reboot, two RESET events
     /// (the test guest's `reboot -f` under TCG). No guest boots that fast.
     pub fn note(&self, reason: &str, at: Millis) -> Option<ResetRecord> {
-        let console_offset = std::fs::metadata(&self.console).map_or(0, |m| m.len());
+        let console_offset = self.console.end();
         let mut record = self.record.lock().expect("reset record");
         if record.count > 0 && at < record.at.saturating_add(SAME_RESET_WITHIN_MS) {
             return None;
@@ -95,6 +97,7 @@ mod tests {
             dir.path().join("console.log"),
         );
         std::fs::write(&console, b"first boot\n").unwrap();
+        let console = Arc::new(ConsoleLog::open(console));
         let counter = ResetCounter::load(file.clone(), console.clone());
         assert_eq!(counter.current().count, 0);
         let rec = counter.note("guest-reset", 7).unwrap();
