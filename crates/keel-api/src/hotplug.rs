@@ -7,6 +7,15 @@
 //! (`Instance::plugged`) and is recorded before it is attached: a crash in
 //! between leaves a record the next look completes, never a disk attached
 //! that no record names, and never a disk made that no record keeps.
+//!
+//! A plugged disk dropped from the spec (`keel vm disk remove` of a running
+//! VM) is unplugged the same way round: the request is recorded first
+//! (`PluggedDisk::detach_requested_at`), the guest is asked to let go of
+//! it (PCIe hot-unplug, which a guest grants when it has released the
+//! device), and only once the node saw the device gone is the disk taken
+//! off the instance and its port freed. A disk the instance started with
+//! sits on the root complex, which cannot unplug: it goes at the next
+//! start (`restart required: disks`).
 
 use serde::{Deserialize, Serialize};
 
@@ -25,4 +34,8 @@ pub struct PluggedDisk {
     /// way (recorded, asked of the node, not yet confirmed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attached_at: Option<Millis>,
+    /// When its unplug was recorded (the disk was dropped from the spec);
+    /// the disk stays on its port until the node saw the guest let go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detach_requested_at: Option<Millis>,
 }

@@ -588,6 +588,26 @@ impl Instance {
     pub fn plug_under_way(&self) -> Option<&crate::PluggedDisk> {
         self.plugged.iter().find(|p| p.attached_at.is_none())
     }
+
+    /// The unplug under way (recorded, the guest not yet seen to let go),
+    /// if any.
+    pub fn unplug_under_way(&self) -> Option<&crate::PluggedDisk> {
+        self.plugged
+            .iter()
+            .find(|p| p.detach_requested_at.is_some())
+    }
+
+    /// What is being done to this instance's disks, if anything: a plug or
+    /// an unplug recorded and not yet finished. A migration waits for it
+    /// (its target is launched with the instance's disks, which are in
+    /// flux until then).
+    pub fn disk_change_under_way(&self) -> Option<String> {
+        if let Some(p) = self.plug_under_way() {
+            return Some(format!("the plug of disk {}", p.disk));
+        }
+        self.unplug_under_way()
+            .map(|p| format!("the unplug of disk {}", p.disk))
+    }
 }
 
 impl DiskHome {
@@ -1627,8 +1647,13 @@ pub(crate) mod tests {
             disk: "data".into(),
             port: 0,
             attached_at: None,
+            detach_requested_at: None,
         });
         assert_eq!(inst.plug_under_way().map(|p| p.disk.as_str()), Some("data"));
+        assert_eq!(
+            inst.disk_change_under_way().as_deref(),
+            Some("the plug of disk data")
+        );
         assert_eq!(
             inst.attached_disk_names().unwrap(),
             ["root"],
@@ -1640,9 +1665,19 @@ pub(crate) mod tests {
             disk: "logs".into(),
             port: 1,
             attached_at: Some(6),
+            detach_requested_at: None,
         });
         assert_eq!(inst.free_port(), None);
         assert_eq!(inst.plug_under_way(), None);
+        assert_eq!(inst.disk_change_under_way(), None);
+        assert_eq!(inst.disk_names().unwrap(), ["root", "data", "logs"]);
+        // Unplugging keeps the disk and its port until the guest let go.
+        inst.plugged[0].detach_requested_at = Some(7);
+        assert_eq!(
+            inst.disk_change_under_way().as_deref(),
+            Some("the unplug of disk data")
+        );
+        assert_eq!(inst.free_port(), None);
         assert_eq!(inst.disk_names().unwrap(), ["root", "data", "logs"]);
     }
 }

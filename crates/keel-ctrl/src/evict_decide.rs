@@ -69,8 +69,10 @@ pub(crate) fn decide_eviction(
         }
     }
     let expired = |deadline: Option<Millis>| deadline.is_none_or(|d| now >= d || d < ev.started_at);
+    let poll_at =
+        |deadline: Option<Millis>| deadline.map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1));
     let poll = |deadline: Option<Millis>| Step::Wait {
-        requeue_at: deadline.map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1)),
+        requeue_at: poll_at(deadline),
     };
     let step = match ev.phase {
         EvictionPhase::Submitting => match migration.map(|m| m.status.phase) {
@@ -110,6 +112,17 @@ pub(crate) fn decide_eviction(
                 None if cluster.targets.is_empty() => {
                     fallback(vm, "no node to migrate to", now, windows.fallback_ms)
                 }
+                // The target is launched with the instance's disks, which
+                // are in flux until the plug or unplug ends (within the
+                // submission window, which bounds a guest that never lets
+                // go of a disk).
+                None if inst.disk_change_under_way().is_some() => {
+                    let change = inst.disk_change_under_way().unwrap_or_default();
+                    let mut next = vm.clone();
+                    let e = next.status.eviction.as_mut().expect("cloned");
+                    e.message = Some(format!("waiting for {change} to finish"));
+                    persist_if_changed(vm, next, None, poll_at(ev.submit_deadline))
+                }
                 None => match free_target(inst, cluster, &drain.tuning) {
                     Ok(target) => reserve_and_create(vm, inst, &target, cluster, now),
                     // Every slot is taken: wait (within the submission
@@ -118,10 +131,7 @@ pub(crate) fn decide_eviction(
                         let mut next = vm.clone();
                         let e = next.status.eviction.as_mut().expect("cloned");
                         e.message = Some(format!("waiting for a migration slot: {why}"));
-                        let requeue_at = ev
-                            .submit_deadline
-                            .map_or(now, |d| d.min(now + cfg.poll_ms).max(now + 1));
-                        persist_if_changed(vm, next, None, requeue_at)
+                        persist_if_changed(vm, next, None, poll_at(ev.submit_deadline))
                     }
                 },
             },
@@ -593,6 +603,79 @@ mod tests {
                 cpu_model: None,
             },
         )
+    }
+
+    #[test]
+    fn no_migration_is_reserved_while_a_disk_change_is_under_way() {
+        let now = 100_000;
+        let cfg = LifecycleConfig::default();
+        let drain = Drain {
+            requested_at: 1_000,
+            windows: Default::default(),
+            tuning: Default::default(),
+            completed_at: None,
+        };
+        let mut vm = evicting_vm();
+        let mut inst = Instance::new("vm-1", "a", 0);
+        inst.hotplug_ports = 1;
+        inst.plugged.push(keel_api::PluggedDisk {
+            disk: "data".into(),
+            port: 0,
+            attached_at: Some(5),
+            detach_requested_at: Some(now - 10),
+        });
+        vm.status.instance = Some(inst.clone());
+        vm.status.eviction = Some(Eviction {
+            drain_requested_at: drain.requested_at,
+            phase: EvictionPhase::Submitting,
+            started_at: 1_000,
+            submit_deadline: Some(now + 60_000),
+            migrate_deadline: None,
+            fallback_deadline: None,
+            migration: None,
+            migration_source: None,
+            migration_target: None,
+            failed_attempts: 0,
+            next_attempt_at: None,
+            message: None,
+            user: false,
+        });
+        let cluster = ClusterView {
+            drain: Some(drain),
+            migration: None,
+            targets: vec!["b".into()],
+            in_flight: vec![],
+            drain_evictions_waiting: 0,
+        };
+        let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
+        let Step::Persist {
+            vm: next,
+            then: None,
+            ..
+        } = &step
+        else {
+            panic!("reserved or created regardless: {step:?}")
+        };
+        let ev = next.status.eviction.as_ref().unwrap();
+        assert_eq!(ev.migration, None);
+        assert_eq!(
+            ev.message.as_deref(),
+            Some("waiting for the unplug of disk data to finish")
+        );
+        // Once the disk is gone, the migration is reserved and created.
+        inst.plugged.clear();
+        vm.status.instance = Some(inst.clone());
+        let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
+        assert!(
+            matches!(
+                &step,
+                Step::Persist {
+                    then: Some(HvAction::CreateMigration(_)),
+                    ..
+                }
+            ),
+            "{step:?}"
+        );
     }
 
     #[test]

@@ -22,7 +22,9 @@
 
 use keel_api::{disk_record, DiskSpec, Event, Millis, PluggedDisk, VirtualMachine};
 
-use crate::joined_step::{disks_may_change, instance_event, same_instance, writable};
+use crate::joined_step::{
+    disk_change_may_finish, disks_may_change, instance_event, quiet, same_instance, writable,
+};
 use crate::step::{HvAction, Step};
 use crate::view::Observed;
 
@@ -41,13 +43,21 @@ pub fn plug_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
         .disks
         .iter()
         .find(|d| d.image.is_none() && !has.contains(&d.name));
-    if under_way.is_none() && (wanted.is_none() || inst.free_port().is_none()) {
+    if under_way.is_none()
+        && (wanted.is_none() || inst.free_port().is_none() || inst.unplug_under_way().is_some())
+    {
         return step;
     }
     let Some(home) = vm.status.disk_home.clone() else {
         return step;
     };
-    if !disks_may_change(vm, observed) {
+    let may = match under_way {
+        // Confirmed only with the node's answer: joined to a step that
+        // changes nothing else, which a refused plug would drop.
+        Some(_) => disk_change_may_finish(vm, observed) && quiet(&step),
+        None => disks_may_change(vm, observed),
+    };
+    if !may {
         return step;
     }
     let Some((mut next, requeue_at)) = writable(vm, &step) else {
@@ -97,6 +107,7 @@ pub fn plug_step(vm: &VirtualMachine, observed: &Observed, step: Step, now: Mill
         disk: disk.name.clone(),
         port,
         attached_at: None,
+        detach_requested_at: None,
     });
     inst.disk_sizes_mib.insert(disk.name.clone(), disk.size_mib);
     disk_record::record_plug(&mut records, &disk.name, &home, now);
@@ -272,7 +283,8 @@ mod tests {
             [PluggedDisk {
                 disk: "data".into(),
                 port: 0,
-                attached_at: None
+                attached_at: None,
+                detach_requested_at: None
             }]
         );
         assert!(recorded.status.restart_required.is_empty(), "{recorded:?}");
@@ -318,6 +330,7 @@ mod tests {
             disk: "logs".into(),
             port: 2,
             attached_at: Some(5),
+            detach_requested_at: None,
         });
         inst.disk_sizes_mib.insert("logs".into(), 40);
         // Since then: root grown (not yet carried out), logs dropped from

@@ -1,5 +1,5 @@
 //! What the changes of a running instance that join the step `vm_decide`
-//! chose (`reboot`, `online_resize`, `hotplug`) have in common: whether the
+//! chose (`reboot`, `online_resize`, `hotplug`, `hot_unplug`) have in common: whether the
 //! instance is alive, the record the chosen step leaves (to which such a
 //! change may add), whether nothing else is being done to the instance,
 //! and the event such a change records.
@@ -46,6 +46,32 @@ pub(crate) fn disks_may_change(vm: &VirtualMachine, observed: &Observed) -> bool
         && vm.wants_running()
         && vm.status.eviction.is_none()
         && vm.restore.is_none()
+}
+
+/// Whether a change of `vm`'s disks begun earlier (a plug or unplug under
+/// way) may be carried on: the instance runs, no stop or restore is under
+/// way, and no migration has been reserved. A drain or migration that has
+/// not reserved one yet waits for the change to end (its target is
+/// launched with the instance's disks), so the change must be able to.
+pub(crate) fn disk_change_may_finish(vm: &VirtualMachine, observed: &Observed) -> bool {
+    vm.status.phase == Phase::Running
+        && alive(observed)
+        && vm.status.stop.is_none()
+        && vm.wants_running()
+        && vm
+            .status
+            .eviction
+            .as_ref()
+            .is_none_or(|e| e.migration.is_none())
+        && vm.restore.is_none()
+}
+
+/// Whether `step` changes nothing: a step that may not be stored (an
+/// action whose outcome decides whether its record is written) joins only
+/// such a one, so that whatever else a look found (a readiness change, a
+/// reset) is never dropped with it.
+pub(crate) fn quiet(step: &Step) -> bool {
+    matches!(step, Step::Wait { .. })
 }
 
 /// The instance `old` and `new` both record, as each records it: an

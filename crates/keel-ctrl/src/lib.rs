@@ -16,6 +16,7 @@ mod events;
 pub mod evict_decide;
 pub mod fence;
 pub mod hardware;
+pub mod hot_unplug;
 pub mod hotplug;
 pub mod images;
 mod joined_step;

@@ -172,6 +172,7 @@ mod tests {
             disk: "logs".into(),
             port: 0,
             attached_at: None,
+            detach_requested_at: None,
         });
         assert_eq!(grow_step(&vm, &up(), wait(), NOW), wait(), "plug under way");
         vm.status.instance.as_mut().unwrap().plugged[0].attached_at = Some(NOW - 1);

@@ -25,6 +25,14 @@ pub enum HvAction {
         /// before this step, allows it (`disk_record::makeable`).
         create: bool,
     },
+    /// Unplug a plugged disk from the running instance: ask the guest to
+    /// let go of it (again), close it once the device is gone. As the
+    /// action of an `ActThenPersist`, its record is stored only once the
+    /// disk is gone.
+    DetachDisk {
+        instance: String,
+        disk: String,
+    },
     /// Grow a disk under the running instance (online resize).
     GrowDisk {
         instance: String,

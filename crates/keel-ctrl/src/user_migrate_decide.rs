@@ -50,6 +50,13 @@ pub(crate) fn decide_user_migration(
     if state != DomainState::Running {
         return Some(poll);
     }
+    // Its target is launched with the instance's disks, in flux until
+    // then.
+    if let Some(change) = inst.disk_change_under_way() {
+        let mut next = vm.clone();
+        next.status.message = Some(format!("migration waiting for {change} to finish"));
+        return Some(persist_if_changed(vm, next, None, now + cfg.poll_ms));
+    }
     let target = match target_of(req, cluster) {
         Ok(t) => t,
         Err(why) => return Some(finish(vm, req, None, false, why, now)),

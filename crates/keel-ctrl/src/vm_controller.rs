@@ -6,7 +6,7 @@ use keel_api::{
     Clock, Event, EvictionPhase, Migration, MigrationPhase, Millis, Mono, Node, NodeFreeze, Phase,
     Snapshot, VirtualMachine,
 };
-use keel_hv::{DomainSpec, HvError, Hypervisor};
+use keel_hv::{DiskDetach, DomainSpec, HvError, Hypervisor};
 use keel_store::{StoreError, TypedEntry, TypedStore};
 
 use crate::cluster_controller::{self, ClusterState};
@@ -525,6 +525,7 @@ impl VmController {
         let step = crate::reboot::reboot_step(&vm, &observed, step, now);
         let step = crate::online_resize::grow_step(&vm, &observed, step, now);
         let step = crate::hotplug::plug_step(&vm, &observed, step, now);
+        let step = crate::hot_unplug::unplug_step(&vm, &observed, step, now);
         if let Step::Persist { vm: next, .. } | Step::ActThenPersist { vm: next, .. } = &step {
             // Before anything is done for it: an action must not run for
             // a record that will be refused.
@@ -574,7 +575,18 @@ impl VmController {
                 vm: next,
                 requeue_at,
             } => {
-                if let Err(err) = self.act(&next, &action).await {
+                let acted = match &action {
+                    HvAction::DetachDisk { instance, disk } => {
+                        self.detach_disk(&vm.name, instance, disk).await
+                    }
+                    _ => self.act(&next, &action).await.map(|()| true),
+                };
+                if let Ok(false) = acted {
+                    // Not done yet (the guest holds on to the disk): nothing
+                    // to store, the record already says what it waits for.
+                    return Ok(Some(now + self.cfg.poll_ms));
+                }
+                if let Err(err) = acted {
                     // The step is retried; its reason is on the record
                     // meanwhile (a restore whose disks cannot be put back
                     // says why), written once, not at every retry.
@@ -1039,6 +1051,10 @@ impl VmController {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk plugged in");
             self.put_event(&event, revision).await;
         }
+        if let Some(event) = crate::hot_unplug::unplugged_event(old, new, now) {
+            tracing::info!(vm = %new.name, reason = %event.reason, "disk unplugged");
+            self.put_event(&event, revision).await;
+        }
         if let Some(event) = crate::online_resize::grown_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk grown online");
             self.put_event(&event, revision).await;
@@ -1198,6 +1214,10 @@ impl VmController {
                 let plug = crate::hotplug::disk_plug(vm, instance, disk, *port, *create);
                 Ok(self.hv.attach_disk(&plug).await?)
             }
+            HvAction::DetachDisk { instance, disk } => {
+                // The first ask: the guest lets go later, seen at a next look.
+                self.detach_disk(&vm.name, instance, disk).await.map(|_| ())
+            }
             HvAction::GrowDisk {
                 instance,
                 disk,
@@ -1223,6 +1243,17 @@ impl VmController {
                 .hv
                 .restore_disks(&vm.name, &vm.spec.disks, snapshot)
                 .await?),
+        }
+    }
+
+    /// Asks the node to unplug `disk`; whether it is gone (an instance
+    /// gone has no disks).
+    async fn detach_disk(&self, vm: &str, instance: &str, disk: &str) -> Result<bool, ActError> {
+        match self.hv.detach_disk(vm, instance, disk).await {
+            Ok(DiskDetach::Gone) => Ok(true),
+            Ok(DiskDetach::Pending) => Ok(false),
+            Err(err) if err.is_not_found() => Ok(true),
+            Err(err) => Err(err.into()),
         }
     }
 

@@ -3,13 +3,15 @@
 //! recorded before the node is asked and confirmed after; a plug the node
 //! refuses stays recorded (the disk's record made, never used) with the
 //! reason shown, and completes once the node can; more disks than spare
-//! ports wait for the next start, which has them all.
+//! ports wait for the next start, which has them all. A plugged disk
+//! dropped from the spec is unplugged from the same instance once the
+//! guest lets go of it; one the instance started with waits for a restart.
 
 mod common;
 
 use common::{spec, World};
 use keel_api::{DiskSpec, Phase, PowerState, RunPolicy, HOTPLUG_PORTS};
-use keel_hv::sim::SimConfig;
+use keel_hv::sim::{SimConfig, UNPLUG_RELEASE_MS};
 
 fn sim() -> SimConfig {
     SimConfig {
@@ -72,7 +74,8 @@ async fn a_disk_added_to_a_running_vm_is_plugged_into_the_same_instance() {
         "{trail:?}"
     );
 
-    // Removed again from the spec: still attached, so a restart is due.
+    // Removed from the spec: unplugged from the same instance, recorded
+    // first and taken off only once the guest let go of it.
     w.user_op("web", |v| {
         v.remove_disk("data")
             .map(|_| ())
@@ -80,11 +83,89 @@ async fn a_disk_added_to_a_running_vm_is_plugged_into_the_same_instance() {
     })
     .await
     .unwrap();
-    w.run_for(1_000).await;
-    assert_eq!(
-        w.get("web").await.unwrap().status.restart_required,
-        ["disks"]
+    w.run_for(UNPLUG_RELEASE_MS / 2).await;
+    let vm = w.get("web").await.unwrap();
+    let inst = vm.status.instance.clone().unwrap();
+    assert!(
+        inst.plugged[0].detach_requested_at.is_some(),
+        "recorded first: {inst:?}"
     );
+    assert_eq!(
+        w.hv.attached_disks(&first).unwrap(),
+        ["root", "data"],
+        "the guest has not let go yet"
+    );
+    assert!(
+        vm.status
+            .message
+            .clone()
+            .unwrap_or_default()
+            .contains("waiting for the guest to let go"),
+        "{vm:?}"
+    );
+    w.run_for(UNPLUG_RELEASE_MS * 2).await;
+    let vm = w.get("web").await.unwrap();
+    let inst = vm.status.instance.clone().unwrap();
+    assert_eq!(inst.id, first, "the same instance");
+    assert!(inst.plugged.is_empty(), "taken off: {inst:?}");
+    assert_eq!(inst.free_port(), Some(0));
+    assert_eq!(w.hv.attached_disks(&first).unwrap(), ["root"]);
+    assert!(vm.status.restart_required.is_empty(), "{vm:?}");
+    let trail = w.event_reasons("web").await;
+    assert!(
+        trail
+            .iter()
+            .any(|e| e.contains("unplugged from the running guest")
+                && e.contains("disk data from root port 0")),
+        "{trail:?}"
+    );
+    let record = vm.status.disks.clone().unwrap();
+    assert!(
+        record.iter().any(|d| d.name == "data" && d.used),
+        "the disk's record stays: {record:?}"
+    );
+
+    // Added back under its name: that disk, plugged again.
+    w.user_op("web", |v| {
+        v.add_disk(disk("data")).map_err(|e| e.error().clone())
+    })
+    .await
+    .unwrap();
+    w.run_for(1_000).await;
+    let vm = w.get("web").await.unwrap();
+    let inst = vm.status.instance.unwrap();
+    assert_eq!(inst.id, first);
+    assert!(inst.plugged[0].attached_at.is_some(), "{inst:?}");
+    assert_eq!(w.hv.attached_disks(&first).unwrap(), ["root", "data"]);
+}
+
+#[tokio::test]
+async fn a_disk_the_vm_started_with_goes_at_the_next_start() {
+    let mut w = World::new(14, sim()).await;
+    w.create("two", {
+        let mut s = spec(RunPolicy::AlwaysOn, PowerState::Running, 10);
+        s.disks.push(disk("logs"));
+        s
+    })
+    .await;
+    w.run_for(4_000).await;
+    let first = w.get("two").await.unwrap().status.instance.unwrap().id;
+    w.user_op("two", |v| {
+        v.remove_disk("logs")
+            .map(|_| ())
+            .map_err(|e| e.error().clone())
+    })
+    .await
+    .unwrap();
+    w.run_for(5_000).await;
+    let vm = w.get("two").await.unwrap();
+    assert_eq!(vm.status.instance.as_ref().unwrap().id, first);
+    assert_eq!(
+        w.hv.attached_disks(&first).unwrap(),
+        ["root", "logs"],
+        "on the root complex: no unplug"
+    );
+    assert_eq!(vm.status.restart_required, ["disks"]);
 }
 
 #[tokio::test]

@@ -4,7 +4,8 @@
 //! guest's record on the first is still there) and a disk resized while
 //! stopped is grown before it boots; a CPU change of the
 //! running VM shows as `restart_required` without a restart; a disk grown
-//! under a running guest is grown in the same QEMU, and the guest sees it.
+//! under a running guest is grown in the same QEMU, and the guest sees it;
+//! a disk plugged into a running guest is unplugged from it again.
 
 mod qemu;
 
@@ -190,6 +191,49 @@ async fn a_disk_added_to_a_running_vm_is_plugged_in_and_kept_by_the_next_start()
 
     // A plugged disk grows online too (its backend has no name: its node).
     env.user(vm, |v| {
+        v.resize_disk("extra", 80).map_err(|e| e.error().clone())
+    })
+    .await;
+    guest_sees(&mut guest, "vdb", 80 << 20).await;
+
+    // `keel vm disk remove` of the running VM: unplugged from the same
+    // QEMU once the guest let go of it, the port free again.
+    let asked = Instant::now();
+    env.user(vm, |v| {
+        v.remove_disk("extra")
+            .map(|_| ())
+            .map_err(|e| e.error().clone())
+    })
+    .await;
+    let unplugged = env
+        .wait_for(vm, Duration::from_secs(60), "unplugged", |v| {
+            v.status
+                .instance
+                .as_ref()
+                .is_some_and(|i| i.plugged.is_empty())
+        })
+        .await;
+    eprintln!("unplugged in {:?}", asked.elapsed());
+    assert_eq!(unplugged.status.instance.as_ref().unwrap().id, first);
+    assert_eq!(env.qemu_pids(&format!("guest={first}")).len(), 1);
+    assert!(
+        unplugged.status.restart_required.is_empty(),
+        "{unplugged:?}"
+    );
+    assert!(
+        guest.disk_bytes("vdb").await.is_err(),
+        "the guest still has vdb"
+    );
+    assert!(extra.is_file(), "the file stays");
+
+    // Added back: that disk (at its grown size), plugged in again.
+    env.user(vm, |v| {
+        v.add_disk(DiskSpec {
+            name: "extra".into(),
+            size_mib: 48,
+            image: None,
+        })
+        .map_err(|e| e.error().clone())?;
         v.resize_disk("extra", 80).map_err(|e| e.error().clone())
     })
     .await;

@@ -101,6 +101,19 @@ pub struct DiskPlug {
     pub create: bool,
 }
 
+/// Where an unplug stands (`Hypervisor::detach_disk`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DiskDetach {
+    /// The guest was asked to let go of the disk and has not yet: the
+    /// device is still there (a guest grants an unplug once it released
+    /// the device, which takes it a moment, or forever if it ignores
+    /// PCIe hot-unplug).
+    Pending,
+    /// The device is gone and the disk closed (every write the guest made
+    /// to it is on the file): the instance no longer has it.
+    Gone,
+}
+
 /// Launch records written before `fenced` existed: every guest of a
 /// cluster node ran under the fence then.
 fn fenced_default() -> bool {
@@ -605,6 +618,21 @@ pub trait Hypervisor: Send + Sync + 'static {
     /// answer is safe.
     async fn attach_disk(&self, plug: &DiskPlug) -> Result<(), HvError> {
         Err(unsupported_guest(&plug.instance, "plug a disk in"))
+    }
+
+    /// Unplugs plugged disk `disk` of `vm` from its running instance: asks
+    /// the guest to let go of it (again, if the guest let an earlier ask
+    /// lapse) while the device is there, and closes the disk once it is
+    /// gone. Repeated until it answers `Gone`; a disk the instance does
+    /// not have is `Gone`.
+    async fn detach_disk(
+        &self,
+        vm: &str,
+        instance: &str,
+        disk: &str,
+    ) -> Result<DiskDetach, HvError> {
+        let _ = (vm, disk);
+        Err(unsupported_guest(instance, "unplug a disk"))
     }
 
     /// Grows disk `disk` of `vm` to `size_mib` under its running instance

@@ -16,6 +16,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod disk_change;
+mod hot_unplug;
+pub use hot_unplug::RELEASE_MS as UNPLUG_RELEASE_MS;
 mod hotplug;
 mod online_resize;
 mod reset;
@@ -1536,6 +1538,15 @@ impl Hypervisor for SimHypervisor {
 
     async fn attach_disk(&self, plug: &crate::DiskPlug) -> Result<(), HvError> {
         self.attach_now(plug)
+    }
+
+    async fn detach_disk(
+        &self,
+        _vm: &str,
+        instance: &str,
+        disk: &str,
+    ) -> Result<crate::DiskDetach, HvError> {
+        self.detach_now(instance, disk)
     }
 
     async fn grow_disk(

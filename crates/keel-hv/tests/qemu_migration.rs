@@ -272,6 +272,7 @@ async fn a_disk_plugged_on_the_source_is_on_the_target_after_the_move() {
             disk: "extra".into(),
             port: 1,
             attached_at: Some(1),
+            detach_requested_at: None,
         }],
         ..db1.clone()
     };

@@ -59,9 +59,9 @@ pub(super) fn port_args(ports: u32) -> Vec<String> {
 }
 
 #[derive(Debug, Deserialize)]
-struct NamedNode {
+pub(super) struct NamedNode {
     #[serde(rename = "node-name")]
-    node_name: String,
+    pub node_name: String,
 }
 
 impl QemuDriver {

@@ -158,6 +158,15 @@ impl Hypervisor for QemuDriver {
         self.attach_disk_online(plug).await
     }
 
+    async fn detach_disk(
+        &self,
+        vm: &str,
+        instance: &str,
+        disk: &str,
+    ) -> Result<crate::DiskDetach, HvError> {
+        self.detach_disk_online(vm, instance, disk).await
+    }
+
     async fn grow_disk(
         &self,
         vm: &str,

@@ -43,9 +43,33 @@ impl LiveMonitor {
             .map_err(|e| self.qmp_error(e))
     }
 
+    /// `command`'s answer, or QEMU's reason when it refused it (for the
+    /// callers to which some refusals are an answer, not a failure); what
+    /// could not be asked is the error.
+    pub async fn try_execute(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<Result<Value, String>, HvError> {
+        match self.client.execute(command, arguments).await {
+            Ok(value) => Ok(Ok(value)),
+            Err(QmpError::Command { desc, .. }) => Ok(Err(desc)),
+            Err(other) => Err(self.qmp_error(other)),
+        }
+    }
+
     /// A query's answer, decoded.
     pub async fn query<T: DeserializeOwned>(&self, command: &str) -> Result<T, HvError> {
-        let value = self.execute(command, None).await?;
+        self.query_with(command, None).await
+    }
+
+    /// A query's answer to `arguments`, decoded.
+    pub async fn query_with<T: DeserializeOwned>(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+    ) -> Result<T, HvError> {
+        let value = self.execute(command, arguments).await?;
         serde_json::from_value(value).map_err(|e| self.failed(format!("{command} result: {e}")))
     }
 }

@@ -31,6 +31,7 @@ pub mod console_log;
 mod disks;
 pub mod guest_agent;
 mod hardware_catalog;
+mod hot_unplug;
 mod hotplug;
 mod hypervisor;
 pub mod keeper;

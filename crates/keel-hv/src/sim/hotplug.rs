@@ -57,6 +57,7 @@ impl SimHypervisor {
             disk: name.clone(),
             port: plug.port,
             attached_at: Some(now),
+            detach_requested_at: None,
         });
         s.log.push(format!(
             "t={now}: plug disk {name} into {instance} on port {}",

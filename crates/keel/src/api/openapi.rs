@@ -356,8 +356,8 @@ fn schemas() -> Value {
                 "reboot": {"type": "object", "description": "A reboot request under way: asked at requested_at, reset by the hypervisor at fallback_at"},
                 "disk_sizes_mib": {"type": "object", "additionalProperties": {"type": "integer"}, "description": "The size each disk of this instance has as its guest sees it: the spec's at the start, grown online since"},
                 "hotplug_ports": {"type": "integer", "description": "Spare PCIe root ports the instance was launched with, for disks plugged while it runs"},
-                "plugged": {"type": "array", "description": "Disks plugged in since the start; attached_at absent while the plug is under way", "items": {"type": "object", "properties": {
-                    "disk": {"type": "string"}, "port": {"type": "integer"}, "attached_at": millis
+                "plugged": {"type": "array", "description": "Disks plugged in since the start; attached_at absent while the plug is under way, detach_requested_at present while an unplug is", "items": {"type": "object", "properties": {
+                    "disk": {"type": "string"}, "port": {"type": "integer"}, "attached_at": millis, "detach_requested_at": millis
                 }}}
             }},
             "stop": {"type": "object"},

@@ -30,10 +30,23 @@ pub fn run(client: &Client, out: OutputFormat, verb: DiskVerb) -> anyhow::Result
                 encode(&args.name),
                 encode(&args.disk)
             );
-            let resp = client.call(Method::DELETE, &path, Some(&RemoveDiskRequest::default()))?;
+            let resp: VmResponse =
+                client.call(Method::DELETE, &path, Some(&RemoveDiskRequest::default()))?;
+            let running = resp.vm.status.instance.as_ref();
+            let plugged = running.is_some_and(|i| i.plugged.iter().any(|p| p.disk == args.disk));
+            let started = running
+                .and_then(|i| i.started_with.as_ref())
+                .is_some_and(|s| s.disks.contains(&args.disk));
+            let then = if plugged {
+                "; the running guest has it unplugged (`keel vm get` shows when)"
+            } else if started {
+                "; the running instance keeps it until its next start (restart required)"
+            } else {
+                ""
+            };
             let said = format!(
-                "disk {} removed from the spec; its file stays in the VM's disk dir until \
-                 the VM is deleted",
+                "disk {} removed from the spec{then}; its file stays in the VM's disk dir \
+                 until the VM is deleted",
                 args.disk
             );
             (args.name, said, resp)
