@@ -8,6 +8,8 @@
 pub mod api_token;
 pub mod audit;
 pub mod clock;
+pub mod clone;
+pub mod clone_source;
 pub mod cloud_init;
 pub mod disk_change;
 pub mod disk_record;
@@ -32,6 +34,7 @@ pub mod vm;
 pub use api_token::{ApiToken, CreateTokenRequest, Role};
 pub use audit::{Audit, AuditEvent, AuditPart};
 pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
+pub use clone_source::CloneSource;
 pub use cloud_init::CloudInitSpec;
 pub use disk_change::DiskChangeError;
 pub use disk_record::{DiskHome, DiskRecord};

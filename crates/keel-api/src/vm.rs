@@ -370,6 +370,10 @@ pub struct VmStatus {
     /// changes it at the next start; the machine type stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<crate::VmHardware>,
+    /// The VM this one is a clone of, whose disks at a snapshot its first
+    /// start copies (`keel vm clone`). Kept afterwards as its history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_from: Option<crate::CloneSource>,
 }
 
 impl VmStatus {

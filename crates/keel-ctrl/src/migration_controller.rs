@@ -170,6 +170,8 @@ impl MigrationController {
                     hardware: vm.status.hardware.clone(),
                     hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
                     plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
+                    // A target opens the source's disks; it makes none.
+                    clone_from: None,
                 };
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {

@@ -1191,6 +1191,7 @@ impl VmController {
                         hotplug_ports: inst.hotplug_ports,
                         // A new instance: every disk on the root complex.
                         plugged: Vec::new(),
+                        clone_from: vm.status.clone_from.clone(),
                     })
                     .await?)
             }

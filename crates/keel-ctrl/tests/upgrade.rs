@@ -67,6 +67,7 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             hardware: None,
             hotplug_ports: 0,
             plugged: Vec::new(),
+            clone_from: None,
         })
         .await
         .unwrap();

@@ -82,6 +82,12 @@ pub struct DomainSpec {
     /// complex: a migration target's, whose source had them plugged.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub plugged: Vec<keel_api::PluggedDisk>,
+    /// A clone's source (`VmStatus::clone_from`): a disk it names that
+    /// `create_disks` allows is made as a copy of the source VM's disk at
+    /// the snapshot, never blank; one that cannot be copied fails the
+    /// start, naming it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clone_from: Option<keel_api::CloneSource>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -139,6 +145,7 @@ impl DomainSpec {
             hardware: None,
             hotplug_ports: 0,
             plugged: Vec::new(),
+            clone_from: None,
         }
     }
 }

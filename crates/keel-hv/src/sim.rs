@@ -947,8 +947,36 @@ impl Hypervisor for SimHypervisor {
                     ),
                 });
             }
+            // A clone's disks to make are copies of its source's at the
+            // snapshot (the guest's records with them), never blank.
+            let copied = spec.clone_from.as_ref().filter(|c| {
+                spec.disks.iter().any(|d| {
+                    c.disks.contains(&d.name)
+                        && spec.create_disks.allows(&d.name)
+                        && !made.is_some_and(|m| m.contains(&d.name))
+                })
+            });
+            let copy = match copied {
+                None => None,
+                Some(c) => match all.get(&c.vm).and_then(|d| d.snapshots.get(&c.snapshot)) {
+                    Some(records) => Some(records.clone()),
+                    None => {
+                        return Err(HvError::Failed {
+                            instance: spec.instance.clone(),
+                            op: "start",
+                            reason: format!(
+                                "the disks of VM {} are copies of VM {}'s at snapshot {},                                  which is missing on node {}: no blank disk is made in                                  their place",
+                                spec.vm, c.vm, c.snapshot, self.node
+                            ),
+                        });
+                    }
+                },
+            };
             let disks = all.entry(spec.vm.clone()).or_default();
             disks.made.extend(spec.disks.iter().map(|d| d.name.clone()));
+            if let Some(records) = copy {
+                disks.records = records;
+            }
         }
         if let Some((left, reason)) = s.failing_starts.get_mut(&spec.vm) {
             if *left > 0 {

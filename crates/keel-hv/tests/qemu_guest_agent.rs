@@ -103,6 +103,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         hardware: None,
         hotplug_ports: 0,
         plugged: Vec::new(),
+        clone_from: None,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

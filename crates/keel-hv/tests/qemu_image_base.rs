@@ -45,6 +45,7 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         hardware: None,
         hotplug_ports: 0,
         plugged: Vec::new(),
+        clone_from: None,
     }
 }
 

@@ -45,6 +45,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         hardware: None,
         hotplug_ports: 0,
         plugged: Vec::new(),
+        clone_from: None,
     }
 }
 

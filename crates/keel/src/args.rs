@@ -717,6 +717,9 @@ pub enum VmVerb {
     /// Live-migrate a running VM to another node (the drain's tuning and
     /// limits; drains go first). A failure leaves it running where it is.
     Migrate(MigrateArgs),
+    /// Create a new VM whose disks are copies of this one's at a snapshot
+    /// (taken now, live if it runs, unless --snapshot names one).
+    Clone(CloneArgs),
     /// Add, remove or grow one of a VM's disks.
     #[command(subcommand)]
     Disk(DiskVerb),
@@ -751,6 +754,24 @@ pub struct DiskAddArgs {
 pub struct DiskRemoveArgs {
     pub name: String,
     pub disk: String,
+}
+
+#[derive(Debug, Args)]
+pub struct CloneArgs {
+    /// The VM to clone.
+    pub source: String,
+    /// The new VM's name.
+    pub name: String,
+    /// A Ready snapshot of the source to copy from; without it, snapshot
+    /// `clone-NAME` is taken first (and kept: `keel snapshot delete`).
+    #[arg(long)]
+    pub snapshot: Option<String>,
+    /// Run the clone (it is created stopped otherwise).
+    #[arg(long)]
+    pub start: bool,
+    /// Seconds to wait for the snapshot taken first.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
 }
 
 #[derive(Debug, Args)]

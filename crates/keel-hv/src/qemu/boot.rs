@@ -268,6 +268,7 @@ mod tests {
             hardware: None,
             hotplug_ports: 0,
             plugged: Vec::new(),
+            clone_from: None,
         }
     }
 

@@ -37,6 +37,7 @@ impl QemuDriver {
         disks: &[keel_api::DiskSpec],
         create: &DiskCreation,
         images: &[(keel_api::Image, PathBuf)],
+        clone: Option<&keel_api::CloneSource>,
     ) -> Result<Vec<PathBuf>, String> {
         let vm_dir = self.inner.layout.vm_disks(vm);
         tokio::fs::create_dir_all(&vm_dir)
@@ -88,6 +89,12 @@ impl QemuDriver {
                 // Built under a temporary name and moved into place, so a
                 // crash never leaves a half-written image that looks ready.
                 let tmp = vm_dir.join(format!(".{}.{}.tmp", disk.name, std::process::id()));
+                if let Some(source) = clone.filter(|c| c.disks.contains(&disk.name)) {
+                    self.copy_at_snapshot(vm, source, disk, base, &tmp, &path)
+                        .await?;
+                    paths.push(path);
+                    continue;
+                }
                 let mut cmd = tokio::process::Command::new(&self.inner.config.qemu_img);
                 crate::unprivileged::without_capabilities(&mut cmd);
                 cmd.args(["create", "-q", "-f", "qcow2"]);

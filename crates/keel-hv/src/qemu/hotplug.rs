@@ -85,7 +85,13 @@ impl QemuDriver {
             DiskCreation::none()
         };
         let made = self
-            .ensure_disks(&plug.vm, std::slice::from_ref(&plug.disk), &create, &[])
+            .ensure_disks(
+                &plug.vm,
+                std::slice::from_ref(&plug.disk),
+                &create,
+                &[],
+                None,
+            )
             .await
             .map_err(|e| monitor.failed(e))?;
         let path = made.into_iter().next().expect("one disk asked, one path");

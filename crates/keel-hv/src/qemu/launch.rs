@@ -134,7 +134,13 @@ impl QemuDriver {
             self.existing_disks(spec).await?
         } else {
             let paths = self
-                .ensure_disks(&spec.vm, &spec.disks, &spec.create_disks, &images)
+                .ensure_disks(
+                    &spec.vm,
+                    &spec.disks,
+                    &spec.create_disks,
+                    &images,
+                    spec.clone_from.as_ref(),
+                )
                 .await
                 .map_err(&failed)?;
             // Not on an incoming target: the source's QEMU holds the files.

@@ -24,6 +24,7 @@ mod accel;
 mod accel_choice;
 mod blocking;
 pub mod boot;
+mod clone_disk;
 pub mod cloud_init;
 mod config;
 mod console;

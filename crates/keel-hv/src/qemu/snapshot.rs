@@ -336,7 +336,7 @@ impl QemuDriver {
         // disk made from an image is not made here: without the image's
         // verified record that fails, naming it.
         let paths = self
-            .ensure_disks(vm, disks, &crate::DiskCreation::all_of(disks), &[])
+            .ensure_disks(vm, disks, &crate::DiskCreation::all_of(disks), &[], None)
             .await
             .map_err(|e| storage(vm, OP, format!("snapshot {name}: {e}")))?;
         let what = |disk: &DiskSpec| format!("snapshot {name} of disk {}", disk.name);

@@ -210,6 +210,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         hardware: None,
         hotplug_ports: 0,
         plugged: Vec::new(),
+        clone_from: None,
     }
 }
 

@@ -6,6 +6,7 @@
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
 pub mod audit;
+pub mod clone;
 pub mod console;
 pub mod console_proxy;
 pub mod disks;
@@ -99,6 +100,7 @@ pub fn router(state: AppState, door: Door) -> Router {
             post(disks::resize),
         )
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
+        .route("/api/v1/vms/{name}/clone", post(clone::clone))
         .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))
         .route("/api/v1/vms/{name}/console/log", get(console::log))

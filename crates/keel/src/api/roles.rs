@@ -7,7 +7,7 @@
 //! - operator: powers VMs (start, stop, restart, reboot), takes
 //!   snapshots, live-migrates, and the console and its log (the console
 //!   is interactive power over the guest, its log that session's text);
-//! - admin: what creates, changes or destroys: VMs (create, spec, disks, delete),
+//! - admin: what creates, changes or destroys: VMs (create, clone, spec, disks, delete),
 //!   restoring and deleting snapshots (both discard disk contents), images,
 //!   nodes (cordon, uncordon, drain, freeze), tokens.
 //!
@@ -52,6 +52,7 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
         Needs(Admin),
     ),
     ("POST", "/api/v1/vms/{name}/restore", Needs(Admin)),
+    ("POST", "/api/v1/vms/{name}/clone", Needs(Admin)),
     ("POST", "/api/v1/vms/{name}/migrate", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console/log", Needs(Operator)),

@@ -15,6 +15,7 @@ pub mod server_trust;
 mod snapshot;
 mod token;
 mod vm;
+mod vm_clone;
 mod vm_disk;
 mod vm_ha;
 mod vm_migrate;

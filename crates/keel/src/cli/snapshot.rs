@@ -79,7 +79,7 @@ fn create(client: &Client, out: OutputFormat, args: SnapshotCreateArgs) -> anyho
 
 /// Polls until the snapshot is Ready (or fails: an error), printing each
 /// change of phase or message on stderr.
-fn wait_taken(
+pub(super) fn wait_taken(
     client: &Client,
     vm: &str,
     name: &str,

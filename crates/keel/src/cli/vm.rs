@@ -26,6 +26,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Logs(args) => logs(&client, args),
         VmVerb::Console { name } => super::console::run(&client, &name),
         VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
+        VmVerb::Clone(args) => super::vm_clone::run(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
     }
 }
