@@ -35,17 +35,20 @@ async fn running_with_snapshot(w: &mut World) -> keel_api::VirtualMachine {
     w.get("src").await.unwrap()
 }
 
-#[tokio::test]
-async fn a_clone_starts_on_copies_of_the_disks_at_the_snapshot() {
-    let mut w = World::new(21, sim()).await;
-    let src = running_with_snapshot(&mut w).await;
-    let snap = w
-        .user
+async fn snapshot(w: &World) -> keel_api::Snapshot {
+    w.user
         .get::<keel_api::Snapshot>(&snapshot_key("src", "s1"))
         .await
         .unwrap()
         .unwrap()
-        .value;
+        .value
+}
+
+#[tokio::test]
+async fn a_clone_starts_on_copies_of_the_disks_at_the_snapshot() {
+    let mut w = World::new(21, sim()).await;
+    let src = running_with_snapshot(&mut w).await;
+    let snap = snapshot(&w).await;
     let clone = src
         .clone_at("copy", &snap, PowerState::Running, [4; 12])
         .unwrap();
@@ -84,13 +87,7 @@ async fn a_clone_starts_on_copies_of_the_disks_at_the_snapshot() {
 async fn a_clone_whose_snapshot_is_gone_gets_no_blank_disks() {
     let mut w = World::new(22, sim()).await;
     let src = running_with_snapshot(&mut w).await;
-    let mut snap = w
-        .user
-        .get::<keel_api::Snapshot>(&snapshot_key("src", "s1"))
-        .await
-        .unwrap()
-        .unwrap()
-        .value;
+    let mut snap = snapshot(&w).await;
     let clone = src
         .clone_at("orphan", &snap, PowerState::Running, [5; 12])
         .unwrap();

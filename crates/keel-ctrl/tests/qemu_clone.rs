@@ -9,8 +9,8 @@ mod qemu;
 
 use std::time::{Duration, Instant};
 
-use keel_api::{PowerState, RunPolicy, Snapshot, SnapshotPhase};
-use keel_ctrl::keys::{snapshot_key, vm_key};
+use keel_api::{PowerState, RunPolicy, SnapshotPhase};
+use keel_ctrl::keys::vm_key;
 use qemu::Env;
 
 const BOOT: Duration = Duration::from_secs(60);
@@ -38,37 +38,7 @@ async fn a_clone_of_a_running_vm_boots_on_a_copy_of_its_disk_at_the_snapshot() {
     let (source, mut guest) = env.ready("csrc", BOOT).await;
     guest.put(1, "in the snapshot").await.unwrap();
 
-    let vm = env.vm("csrc").await;
-    let key = snapshot_key("csrc", "s1");
-    env.store
-        .create(
-            &key,
-            &Snapshot {
-                vm: "csrc".into(),
-                name: "s1".into(),
-                spec: vm.spec.clone(),
-                requested_at: 0,
-                deletion_requested_at: None,
-                status: Default::default(),
-            },
-        )
-        .await
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let snap = loop {
-        let snap = env
-            .store
-            .get::<Snapshot>(&key)
-            .await
-            .unwrap()
-            .unwrap()
-            .value;
-        if snap.status.phase != SnapshotPhase::Pending {
-            break snap;
-        }
-        assert!(Instant::now() < deadline, "snapshot not taken: {snap:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let snap = env.take_snapshot("csrc", "s1").await;
     assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{snap:?}");
     assert!(snap.status.live);
     guest.put(2, "after the snapshot").await.unwrap();

@@ -5,9 +5,9 @@ mod qemu;
 use std::time::Duration;
 
 use keel_api::{
-    EvictionWindows, Node, Phase, PowerState, RunPolicy, Snapshot, SnapshotPhase, VirtualMachine,
+    EvictionWindows, Node, Phase, PowerState, RunPolicy, SnapshotPhase, VirtualMachine,
 };
-use keel_ctrl::keys::{node_key, snapshot_key};
+use keel_ctrl::keys::node_key;
 use keel_hv::guest::GuestChannel;
 use qemu::{qemu_pids, Env};
 
@@ -113,40 +113,7 @@ async fn restore_brings_back_the_snapshot_data_and_the_power_state() {
     .await;
     let (first, mut guest) = env.ready("db", BOOT).await;
     guest.put(1, "in the snapshot").await.unwrap();
-    let vm = env.vm("db").await;
-    let key = snapshot_key("db", "nightly");
-    env.store
-        .create(
-            &key,
-            &Snapshot {
-                vm: "db".into(),
-                name: "nightly".into(),
-                spec: vm.spec.clone(),
-                requested_at: 0,
-                deletion_requested_at: None,
-                status: Default::default(),
-            },
-        )
-        .await
-        .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let snap = loop {
-        let snap = env
-            .store
-            .get::<Snapshot>(&key)
-            .await
-            .unwrap()
-            .unwrap()
-            .value;
-        if snap.status.phase != SnapshotPhase::Pending {
-            break snap;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "snapshot not taken: {snap:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let snap = env.take_snapshot("db", "nightly").await;
     assert_eq!(snap.status.phase, SnapshotPhase::Ready, "{snap:?}");
     assert!(snap.status.live);
     guest.put(1, "after the snapshot").await.unwrap();

@@ -257,6 +257,39 @@ impl Env {
         .await
     }
 
+    /// Asks for snapshot `name` of `vm` (its spec now) and waits until the
+    /// node's snapshot controller has taken it (or failed); returns the
+    /// final record.
+    pub async fn take_snapshot(&self, vm: &str, name: &str) -> keel_api::Snapshot {
+        use keel_api::{Snapshot, SnapshotPhase};
+        let spec = self.vm(vm).await.spec;
+        let key = keel_ctrl::keys::snapshot_key(vm, name);
+        let request = Snapshot {
+            vm: vm.into(),
+            name: name.into(),
+            spec,
+            requested_at: 0,
+            deletion_requested_at: None,
+            status: Default::default(),
+        };
+        self.store.create(&key, &request).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let snap = self
+                .store
+                .get::<Snapshot>(&key)
+                .await
+                .unwrap()
+                .unwrap()
+                .value;
+            if snap.status.phase != SnapshotPhase::Pending {
+                return snap;
+            }
+            assert!(Instant::now() < deadline, "snapshot not taken: {snap:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     /// Waits until `pred` holds for the VM record (polling; real QEMU runs
     /// in real time).
     pub async fn wait_for(
