@@ -7,6 +7,7 @@
 
 pub mod api_token;
 pub mod audit;
+pub mod capacity;
 pub mod clock;
 pub mod clone;
 pub mod clone_source;
@@ -33,6 +34,7 @@ pub mod vm;
 
 pub use api_token::{ApiToken, CreateTokenRequest, Role};
 pub use audit::{Audit, AuditEvent, AuditPart};
+pub use capacity::{CapacityPolicy, Demand, HostResources, NodeCapacity};
 pub use clock::{Clock, ManualClock, Millis, Mono, SystemClock};
 pub use clone_source::CloneSource;
 pub use cloud_init::CloudInitSpec;

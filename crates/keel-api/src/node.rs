@@ -136,6 +136,11 @@ pub struct NodeStatus {
     /// `None`: older agents.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<crate::HostHardware>,
+    /// What this node offers its guests (its host less the reserve, times
+    /// the overcommit): VMs are placed only where they fit. `None`: older
+    /// agents, or a driver that cannot tell (nothing is judged by it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<crate::NodeCapacity>,
 }
 
 impl Node {

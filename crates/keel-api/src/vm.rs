@@ -439,6 +439,11 @@ pub struct Eviction {
     /// again from the counter. `None` on records from before it was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub migration_target: Option<String>,
+    /// The node the reserved migration goes to: its incoming instance
+    /// takes that node's capacity from the reservation on. `None` on
+    /// records from before it was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_target_node: Option<String>,
     /// Attempts of this eviction that failed, for the backoff between them.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub failed_attempts: u32,
@@ -706,6 +711,27 @@ impl VirtualMachine {
         match &self.status.instance {
             Some(inst) => Some(&inst.node),
             None => self.status.node.as_deref(),
+        }
+    }
+
+    /// The node a migration of this VM reserved goes to, while it is
+    /// reserved: it takes that node's capacity too (`crate::capacity`).
+    pub fn incoming_on(&self) -> Option<&str> {
+        let ev = self.status.eviction.as_ref()?;
+        ev.migration.as_ref()?;
+        ev.migration_target_node
+            .as_deref()
+            .filter(|n| self.allocated_on() != Some(*n))
+    }
+
+    /// The node whose capacity this VM takes (`crate::capacity`): its
+    /// instance's, or, with none, the node it is placed on if it is to run
+    /// there. A stopped VM takes nothing.
+    pub fn allocated_on(&self) -> Option<&str> {
+        match &self.status.instance {
+            Some(inst) => Some(&inst.node),
+            None if self.wants_running() => self.status.node.as_deref(),
+            None => None,
         }
     }
 
@@ -1082,6 +1108,16 @@ impl VirtualMachine {
                 ),
             )),
             None => Ok(()),
+        }
+    }
+}
+
+impl VmSpec {
+    /// What an instance of this spec takes of a node's capacity.
+    pub fn demand(&self) -> crate::Demand {
+        crate::Demand {
+            cpus: u64::from(self.cpus),
+            memory_mib: self.memory_mib,
         }
     }
 }

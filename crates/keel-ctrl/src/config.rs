@@ -57,6 +57,9 @@ pub struct LifecycleConfig {
     /// (the driver's `NodeFacts::hardware`). `None`: none is recorded, and
     /// the driver uses its configured machine (simulations, tests).
     pub default_machine: Option<String>,
+    /// How this node's capacity follows from its host (`--reserve-memory`,
+    /// `--cpu-overcommit`, `--memory-overcommit`).
+    pub capacity: keel_api::CapacityPolicy,
 }
 
 impl LifecycleConfig {
@@ -91,6 +94,7 @@ impl Default for LifecycleConfig {
             readiness_refresh_ms: 30_000,
             event_retention: EventRetention::default(),
             default_machine: None,
+            capacity: keel_api::CapacityPolicy::default(),
         }
     }
 }

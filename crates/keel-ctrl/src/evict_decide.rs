@@ -47,6 +47,7 @@ pub(crate) fn decide_eviction(
                 migration: None,
                 migration_source: None,
                 migration_target: None,
+                migration_target_node: None,
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
@@ -344,6 +345,13 @@ pub(crate) fn reserve_and_create(
             (id, target_instance)
         }
     };
+    // Where the incoming instance takes room from now on (the same record
+    // write as the reservation, so no placement meanwhile overlooks it).
+    next.status
+        .eviction
+        .as_mut()
+        .expect("eviction present")
+        .migration_target_node = Some(target.to_string());
     let migration = Migration {
         id,
         vm: vm.name.clone(),
@@ -557,6 +565,7 @@ mod tests {
                 migration: Some("vm-m1".into()),
                 migration_source: Some("vm-1".into()),
                 migration_target: Some("vm-t1".into()),
+                migration_target_node: None,
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,
@@ -568,6 +577,7 @@ mod tests {
                 targets: vec!["b".into()],
                 in_flight: vec![],
                 drain_evictions_waiting: 0,
+                no_room_here: None,
             };
             let inst = vm.status.instance.clone().unwrap();
             let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg)
@@ -635,6 +645,7 @@ mod tests {
             migration: None,
             migration_source: None,
             migration_target: None,
+            migration_target_node: None,
             failed_attempts: 0,
             next_attempt_at: None,
             message: None,
@@ -646,6 +657,7 @@ mod tests {
             targets: vec!["b".into()],
             in_flight: vec![],
             drain_evictions_waiting: 0,
+            no_room_here: None,
         };
         let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
         let Step::Persist {
@@ -750,6 +762,7 @@ mod tests {
                 migration: Some(id.into()),
                 migration_source: None,
                 migration_target: None,
+                migration_target_node: None,
                 failed_attempts: 0,
                 next_attempt_at: None,
                 message: None,

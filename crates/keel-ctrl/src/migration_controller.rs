@@ -35,6 +35,9 @@ pub struct MigrationController {
     /// This node's own lease, shared with its VM controller: no incoming
     /// instance is started while it is stale.
     lease: Option<Arc<crate::node_lease::NodeLease>>,
+    /// Every VM and node record, as the VM controller's runtime keeps
+    /// them: what an incoming instance must fit beside.
+    vm_index: Option<Arc<crate::vm_index::ClusterReflector>>,
 }
 
 impl MigrationController {
@@ -52,11 +55,19 @@ impl MigrationController {
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
             lease: None,
+            vm_index: None,
         }
     }
 
     pub fn config(&self) -> &crate::LifecycleConfig {
         &self.cfg
+    }
+
+    /// Checks each incoming instance against this node's capacity in
+    /// `index` before starting it.
+    pub fn with_index(mut self, index: Arc<crate::vm_index::ClusterReflector>) -> Self {
+        self.vm_index = Some(index);
+        self
     }
 
     pub fn with_lease(mut self, lease: Arc<crate::node_lease::NodeLease>) -> Self {
@@ -137,6 +148,29 @@ impl MigrationController {
                         "not starting the incoming instance: this node's lease is stale"
                     );
                     return Ok(Some(now + self.cfg.retry_ms));
+                }
+                // The hard check, made by the node that starts the
+                // instance, against every start and incoming instance it
+                // knows of (its own among them): a reservation chosen from
+                // an older view never overcommits this node.
+                let domains = match &self.vm_index {
+                    Some(_) => self.hv.list().await.map(|l| l.domains).unwrap_or_default(),
+                    None => Vec::new(),
+                };
+                let no_room = self.vm_index.as_ref().and_then(|index| {
+                    let node = index.node(me).flatten()?;
+                    index
+                        .read(|vms| {
+                            let extra = crate::schedule::unaccounted(&domains, me, |name| {
+                                vms.get(name).map(|v| &v.vm)
+                            });
+                            crate::schedule::room_on(&vm, &node, vms.load(), extra).err()
+                        })
+                        .flatten()
+                });
+                if let Some(why) = no_room {
+                    let why = format!("no room on the target: {why}");
+                    return self.fail(&key, m, entry.revision, &why, now).await;
                 }
                 let images = crate::images::records_for(&self.store, &vm.spec).await?;
                 // The guest's device state arrives from the source and fits

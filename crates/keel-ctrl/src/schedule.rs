@@ -6,7 +6,8 @@
 
 use std::collections::HashMap;
 
-use keel_api::{Node, VirtualMachine};
+use keel_api::capacity::human_mib;
+use keel_api::{Demand, Node, VirtualMachine};
 
 use crate::config::LifecycleConfig;
 use crate::node_lease::liveness::{ClockReading, Liveness};
@@ -18,6 +19,9 @@ use crate::node_lease::liveness::{ClockReading, Liveness};
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NodeLoad {
     owned: HashMap<String, usize>,
+    /// What the VMs that take a node's capacity take together
+    /// (`VirtualMachine::allocated_on`).
+    allocated: HashMap<String, Demand>,
 }
 
 impl NodeLoad {
@@ -34,6 +38,10 @@ impl NodeLoad {
         if let Some(node) = vm.owner_node() {
             *self.owned.entry(node.to_string()).or_default() += 1;
         }
+        for node in vm.allocated_on().into_iter().chain(vm.incoming_on()) {
+            let sum = self.allocated.entry(node.to_string()).or_default();
+            *sum = sum.plus(vm.spec.demand());
+        }
     }
 
     /// Stops counting `vm` (as it was counted by [`NodeLoad::add`]).
@@ -41,6 +49,24 @@ impl NodeLoad {
         if let Some(count) = vm.owner_node().and_then(|n| self.owned.get_mut(n)) {
             *count = count.saturating_sub(1);
         }
+        for node in vm.allocated_on().into_iter().chain(vm.incoming_on()) {
+            if let Some(sum) = self.allocated.get_mut(node) {
+                *sum = sum.minus(vm.spec.demand());
+            }
+        }
+    }
+
+    /// What the VMs on `node` other than `vm` itself take of its capacity.
+    pub fn allocated_besides(&self, node: &str, vm: &VirtualMachine) -> Demand {
+        let all = self.allocated.get(node).copied().unwrap_or_default();
+        let own = vm.allocated_on().into_iter().chain(vm.incoming_on());
+        own.filter(|n| *n == node)
+            .fold(all, |left, _| left.minus(vm.spec.demand()))
+    }
+
+    /// What the VMs on `node` take of its capacity.
+    pub fn allocated(&self, node: &str) -> Demand {
+        self.allocated.get(node).copied().unwrap_or_default()
     }
 
     /// `before` became `after` (one VM's record rewritten).
@@ -57,7 +83,11 @@ impl NodeLoad {
 }
 
 /// Nodes `vm` may go to now, best first: ready, not cordoned, allowed by
-/// `spec.node`, not `exclude`; fewest VMs first, then by name.
+/// `spec.node`, not `exclude`, where its disks, images and hardware are,
+/// and with room for its CPUs and memory beside what is allocated there;
+/// the least filled first (the larger of its CPU and memory shares once
+/// the VM is on it), then the fewest VMs, then by name. A node that
+/// reports no capacity (an older agent) is judged by count alone.
 pub fn candidate_nodes(
     vm: &VirtualMachine,
     nodes: &[Node],
@@ -67,10 +97,40 @@ pub fn candidate_nodes(
     now: ClockReading,
     cfg: &LifecycleConfig,
 ) -> Vec<String> {
-    let mut candidates: Vec<(usize, String)> = nodes
+    let demand = vm.spec.demand();
+    let mut candidates: Vec<(u64, usize, String)> =
+        eligible_nodes(vm, nodes, exclude, liveness, now, cfg)
+            .filter_map(|n| {
+                let share = match &n.status.capacity {
+                    None => 0,
+                    Some(cap) => {
+                        let used = load.allocated_besides(&n.name, vm);
+                        if !cap.fits(used, demand) {
+                            return None;
+                        }
+                        cap.share_permille(used.plus(demand))
+                    }
+                };
+                Some((share, load.on_node_besides(&n.name, vm), n.name.clone()))
+            })
+            .collect();
+    candidates.sort();
+    candidates.into_iter().map(|(_, _, name)| name).collect()
+}
+
+/// Nodes `vm` may go to now by everything but capacity.
+fn eligible_nodes<'a>(
+    vm: &'a VirtualMachine,
+    nodes: &'a [Node],
+    exclude: Option<&'a str>,
+    liveness: &'a Liveness,
+    now: ClockReading,
+    cfg: &'a LifecycleConfig,
+) -> impl Iterator<Item = &'a Node> + 'a {
+    nodes
         .iter()
-        .filter(|n| liveness.ready(n, now, cfg) && !n.cordoned && n.drain.is_none())
-        .filter(|n| Some(n.name.as_str()) != exclude)
+        .filter(move |n| liveness.ready(n, now, cfg) && !n.cordoned && n.drain.is_none())
+        .filter(move |n| Some(n.name.as_str()) != exclude)
         .filter(|n| vm.spec.node.as_deref().is_none_or(|pin| pin == n.name))
         // Only where its disks are: a VM never boots on blank disks.
         .filter(|n| {
@@ -79,13 +139,95 @@ pub fn candidate_nodes(
                 .as_ref()
                 .is_none_or(|h| *h == n.disk_home())
         })
-        .filter(|n| sees_the_same_images(vm, n, nodes))
+        .filter(move |n| sees_the_same_images(vm, n, nodes))
         // Only where its QEMU provides the VM's machine type and CPU.
         .filter(|n| crate::hardware::node_lacks(vm, n).is_none())
-        .map(|n| (load.on_node_besides(&n.name, vm), n.name.clone()))
+}
+
+/// Why `vm` fits on none of `eligible` (each has too little free), as the
+/// record says it: what it needs and what each has.
+fn no_room(vm: &VirtualMachine, eligible: &[&Node], load: &NodeLoad) -> String {
+    let demand = vm.spec.demand();
+    let each: Vec<String> = eligible
+        .iter()
+        .filter_map(|n| {
+            let free = n.status.capacity?.free(load.allocated_besides(&n.name, vm));
+            Some(format!(
+                "{} {} CPU, {}",
+                n.name,
+                free.cpus,
+                human_mib(free.memory_mib)
+            ))
+        })
         .collect();
-    candidates.sort();
-    candidates.into_iter().map(|(_, name)| name).collect()
+    format!(
+        "no node has {} CPU and {} free for VM {} (free: {})",
+        demand.cpus,
+        human_mib(demand.memory_mib),
+        vm.name,
+        each.join("; ")
+    )
+}
+
+/// What the live domains on `node` take that no record allocates there:
+/// the target of a migration given up and the source of one handed over,
+/// each until it is ended, sized by its VM's spec (`vm_of`). A domain of
+/// a VM with no record is not sized (it is ended as a stray soon).
+pub fn unaccounted<'a>(
+    domains: &[keel_hv::DomainInfo],
+    node: &str,
+    vm_of: impl Fn(&str) -> Option<&'a VirtualMachine>,
+) -> Demand {
+    domains
+        .iter()
+        .filter(|d| !d.state.is_exited())
+        .filter_map(|d| {
+            let vm = vm_of(&d.vm)?;
+            let recorded = vm.allocated_on() == Some(node)
+                && vm
+                    .status
+                    .instance
+                    .as_ref()
+                    .is_some_and(|i| i.id == d.instance);
+            let incoming = vm.incoming_on() == Some(node)
+                && vm
+                    .status
+                    .eviction
+                    .as_ref()
+                    .and_then(|e| e.migration_target.as_deref())
+                    == Some(d.instance.as_str());
+            (!recorded && !incoming).then(|| vm.spec.demand())
+        })
+        .fold(Demand::default(), Demand::plus)
+}
+
+/// Whether `vm` can start on `node` as far as its capacity goes, beside
+/// what is allocated there and `extra` (`unaccounted`): `Err` with the
+/// reason if that leaves too little.
+pub fn room_on(
+    vm: &VirtualMachine,
+    node: &Node,
+    load: &NodeLoad,
+    extra: Demand,
+) -> Result<(), String> {
+    let Some(cap) = node.status.capacity else {
+        return Ok(());
+    };
+    let used = load.allocated_besides(&node.name, vm).plus(extra);
+    let demand = vm.spec.demand();
+    if cap.fits(used, demand) {
+        return Ok(());
+    }
+    let free = cap.free(used);
+    Err(format!(
+        "node {} has {} CPU and {} free; VM {} needs {} CPU and {}",
+        node.name,
+        free.cpus,
+        human_mib(free.memory_mib),
+        vm.name,
+        demand.cpus,
+        human_mib(demand.memory_mib)
+    ))
 }
 
 /// Whether `candidate` sees the images `vm` runs on: the same storage
@@ -113,10 +255,14 @@ pub fn placement(
     cfg: &LifecycleConfig,
 ) -> Option<VirtualMachine> {
     let mut next = vm.clone();
+    let eligible: Vec<&Node> = eligible_nodes(vm, nodes, None, liveness, now, cfg).collect();
     match candidate_nodes(vm, nodes, load, None, liveness, now, cfg).first() {
         Some(node) => {
             next.status.node = Some(node.clone());
             next.status.message = None;
+        }
+        None if !eligible.is_empty() => {
+            next.status.message = Some(no_room(vm, &eligible, load));
         }
         None => {
             next.status.message = Some(format!(
@@ -311,5 +457,139 @@ pub(crate) mod tests {
             .len(),
             4
         );
+    }
+
+    fn sized(name: &str, node: Option<&str>, cpus: u32, memory_mib: u64) -> VirtualMachine {
+        let mut v = vm(name, node);
+        v.spec.cpus = cpus;
+        v.spec.memory_mib = memory_mib;
+        v
+    }
+
+    /// A node offering `cpus` vCPUs and `memory_mib` (no reserve, no
+    /// overcommit).
+    fn offering(name: &str, cpus: u32, memory_mib: u64) -> Node {
+        let mut n = node(name, 100_000);
+        n.status.capacity = Some(
+            keel_api::CapacityPolicy {
+                reserve_memory_mib: 0,
+                cpu_overcommit: 1.0,
+                memory_overcommit: 1.0,
+            }
+            .offered(keel_api::HostResources { cpus, memory_mib }),
+        );
+        n
+    }
+
+    fn candidates(v: &VirtualMachine, nodes: &[Node], vms: &[VirtualMachine]) -> Vec<String> {
+        candidate_nodes(
+            v,
+            nodes,
+            &NodeLoad::of(vms),
+            None,
+            &Liveness::default(),
+            at(100_000),
+            &LifecycleConfig::default(),
+        )
+    }
+
+    #[test]
+    fn a_vm_goes_only_where_it_fits_and_the_least_filled_first() {
+        // n1: 16 GiB with 12 placed; n2: 8 GiB with 2 placed (more VMs).
+        let nodes = [offering("n1", 8, 16_384), offering("n2", 8, 8_192)];
+        let vms = [
+            sized("big", Some("n1"), 1, 12_288),
+            sized("s1", Some("n2"), 1, 1_024),
+            sized("s2", Some("n2"), 1, 1_024),
+        ];
+        // By share (n1 75 % + 1 GiB, n2 25 % + 1 GiB), not by count.
+        assert_eq!(
+            candidates(&sized("new", None, 1, 1_024), &nodes, &vms),
+            ["n2", "n1"]
+        );
+        // 6 GiB fits only on n2; 7 GiB nowhere.
+        assert_eq!(
+            candidates(&sized("new", None, 1, 6_144), &nodes, &vms),
+            ["n2"]
+        );
+        assert!(candidates(&sized("new", None, 1, 7_168), &nodes, &vms).is_empty());
+        // CPUs count as well.
+        assert_eq!(
+            candidates(&sized("new", None, 7, 512), &nodes, &vms),
+            ["n1"]
+        );
+        // A VM already on n1 does not count against itself.
+        let mut moving = vms[0].clone();
+        moving.spec.memory_mib = 16_384;
+        assert_eq!(candidates(&moving, &nodes, &vms), ["n1"]);
+        // A node that reports no capacity is judged by count alone.
+        let old = [node("old", 100_000), offering("n2", 8, 8_192)];
+        assert_eq!(
+            candidates(&sized("new", None, 64, 1 << 20), &old, &vms),
+            ["old"]
+        );
+    }
+
+    #[test]
+    fn a_stopped_vm_takes_nothing_and_a_running_one_its_instance_node() {
+        let nodes = [offering("n1", 2, 2_048)];
+        let mut stopped = sized("off", Some("n1"), 2, 2_048);
+        stopped.spec.power = PowerState::Stopped;
+        let load = NodeLoad::of([&stopped]);
+        assert_eq!(load.allocated("n1"), keel_api::Demand::default());
+        assert_eq!(
+            candidates(&sized("new", None, 2, 2_048), &nodes, &[stopped]),
+            ["n1"]
+        );
+        let mut running = sized("on", None, 1, 1_024);
+        running.status.instance = Some(keel_api::Instance::new("on-1", "n1", 0));
+        let mut load = NodeLoad::of([&running]);
+        assert_eq!(load.allocated("n1").memory_mib, 1_024);
+        let mut gone = running.clone();
+        gone.status.instance = None;
+        gone.spec.power = PowerState::Stopped;
+        load.replace(&running, &gone);
+        assert_eq!(load.allocated("n1"), keel_api::Demand::default());
+    }
+
+    #[test]
+    fn nothing_fits_says_what_each_node_has_free() {
+        let nodes = [offering("n1", 4, 4_096), offering("n2", 4, 8_192)];
+        let vms = [
+            sized("a", Some("n1"), 1, 512),
+            sized("b", Some("n2"), 1, 1_024),
+        ];
+        let big = sized("huge", None, 2, 12_288);
+        let next = placement(
+            &big,
+            &nodes,
+            &NodeLoad::of(&vms),
+            &Liveness::default(),
+            at(100_000),
+            &LifecycleConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(next.status.node, None);
+        assert_eq!(
+            next.status.message.as_deref(),
+            Some("no node has 2 CPU and 12 GiB free for VM huge (free: n1 3 CPU, 3.5 GiB; n2 3 CPU, 7 GiB)")
+        );
+        let node = &nodes[0];
+        let none = Demand::default();
+        assert!(room_on(
+            &sized("fits", None, 3, 3_584),
+            node,
+            &NodeLoad::of(&vms),
+            none
+        )
+        .is_ok());
+        let why = room_on(
+            &sized("not", None, 1, 3_585),
+            node,
+            &NodeLoad::of(&vms),
+            none,
+        )
+        .unwrap_err();
+        assert!(why.contains("node n1 has 3 CPU and 3.5 GiB free"), "{why}");
     }
 }

@@ -107,6 +107,7 @@ mod tests {
             migration: None,
             migration_source: None,
             migration_target: None,
+            migration_target_node: None,
             failed_attempts: 0,
             next_attempt_at: None,
             message: None,

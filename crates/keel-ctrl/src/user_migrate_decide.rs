@@ -77,6 +77,7 @@ pub(crate) fn decide_user_migration(
         migration: None,
         migration_source: None,
         migration_target: None,
+        migration_target_node: None,
         failed_attempts: 0,
         next_attempt_at: None,
         message: None,

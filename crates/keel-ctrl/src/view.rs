@@ -49,4 +49,8 @@ pub struct ClusterView {
     /// VMs on draining nodes still waiting for a migration: they go before
     /// user migrations when the cluster's limit binds.
     pub drain_evictions_waiting: usize,
+    /// Why this node has no room for the VM's next instance (its capacity
+    /// less what the other VMs placed here take), when it is to start
+    /// one: it is not started here then.
+    pub no_room_here: Option<String>,
 }

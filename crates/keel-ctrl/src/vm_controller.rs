@@ -203,6 +203,7 @@ impl VmController {
         )
         .with_observer(self.observer.clone())
         .with_lease(self.lease.clone())
+        .with_index(self.vm_index.clone())
     }
 
     /// Writes this node's heartbeat (creating its record on first call).
@@ -232,6 +233,7 @@ impl VmController {
                     node.status.migration = facts.migration.clone();
                     node.status.storage_id = facts.storage_id.clone();
                     node.status.hardware = facts.hardware.clone();
+                    node.status.capacity = facts.host.map(|h| self.cfg.capacity.offered(h));
                 }
             })
             .await?;
@@ -798,11 +800,25 @@ impl VmController {
                 .await?
                 .map(|e| e.value),
         };
-        let drain = me.and_then(|n| n.draining().cloned());
+        let drain = me.as_ref().and_then(|n| n.draining().cloned());
+        // Only for a start: what the other VMs placed here take, from the
+        // index (a VM the index lacks is not counted: a start it lets
+        // through the leader's placement, by the same index, did too).
+        let no_room_here = match &me {
+            Some(me)
+                if me.status.capacity.is_some()
+                    && vm.status.instance.is_none()
+                    && vm.wants_running() =>
+            {
+                self.no_room_on(vm, me).await
+            }
+            _ => None,
+        };
         // A user's migration to start needs the same look around as a drain.
         if drain.is_none() && vm.pending_migration().is_none() {
             return Ok(ClusterView {
                 migration,
+                no_room_here,
                 ..ClusterView::default()
             });
         };
@@ -830,7 +846,31 @@ impl VmController {
             targets,
             in_flight,
             drain_evictions_waiting,
+            no_room_here,
         })
+    }
+
+    /// Why `vm` cannot start on this node (`me`) beside what the records
+    /// allocate here and the live domains they do not account for (a
+    /// given-up migration's target, a handed-over source, until ended).
+    /// A listing that fails counts nothing extra: the records still bound
+    /// it.
+    async fn no_room_on(&self, vm: &VirtualMachine, me: &Node) -> Option<String> {
+        let domains = match self.hv.list().await {
+            Ok(listing) => listing.domains,
+            Err(err) => {
+                tracing::debug!(vm = %vm.name, %err, "no domain listing for the room check");
+                Vec::new()
+            }
+        };
+        self.vm_index
+            .read(|vms| {
+                let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
+                    vms.get(name).map(|v| &v.vm)
+                });
+                crate::schedule::room_on(vm, me, vms.load(), extra)
+            })
+            .and_then(Result::err)
     }
 
     /// Where `vm` could move now, best first, and how many VMs on

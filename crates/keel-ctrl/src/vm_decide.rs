@@ -719,6 +719,18 @@ fn no_instance(
         ));
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
+    if let Some(why) = &cluster.no_room_here {
+        // Beside what is allocated here it would overcommit the node,
+        // which ends in the host's OOM killer ending guests: back to the
+        // scheduler, which places it only where it fits (or, pinned
+        // here, it waits).
+        if !pinned_here {
+            next.status.node = None;
+        }
+        next.status.phase = Phase::Pending;
+        next.status.message = Some(format!("not started here: {why}"));
+        return persist_if_changed(vm, next, None, now + cfg.poll_ms);
+    }
     // Each disk of the spec is recorded before the node is asked to make
     // it; the start may make only those no instance has run on.
     let mut records = vm.status.disk_records(&vm.spec, &here);
@@ -1138,6 +1150,46 @@ mod tests {
             records.iter().all(|r| !r.used),
             "made, not used: {records:?}"
         );
+    }
+
+    #[test]
+    fn nothing_starts_where_there_is_no_room() {
+        let cfg = LifecycleConfig {
+            node: "a".into(),
+            ..Default::default()
+        };
+        let mut v = vm();
+        v.status.node = Some("a".into());
+        let observed = Observed::NoInstance {
+            domains: vec![],
+            restore_source: RestoreSource::NotNeeded,
+        };
+        let full = ClusterView {
+            no_room_here: Some("node a has 0 CPU and 0 MiB free".into()),
+            ..ClusterView::default()
+        };
+        let Step::Persist { vm: next, then, .. } = decide(&v, &observed, &full, 1_000, &cfg) else {
+            panic!("expected the reason to be recorded");
+        };
+        assert_eq!(then, None, "no start");
+        assert!(next.status.instance.is_none());
+        assert_eq!(next.status.node, None, "back to the scheduler");
+        assert_eq!(next.status.phase, Phase::Pending);
+        assert!(next.status.message.unwrap().contains("0 MiB free"));
+        // Pinned here, it waits on this node.
+        v.spec.node = Some("a".into());
+        let Step::Persist { vm: next, then, .. } = decide(&v, &observed, &full, 1_000, &cfg) else {
+            panic!()
+        };
+        assert_eq!((then, next.status.node.as_deref()), (None, Some("a")));
+        // With room, it starts.
+        assert!(matches!(
+            decide(&v, &observed, &ClusterView::default(), 1_000, &cfg),
+            Step::Persist {
+                then: Some(HvAction::Start),
+                ..
+            }
+        ));
     }
 
     /// A migration's target is Running while it waits to be resumed; once

@@ -10,7 +10,9 @@
 //! without shared storage a VM (by uid) executes only on the node holding
 //! its disks: never a boot on blank disks. Once the chaos stops, every VM
 //! reaches the state its record asks for, except that one whose disks
-//! are on a node that never returned waits, stopped, saying why.
+//! are on a node that never returned waits, stopped, saying why. In half
+//! the worlds with shared storage each node has room for three VMs only,
+//! and at every tick no node's live guests take more than it offers.
 //!
 //! A failure names its seed: `KEEL_CLUSTER_SEED=<n> cargo test -p keel-ctrl
 //! --test cluster_simulation`; `KEEL_CLUSTER_SEEDS=<n>` sets how many (default 200).
@@ -52,11 +54,25 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         agent_ready_ms: 0,
         faults,
         agent_answers: None,
+        host: None,
     };
     // A third stream for the draws added with deletes, lost nodes and
     // node-local disks.
     let mut more = ChaCha8Rng::seed_from_u64(seed ^ 0x7569_6473);
     let local_disks = more.gen_bool(0.3);
+    // A fifth stream: in half the worlds with shared storage, each node
+    // offers room for three of the four VMs (1 CPU and 1.4 GiB less the
+    // 1 GiB reserve: 400 MiB, 128 MiB each), so that placement, drains
+    // and takeovers must go by fit; two nodes up hold all four.
+    let mut room = ChaCha8Rng::seed_from_u64(seed ^ 0x726f_6f6d);
+    let sized = !local_disks && room.gen_bool(0.5);
+    let sim = SimConfig {
+        host: sized.then_some(keel_api::HostResources {
+            cpus: 1,
+            memory_mib: 1_024 + 400,
+        }),
+        ..sim
+    };
     let mut c = if local_disks {
         Cluster::with_local_disks(sim)
     } else {
@@ -93,7 +109,7 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     // Without shared storage: where each VM's (uid's) disks are.
     let mut homes: BTreeMap<String, String> = BTreeMap::new();
     let mut trace = vec![format!(
-        "clock skews {:?}, local disks {local_disks}",
+        "clock skews {:?}, local disks {local_disks}, room for 3 VMs a node {sized}",
         c.skew_ms
     )];
     // A fourth stream: wall-clock steps of one node by more than a lease,

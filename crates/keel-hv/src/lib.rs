@@ -17,6 +17,7 @@ pub mod disk_creation;
 pub mod free_space;
 pub mod guest;
 pub mod guest_info;
+pub mod host_resources;
 pub mod image_refs;
 pub mod images;
 pub mod ownership;
@@ -300,6 +301,9 @@ pub struct NodeFacts {
     /// The machine types and CPU models the node provides; `None`: the
     /// driver cannot tell (nothing is then judged by it).
     pub hardware: Option<keel_api::HostHardware>,
+    /// The host's CPUs and memory, from which the node's capacity is
+    /// worked out; `None`: the driver cannot tell (no capacity is judged).
+    pub host: Option<keel_api::HostResources>,
 }
 
 /// A domain's process has just exited: a hint to look at it now rather than

@@ -47,6 +47,9 @@ pub struct SimConfig {
     /// `guest-get-host-name`, read by the QEMU driver's parser (tests of
     /// guests that lie, or attack).
     pub agent_answers: Option<SimAgentAnswers>,
+    /// The host the node reports (its capacity follows from it); `None`:
+    /// none, so placement judges no capacity.
+    pub host: Option<keel_api::HostResources>,
 }
 
 #[derive(Debug, Clone)]
@@ -64,6 +67,7 @@ impl Default for SimConfig {
             agent_ready_ms: 0,
             faults: SimFaults::default(),
             agent_answers: None,
+            host: None,
         }
     }
 }
@@ -356,6 +360,21 @@ impl SimHypervisor {
             .filter(|d| d.spec.vm == vm && !d.state.is_exited())
             .map(|d| d.spec.instance.clone())
             .collect()
+    }
+
+    /// What the live domains here take together (every process that has
+    /// not exited holds its guest's memory, an incoming one too).
+    pub fn live_demand(&self) -> keel_api::Demand {
+        self.lock()
+            .domains
+            .values()
+            .filter(|d| !d.state.is_exited())
+            .fold(keel_api::Demand::default(), |sum, d| {
+                sum.plus(keel_api::Demand {
+                    cpus: u64::from(d.spec.cpus),
+                    memory_mib: d.spec.memory_mib,
+                })
+            })
     }
 
     /// Instances of `vm` whose guest executes here: not exited, not waiting
@@ -908,6 +927,7 @@ impl Hypervisor for SimHypervisor {
             storage_id: None,
             // The simulation has no machine types: nothing is recorded.
             hardware: None,
+            host: self.lock().config.host,
         }
     }
 

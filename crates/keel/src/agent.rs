@@ -438,6 +438,7 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     )?;
     cfg.listen = args.console_listen;
     cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
+    args.capacity.apply(&mut cfg.lifecycle, &mut cfg.sim)?;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

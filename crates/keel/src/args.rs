@@ -252,6 +252,8 @@ pub struct ServeArgs {
     pub store: StoreSpec,
     #[command(flatten)]
     pub store_access: StoreAccessArgs,
+    #[command(flatten)]
+    pub capacity: CapacityArgs,
     /// With an etcd store: also run a node agent (--node) in this process.
     #[arg(long)]
     pub agent: bool,
@@ -341,6 +343,8 @@ pub struct AgentArgs {
     pub store: StoreSpec,
     #[command(flatten)]
     pub store_access: StoreAccessArgs,
+    #[command(flatten)]
+    pub capacity: CapacityArgs,
     /// This node's name (default: the host name, lowercased, first label).
     #[arg(long, env = "KEEL_NODE")]
     pub node: Option<String>,
@@ -1281,4 +1285,39 @@ mod tests {
         );
         assert!(Cli::try_parse_from(["keel", "node", "drain", "n1", "--timeout", "5"]).is_err());
     }
+}
+
+/// How the node's capacity follows from its host (`capacity_args`).
+#[derive(Debug, Clone, Args)]
+pub struct CapacityArgs {
+    /// Memory kept for the host, not offered to guests (MiB, or with
+    /// M, G or T).
+    #[arg(long, env = "KEEL_RESERVE_MEMORY", value_name = "SIZE",
+          value_parser = parse_size_mib, default_value = "1G")]
+    pub reserve_memory: u64,
+    /// vCPUs offered per host CPU.
+    #[arg(
+        long,
+        env = "KEEL_CPU_OVERCOMMIT",
+        value_name = "FACTOR",
+        default_value_t = 4.0
+    )]
+    pub cpu_overcommit: f64,
+    /// Guest memory offered per MiB of the host's (less the reserve).
+    #[arg(
+        long,
+        env = "KEEL_MEMORY_OVERCOMMIT",
+        value_name = "FACTOR",
+        default_value_t = 1.0
+    )]
+    pub memory_overcommit: f64,
+    /// With --hypervisor sim: the CPUs of the host it reports (with
+    /// --sim-host-memory; without both, it reports none and no capacity
+    /// is judged).
+    #[arg(long, value_name = "N", requires = "sim_host_memory")]
+    pub sim_host_cpus: Option<u32>,
+    /// With --hypervisor sim: the memory of the host it reports.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_mib,
+          requires = "sim_host_cpus")]
+    pub sim_host_memory: Option<u64>,
 }

@@ -579,6 +579,7 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         requests_per_second: args.max_requests_per_token,
         consoles_per_token: args.max_consoles_per_token,
     };
+    args.capacity.apply(&mut cfg.lifecycle, &mut cfg.sim)?;
     cfg.lifecycle.event_retention = keel_ctrl::event_retention::EventRetention {
         per_vm: args.max_events_per_vm,
         total: args.max_events,

@@ -416,6 +416,26 @@ impl Cluster {
                 }
             }
         }
+        // No node's live guests ever take more than it offers.
+        for a in self.agents.iter().filter(|a| a.running) {
+            let Some(cap) = self.node(&a.name).await.status.capacity else {
+                continue;
+            };
+            let live = a.hv.live_demand();
+            if u64::from(cap.cpus) < live.cpus || cap.memory_mib < live.memory_mib {
+                let mut who = Vec::new();
+                for (_, vm) in &vms {
+                    for inst in a.hv.live_instances(&vm.value.name) {
+                        who.push(format!("{inst} ({:?})", vm.value.status));
+                    }
+                }
+                panic!(
+                    "node {} over its capacity: live guests take {live:?}, it offers {cap:?}:\n{}",
+                    a.name,
+                    who.join("\n")
+                );
+            }
+        }
         for (vm, list) in executing {
             if list.len() > 1 {
                 panic!(
@@ -498,6 +518,7 @@ pub fn sim() -> SimConfig {
         agent_ready_ms: 0,
         faults: SimFaults::default(),
         agent_answers: None,
+        host: None,
     }
 }
 

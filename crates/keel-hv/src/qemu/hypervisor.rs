@@ -29,6 +29,7 @@ impl Hypervisor for QemuDriver {
             migration: Some(self.migration_endpoint()),
             storage_id: Some(self.inner.storage_id.clone()),
             hardware: Some(self.inner.catalog.offered(verdict_accel)),
+            host: crate::host_resources::this_host(),
         }
     }
 

@@ -107,6 +107,11 @@ pub struct UncordonResponse {
 pub struct NodeResponse {
     pub revision: Revision,
     pub node: Node,
+    /// What the VMs on it take of its capacity (those running there, and
+    /// those placed there to run), as the VM records say now: in the
+    /// answers to `GET /nodes` and `GET /nodes/{name}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<keel_api::Demand>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -121,10 +126,12 @@ pub async fn list(
 ) -> Result<Json<NodeList>, ApiError> {
     query.finish()?;
     let (entries, revision) = state.store.list::<Node>(NODES_PREFIX).await?;
+    let load = allocations(&state).await?;
     let items = entries
         .into_iter()
         .map(|(_, e)| NodeResponse {
             revision: e.revision,
+            allocated: Some(load.allocated(&e.value.name)),
             node: e.value,
         })
         .collect();
@@ -142,7 +149,27 @@ pub async fn get(
         .get::<Node>(&node_key(&name))
         .await?
         .ok_or_else(|| not_found(&name))?;
-    Ok(node_response(StatusCode::OK, entry.value, entry.revision))
+    let allocated = allocations(&state).await?.allocated(&name);
+    Ok(with_etag(
+        StatusCode::OK,
+        NodeResponse {
+            revision: entry.revision,
+            node: entry.value,
+            allocated: Some(allocated),
+        },
+        entry.revision,
+    ))
+}
+
+/// What the VMs take of each node, from their records now.
+async fn allocations(state: &AppState) -> Result<keel_ctrl::schedule::NodeLoad, ApiError> {
+    let (vms, _) = state
+        .store
+        .list::<keel_api::VirtualMachine>(keel_ctrl::keys::VMS_PREFIX)
+        .await?;
+    Ok(keel_ctrl::schedule::NodeLoad::of(
+        vms.iter().map(|(_, e)| &e.value),
+    ))
 }
 
 /// The operator cordons the node: nothing new is placed on it. The cordon
@@ -260,5 +287,13 @@ fn not_found(name: &str) -> ApiError {
 }
 
 pub(crate) fn node_response(status: StatusCode, node: Node, revision: Revision) -> Response {
-    with_etag(status, NodeResponse { revision, node }, revision)
+    with_etag(
+        status,
+        NodeResponse {
+            revision,
+            node,
+            allocated: None,
+        },
+        revision,
+    )
 }

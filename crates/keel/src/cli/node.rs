@@ -13,6 +13,7 @@ use crate::api::nodes::{DrainRequest, NodeList, NodeResponse, UncordonRequest, U
 use crate::api::vms::VmList;
 use crate::args::{DrainArgs, NodeCommand, NodeVerb, OutputFormat, UncordonArgs};
 use crate::timefmt::{ago, rfc3339};
+use keel_api::capacity::human_mib;
 
 const POLL: Duration = Duration::from_millis(500);
 
@@ -31,6 +32,8 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     "HEARTBEAT",
                     "CORDONED",
                     "DRAIN",
+                    "CPU",
+                    "MEMORY",
                 ]);
                 for item in &list.items {
                     let n = &item.node;
@@ -41,6 +44,8 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                         ago(n.status.last_heartbeat, now),
                         cordon_text(n),
                         drain_text(n, now),
+                        cpu_text(item),
+                        memory_text(item),
                     ]);
                 }
                 t.render()
@@ -88,6 +93,15 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     ("cordoned", cordon_text(n)),
                     ("drain", drain_text(n, now)),
                     ("freeze", super::freeze::freeze_text(n)),
+                    ("cpus (allocated/offered)", cpu_text(&resp)),
+                    ("memory (allocated/offered)", memory_text(&resp)),
+                    (
+                        "host",
+                        n.status.capacity.map_or_else(
+                            || "-".into(),
+                            |c| format!("{} CPU, {}", c.host.cpus, human_mib(c.host.memory_mib)),
+                        ),
+                    ),
                     (
                         "migrations",
                         n.drain
@@ -326,4 +340,22 @@ fn off_node_line(vm: &str, node: &str, now: Option<&VirtualMachine>) -> String {
         line.push_str(&format!(": {msg}"));
     }
     line
+}
+
+/// `allocated/offered` vCPUs (`-` for a node that reports no capacity).
+fn cpu_text(item: &NodeResponse) -> String {
+    let used = item.allocated.map_or(0, |a| a.cpus);
+    match item.node.status.capacity {
+        Some(c) => format!("{used}/{}", c.cpus),
+        None => format!("{used}/-"),
+    }
+}
+
+/// `allocated/offered` memory.
+fn memory_text(item: &NodeResponse) -> String {
+    let used = human_mib(item.allocated.map_or(0, |a| a.memory_mib));
+    match item.node.status.capacity {
+        Some(c) => format!("{used}/{}", human_mib(c.memory_mib)),
+        None => format!("{used}/-"),
+    }
 }
