@@ -241,12 +241,25 @@ impl Cluster {
     }
 
     async fn vm(&self, name: &str) -> VirtualMachine {
-        self.store
-            .get::<VirtualMachine>(&vm_key(name))
+        self.read::<VirtualMachine>(&vm_key(name))
             .await
-            .unwrap()
             .unwrap_or_else(|| panic!("VM {name} has no record"))
-            .value
+    }
+
+    /// The record at `key`, the test's own read: an etcd slow to answer on
+    /// a loaded machine (Unavailable) is asked again, within a bound, since
+    /// what the test checks is the cluster, not its own reads.
+    async fn read<T: serde::de::DeserializeOwned>(&self, key: &str) -> Option<T> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match self.store.get::<T>(key).await {
+                Ok(entry) => return entry.map(|e| e.value),
+                Err(StoreError::Unavailable { .. }) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("read {key}: {e}"),
+            }
+        }
     }
 
     async fn update<T, F>(&self, key: &str, f: F)
@@ -680,7 +693,7 @@ async fn a_drain_survives_the_leader_dying() {
 
     wait_for("the drain to complete", || async {
         c.check_one_instance(&["one", "two"]);
-        let n1 = c.store.get::<Node>(&node_key("n1")).await.unwrap()?.value;
+        let n1 = c.read::<Node>(&node_key("n1")).await?;
         let done = n1.drain.as_ref().is_some_and(|d| d.completed_at.is_some());
         let mut on_n2 = true;
         for vm in ["one", "two"] {
@@ -887,8 +900,8 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     let agent_url = c.agents["n1"].console_url().unwrap().to_string();
     assert!(agent_url.starts_with("https://"), "{agent_url}");
     wait_for("n1's console URL on its record", || async {
-        let node = c.store.get::<Node>(&node_key("n1")).await.unwrap()?;
-        (node.value.status.agent_url.as_deref() == Some(agent_url.as_str())).then_some(())
+        let node = c.read::<Node>(&node_key("n1")).await?;
+        (node.status.agent_url.as_deref() == Some(agent_url.as_str())).then_some(())
     })
     .await;
     for (vm, node) in [("web", "n1"), ("quiet", "n2")] {
