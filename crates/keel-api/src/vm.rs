@@ -459,6 +459,35 @@ pub struct Eviction {
     pub user: bool,
 }
 
+impl Eviction {
+    /// A new attempt to move the VM off, submitting from `now` until
+    /// `submit_deadline`, for the drain (or, `user`, the `keel vm migrate`)
+    /// requested at `requested_at`: nothing reserved yet.
+    pub fn submitting(
+        requested_at: Millis,
+        now: Millis,
+        submit_deadline: Option<Millis>,
+        user: bool,
+    ) -> Self {
+        Self {
+            drain_requested_at: requested_at,
+            phase: EvictionPhase::Submitting,
+            started_at: now,
+            submit_deadline,
+            migrate_deadline: None,
+            fallback_deadline: None,
+            migration: None,
+            migration_source: None,
+            migration_target: None,
+            migration_target_node: None,
+            failed_attempts: 0,
+            next_attempt_at: None,
+            message: None,
+            user,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Instance {
     pub id: String,

@@ -37,22 +37,12 @@ pub(crate) fn decide_eviction(
         // a new attempt with fresh windows.
         _ => {
             let mut next = vm.clone();
-            next.status.eviction = Some(Eviction {
-                drain_requested_at: drain.requested_at,
-                phase: EvictionPhase::Submitting,
-                started_at: now,
-                submit_deadline: Some(now + windows.submit_ms),
-                migrate_deadline: None,
-                fallback_deadline: None,
-                migration: None,
-                migration_source: None,
-                migration_target: None,
-                migration_target_node: None,
-                failed_attempts: 0,
-                next_attempt_at: None,
-                message: None,
-                user: false,
-            });
+            next.status.eviction = Some(Eviction::submitting(
+                drain.requested_at,
+                now,
+                Some(now + windows.submit_ms),
+                false,
+            ));
             return Some(Step::Persist {
                 vm: Box::new(next),
                 then: None,
@@ -635,22 +625,12 @@ mod tests {
             detach_requested_at: Some(now - 10),
         });
         vm.status.instance = Some(inst.clone());
-        vm.status.eviction = Some(Eviction {
-            drain_requested_at: drain.requested_at,
-            phase: EvictionPhase::Submitting,
-            started_at: 1_000,
-            submit_deadline: Some(now + 60_000),
-            migrate_deadline: None,
-            fallback_deadline: None,
-            migration: None,
-            migration_source: None,
-            migration_target: None,
-            migration_target_node: None,
-            failed_attempts: 0,
-            next_attempt_at: None,
-            message: None,
-            user: false,
-        });
+        vm.status.eviction = Some(Eviction::submitting(
+            drain.requested_at,
+            1_000,
+            Some(now + 60_000),
+            false,
+        ));
         let cluster = ClusterView {
             drain: Some(drain),
             migration: None,

@@ -98,20 +98,8 @@ mod tests {
     fn evicting(phase: EvictionPhase, drain: u64) -> VirtualMachine {
         let mut v = vm(Phase::Running);
         v.status.eviction = Some(Eviction {
-            drain_requested_at: drain,
             phase,
-            started_at: 0,
-            submit_deadline: None,
-            migrate_deadline: None,
-            fallback_deadline: None,
-            migration: None,
-            migration_source: None,
-            migration_target: None,
-            migration_target_node: None,
-            failed_attempts: 0,
-            next_attempt_at: None,
-            message: None,
-            user: false,
+            ..Eviction::submitting(drain, 0, None, false)
         });
         v
     }

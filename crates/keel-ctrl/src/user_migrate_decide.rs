@@ -9,8 +9,8 @@
 
 use keel_api::migration::DEFAULT_MIGRATION_START_MS;
 use keel_api::{
-    Eviction, EvictionPhase, Instance, MigrateOutcome, MigrateRequest, Migration, MigrationPhase,
-    MigrationTuning, Millis, VirtualMachine,
+    Eviction, Instance, MigrateOutcome, MigrateRequest, Migration, MigrationPhase, MigrationTuning,
+    Millis, VirtualMachine,
 };
 use keel_hv::DomainState;
 
@@ -67,22 +67,12 @@ pub(crate) fn decide_user_migration(
         return Some(persist_if_changed(vm, next, None, now + cfg.poll_ms));
     }
     let mut reserving = vm.clone();
-    reserving.status.eviction = Some(Eviction {
-        drain_requested_at: req.requested_at,
-        phase: EvictionPhase::Submitting,
-        started_at: now,
-        submit_deadline: Some(now + DEFAULT_MIGRATION_START_MS),
-        migrate_deadline: None,
-        fallback_deadline: None,
-        migration: None,
-        migration_source: None,
-        migration_target: None,
-        migration_target_node: None,
-        failed_attempts: 0,
-        next_attempt_at: None,
-        message: None,
-        user: true,
-    });
+    reserving.status.eviction = Some(Eviction::submitting(
+        req.requested_at,
+        now,
+        Some(now + DEFAULT_MIGRATION_START_MS),
+        true,
+    ));
     reserving.status.message = None;
     Some(reserve_and_create(&reserving, inst, &target, cluster, now))
 }
