@@ -22,6 +22,7 @@ pub mod migration;
 pub mod name;
 pub mod network;
 pub mod node;
+pub mod placement;
 pub mod readiness;
 pub mod reboot;
 pub mod snapshot;
@@ -51,6 +52,7 @@ pub use migration::{
 pub use name::{validate_name, validate_vm_name};
 pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
+pub use placement::{AntiAffinity, Labels, PlacementRules};
 pub use readiness::{GuestAddress, InstanceReadiness, Readiness};
 pub use reboot::RebootProgress;
 pub use snapshot::{Snapshot, SnapshotPhase, SnapshotStatus};

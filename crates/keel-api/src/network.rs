@@ -138,6 +138,16 @@ impl std::str::FromStr for PortForward {
 }
 
 impl PortForward {
+    /// Whether the two cannot both listen on one host: the same port and
+    /// protocol on the same address, or either on every address (0.0.0.0).
+    pub fn clashes_with(&self, other: &PortForward) -> bool {
+        self.host_port == other.host_port
+            && self.protocol == other.protocol
+            && (self.host_address == other.host_address
+                || self.host_address == "0.0.0.0"
+                || other.host_address == "0.0.0.0")
+    }
+
     fn validate(&self, field: &str) -> Result<(), ValidationError> {
         match self.host_address.parse::<Ipv4Addr>() {
             Ok(a) if a.is_multicast() || a.is_broadcast() => Err(ValidationError::new(
@@ -282,13 +292,7 @@ impl NetworkSpec {
             p.validate(&field)?;
             // One listener per host port and protocol: QEMU would fail the
             // whole start on the second bind. Any address overlaps 0.0.0.0.
-            let clash = self.publish[..i].iter().find(|q| {
-                q.host_port == p.host_port
-                    && q.protocol == p.protocol
-                    && (q.host_address == p.host_address
-                        || q.host_address == "0.0.0.0"
-                        || p.host_address == "0.0.0.0")
-            });
+            let clash = self.publish[..i].iter().find(|q| q.clashes_with(p));
             if let Some(q) = clash {
                 return Err(ValidationError::new(
                     format!("{field}.host_port"),

@@ -25,6 +25,10 @@ pub struct Node {
     /// node an operator cordoned stays cordoned until the operator says so.
     #[serde(default)]
     pub cordoned_by_keel: bool,
+    /// The operator's labels (`keel node label`), which VMs' node
+    /// selectors require ([`crate::placement`]).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: crate::Labels,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub drain: Option<Drain>,
     /// A bounded pause of takeover (a planned agent restart): see [`NodeFreeze`].
@@ -149,6 +153,7 @@ impl Node {
             name: name.into(),
             cordoned: false,
             cordoned_by_keel: false,
+            labels: Default::default(),
             drain: None,
             freeze: None,
             status: NodeStatus::default(),

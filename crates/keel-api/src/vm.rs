@@ -16,6 +16,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::placement::PlacementRules;
 use crate::{
     validate_name, CloudInitSpec, DiskHome, DiskRecord, InstanceReadiness, MacAddr, Millis,
     NetworkSpec, Readiness, ValidationError,
@@ -117,6 +118,10 @@ pub struct VmSpec {
     /// at the first start, kept after (`status.hardware`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_model: Option<String>,
+    /// Node labels it requires and the groups it is kept apart from or
+    /// together with ([`crate::placement`]).
+    #[serde(default, skip_serializing_if = "PlacementRules::is_empty")]
+    pub placement: PlacementRules,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -1183,6 +1188,8 @@ impl VmSpec {
             cloud_init: _,
             // HA is an operating decision, like the node pin.
             ha: _,
+            // Placement rules, like the node pin.
+            placement: _,
             cpu_model,
         } = snapshot.clone();
         // Readiness describes the guest on the disks (does it run an
@@ -1259,6 +1266,7 @@ impl VmSpec {
             validate_name("spec.node", node)?;
         }
         self.readiness.validate()?;
+        self.placement.validate()?;
         self.network.validate()?;
         if let Some(cloud_init) = &self.cloud_init {
             cloud_init.validate()?;
@@ -1387,6 +1395,7 @@ pub(crate) mod tests {
             cloud_init: None,
             ha: None,
             cpu_model: None,
+            placement: Default::default(),
         }
     }
 

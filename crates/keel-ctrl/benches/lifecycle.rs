@@ -485,6 +485,7 @@ impl Bench {
             cloud_init: None,
             ha: None,
             cpu_model: None,
+            placement: Default::default(),
         }
     }
 

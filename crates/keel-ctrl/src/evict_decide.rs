@@ -601,6 +601,7 @@ mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         )
     }
@@ -690,6 +691,7 @@ mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

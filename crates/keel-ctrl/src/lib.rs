@@ -25,6 +25,7 @@ pub mod migration_controller;
 pub mod node_lease;
 pub mod observe;
 pub mod online_resize;
+pub mod placement_rules;
 pub mod queue;
 pub mod readiness;
 pub mod reboot;

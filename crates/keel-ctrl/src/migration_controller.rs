@@ -164,7 +164,7 @@ impl MigrationController {
                             let extra = crate::schedule::unaccounted(&domains, me, |name| {
                                 vms.get(name).map(|v| &v.vm)
                             });
-                            crate::schedule::room_on(&vm, &node, vms.load(), extra).err()
+                            crate::schedule::room_on(&vm, &node, vms.load(), &extra).err()
                         })
                         .flatten()
                 });

@@ -292,6 +292,7 @@ mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
                 cpus: 1,
                 memory_mib: 128,
                 disks: vec![],

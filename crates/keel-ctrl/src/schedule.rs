@@ -11,6 +11,7 @@ use keel_api::{Demand, Node, VirtualMachine};
 
 use crate::config::LifecycleConfig;
 use crate::node_lease::liveness::{ClockReading, Liveness};
+use crate::placement_rules::{preference, ruled_out, RulesLoad};
 
 /// How many VMs each node owns: counted once per view and kept up to date
 /// by the writer, so choosing a node costs O(nodes) and placing N VMs is
@@ -22,6 +23,8 @@ pub struct NodeLoad {
     /// What the VMs that take a node's capacity take together
     /// (`VirtualMachine::allocated_on`).
     allocated: HashMap<String, Demand>,
+    /// The groups and ports on each node (`placement_rules`).
+    rules: RulesLoad,
 }
 
 impl NodeLoad {
@@ -42,6 +45,7 @@ impl NodeLoad {
             let sum = self.allocated.entry(node.to_string()).or_default();
             *sum = sum.plus(vm.spec.demand());
         }
+        self.rules.add(vm);
     }
 
     /// Stops counting `vm` (as it was counted by [`NodeLoad::add`]).
@@ -54,6 +58,12 @@ impl NodeLoad {
                 *sum = sum.minus(vm.spec.demand());
             }
         }
+        self.rules.remove(vm);
+    }
+
+    /// The groups and ports on each node.
+    pub fn rules(&self) -> &RulesLoad {
+        &self.rules
     }
 
     /// What the VMs on `node` other than `vm` itself take of its capacity.
@@ -84,10 +94,13 @@ impl NodeLoad {
 
 /// Nodes `vm` may go to now, best first: ready, not cordoned, allowed by
 /// `spec.node`, not `exclude`, where its disks, images and hardware are,
-/// and with room for its CPUs and memory beside what is allocated there;
-/// the least filled first (the larger of its CPU and memory shares once
-/// the VM is on it), then the fewest VMs, then by name. A node that
-/// reports no capacity (an older agent) is judged by count alone.
+/// allowed by its placement rules and the ports held there
+/// (`placement_rules`), and with room for its CPUs and memory beside what
+/// is allocated there; those its preferences favour first (apart from its
+/// preferred anti-affinity group, with its affinity group), then the
+/// least filled (the larger of its CPU and memory shares once the VM is
+/// on it), then the fewest VMs, then by name. A node that reports no
+/// capacity (an older agent) is judged by count alone.
 pub fn candidate_nodes(
     vm: &VirtualMachine,
     nodes: &[Node],
@@ -98,8 +111,9 @@ pub fn candidate_nodes(
     cfg: &LifecycleConfig,
 ) -> Vec<String> {
     let demand = vm.spec.demand();
-    let mut candidates: Vec<(u64, usize, String)> =
+    let mut candidates: Vec<((usize, bool), u64, usize, String)> =
         eligible_nodes(vm, nodes, exclude, liveness, now, cfg)
+            .filter(|n| ruled_out(vm, n, &load.rules).is_none())
             .filter_map(|n| {
                 let share = match &n.status.capacity {
                     None => 0,
@@ -111,11 +125,16 @@ pub fn candidate_nodes(
                         cap.share_permille(used.plus(demand))
                     }
                 };
-                Some((share, load.on_node_besides(&n.name, vm), n.name.clone()))
+                Some((
+                    preference(vm, n, &load.rules),
+                    share,
+                    load.on_node_besides(&n.name, vm),
+                    n.name.clone(),
+                ))
             })
             .collect();
     candidates.sort();
-    candidates.into_iter().map(|(_, _, name)| name).collect()
+    candidates.into_iter().map(|(_, _, _, name)| name).collect()
 }
 
 /// Nodes `vm` may go to now by everything but capacity.
@@ -169,15 +188,15 @@ fn no_room(vm: &VirtualMachine, eligible: &[&Node], load: &NodeLoad) -> String {
     )
 }
 
-/// What the live domains on `node` take that no record allocates there:
+/// The VMs of the live domains on `node` that no record allocates there:
 /// the target of a migration given up and the source of one handed over,
-/// each until it is ended, sized by its VM's spec (`vm_of`). A domain of
-/// a VM with no record is not sized (it is ended as a stray soon).
+/// each until it is ended (`vm_of` finds a domain's VM). A domain of a VM
+/// with no record is not counted (it is ended as a stray soon).
 pub fn unaccounted<'a>(
     domains: &[keel_hv::DomainInfo],
     node: &str,
     vm_of: impl Fn(&str) -> Option<&'a VirtualMachine>,
-) -> Demand {
+) -> Vec<&'a VirtualMachine> {
     domains
         .iter()
         .filter(|d| !d.state.is_exited())
@@ -196,23 +215,39 @@ pub fn unaccounted<'a>(
                     .as_ref()
                     .and_then(|e| e.migration_target.as_deref())
                     == Some(d.instance.as_str());
-            (!recorded && !incoming).then(|| vm.spec.demand())
+            (!recorded && !incoming).then_some(vm)
         })
-        .fold(Demand::default(), Demand::plus)
+        .collect()
 }
 
-/// Whether `vm` can start on `node` as far as its capacity goes, beside
-/// what is allocated there and `extra` (`unaccounted`): `Err` with the
-/// reason if that leaves too little.
+/// Whether `vm` can start on `node` as far as its placement rules, the
+/// ports held there and its capacity go, beside what is allocated there
+/// and the VMs of live domains no record accounts for (`unaccounted`,
+/// sized by their specs, in the same groups, holding the same ports):
+/// `Err` with the reason if not.
 pub fn room_on(
     vm: &VirtualMachine,
     node: &Node,
     load: &NodeLoad,
-    extra: Demand,
+    unaccounted: &[&VirtualMachine],
 ) -> Result<(), String> {
+    if let Some(why) = ruled_out(vm, node, &load.rules) {
+        return Err(format!("node {why}"));
+    }
+    let mut live = RulesLoad::default();
+    for other in unaccounted.iter().filter(|o| o.name != vm.name) {
+        live.add_on(other, &node.name);
+    }
+    if let Some(why) = ruled_out(vm, node, &live) {
+        return Err(format!("node {why} (a domain being ended)"));
+    }
     let Some(cap) = node.status.capacity else {
         return Ok(());
     };
+    let extra = unaccounted
+        .iter()
+        .map(|v| v.spec.demand())
+        .fold(Demand::default(), Demand::plus);
     let used = load.allocated_besides(&node.name, vm).plus(extra);
     let demand = vm.spec.demand();
     if cap.fits(used, demand) {
@@ -256,13 +291,27 @@ pub fn placement(
 ) -> Option<VirtualMachine> {
     let mut next = vm.clone();
     let eligible: Vec<&Node> = eligible_nodes(vm, nodes, None, liveness, now, cfg).collect();
+    let (allowed, ruled): (Vec<&Node>, Vec<&Node>) = eligible
+        .iter()
+        .partition(|n| ruled_out(vm, n, &load.rules).is_none());
     match candidate_nodes(vm, nodes, load, None, liveness, now, cfg).first() {
         Some(node) => {
             next.status.node = Some(node.clone());
             next.status.message = None;
         }
-        None if !eligible.is_empty() => {
-            next.status.message = Some(no_room(vm, &eligible, load));
+        None if !allowed.is_empty() => {
+            next.status.message = Some(no_room(vm, &allowed, load));
+        }
+        None if !ruled.is_empty() => {
+            let why: Vec<String> = ruled
+                .iter()
+                .filter_map(|n| ruled_out(vm, n, &load.rules))
+                .collect();
+            next.status.message = Some(format!(
+                "no node may take VM {} by its placement rules: {}",
+                vm.name,
+                why.join("; ")
+            ));
         }
         None => {
             next.status.message = Some(format!(
@@ -316,6 +365,7 @@ pub(crate) mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         );
         v.status.node = node.map(str::to_string);
@@ -575,21 +625,123 @@ pub(crate) mod tests {
             Some("no node has 2 CPU and 12 GiB free for VM huge (free: n1 3 CPU, 3.5 GiB; n2 3 CPU, 7 GiB)")
         );
         let node = &nodes[0];
-        let none = Demand::default();
+        let none = [];
         assert!(room_on(
             &sized("fits", None, 3, 3_584),
             node,
             &NodeLoad::of(&vms),
-            none
+            &none
         )
         .is_ok());
         let why = room_on(
             &sized("not", None, 1, 3_585),
             node,
             &NodeLoad::of(&vms),
-            none,
+            &none,
         )
         .unwrap_err();
         assert!(why.contains("node n1 has 3 CPU and 3.5 GiB free"), "{why}");
+    }
+
+    #[test]
+    fn members_of_a_required_group_go_to_distinct_nodes_or_wait() {
+        let nodes = [
+            offering("n1", 4, 4_096),
+            offering("n2", 4, 4_096),
+            offering("n3", 4, 4_096),
+        ];
+        let member = |name: &str| {
+            let mut v = sized(name, None, 1, 512);
+            v.spec.placement.anti_affinity = Some(keel_api::AntiAffinity {
+                group: "web".into(),
+                preferred: false,
+            });
+            v
+        };
+        let mut placed: Vec<VirtualMachine> = Vec::new();
+        for name in ["w1", "w2", "w3"] {
+            let next = placement(
+                &member(name),
+                &nodes,
+                &NodeLoad::of(&placed),
+                &Liveness::default(),
+                at(100_000),
+                &LifecycleConfig::default(),
+            )
+            .unwrap();
+            placed.push(next);
+        }
+        let mut on: Vec<_> = placed
+            .iter()
+            .map(|v| v.status.node.clone().unwrap())
+            .collect();
+        on.sort();
+        assert_eq!(on, ["n1", "n2", "n3"]);
+        let fourth = placement(
+            &member("w4"),
+            &nodes,
+            &NodeLoad::of(&placed),
+            &Liveness::default(),
+            at(100_000),
+            &LifecycleConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(fourth.status.node, None);
+        let why = fourth.status.message.unwrap();
+        assert!(
+            why.starts_with("no node may take VM w4 by its placement rules: n1 has VM w"),
+            "{why}"
+        );
+        // Preferred: apart where it can, then shared rather than waiting.
+        let mut soft = member("w4");
+        soft.spec
+            .placement
+            .anti_affinity
+            .as_mut()
+            .unwrap()
+            .preferred = true;
+        let others: Vec<VirtualMachine> = placed
+            .iter()
+            .cloned()
+            .map(|mut v| {
+                v.spec.placement.anti_affinity.as_mut().unwrap().preferred = true;
+                v
+            })
+            .collect();
+        assert_eq!(candidates(&soft, &nodes, &others).len(), 3);
+        // A start on a node holding a member is refused with the reason.
+        let why = room_on(&member("w4"), &nodes[0], &NodeLoad::of(&placed), &[]).unwrap_err();
+        assert!(why.contains("of anti-affinity group web"), "{why}");
+        // So is one beside a member's domain that no record accounts for
+        // (a handed-over source not yet ended).
+        let mut moved = placed[0].clone();
+        moved.status.node = Some("n2".into());
+        let placed = [moved.clone()];
+        assert!(room_on(&member("w4"), &nodes[0], &NodeLoad::of(&placed), &[]).is_ok());
+        let why = room_on(&member("w4"), &nodes[0], &NodeLoad::of(&placed), &[&moved]).unwrap_err();
+        assert!(why.contains("(a domain being ended)"), "{why}");
+    }
+
+    #[test]
+    fn a_node_selector_is_required() {
+        let mut nodes = [offering("n1", 4, 4_096), offering("n2", 4, 4_096)];
+        nodes[1].labels.insert("disk".into(), "ssd".into());
+        let mut v = sized("db", None, 1, 512);
+        v.spec.placement.node_selector = [("disk".to_string(), "ssd".to_string())].into();
+        assert_eq!(candidates(&v, &nodes, &[]), ["n2"]);
+        nodes[1].labels.clear();
+        let next = placement(
+            &v,
+            &nodes,
+            &NodeLoad::default(),
+            &Liveness::default(),
+            at(100_000),
+            &LifecycleConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            next.status.message.as_deref(),
+            Some("no node may take VM db by its placement rules: n1 lacks label disk=ssd; n2 lacks label disk=ssd")
+        );
     }
 }

@@ -88,6 +88,7 @@ mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
                 readiness: keel_api::Readiness::Agent,
             },
         );

@@ -801,15 +801,12 @@ impl VmController {
                 .map(|e| e.value),
         };
         let drain = me.as_ref().and_then(|n| n.draining().cloned());
-        // Only for a start: what the other VMs placed here take, from the
-        // index (a VM the index lacks is not counted: a start it lets
-        // through the leader's placement, by the same index, did too).
+        // Only for a start: its placement rules, the ports held here and
+        // what the other VMs placed here take, from the index (a VM the
+        // index lacks is not counted: a start it lets through the
+        // leader's placement, by the same index, did too).
         let no_room_here = match &me {
-            Some(me)
-                if me.status.capacity.is_some()
-                    && vm.status.instance.is_none()
-                    && vm.wants_running() =>
-            {
+            Some(me) if vm.status.instance.is_none() && vm.wants_running() => {
                 self.no_room_on(vm, me).await
             }
             _ => None,
@@ -868,7 +865,7 @@ impl VmController {
                 let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
                     vms.get(name).map(|v| &v.vm)
                 });
-                crate::schedule::room_on(vm, me, vms.load(), extra)
+                crate::schedule::room_on(vm, me, vms.load(), &extra)
             })
             .and_then(Result::err)
     }

@@ -720,10 +720,12 @@ fn no_instance(
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     if let Some(why) = &cluster.no_room_here {
-        // Beside what is allocated here it would overcommit the node,
-        // which ends in the host's OOM killer ending guests: back to the
-        // scheduler, which places it only where it fits (or, pinned
-        // here, it waits).
+        // Beside what is allocated here it would overcommit the node
+        // (which ends in the host's OOM killer ending guests), break a
+        // placement rule (a required anti-affinity member already here,
+        // a label the node has lost) or bind a port another VM holds:
+        // back to the scheduler, which places it only where it may go
+        // (or, pinned here, it waits).
         if !pinned_here {
             next.status.node = None;
         }
@@ -856,6 +858,7 @@ mod tests {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         )
     }

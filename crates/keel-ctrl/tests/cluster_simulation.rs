@@ -12,7 +12,9 @@
 //! reaches the state its record asks for, except that one whose disks
 //! are on a node that never returned waits, stopped, saying why. In half
 //! the worlds with shared storage each node has room for three VMs only,
-//! and at every tick no node's live guests take more than it offers.
+//! and at every tick no node's live guests take more than it offers. In
+//! half the worlds two VMs are a required anti-affinity pair, and at every
+//! tick no node holds a live domain of both.
 //!
 //! A failure names its seed: `KEEL_CLUSTER_SEED=<n> cargo test -p keel-ctrl
 //! --test cluster_simulation`; `KEEL_CLUSTER_SEEDS=<n>` sets how many (default 200).
@@ -89,6 +91,13 @@ async fn run_seed(seed: u64) -> Result<(), String> {
         c.skew_ms.insert(node.to_string(), skew);
         c.add_node(node).await;
     }
+    // A sixth stream: in half the worlds v0 and v1 are a required
+    // anti-affinity pair, kept on distinct nodes through placement,
+    // drains, migrations and takeovers.
+    let mut groups = ChaCha8Rng::seed_from_u64(seed ^ 0x6170_6172);
+    if groups.gen_bool(0.5) {
+        c.apart = vec!["v0".into(), "v1".into()];
+    }
     for vm in VMS {
         let policy = *[
             RunPolicy::AlwaysOn,
@@ -109,8 +118,8 @@ async fn run_seed(seed: u64) -> Result<(), String> {
     // Without shared storage: where each VM's (uid's) disks are.
     let mut homes: BTreeMap<String, String> = BTreeMap::new();
     let mut trace = vec![format!(
-        "clock skews {:?}, local disks {local_disks}, room for 3 VMs a node {sized}",
-        c.skew_ms
+        "clock skews {:?}, local disks {local_disks}, room for 3 VMs a node {sized}, apart {:?}",
+        c.skew_ms, c.apart
     )];
     // A fourth stream: wall-clock steps of one node by more than a lease,
     // either way, away from its usual skew or back to it (as NTP corrects

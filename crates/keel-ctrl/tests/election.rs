@@ -106,6 +106,7 @@ impl World {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

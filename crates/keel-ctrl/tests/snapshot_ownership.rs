@@ -102,6 +102,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         cloud_init: None,
         ha: None,
         cpu_model: None,
+        placement: Default::default(),
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -32,6 +32,7 @@ fn spec(power: PowerState) -> VmSpec {
         cloud_init: None,
         ha: None,
         cpu_model: None,
+        placement: Default::default(),
     }
 }
 

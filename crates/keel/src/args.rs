@@ -880,6 +880,8 @@ pub struct CreateArgs {
     pub timeout: u64,
     #[command(flatten)]
     pub net: Box<crate::cli::net::NetArgs>,
+    #[command(flatten)]
+    pub placement: Box<crate::cli::placement::PlacementArgs>,
 }
 
 fn parse_readiness(s: &str) -> Result<Readiness, String> {
@@ -939,6 +941,17 @@ pub enum NodeVerb {
     /// over until the freeze ends, its guests keep running (and are fenced
     /// at its end if the agent has not returned). The agent ends it.
     Freeze(FreezeArgs),
+    /// Set (KEY=VALUE) or remove (KEY-) labels on a node; VMs created with
+    /// `--node-selector KEY=VALUE` go only to nodes carrying it.
+    Label(LabelArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct LabelArgs {
+    pub name: String,
+    /// KEY=VALUE to set, KEY- to remove.
+    #[arg(required = true, value_name = "KEY=VALUE|KEY-")]
+    pub labels: Vec<String>,
 }
 
 #[derive(Debug, Args)]

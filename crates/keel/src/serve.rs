@@ -523,6 +523,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             cloud_init: None,
             ha: None,
             cpu_model: None,
+            placement: Default::default(),
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

@@ -214,6 +214,7 @@ impl Cluster {
             cloud_init: None,
             ha: None,
             cpu_model: None,
+            placement: Default::default(),
         }
     }
 
@@ -235,6 +236,7 @@ impl Cluster {
                 cloud_init: None,
                 ha: None,
                 cpu_model: None,
+                placement: Default::default(),
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

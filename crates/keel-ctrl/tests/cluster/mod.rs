@@ -77,7 +77,14 @@ pub struct Cluster {
     wall_offsets: BTreeMap<String, Arc<std::sync::atomic::AtomicI64>>,
     /// VMs created so far: each gets a uid of its own, as from the API.
     pub created: u64,
+    /// VMs created as members of one required anti-affinity group
+    /// ([`APART_GROUP`]): at every tick, no node holds a live domain of
+    /// two of them.
+    pub apart: Vec<String>,
 }
+
+/// The required anti-affinity group of [`Cluster::apart`].
+pub const APART_GROUP: &str = "apart";
 
 /// A node's clocks: its wall clock is true time plus an offset that a
 /// test may step either way; its monotonic clock never steps.
@@ -118,6 +125,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         cloud_init: None,
         ha: None,
         cpu_model: None,
+        placement: Default::default(),
     }
 }
 
@@ -144,6 +152,7 @@ impl Cluster {
             sim,
             local_disks: false,
             skew_ms: BTreeMap::new(),
+            apart: Vec::new(),
             wall_offsets: BTreeMap::new(),
             created: 0,
         }
@@ -334,6 +343,12 @@ impl Cluster {
         self.created += 1;
         let mut vm = VirtualMachine::new(name, spec(policy));
         vm.uid = format!("{:016x}", self.created);
+        if self.apart.iter().any(|m| m == name) {
+            vm.spec.placement.anti_affinity = Some(keel_api::AntiAffinity {
+                group: APART_GROUP.into(),
+                preferred: false,
+            });
+        }
         self.store.create(&vm_key(name), &vm).await.is_ok()
     }
 
@@ -433,6 +448,27 @@ impl Cluster {
                     "node {} over its capacity: live guests take {live:?}, it offers {cap:?}:\n{}",
                     a.name,
                     who.join("\n")
+                );
+            }
+        }
+        // No node ever holds a live domain of two members of a required
+        // anti-affinity group: not while placing, migrating (source and
+        // target both count) or taking over.
+        for a in &self.agents {
+            let members: Vec<(String, Vec<String>)> = self
+                .apart
+                .iter()
+                .map(|m| (m.clone(), a.hv.live_instances(m)))
+                .filter(|(_, live)| !live.is_empty())
+                .collect();
+            if members.len() > 1 {
+                let mut why = String::new();
+                for (m, _) in &members {
+                    why.push_str(&format!("\n{}", self.explain(m).await));
+                }
+                panic!(
+                    "node {} holds two members of anti-affinity group {APART_GROUP}: {members:?}{why}",
+                    a.name
                 );
             }
         }

@@ -53,6 +53,7 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         cloud_init: None,
         ha: None,
         cpu_model: None,
+        placement: Default::default(),
     }
 }
 

@@ -226,6 +226,7 @@ impl Env {
             cloud_init: None,
             ha: None,
             cpu_model: None,
+            placement: Default::default(),
         }
     }
 

@@ -14,11 +14,13 @@ mod error;
 pub mod events;
 mod extract;
 pub mod freeze;
+pub mod host_ports;
 pub mod image_urls;
 pub mod images;
 pub mod limits;
 pub mod migrate;
 pub mod migrations;
+pub mod node_labels;
 pub mod nodes;
 pub mod openapi;
 pub mod paging;
@@ -133,6 +135,7 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/nodes/{name}/uncordon", post(nodes::uncordon))
         .route("/api/v1/nodes/{name}/drain", post(nodes::drain))
         .route("/api/v1/nodes/{name}/freeze", post(freeze::freeze))
+        .route("/api/v1/nodes/{name}/labels", post(node_labels::label))
         .route("/api/v1/tokens", get(tokens::list).post(tokens::create))
         .route("/api/v1/tokens/{id}", delete(tokens::revoke))
         .fallback(not_found)

@@ -78,6 +78,7 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("POST", "/api/v1/nodes/{name}/uncordon", Needs(Admin)),
     ("POST", "/api/v1/nodes/{name}/drain", Needs(Admin)),
     ("POST", "/api/v1/nodes/{name}/freeze", Needs(Admin)),
+    ("POST", "/api/v1/nodes/{name}/labels", Needs(Admin)),
     ("GET", "/api/v1/tokens", Needs(Admin)),
     ("POST", "/api/v1/tokens", Needs(Admin)),
     ("DELETE", "/api/v1/tokens/{id}", Needs(Admin)),

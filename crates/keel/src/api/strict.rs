@@ -9,8 +9,9 @@
 //! until it is added here too.
 
 use keel_api::{
-    BootSpec, CloudInitSpec, DiskSpec, Firmware, NetworkMode, NetworkSpec, PortForward, PowerState,
-    Protocol, Readiness, RunPolicy, VmSpec, DEFAULT_STOP_GRACE_PERIOD_S,
+    AntiAffinity, BootSpec, CloudInitSpec, DiskSpec, Firmware, NetworkMode, NetworkSpec,
+    PlacementRules, PortForward, PowerState, Protocol, Readiness, RunPolicy, VmSpec,
+    DEFAULT_STOP_GRACE_PERIOD_S,
 };
 use serde::{Deserialize, Deserializer};
 
@@ -44,6 +45,27 @@ struct StrictVmSpec {
     ha: Option<bool>,
     #[serde(default)]
     cpu_model: Option<String>,
+    #[serde(default)]
+    placement: StrictPlacementRules,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictPlacementRules {
+    #[serde(default)]
+    node_selector: keel_api::Labels,
+    #[serde(default)]
+    anti_affinity: Option<StrictAntiAffinity>,
+    #[serde(default)]
+    affinity: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictAntiAffinity {
+    group: String,
+    #[serde(default)]
+    preferred: bool,
 }
 
 #[derive(Default, Deserialize)]
@@ -128,7 +150,13 @@ impl From<StrictVmSpec> for VmSpec {
             cloud_init,
             ha,
             cpu_model,
+            placement,
         } = s;
+        let StrictPlacementRules {
+            node_selector,
+            anti_affinity,
+            affinity,
+        } = placement;
         let StrictNetworkSpec {
             mac,
             mode,
@@ -204,6 +232,13 @@ impl From<StrictVmSpec> for VmSpec {
             ),
             ha,
             cpu_model,
+            placement: PlacementRules {
+                node_selector,
+                anti_affinity: anti_affinity.map(|StrictAntiAffinity { group, preferred }| {
+                    AntiAffinity { group, preferred }
+                }),
+                affinity,
+            },
         }
     }
 }
@@ -227,7 +262,18 @@ fn covers_every_field(spec: VmSpec) {
         cloud_init,
         ha: _,
         cpu_model: _,
+        placement,
     } = spec;
+    let PlacementRules {
+        node_selector: _,
+        anti_affinity,
+        affinity: _,
+    } = placement;
+    if let Some(AntiAffinity {
+        group: _,
+        preferred: _,
+    }) = anti_affinity
+    {}
     let NetworkSpec {
         mac: _,
         mode: _,
@@ -317,6 +363,7 @@ mod tests {
             }),
             ha: Some(false),
             cpu_model: Some("Nehalem-v2".into()),
+            placement: Default::default(),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();

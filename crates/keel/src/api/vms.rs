@@ -113,6 +113,7 @@ pub async fn create(
     vm.uid = new_vm_uid();
     super::images::resolve(&state, &mut vm.spec).await?;
     vm.validate().map_err(ApiError::invalid)?;
+    super::host_ports::refuse_clash(&state, &vm.name, &vm.spec).await?;
     let vms = state.store.raw().count(VMS_PREFIX).await?;
     check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
     let key = vm_key(&vm.name);
@@ -164,6 +165,7 @@ pub async fn replace_spec(
     })?;
     super::images::resolve(&state, &mut req.spec).await?;
     req.spec.validate().map_err(ApiError::invalid)?;
+    super::host_ports::refuse_clash(&state, &name, &req.spec).await?;
     let (vm, revision) = mutate(&state, &name, Some(expected), |vm| {
         let mut spec = req.spec.clone();
         spec.inherit_identity(&vm.spec, vm.mac());

@@ -11,6 +11,7 @@ mod migration;
 pub mod net;
 mod node;
 pub mod output;
+pub mod placement;
 pub mod server_trust;
 mod snapshot;
 mod token;

@@ -1,4 +1,4 @@
-//! `keel node list|info|cordon|uncordon|drain|freeze`.
+//! `keel node list|info|cordon|uncordon|drain|freeze|label`.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -9,9 +9,10 @@ use ureq::http::Method;
 
 use super::output::{self, fields, Table};
 use super::{encode, Client};
+use crate::api::node_labels::LabelRequest;
 use crate::api::nodes::{DrainRequest, NodeList, NodeResponse, UncordonRequest, UncordonResponse};
 use crate::api::vms::VmList;
-use crate::args::{DrainArgs, NodeCommand, NodeVerb, OutputFormat, UncordonArgs};
+use crate::args::{DrainArgs, LabelArgs, NodeCommand, NodeVerb, OutputFormat, UncordonArgs};
 use crate::timefmt::{ago, rfc3339};
 use keel_api::capacity::human_mib;
 
@@ -93,6 +94,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     ("cordoned", cordon_text(n)),
                     ("drain", drain_text(n, now)),
                     ("freeze", super::freeze::freeze_text(n)),
+                    ("labels", labels_text(n)),
                     ("cpus (allocated/offered)", cpu_text(&resp)),
                     ("memory (allocated/offered)", memory_text(&resp)),
                     (
@@ -122,7 +124,39 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
         NodeVerb::Uncordon(args) => uncordon(&client, out, args),
         NodeVerb::Drain(args) => drain(&client, out, args),
         NodeVerb::Freeze(args) => super::freeze::freeze(&client, out, args),
+        NodeVerb::Label(args) => label(&client, out, args),
     }
+}
+
+fn label(client: &Client, out: OutputFormat, args: LabelArgs) -> anyhow::Result<()> {
+    let mut req = LabelRequest::default();
+    for arg in &args.labels {
+        match arg.strip_suffix('-') {
+            Some(key) if !key.contains('=') => req.remove.push(key.to_string()),
+            _ => {
+                let (k, v) = keel_api::placement::parse_label(arg).map_err(|e| {
+                    anyhow::anyhow!("{arg}: {e} (KEY=VALUE to set, KEY- to remove)")
+                })?;
+                req.set.insert(k, v);
+            }
+        }
+    }
+    let resp: NodeResponse =
+        client.call(Method::POST, &verb_path(&args.name, "labels"), Some(&req))?;
+    output::print(out, &resp, || {
+        format!("node {}: labels {}\n", args.name, labels_text(&resp.node))
+    })
+}
+
+fn labels_text(n: &Node) -> String {
+    if n.labels.is_empty() {
+        return "-".into();
+    }
+    n.labels
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn verb_path(name: &str, verb: &str) -> String {

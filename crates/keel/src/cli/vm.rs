@@ -98,6 +98,7 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             _ => None,
         },
         cpu_model: args.cpu_model.clone(),
+        placement: args.placement.rules(),
     })
 }
 
@@ -198,6 +199,7 @@ fn describe(resp: &VmResponse) -> String {
     ];
     pairs.push(super::vm_ha::describe(vm));
     pairs.extend(super::net::describe(vm));
+    pairs.extend(super::placement::describe(vm));
     pairs.extend(super::vm_migrate::describe(vm));
     for (k, v) in [
         ("kernel", &vm.spec.boot.kernel),
