@@ -379,6 +379,10 @@ pub struct VmStatus {
     /// start copies (`keel vm clone`). Kept afterwards as its history.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clone_from: Option<crate::CloneSource>,
+    /// The node a drain last moved this VM away from, until it is asked
+    /// back (`keel node uncordon --return`, [`crate::drain_return`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drained_from: Option<crate::DrainedFrom>,
 }
 
 impl VmStatus {

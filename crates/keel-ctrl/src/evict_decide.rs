@@ -210,6 +210,12 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
             ),
         });
     }
+    match vm.status.eviction.as_ref() {
+        // The user chose where it runs now: not the drain's to return.
+        Some(ev) if ev.user => next.status.drained_from = None,
+        Some(ev) => next.mark_drained_from(&m.source_node, ev.drain_requested_at),
+        None => {}
+    }
     next.status.eviction = None;
     next
 }

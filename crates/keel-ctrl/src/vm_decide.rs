@@ -429,8 +429,14 @@ fn instance_gone(
         .as_ref()
         .is_some_and(|s| s.reason == StopReason::Evict)
     {
-        // Evicted: the next instance starts wherever the scheduler says.
-        status.eviction = None;
+        // Evicted: the next instance starts wherever the scheduler says,
+        // and a drain's return may bring it back.
+        if let Some(ev) = status.eviction.take().filter(|e| !e.user) {
+            status.drained_from = Some(keel_api::DrainedFrom {
+                node: inst.node.clone(),
+                drain_requested_at: ev.drain_requested_at,
+            });
+        }
         status.node = None;
     }
     // Whatever restart was asked for is satisfied by the next fresh start.
@@ -674,9 +680,12 @@ fn no_instance(
     let pinned_here = vm.spec.node.as_deref() == Some(cfg.node.as_str());
     if cluster.drain.is_some() && !pinned_here {
         // Not this node's any more, running or not: back to the scheduler,
-        // so the drain can complete.
+        // so the drain can complete (and its return may bring it back).
         next.status.eviction = None;
         next.status.node = None;
+        if let Some(drain) = cluster.drain.as_ref().filter(|_| vm.wants_running()) {
+            next.mark_drained_from(&cfg.node, drain.requested_at);
+        }
         next.status.phase = if vm.wants_running() {
             Phase::Pending
         } else {

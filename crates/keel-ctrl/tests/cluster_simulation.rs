@@ -1,5 +1,6 @@
 //! Seeded simulation of a three-node cluster: random user requests,
-//! drains and uncordons, network partitions of one agent, host power
+//! drains and uncordons (some asking back what the drains moved off),
+//! network partitions of one agent, host power
 //! failures, migration failures and late successes, controller restarts.
 //! Each node's wall clock is off by up to a minute either way, and steps
 //! by more than a lease either way now and then. VMs are
@@ -199,7 +200,23 @@ async fn run_seed(seed: u64) -> Result<(), String> {
                     n.uncordon_by_keel();
                 })
                 .await;
-                format!("uncordon {node}")
+                // Half the time with `--return`: what its drains moved
+                // off is asked back.
+                if groups.gen_bool(0.5) {
+                    let now = c.now();
+                    for vm in VMS {
+                        let key = keel_ctrl::keys::vm_key(vm);
+                        if c.store.get::<VirtualMachine>(&key).await.unwrap().is_some() {
+                            c.update_vm(vm, move |v: &mut VirtualMachine| {
+                                let _ = v.request_return(node, now);
+                            })
+                            .await;
+                        }
+                    }
+                    format!("uncordon {node} --return")
+                } else {
+                    format!("uncordon {node}")
+                }
             }
             14..=15 => {
                 let i = rng.gen_range(0..NODES.len());

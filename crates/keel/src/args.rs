@@ -971,6 +971,16 @@ pub struct UncordonArgs {
     /// Lift an operator's cordon too (set by `keel node cordon`).
     #[arg(long)]
     pub operator: bool,
+    /// Live-migrate back the VMs that drains moved off this node, each
+    /// through the same bounded migration as `keel vm migrate`.
+    #[arg(long = "return")]
+    pub return_vms: bool,
+    /// With --return: wait until each VM is back (or its migration failed).
+    #[arg(long, requires = "return_vms")]
+    pub wait: bool,
+    /// Seconds to wait with --wait.
+    #[arg(long, default_value_t = 600, requires = "wait")]
+    pub timeout: u64,
 }
 
 #[derive(Debug, Args)]

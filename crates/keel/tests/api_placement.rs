@@ -180,3 +180,23 @@ fn a_published_port_has_one_holder_on_one_host() {
         "udp"
     );
 }
+
+#[test]
+fn a_return_needs_a_node_that_takes_vms() {
+    let server = TestServer::start();
+    ok(&keel(&server, &["node", "cordon", "test-node"]));
+    let r = server.send(
+        "POST",
+        "/api/v1/nodes/test-node/uncordon",
+        &json!({"return": true}).to_string(),
+    );
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json()["field"], "return", "{}", r.text);
+    let node = server.get("/api/v1/nodes/test-node").json();
+    assert_eq!(node["node"]["cordoned"], true, "nothing changed: {node}");
+    let out = ok(&keel(
+        &server,
+        &["node", "uncordon", "test-node", "--operator", "--return"],
+    ));
+    assert!(out.contains("no VM to migrate back"), "{out}");
+}

@@ -10,6 +10,7 @@ pub mod clone;
 pub mod console;
 pub mod console_proxy;
 pub mod disks;
+pub mod drain_return;
 mod error;
 pub mod events;
 mod extract;

@@ -30,6 +30,10 @@ pub struct UncordonRequest {
     /// drain are lifted).
     #[serde(default)]
     pub operator: bool,
+    /// Also ask the VMs this node's drains moved away to live-migrate back
+    /// (`keel node uncordon --return`).
+    #[serde(default, rename = "return")]
+    pub return_vms: bool,
 }
 
 /// `POST /api/v1/nodes/{name}/drain`; the body is optional, each window
@@ -101,6 +105,9 @@ pub struct UncordonResponse {
     pub schedulable: bool,
     /// An operator's cordon remains (lift it with `{"operator": true}`).
     pub operator_cordon: bool,
+    /// With `return`: the VMs asked back, and those that could not be.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "return")]
+    pub returned: Option<super::drain_return::ReturnOutcome>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -207,17 +214,34 @@ pub async fn uncordon(
     let expected = expected_revision(&headers, from_query, None)?;
     let req = req.unwrap_or_default();
     let (node, revision) = mutate(&state, &name, expected, |n| {
-        n.uncordon_by_keel();
+        let mut after = n.clone();
+        after.uncordon_by_keel();
         if req.operator {
-            n.cordoned = false;
-            n.cordoned_by_keel = false;
+            after.cordoned = false;
+            after.cordoned_by_keel = false;
         }
+        if req.return_vms && after.cordoned {
+            // Nothing may migrate to a cordoned node: refused before
+            // anything changes.
+            return Err(ApiError::conflict(
+                "return",
+                format!(
+                    "node {name} stays cordoned by its operator, so no VM can return to it; \
+                     add operator to lift that cordon too"
+                ),
+            ));
+        }
+        *n = after;
         Ok(())
     })
     .await?;
     let schedulable = !node.cordoned;
     let operator_cordon = node.cordoned && !node.cordoned_by_keel;
     tracing::info!(node = %name, revision, operator = req.operator, schedulable, "uncordoned");
+    let returned = match req.return_vms {
+        true => Some(super::drain_return::return_drained(&state, &name).await?),
+        false => None,
+    };
     Ok(with_etag(
         StatusCode::OK,
         UncordonResponse {
@@ -225,6 +249,7 @@ pub async fn uncordon(
             node,
             schedulable,
             operator_cordon,
+            returned,
         },
         revision,
     ))

@@ -194,12 +194,13 @@ fn drain_text(n: &Node, now: Millis) -> String {
 fn uncordon(client: &Client, out: OutputFormat, args: UncordonArgs) -> anyhow::Result<()> {
     let req = UncordonRequest {
         operator: args.operator,
+        return_vms: args.return_vms,
     };
     let resp: UncordonResponse =
         client.call(Method::POST, &verb_path(&args.name, "uncordon"), Some(&req))?;
     output::print(out, &resp, || {
         let name = &args.name;
-        if resp.schedulable {
+        let mut text = if resp.schedulable {
             format!("node {name}: uncordoned; new VMs may be placed on it\n")
         } else if resp.operator_cordon {
             format!(
@@ -208,8 +209,82 @@ fn uncordon(client: &Client, out: OutputFormat, args: UncordonArgs) -> anyhow::R
             )
         } else {
             format!("node {name}: still cordoned\n")
+        };
+        if let Some(r) = &resp.returned {
+            text.push_str(&return_text(name, r));
         }
-    })
+        text
+    })?;
+    match &resp.returned {
+        Some(r) if args.wait && !r.returning.is_empty() => {
+            wait_returned(client, &args.name, &r.returning, args.timeout)
+        }
+        _ => Ok(()),
+    }
+}
+
+fn return_text(node: &str, r: &crate::api::drain_return::ReturnOutcome) -> String {
+    let mut text = match r.returning.as_slice() {
+        [] => format!("node {node}: no VM to migrate back\n"),
+        vms => format!("node {node}: migrating back {}\n", vms.join(", ")),
+    };
+    for n in &r.not_returned {
+        text.push_str(&format!("  {} stays: {}\n", n.vm, n.reason));
+    }
+    text
+}
+
+/// Until every one of `vms` runs on `node` again, or its migration back
+/// has failed (the VM then keeps running where it is, with the reason).
+fn wait_returned(
+    client: &Client,
+    node: &str,
+    vms: &[String],
+    timeout_s: u64,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(timeout_s);
+    let mut failed = Vec::new();
+    let mut waiting: Vec<&String> = vms.iter().collect();
+    while !waiting.is_empty() {
+        let list: VmList = client.get("/api/v1/vms")?;
+        waiting.retain(|name| {
+            let Some(item) = list.items.iter().find(|i| &i.vm.name == *name) else {
+                return false;
+            };
+            let vm = &item.vm;
+            if vm.status.instance.as_ref().is_some_and(|i| i.node == node)
+                && vm.pending_migration().is_none()
+            {
+                return false;
+            }
+            match &vm.status.migrate_outcome {
+                Some(o) if !o.succeeded && vm.pending_migration().is_none() => {
+                    failed.push(format!("{name}: {}", o.message));
+                    false
+                }
+                _ => true,
+            }
+        });
+        if waiting.is_empty() {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "timed out after {timeout_s}s waiting for {} to return to node {node}",
+                waiting
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        std::thread::sleep(POLL);
+    }
+    if !failed.is_empty() {
+        bail!("not returned to node {node}: {}", failed.join("; "));
+    }
+    eprintln!("node {node}: every VM asked back runs on it again");
+    Ok(())
 }
 
 /// One line for a drain's migration tuning.

@@ -277,6 +277,15 @@ fn describe(resp: &VmResponse) -> String {
         }
         None => pairs.push(("instance", "-".into())),
     }
+    if let Some(d) = &s.drained_from {
+        pairs.push((
+            "drained from",
+            format!(
+                "node {} (`keel node uncordon {} --return` brings it back)",
+                d.node, d.node
+            ),
+        ));
+    }
     if !s.restart_required.is_empty() {
         pairs.push(("restart required", s.restart_required.join(", ")));
     }

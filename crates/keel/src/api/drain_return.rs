@@ -1,0 +1,85 @@
+//! `uncordon` with `{"return": true}` (`keel node uncordon NODE --return`):
+//! every VM the node's drains moved away (`VmStatus::drained_from`) is asked
+//! to live-migrate back, each through the same bounded migration as
+//! `keel vm migrate --to NODE`; those that cannot be (stopped, moving
+//! already, on a node being drained) are named with the reason.
+
+use keel_api::{Node, VirtualMachine};
+use keel_ctrl::keys::{node_key, VMS_PREFIX};
+use serde::{Deserialize, Serialize};
+
+use super::{vms, ApiError, AppState};
+
+/// A VM a return did not ask back, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotReturned {
+    pub vm: String,
+    pub reason: String,
+}
+
+/// What the return asked: the VMs migrating back, and those not.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReturnOutcome {
+    pub returning: Vec<String>,
+    pub not_returned: Vec<NotReturned>,
+}
+
+/// Asks every VM drained off `node` back to it.
+pub async fn return_drained(state: &AppState, node: &str) -> Result<ReturnOutcome, ApiError> {
+    let (entries, _) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+    let now = state.clock.now_ms();
+    let mut outcome = ReturnOutcome::default();
+    let moved = entries.into_iter().map(|(_, e)| e.value).filter(|vm| {
+        vm.status
+            .drained_from
+            .as_ref()
+            .is_some_and(|d| d.node == node)
+    });
+    for vm in moved {
+        if let Some(inst) = &vm.status.instance {
+            if let Some(on) = state.store.get::<Node>(&node_key(&inst.node)).await? {
+                if on.value.draining().is_some() {
+                    outcome.not_returned.push(NotReturned {
+                        vm: vm.name.clone(),
+                        reason: format!("its node {} is being drained", inst.node),
+                    });
+                    continue;
+                }
+            }
+        }
+        let mut asked = None;
+        let written = vms::mutate(state, &vm.name, None, |vm| {
+            asked = Some(vm.request_return(node, now));
+            Ok(())
+        })
+        .await;
+        match (written, asked) {
+            (Ok(_), Some(Ok(()))) => outcome.returning.push(vm.name.clone()),
+            (Ok(_), Some(Err(why))) => outcome.not_returned.push(NotReturned {
+                vm: vm.name.clone(),
+                reason: why.message,
+            }),
+            // Deleted meanwhile, or the store failed: said, not hidden.
+            (Err(e), _) => outcome.not_returned.push(NotReturned {
+                vm: vm.name.clone(),
+                reason: e.to_string(),
+            }),
+            (Ok(_), None) => {}
+        }
+    }
+    tracing::info!(node, returning = ?outcome.returning, not_returned = outcome.not_returned.len(), "return after drain");
+    Ok(outcome)
+}
+
+pub fn describe(doc: &mut serde_json::Value) {
+    use serde_json::json;
+    let schemas = &mut doc["components"]["schemas"];
+    schemas["UncordonRequest"]["properties"]["return"] = json!({"type": "boolean", "default": false, "description": "Also ask the VMs this node's drains moved away to live-migrate back, each through the same bounded migration as a user's migrate; refused (409, field return) while the node stays cordoned"});
+    schemas["UncordonResponse"]["properties"]["return"] = json!({"type": "object", "description": "With return: the VMs asked back, and those that could not be, with the reason", "properties": {
+        "returning": {"type": "array", "items": {"type": "string"}},
+        "not_returned": {"type": "array", "items": {"type": "object", "properties": {"vm": {"type": "string"}, "reason": {"type": "string"}}}}
+    }});
+    schemas["VmStatus"]["properties"]["drained_from"] = json!({"type": "object", "description": "The node a drain last moved this VM away from, until uncordon with return asks it back", "properties": {
+        "node": {"type": "string"}, "drain_requested_at": {"type": "integer"}
+    }});
+}
