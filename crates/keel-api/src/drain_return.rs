@@ -4,17 +4,7 @@
 //! moves it; the return asks each VM so recorded to live-migrate back,
 //! through the same bounded migrations as `keel vm migrate`.
 
-use serde::{Deserialize, Serialize};
-
-use crate::{Millis, ValidationError, VirtualMachine};
-
-/// The node a drain moved a VM away from, and which drain.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DrainedFrom {
-    pub node: String,
-    /// The drain's `requested_at`.
-    pub drain_requested_at: Millis,
-}
+use crate::{DrainedFrom, Millis, ValidationError, VirtualMachine};
 
 impl VirtualMachine {
     /// Records that the drain of `node` (requested at `drain_requested_at`)
