@@ -741,20 +741,8 @@ mod tests {
         for (ms, named, expected) in cases {
             let mut v = vm.clone();
             v.status.eviction = named.map(|id| Eviction {
-                drain_requested_at: 0,
-                phase: EvictionPhase::Submitting,
-                started_at: 0,
-                submit_deadline: None,
-                migrate_deadline: None,
-                fallback_deadline: None,
                 migration: Some(id.into()),
-                migration_source: None,
-                migration_target: None,
-                migration_target_node: None,
-                failed_attempts: 0,
-                next_attempt_at: None,
-                message: None,
-                user: false,
+                ..Eviction::submitting(0, 0, None, false)
             });
             assert_eq!(migrations_to_collect(Some(&v), &ms), expected, "{named:?}");
         }

@@ -602,6 +602,19 @@ pub(crate) mod tests {
         assert_eq!(load.allocated("n1"), keel_api::Demand::default());
     }
 
+    /// The record `placement` gives `v` among `nodes` (all ready).
+    fn place(v: &VirtualMachine, nodes: &[Node], load: &NodeLoad) -> VirtualMachine {
+        placement(
+            v,
+            nodes,
+            load,
+            &Liveness::default(),
+            at(100_000),
+            &LifecycleConfig::default(),
+        )
+        .expect("a change")
+    }
+
     #[test]
     fn nothing_fits_says_what_each_node_has_free() {
         let nodes = [offering("n1", 4, 4_096), offering("n2", 4, 8_192)];
@@ -610,15 +623,7 @@ pub(crate) mod tests {
             sized("b", Some("n2"), 1, 1_024),
         ];
         let big = sized("huge", None, 2, 12_288);
-        let next = placement(
-            &big,
-            &nodes,
-            &NodeLoad::of(&vms),
-            &Liveness::default(),
-            at(100_000),
-            &LifecycleConfig::default(),
-        )
-        .unwrap();
+        let next = place(&big, &nodes, &NodeLoad::of(&vms));
         assert_eq!(next.status.node, None);
         assert_eq!(
             next.status.message.as_deref(),
@@ -660,15 +665,7 @@ pub(crate) mod tests {
         };
         let mut placed: Vec<VirtualMachine> = Vec::new();
         for name in ["w1", "w2", "w3"] {
-            let next = placement(
-                &member(name),
-                &nodes,
-                &NodeLoad::of(&placed),
-                &Liveness::default(),
-                at(100_000),
-                &LifecycleConfig::default(),
-            )
-            .unwrap();
+            let next = place(&member(name), &nodes, &NodeLoad::of(&placed));
             placed.push(next);
         }
         let mut on: Vec<_> = placed
@@ -677,15 +674,7 @@ pub(crate) mod tests {
             .collect();
         on.sort();
         assert_eq!(on, ["n1", "n2", "n3"]);
-        let fourth = placement(
-            &member("w4"),
-            &nodes,
-            &NodeLoad::of(&placed),
-            &Liveness::default(),
-            at(100_000),
-            &LifecycleConfig::default(),
-        )
-        .unwrap();
+        let fourth = place(&member("w4"), &nodes, &NodeLoad::of(&placed));
         assert_eq!(fourth.status.node, None);
         let why = fourth.status.message.unwrap();
         assert!(
@@ -730,15 +719,7 @@ pub(crate) mod tests {
         v.spec.placement.node_selector = [("disk".to_string(), "ssd".to_string())].into();
         assert_eq!(candidates(&v, &nodes, &[]), ["n2"]);
         nodes[1].labels.clear();
-        let next = placement(
-            &v,
-            &nodes,
-            &NodeLoad::default(),
-            &Liveness::default(),
-            at(100_000),
-            &LifecycleConfig::default(),
-        )
-        .unwrap();
+        let next = place(&v, &nodes, &NodeLoad::default());
         assert_eq!(
             next.status.message.as_deref(),
             Some("no node may take VM db by its placement rules: n1 lacks label disk=ssd; n2 lacks label disk=ssd")
