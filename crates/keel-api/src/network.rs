@@ -138,6 +138,12 @@ impl std::str::FromStr for PortForward {
 }
 
 impl PortForward {
+    /// What it listens on, `address:port/protocol` (the guest side left
+    /// out): the part two forwards on one host must not share.
+    pub fn listener(&self) -> String {
+        format!("{}:{}/{}", self.host_address, self.host_port, self.protocol)
+    }
+
     /// Whether the two cannot both listen on one host: the same port and
     /// protocol on the same address, or either on every address (0.0.0.0).
     pub fn clashes_with(&self, other: &PortForward) -> bool {

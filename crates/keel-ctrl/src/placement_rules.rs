@@ -38,29 +38,27 @@ impl RulesLoad {
     /// Counts `vm` on `node`, where a live domain of it is.
     pub fn add_on(&mut self, vm: &VirtualMachine, node: &str) {
         let rules = &vm.spec.placement;
-        {
-            if let Some(anti) = &rules.anti_affinity {
-                self.apart
-                    .entry((node.to_string(), anti.group.clone()))
-                    .or_default()
-                    .insert(vm.name.clone(), !anti.preferred);
-            }
-            if let Some(group) = &rules.affinity {
-                *self
-                    .together
-                    .entry((node.to_string(), group.clone()))
-                    .or_default() += 1;
-            }
-            if !vm.spec.network.publish.is_empty() {
-                let held = self.ports.entry(node.to_string()).or_default();
-                held.extend(
-                    vm.spec
-                        .network
-                        .publish
-                        .iter()
-                        .map(|p| (vm.name.clone(), p.clone())),
-                );
-            }
+        if let Some(anti) = &rules.anti_affinity {
+            self.apart
+                .entry((node.to_string(), anti.group.clone()))
+                .or_default()
+                .insert(vm.name.clone(), !anti.preferred);
+        }
+        if let Some(group) = &rules.affinity {
+            *self
+                .together
+                .entry((node.to_string(), group.clone()))
+                .or_default() += 1;
+        }
+        if !vm.spec.network.publish.is_empty() {
+            let held = self.ports.entry(node.to_string()).or_default();
+            held.extend(
+                vm.spec
+                    .network
+                    .publish
+                    .iter()
+                    .map(|p| (vm.name.clone(), p.clone())),
+            );
         }
     }
 
@@ -150,8 +148,9 @@ pub fn ruled_out(vm: &VirtualMachine, node: &Node, load: &RulesLoad) -> Option<S
     for (holder, port) in held.filter(|(holder, _)| *holder != vm.name) {
         if vm.spec.network.publish.iter().any(|p| p.clashes_with(port)) {
             return Some(format!(
-                "{} has VM {holder} holding host port {}:{}/{}",
-                node.name, port.host_address, port.host_port, port.protocol
+                "{} has VM {holder} holding host port {}",
+                node.name,
+                port.listener()
             ));
         }
     }

@@ -290,54 +290,53 @@ pub fn placement(
     cfg: &LifecycleConfig,
 ) -> Option<VirtualMachine> {
     let mut next = vm.clone();
-    let eligible: Vec<&Node> = eligible_nodes(vm, nodes, None, liveness, now, cfg).collect();
-    let (allowed, ruled): (Vec<&Node>, Vec<&Node>) = eligible
-        .iter()
-        .partition(|n| ruled_out(vm, n, &load.rules).is_none());
-    match candidate_nodes(vm, nodes, load, None, liveness, now, cfg).first() {
-        Some(node) => {
-            next.status.node = Some(node.clone());
-            next.status.message = None;
-        }
-        None if !allowed.is_empty() => {
-            next.status.message = Some(no_room(vm, &allowed, load));
-        }
-        None if !ruled.is_empty() => {
-            let why: Vec<String> = ruled
-                .iter()
-                .filter_map(|n| ruled_out(vm, n, &load.rules))
-                .collect();
-            next.status.message = Some(format!(
-                "no node may take VM {} by its placement rules: {}",
-                vm.name,
-                why.join("; ")
-            ));
-        }
-        None => {
-            next.status.message = Some(format!(
-                "no ready, uncordoned node can run VM {}{}{}{}",
-                vm.name,
-                vm.spec
-                    .node
-                    .as_ref()
-                    .map(|n| format!(" (pinned to {n})"))
-                    .unwrap_or_default(),
-                vm.status
-                    .disk_home
-                    .as_ref()
-                    .map(|h| format!(" where its disks are ({h})"))
-                    .unwrap_or_default(),
-                vm.status
-                    .hardware
-                    .as_ref()
-                    .map(|hw| format!(
-                        " with machine type {} and CPU model {}",
-                        hw.machine, hw.cpu_model
-                    ))
-                    .unwrap_or_default()
-            ));
+    if let Some(node) = candidate_nodes(vm, nodes, load, None, liveness, now, cfg).first() {
+        next.status.node = Some(node.clone());
+        next.status.message = None;
+        return (next != *vm).then_some(next);
+    }
+    // None: why, told apart only now (a burst places most VMs above).
+    let mut allowed: Vec<&Node> = Vec::new();
+    let mut why: Vec<String> = Vec::new();
+    for n in eligible_nodes(vm, nodes, None, liveness, now, cfg) {
+        match ruled_out(vm, n, &load.rules) {
+            None => allowed.push(n),
+            Some(reason) => why.push(reason),
         }
     }
+    let message = if !allowed.is_empty() {
+        no_room(vm, &allowed, load)
+    } else if !why.is_empty() {
+        format!(
+            "no node may take VM {} by its placement rules: {}",
+            vm.name,
+            why.join("; ")
+        )
+    } else {
+        format!(
+            "no ready, uncordoned node can run VM {}{}{}{}",
+            vm.name,
+            vm.spec
+                .node
+                .as_ref()
+                .map(|n| format!(" (pinned to {n})"))
+                .unwrap_or_default(),
+            vm.status
+                .disk_home
+                .as_ref()
+                .map(|h| format!(" where its disks are ({h})"))
+                .unwrap_or_default(),
+            vm.status
+                .hardware
+                .as_ref()
+                .map(|hw| format!(
+                    " with machine type {} and CPU model {}",
+                    hw.machine, hw.cpu_model
+                ))
+                .unwrap_or_default()
+        )
+    };
+    next.status.message = Some(message);
     (next != *vm).then_some(next)
 }
 

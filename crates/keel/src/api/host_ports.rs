@@ -34,10 +34,8 @@ pub async fn refuse_clash(state: &AppState, name: &str, spec: &VmSpec) -> Result
     Err(ApiError::conflict(
         format!("spec.network.publish[{i}]"),
         format!(
-            "host port {}:{}/{} is published by VM {}{}: only one of them could bind it",
-            port.host_address,
-            port.host_port,
-            port.protocol,
+            "host port {} is published by VM {}{}: only one of them could bind it",
+            port.listener(),
             holder.name,
             if one_host {
                 " on this host"
