@@ -5,7 +5,7 @@
 //! already, on a node being drained) are named with the reason.
 
 use keel_api::{Node, VirtualMachine};
-use keel_ctrl::keys::{node_key, VMS_PREFIX};
+use keel_ctrl::keys::{NODES_PREFIX, VMS_PREFIX};
 use serde::{Deserialize, Serialize};
 
 use super::{vms, ApiError, AppState};
@@ -35,17 +35,20 @@ pub async fn return_drained(state: &AppState, node: &str) -> Result<ReturnOutcom
             .as_ref()
             .is_some_and(|d| d.node == node)
     });
+    // Read once: every VM asked back is checked against the same nodes.
+    let (nodes, _) = state.store.list::<Node>(NODES_PREFIX).await?;
+    let draining = |name: &str| {
+        nodes
+            .iter()
+            .any(|(_, e)| e.value.name == name && e.value.draining().is_some())
+    };
     for vm in moved {
-        if let Some(inst) = &vm.status.instance {
-            if let Some(on) = state.store.get::<Node>(&node_key(&inst.node)).await? {
-                if on.value.draining().is_some() {
-                    outcome.not_returned.push(NotReturned {
-                        vm: vm.name.clone(),
-                        reason: format!("its node {} is being drained", inst.node),
-                    });
-                    continue;
-                }
-            }
+        if let Some(inst) = vm.status.instance.as_ref().filter(|i| draining(&i.node)) {
+            outcome.not_returned.push(NotReturned {
+                vm: vm.name.clone(),
+                reason: format!("its node {} is being drained", inst.node),
+            });
+            continue;
         }
         let mut asked = None;
         let written = vms::mutate(state, &vm.name, None, |vm| {
