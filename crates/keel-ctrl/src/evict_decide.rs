@@ -97,11 +97,11 @@ pub(crate) fn decide_eviction(
                 Some(_) if state != DomainState::Running => poll(ev.submit_deadline),
                 Some(_) => match cluster.targets.first() {
                     Some(target) => reserve_and_create(vm, inst, target, cluster, now),
-                    None => fallback(vm, "no node to migrate to", now, windows.fallback_ms),
+                    None => fallback(vm, &no_target(cluster), now, windows.fallback_ms),
                 },
                 None if state != DomainState::Running => poll(ev.submit_deadline),
                 None if cluster.targets.is_empty() => {
-                    fallback(vm, "no node to migrate to", now, windows.fallback_ms)
+                    fallback(vm, &no_target(cluster), now, windows.fallback_ms)
                 }
                 // The target is launched with the instance's disks, which
                 // are in flux until the plug or unplug ends (within the
@@ -218,6 +218,15 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
     }
     next.status.eviction = None;
     next
+}
+
+/// "no node to migrate to", and why when the view says (which nodes lack
+/// room, which placement rule each other node breaks).
+pub(crate) fn no_target(cluster: &ClusterView) -> String {
+    match &cluster.no_target {
+        Some(why) => format!("no node to migrate to: {why}"),
+        None => "no node to migrate to".to_string(),
+    }
 }
 
 fn fallback(vm: &VirtualMachine, why: &str, now: Millis, fallback_ms: Millis) -> Step {
@@ -571,6 +580,7 @@ mod tests {
                 drain: Some(drain.clone()),
                 migration: migration_phase.map(|p| migration(1, p, "vm-1")),
                 targets: vec!["b".into()],
+                no_target: None,
                 in_flight: vec![],
                 drain_evictions_waiting: 0,
                 no_room_here: None,
@@ -642,6 +652,7 @@ mod tests {
             drain: Some(drain),
             migration: None,
             targets: vec!["b".into()],
+            no_target: None,
             in_flight: vec![],
             drain_evictions_waiting: 0,
             no_room_here: None,

@@ -296,15 +296,33 @@ pub fn placement(
         return (next != *vm).then_some(next);
     }
     // None: why, told apart only now (a burst places most VMs above).
+    next.status.message = Some(why_no_node(vm, nodes, load, None, liveness, now, cfg));
+    (next != *vm).then_some(next)
+}
+
+/// Why no node (but `exclude`) can take `vm` now, as its record or its
+/// eviction says it: the nodes without room, the placement rule each
+/// other node breaks, or that no eligible node is left at all. Asked only
+/// once [`candidate_nodes`] found none, so a burst of placements never
+/// pays for the reasons.
+pub fn why_no_node(
+    vm: &VirtualMachine,
+    nodes: &[Node],
+    load: &NodeLoad,
+    exclude: Option<&str>,
+    liveness: &Liveness,
+    now: ClockReading,
+    cfg: &LifecycleConfig,
+) -> String {
     let mut allowed: Vec<&Node> = Vec::new();
     let mut why: Vec<String> = Vec::new();
-    for n in eligible_nodes(vm, nodes, None, liveness, now, cfg) {
+    for n in eligible_nodes(vm, nodes, exclude, liveness, now, cfg) {
         match ruled_out(vm, n, &load.rules) {
             None => allowed.push(n),
             Some(reason) => why.push(reason),
         }
     }
-    let message = if !allowed.is_empty() {
+    if !allowed.is_empty() {
         no_room(vm, &allowed, load)
     } else if !why.is_empty() {
         format!(
@@ -314,7 +332,8 @@ pub fn placement(
         )
     } else {
         format!(
-            "no ready, uncordoned node can run VM {}{}{}{}",
+            "no ready, uncordoned node{} can run VM {}{}{}{}",
+            exclude.map(|n| format!(" but {n}")).unwrap_or_default(),
             vm.name,
             vm.spec
                 .node
@@ -335,9 +354,7 @@ pub fn placement(
                 ))
                 .unwrap_or_default()
         )
-    };
-    next.status.message = Some(message);
-    (next != *vm).then_some(next)
+    }
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use keel_api::{
 use keel_hv::DomainState;
 
 use crate::config::LifecycleConfig;
-use crate::evict_decide::{migrated, reserve_and_create};
+use crate::evict_decide::{migrated, no_target, reserve_and_create};
 use crate::step::{persist_if_changed, Step};
 use crate::view::ClusterView;
 
@@ -146,7 +146,7 @@ fn target_of(req: &MigrateRequest, cluster: &ClusterView) -> Result<String, Stri
             .targets
             .first()
             .cloned()
-            .ok_or_else(|| "no node to migrate to".to_string()),
+            .ok_or_else(|| no_target(cluster)),
     }
 }
 

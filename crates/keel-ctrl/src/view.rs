@@ -43,6 +43,9 @@ pub struct ClusterView {
     /// Nodes the VM could move to now (ready, not cordoned, not this one),
     /// best first.
     pub targets: Vec<String>,
+    /// Why `targets` is empty (which nodes lack room, which rule each
+    /// other node breaks), for the eviction's and migration's message.
+    pub no_target: Option<String>,
     /// Every migration in flight in the cluster (for the drain's limits on
     /// parallel migrations).
     pub in_flight: Vec<Migration>,

@@ -827,7 +827,7 @@ impl VmController {
         // The index the runtime keeps; listed here only without one (no
         // runtime behind this controller, or its watch broke).
         let around = |vms: &VmIndex| self.look_around(vm, &nodes, vms, now);
-        let (targets, drain_evictions_waiting) = match self.vm_index.read(around) {
+        let (targets, no_target, drain_evictions_waiting) = match self.vm_index.read(around) {
             Some(found) => found,
             None => around(&ClusterState::read_vms(&self.store).await?.0),
         };
@@ -841,6 +841,7 @@ impl VmController {
             drain,
             migration,
             targets,
+            no_target,
             in_flight,
             drain_evictions_waiting,
             no_room_here,
@@ -870,26 +871,22 @@ impl VmController {
             .and_then(Result::err)
     }
 
-    /// Where `vm` could move now, best first, and how many VMs on
-    /// draining nodes still wait for a migration: the part of the view
-    /// that looks at every VM, answered from an index of them.
+    /// Where `vm` could move now, best first (or why nowhere), and how
+    /// many VMs on draining nodes still wait for a migration: the part of
+    /// the view that looks at every VM, answered from an index of them.
     fn look_around(
         &self,
         vm: &VirtualMachine,
         nodes: &[Node],
         vms: &VmIndex,
         now: ClockReading,
-    ) -> (Vec<String>, usize) {
+    ) -> (Vec<String>, Option<String>, usize) {
         let liveness = self.observe_nodes(nodes, vms, now);
-        let targets = candidate_nodes(
-            vm,
-            nodes,
-            vms.load(),
-            Some(&self.cfg.node),
-            &liveness,
-            now,
-            &self.cfg,
-        );
+        let here = Some(self.cfg.node.as_str());
+        let targets = candidate_nodes(vm, nodes, vms.load(), here, &liveness, now, &self.cfg);
+        let no_target = targets.is_empty().then(|| {
+            crate::schedule::why_no_node(vm, nodes, vms.load(), here, &liveness, now, &self.cfg)
+        });
         let draining: Vec<&str> = nodes
             .iter()
             .filter(|n| n.draining().is_some())
@@ -909,7 +906,7 @@ impl VmController {
                     })
             })
             .count();
-        (targets, drain_evictions_waiting)
+        (targets, no_target, drain_evictions_waiting)
     }
 
     /// Ends domains on this node that no VM record (and no migration in

@@ -4,8 +4,8 @@
 //! `uncordon --return`, `VirtualMachine::request_return`), the VM
 //! live-migrates home through a user's bounded migration, without a
 //! restart. A required anti-affinity pair over two nodes keeps the drain
-//! from putting both members on one node: the member waits with the
-//! reason instead.
+//! from putting both members on one node: the eviction names the rule,
+//! and the member waits with the reason instead.
 
 mod cluster;
 
@@ -97,6 +97,19 @@ async fn a_drain_leaves_a_required_pair_member_waiting_with_the_reason() {
     c.run(5_000).await;
     assert!(c.executing_on("b", "w2"));
     c.drain("a").await;
+    // The drain says which rule keeps the VM from migrating before it
+    // falls back to the stop, not only "no node to migrate to".
+    until(&mut c, "an eviction naming the rule", |vm| {
+        vm.status
+            .eviction
+            .as_ref()
+            .and_then(|e| e.message.as_deref())
+            .is_some_and(|m| {
+                m.contains("no node to migrate to: no node may take VM vm by its placement rules")
+                    && m.contains("b has VM w2 of anti-affinity group")
+            })
+    })
+    .await;
     let waits = until(&mut c, "wait with the reason", |vm| {
         vm.status.instance.is_none()
             && vm
