@@ -41,6 +41,10 @@ fn a_node_selector_waits_for_its_label() {
     server.wait_vm("db", "run once labelled", |v| common::phase(v) == "Running");
     let out = ok(&keel(&server, &["node", "info"]));
     assert!(out.contains("disk=ssd,zone=a"), "{out}");
+    let out = ok(&keel(&server, &["node", "list"]));
+    let (head, row) = out.split_once('\n').unwrap();
+    assert!(head.ends_with("LABELS"), "{out}");
+    assert!(row.trim_end().ends_with("disk=ssd,zone=a"), "{out}");
     let out = ok(&keel(&server, &["vm", "get", "db"]));
     assert!(out.contains("nodes labelled disk=ssd"), "{out}");
     let out = ok(&keel(&server, &["node", "label", "test-node", "zone-"]));

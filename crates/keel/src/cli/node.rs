@@ -35,6 +35,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                     "DRAIN",
                     "CPU",
                     "MEMORY",
+                    "LABELS",
                 ]);
                 for item in &list.items {
                     let n = &item.node;
@@ -47,6 +48,7 @@ pub fn run(cmd: NodeCommand) -> anyhow::Result<()> {
                         drain_text(n, now),
                         cpu_text(item),
                         memory_text(item),
+                        labels_text(n),
                     ]);
                 }
                 t.render()
