@@ -257,6 +257,16 @@ pub struct ServeArgs {
     /// With an etcd store: also run a node agent (--node) in this process.
     #[arg(long)]
     pub agent: bool,
+    /// With --hypervisor sim on SQLite (benchmarks, demos of placement):
+    /// this many simulated nodes in this process, the local one (--node)
+    /// and NODE-2 … NODE-N, each with a controller and heartbeat of its own.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub sim_nodes: usize,
+    /// With --sim-nodes: the hosts the simulated nodes pretend to be,
+    /// CPUS:MEMORY each (e.g. 8:16G,32:128G), taken in turn from the local
+    /// node on; default: each like --sim-host-cpus/--sim-host-memory.
+    #[arg(long, value_name = "CPUS:SIZE", value_delimiter = ',', value_parser = parse_sim_host)]
+    pub sim_node_hosts: Vec<keel_api::HostResources>,
     /// Where VM disks live (default DATA_DIR/node/disks). Live migration
     /// between nodes needs this on storage they share, at the same path.
     #[arg(long, env = "KEEL_DISK_DIR")]
@@ -1145,6 +1155,22 @@ fn parse_disk(s: &str) -> Result<DiskSpec, String> {
 }
 
 /// A size in MiB: a number of MiB, or one with a suffix M, G or T.
+/// `CPUS:SIZE` of `--sim-node-hosts`.
+fn parse_sim_host(s: &str) -> Result<keel_api::HostResources, String> {
+    let (cpus, memory) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected CPUS:SIZE, e.g. 8:16G"))?;
+    let cpus: u32 = cpus
+        .parse()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("{s:?}: the CPUs must be a whole number above 0"))?;
+    Ok(keel_api::HostResources {
+        cpus,
+        memory_mib: parse_size_mib(memory)?,
+    })
+}
+
 pub fn parse_size_mib(s: &str) -> Result<u64, String> {
     let (number, unit) = match s.trim_end_matches(['i', 'B']).char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => (&s[..i], c.to_ascii_uppercase()),

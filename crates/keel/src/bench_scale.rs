@@ -49,6 +49,14 @@ pub struct ScaleArgs {
     /// Longest wait for one phase (all Running, restart all), seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
+    /// VM count for the mixed run on SQLite: VMs of several sizes over
+    /// --nodes simulated nodes of several sizes, placed by fit, with every
+    /// node's allocation sampled against its capacity; 0 skips it.
+    #[arg(long, default_value_t = 10_000)]
+    pub mixed_vms: usize,
+    /// Simulated nodes of the mixed run (`keel serve --sim-nodes`).
+    #[arg(long, default_value_t = 50)]
+    pub nodes: usize,
     /// Where the runs keep their data (default: a fresh directory under
     /// the system temp dir, removed afterwards).
     #[arg(long)]
@@ -76,6 +84,22 @@ pub struct ScaleReport {
     pub restarted_at_timeout: usize,
     pub peak_rss_mib: BTreeMap<String, f64>,
     pub store_bytes: u64,
+    /// The mixed run's samples of every node's allocation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<CapacitySamples>,
+}
+
+/// What the mixed run saw of the nodes' allocations while the VMs were
+/// placed, started and restarted: never one over its capacity.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CapacitySamples {
+    /// Looks at every node's allocation (`GET /api/v1/nodes`).
+    pub samples: usize,
+    /// Node-samples whose allocated CPUs or memory exceeded the capacity.
+    pub over_capacity: usize,
+    /// The fullest any node was seen, as a share of its capacity.
+    pub max_cpu_share: f64,
+    pub max_memory_share: f64,
 }
 
 pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
@@ -110,6 +134,17 @@ pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
         let dir = root.join(format!("sqlite-{n}-{i}"));
         let report = sqlite_run(&dir, n, args.clients, timeout)
             .with_context(|| format!("the SQLite run with {n} VMs"))?;
+        print_report(&report);
+        reports.push(report);
+    }
+    if args.mixed_vms > 0 {
+        let dir = root.join(format!("mixed-{}", args.mixed_vms));
+        let report = mixed_run(&dir, &args, timeout).with_context(|| {
+            format!(
+                "the mixed run with {} VMs on {} nodes",
+                args.mixed_vms, args.nodes
+            )
+        })?;
         print_report(&report);
         reports.push(report);
     }
@@ -152,7 +187,7 @@ fn sqlite_run(
         ],
     )?;
     let api = Api::connect(&procs, serve, &data)?;
-    let mut report = drive(&[api], vms, clients, timeout)?;
+    let mut report = drive(&[api], vms, clients, timeout, &small_vm)?;
     report.store = "sqlite".into();
     report.control_planes = 1;
     report.nodes = 1;
@@ -240,7 +275,7 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
         )?;
     }
     wait_nodes(&apis[0], args.agents, Duration::from_secs(60))?;
-    let mut report = drive(&apis, args.etcd_vms, args.clients, timeout)?;
+    let mut report = drive(&apis, args.etcd_vms, args.clients, timeout, &small_vm)?;
     report.store = "etcd".into();
     report.control_planes = args.control_planes;
     report.nodes = args.agents;
@@ -249,21 +284,127 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
     Ok(report)
 }
 
-/// Creates `vms` VMs through `apis` (clients spread over them), waits for
-/// all to run, restarts all, waits for that.
+/// The hosts of the mixed run's nodes, taken in turn: 16,000 vCPUs (at
+/// the default overcommit of 4) and about 16 TiB over 50 nodes.
+const MIXED_HOSTS: &str = "32:128G,64:256G,96:384G,128:512G";
+
+/// The mixed run: `keel serve` on SQLite with `--nodes` simulated nodes
+/// of [`MIXED_HOSTS`], VMs of [`mixed_vm`]'s sizes (about four fifths of
+/// the CPUs offered), and a sampler that looks at every node's
+/// allocation all along.
+fn mixed_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
+    let data = dir.join("serve");
+    std::fs::create_dir_all(&data)?;
+    let mut procs = Procs::default();
+    let serve = procs.spawn(
+        "serve",
+        &data.join("serve.log"),
+        &[
+            "serve",
+            "--hypervisor",
+            "sim",
+            "--listen",
+            "127.0.0.1:0",
+            "--node",
+            "bench",
+            "--sim-nodes",
+            &args.nodes.to_string(),
+            "--sim-node-hosts",
+            MIXED_HOSTS,
+            "--data-dir",
+            &data.to_string_lossy(),
+        ],
+    )?;
+    let api = Api::connect(&procs, serve, &data)?;
+    wait_nodes(&api, args.nodes, Duration::from_secs(60))?;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (report, capacity) = std::thread::scope(|scope| {
+        let sampler = scope.spawn(|| sample_capacity(&api, &done));
+        let report = drive(
+            std::slice::from_ref(&api),
+            args.mixed_vms,
+            args.clients,
+            timeout,
+            &mixed_vm,
+        );
+        done.store(true, Ordering::Relaxed);
+        let capacity = sampler
+            .join()
+            .unwrap_or_else(|_| bail!("the sampler panicked"));
+        (report, capacity)
+    });
+    let mut report = report?;
+    report.capacity = Some(capacity?);
+    report.store = "sqlite, mixed sizes".into();
+    report.control_planes = 1;
+    report.nodes = args.nodes;
+    report.peak_rss_mib = procs.peak_rss_mib();
+    report.store_bytes = files_bytes(&data, "keel.db");
+    Ok(report)
+}
+
+/// Looks at every node's allocation against its capacity until `done`.
+fn sample_capacity(
+    api: &Api,
+    done: &std::sync::atomic::AtomicBool,
+) -> anyhow::Result<CapacitySamples> {
+    let mut seen = CapacitySamples::default();
+    while !done.load(Ordering::Relaxed) {
+        let nodes: Value = serde_json::from_str(&api.get_text("/api/v1/nodes")?)?;
+        for item in nodes["items"].as_array().into_iter().flatten() {
+            let cap = &item["node"]["status"]["capacity"];
+            let used = &item["allocated"];
+            let share = |field: &str| {
+                let offered = cap[field].as_f64().unwrap_or(0.0);
+                let taken = used[field].as_f64().unwrap_or(0.0);
+                if offered > 0.0 {
+                    taken / offered
+                } else {
+                    0.0
+                }
+            };
+            let (cpu, memory) = (share("cpus"), share("memory_mib"));
+            seen.samples += 1;
+            if cpu > 1.0 || memory > 1.0 {
+                seen.over_capacity += 1;
+            }
+            seen.max_cpu_share = seen.max_cpu_share.max(cpu);
+            seen.max_memory_share = seen.max_memory_share.max(memory);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    Ok(seen)
+}
+
+/// The VM of the single-node and etcd runs: one size for all.
+fn small_vm(_: usize) -> Value {
+    serde_json::json!({"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOnUnlessStoppedManually"})
+}
+
+/// The mixed run's VM `i`: 1, 1, 2 or 1 CPUs and 256 MiB to 1 GiB.
+fn mixed_vm(i: usize) -> Value {
+    let cpus = [1, 1, 2, 1][i % 4];
+    let memory_mib = [256, 512, 1024, 512][(i / 4) % 4];
+    serde_json::json!({"cpus": cpus, "memory_mib": memory_mib, "run_policy": "AlwaysOnUnlessStoppedManually"})
+}
+
+/// Creates `vms` VMs of `spec`'s sizes through `apis` (clients spread
+/// over them), waits for all to run, restarts all, waits for that.
 fn drive(
     apis: &[Api],
     vms: usize,
     clients: usize,
     timeout: Duration,
+    spec: &(dyn Fn(usize) -> Value + Sync),
 ) -> anyhow::Result<ScaleReport> {
     let names: Vec<String> = (0..vms).map(|i| format!("vm-{i:05}")).collect();
     let started = Instant::now();
     let latencies = fan_out(apis, &names, clients, |api, name| {
-        let body = serde_json::json!({
-            "name": name,
-            "spec": {"cpus": 1, "memory_mib": 64, "run_policy": "AlwaysOnUnlessStoppedManually"},
-        });
+        let index = name
+            .trim_start_matches("vm-")
+            .parse()
+            .context("a VM name of the run")?;
+        let body = serde_json::json!({"name": name, "spec": spec(index)});
         api.post("/api/v1/vms", &body.to_string())
     })?;
     let create_s = started.elapsed().as_secs_f64();
@@ -292,6 +433,7 @@ fn drive(
         restarted_at_timeout,
         peak_rss_mib: BTreeMap::new(),
         store_bytes: 0,
+        capacity: None,
     })
 }
 
@@ -467,6 +609,15 @@ fn print_report(r: &ScaleReport) {
         restart = secs(r.restart_all_s, r.restarted_at_timeout),
         size = r.store_bytes as f64 / (1024.0 * 1024.0),
     );
+    if let Some(c) = &r.capacity {
+        println!(
+            "  capacity: {over} of {samples} node samples over capacity; fullest node CPU {cpu:.0}%, memory {mem:.0}%",
+            over = c.over_capacity,
+            samples = c.samples,
+            cpu = c.max_cpu_share * 100.0,
+            mem = c.max_memory_share * 100.0,
+        );
+    }
 }
 
 /// The API of one control plane: its address and token.

@@ -27,6 +27,7 @@ pub mod hypervisor;
 pub mod metrics;
 pub mod migration_setup;
 pub mod serve;
+pub mod sim_nodes;
 pub mod store_access;
 pub mod timefmt;
 pub mod token_book;

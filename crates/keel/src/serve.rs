@@ -66,6 +66,8 @@ pub struct ServeConfig {
     pub node: String,
     /// Used only by the sim driver.
     pub sim: SimConfig,
+    /// With the sim driver on SQLite: simulated nodes beyond the local one.
+    pub sim_nodes: Vec<crate::sim_nodes::SimNode>,
     /// Controller timings; `node` is overwritten with [`ServeConfig::node`].
     pub lifecycle: LifecycleConfig,
     /// The qemu driver's default kernel and initrd (the test guest), used
@@ -116,6 +118,7 @@ impl ServeConfig {
             hypervisor,
             node,
             sim: SimConfig::default(),
+            sim_nodes: Vec::new(),
             lifecycle: LifecycleConfig::default(),
             guest_dir: None,
             accel: AccelChoice::Auto,
@@ -260,6 +263,9 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     if cfg.agent {
         bail!("--agent is for control planes on an etcd store; with SQLite, keel serve is the node agent");
     }
+    if !cfg.sim_nodes.is_empty() && cfg.hypervisor != HypervisorKind::Sim {
+        bail!("--sim-nodes: only with --hypervisor sim (a QEMU node is a host of its own)");
+    }
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     // The data dir is ours (private, locked) before the driver looks into
     // it: a driver adopts instances and records exits there, which a
@@ -301,7 +307,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     let metrics = Arc::new(Metrics::new());
     metrics.count_from(store.raw().clone(), stop_rx.clone());
     let ctrl = Arc::new(
-        VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle)
+        VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle.clone())
             .with_observer(metrics.clone()),
     );
     // Register the node (with the hypervisor's facts) before serving; the
@@ -309,11 +315,20 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     ctrl.heartbeat_and_renew(Some(&facts))
         .await
         .with_context(|| format!("registering node {}", cfg.node))?;
+    let shared = crate::sim_nodes::Shared {
+        store: &store,
+        clock: &clock,
+        lifecycle: &lifecycle,
+        sim: &cfg.sim,
+        runtime: &cfg.runtime,
+        metrics: &metrics,
+    };
+    let sim_nodes = crate::sim_nodes::start(&cfg.sim_nodes, shared, &stop_rx).await?;
     let controller = tokio::spawn({
         let vms = run_vm_controller_with(ctrl, clock.clone(), cfg.runtime.clone(), stop_rx.clone());
         let cluster = run_control_plane(cluster, stop_rx.clone());
         async move {
-            tokio::join!(vms, cluster);
+            tokio::join!(vms, cluster, sim_nodes);
         }
     });
     let console = Some(api::NodeAccess {
@@ -581,6 +596,15 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         consoles_per_token: args.max_consoles_per_token,
     };
     args.capacity.apply(&mut cfg.lifecycle, &mut cfg.sim)?;
+    if let Some(first) = args.sim_node_hosts.first() {
+        cfg.sim.host = Some(*first);
+    }
+    cfg.sim_nodes = crate::sim_nodes::extra_nodes(
+        &cfg.node,
+        args.sim_nodes,
+        &args.sim_node_hosts,
+        cfg.sim.host,
+    )?;
     cfg.lifecycle.event_retention = keel_ctrl::event_retention::EventRetention {
         per_vm: args.max_events_per_vm,
         total: args.max_events,

@@ -20,6 +20,10 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             "30",
             "--etcd-vms",
             "30",
+            "--mixed-vms",
+            "40",
+            "--nodes",
+            "3",
             "--control-planes",
             "2",
             "--agents",
@@ -44,13 +48,14 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
         "the machine is named:\n{stdout}"
     );
     let reports: Vec<Value> = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    assert_eq!(reports.len(), 2, "{stdout}");
-    for (r, (store, kinds)) in reports.iter().zip([
-        ("sqlite", &["serve"][..]),
-        ("etcd", &["agent", "control plane", "etcd"][..]),
+    assert_eq!(reports.len(), 3, "{stdout}");
+    for (r, (store, vms, kinds)) in reports.iter().zip([
+        ("sqlite", 30, &["serve"][..]),
+        ("sqlite, mixed sizes", 40, &["serve"][..]),
+        ("etcd", 30, &["agent", "control plane", "etcd"][..]),
     ]) {
         assert_eq!(r["store"], store, "{r}");
-        assert_eq!(r["vms"], 30, "{r}");
+        assert_eq!(r["vms"], vms, "{r}");
         assert!(r["all_running_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["restart_all_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["create_p99_ms"].as_f64().unwrap() >= r["create_p50_ms"].as_f64().unwrap());
@@ -62,4 +67,13 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             );
         }
     }
+    // The mixed run's three simulated nodes in one `keel serve` took the
+    // VMs, and the sampler saw every node's allocation within its capacity.
+    let mixed = &reports[1];
+    assert_eq!(mixed["nodes"], 3, "{mixed}");
+    let capacity = &mixed["capacity"];
+    assert!(capacity["samples"].as_u64().unwrap() >= 3, "{mixed}");
+    assert_eq!(capacity["over_capacity"], 0, "{mixed}");
+    assert!(capacity["max_cpu_share"].as_f64().unwrap() > 0.0, "{mixed}");
+    assert!(stdout.contains("node samples over capacity"), "{stdout}");
 }
