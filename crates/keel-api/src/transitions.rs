@@ -24,17 +24,25 @@ impl Phase {
     /// adopted); see the table test for why each pair exists.
     pub fn may_become(self, next: Phase) -> bool {
         use Phase::*;
-        match (self, next) {
-            (a, b) if a == b => true,
+        // No wildcard, in either position: a new phase does not compile
+        // until every row and every column here says what it allows.
+        match self {
+            Pending | Starting | Running | Stopped | BackOff => match next {
+                Pending | Starting | Running | Stopping | Stopped | BackOff | Deleting => true,
+            },
             // A stop runs to completion: a new instance is recorded only
             // after the old one was observed gone (in a phase without one).
-            (Stopping, Starting) => false,
+            Stopping => match next {
+                Starting => false,
+                Pending | Running | Stopping | Stopped | BackOff | Deleting => true,
+            },
             // A deletion is never undone: no new instance, no waiting
             // phase, and its stop is a `Deleting` stop. Only a migration
             // that had already succeeded moves its instance (`Running`).
-            (Deleting, Running) => true,
-            (Deleting, _) => false,
-            _ => true,
+            Deleting => match next {
+                Deleting | Running => true,
+                Pending | Starting | Stopping | Stopped | BackOff => false,
+            },
         }
     }
 }
