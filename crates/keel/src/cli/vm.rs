@@ -75,6 +75,9 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             .chain(args.disks.iter().cloned())
             .collect(),
         boot: BootSpec {
+            cdrom: args.cdrom.clone(),
+            first: args.boot_first,
+            graphics: args.graphics,
             kernel: args.kernel.clone(),
             initrd: args.initrd.clone(),
             cmdline: args.cmdline.clone(),
@@ -210,6 +213,7 @@ fn describe(resp: &VmResponse) -> String {
             pairs.push((k, v.clone()));
         }
     }
+    pairs.extend(super::vm_cdrom::describe(vm));
     if let Some(firmware) = vm.spec.boot.firmware {
         pairs.push((
             "firmware",
