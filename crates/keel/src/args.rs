@@ -727,6 +727,25 @@ pub enum VmVerb {
     /// Add, remove or grow one of a VM's disks.
     #[command(subcommand)]
     Disk(DiskVerb),
+    /// Put an ISO image in the VM's CD-ROM, eject it, or change which of
+    /// it and the first disk boots first (a spec change: a running VM
+    /// takes it at its next start).
+    Cdrom(CdromArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("change").required(true).multiple(true).args(["insert", "eject", "boot_first"])))]
+pub struct CdromArgs {
+    pub name: String,
+    /// An image of kind iso to put in the CD-ROM (replacing any).
+    #[arg(long, value_name = "IMAGE", conflicts_with = "eject")]
+    pub insert: Option<String>,
+    /// Empty the CD-ROM (and drop it from the boot order).
+    #[arg(long)]
+    pub eject: bool,
+    /// What firmware tries first: cdrom or disk.
+    #[arg(long = "boot", value_name = "cdrom|disk", value_parser = parse_boot_device)]
+    pub boot_first: Option<keel_api::BootDevice>,
 }
 
 #[derive(Debug, Subcommand)]

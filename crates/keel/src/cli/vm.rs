@@ -28,6 +28,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
         VmVerb::Clone(args) => super::vm_clone::run(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
+        VmVerb::Cdrom(args) => super::vm_cdrom::run(&client, out, args),
     }
 }
 
