@@ -7,19 +7,21 @@
 //! only on a unix socket of the instance, never on a TCP port, so this
 //! route is the only way to it.
 //!
-//! Served for the node this server runs; a VM on another node's agent is
-//! a 501 naming the node (the agents pass on only the serial console).
+//! Served for the node this server runs; for a VM on another node it is
+//! passed on to that node's agent like the serial console
+//! (`console_proxy`), and a 501 naming the node only when that agent
+//! serves no consoles.
 
 use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::WebSocketUpgrade;
 use axum::extract::State;
-use axum::http::StatusCode;
 use axum::response::Response;
 use axum::Extension;
 use keel_api::VirtualMachine;
 use keel_ctrl::keys::vm_key;
 
 use super::console::{self, Console};
+use super::console_proxy;
 use super::extract::{NameParam, QueryParams};
 use super::require_token::ConsoleHold;
 use super::{ApiError, AppState};
@@ -65,19 +67,12 @@ pub async fn attach(
              `Upgrade: websocket`",
         ));
     };
+    let ws = ws.protocols([SUBPROTOCOL]);
     let (hv, instance) = match located {
         Console::Here(hv, instance) => (hv, instance),
         Console::Agent(remote) => {
-            return Err(ApiError::new(
-                StatusCode::NOT_IMPLEMENTED,
-                format!(
-                    "VM {name} (instance {}) runs on node {}: the graphical console is served \
-                     only by the server of the VM's own node (its agent passes on the serial \
-                     console only)",
-                    remote.instance, remote.node
-                ),
-            )
-            .with_field("status.instance.node"))
+            return console_proxy::attach_vnc(remote, &name, ws, state.shutdown.clone(), session)
+                .await
         }
     };
     // Connected before the upgrade, so an instance without a display gets
@@ -85,11 +80,9 @@ pub async fn attach(
     let stream = hv.open_vnc(&instance).await.map_err(console::hv_error)?;
     tracing::info!(vm = %name, %instance, "graphical console attached");
     let shutdown = state.shutdown.clone();
-    Ok(ws
-        .protocols([SUBPROTOCOL])
-        .on_upgrade(move |socket| async move {
-            let _session = session;
-            console::pump(socket, stream, shutdown).await;
-            tracing::info!(vm = %name, %instance, "graphical console detached");
-        }))
+    Ok(ws.on_upgrade(move |socket| async move {
+        let _session = session;
+        console::pump(socket, stream, shutdown).await;
+        tracing::info!(vm = %name, %instance, "graphical console detached");
+    }))
 }

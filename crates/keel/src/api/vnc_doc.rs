@@ -15,13 +15,14 @@ pub fn describe(doc: &mut serde_json::Value) {
         ("404", "No such VM"),
         ("409", "No graphical console (`spec.boot.graphics`), no instance, or the instance has none (`status.instance`)"),
         ("429", "The token's console sessions are all in use"),
-        ("501", "The VM runs on another node (`status.instance.node`)"),
+        ("501", "The VM runs on another node whose agent serves no consoles (`status.instance.node`)"),
+        ("502", "The agent of the VM's node did not answer"),
         ("503", "Store unavailable"),
     ] {
         responses[code] = error(why);
     }
     doc["paths"]["/api/v1/vms/{name}/vnc"] = json!({"get": {
-        "summary": "Attach to the graphical console (spec.boot.graphics vnc): a WebSocket carrying the raw RFB stream of the instance's VNC server in binary messages, as websockify does for noVNC; counts as a console session of the token",
+        "summary": "Attach to the graphical console (spec.boot.graphics vnc): a WebSocket carrying the raw RFB stream of the instance's VNC server in binary messages, as websockify does for noVNC; counts as a console session of the token; for a VM on another node passed on to that node's agent like the serial console",
         "operationId": "attachVnc",
         "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}}],
         "responses": responses
