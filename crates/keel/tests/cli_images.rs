@@ -212,4 +212,23 @@ fn cdrom_create_eject_insert_and_boot_order() {
 
     let err = fails(&keel(&server, &["image", "delete", "inst"]));
     assert!(err.contains("used by VM w"), "{err}");
+
+    // A running VM keeps its CD-ROM until its next start.
+    ok(&keel(
+        &server,
+        &["vm", "create", "r", "--disk", "root:64", "--cdrom", "inst"],
+    ));
+    server.wait_vm("r", "run", |v| common::phase(v) == "Running");
+    let out = ok(&keel(&server, &["vm", "cdrom", "r", "--eject"]));
+    assert!(out.contains("until its next start"), "{out}");
+    let vm = server.wait_vm("r", "need a restart", |v| {
+        v["vm"]["status"]["restart_required"]
+            .as_array()
+            .is_some_and(|r| !r.is_empty())
+    });
+    assert_eq!(
+        vm["vm"]["status"]["restart_required"],
+        serde_json::json!(["boot"]),
+        "{vm}"
+    );
 }
