@@ -1,5 +1,6 @@
 //! The Image resource: a file in Keel's image store (a disk image a VM's
-//! root disk is made from, or a kernel or initrd for direct kernel boot).
+//! root disk is made from, a kernel or initrd for direct kernel boot, or an
+//! installer ISO for a VM's CD-ROM).
 //!
 //! The record is the authority on what the file must be: its sha256 is
 //! checked by the node before a VM is started on it, so a missing,
@@ -21,16 +22,25 @@ pub enum ImageKind {
     Kernel,
     /// An initrd for direct kernel boot (`spec.boot.initrd`).
     Initrd,
+    /// An ISO 9660 image (an installer) for a VM's CD-ROM
+    /// (`spec.boot.cdrom`): attached read-only, never a disk's base.
+    Iso,
 }
 
 impl ImageKind {
-    pub const ALL: [ImageKind; 3] = [ImageKind::Disk, ImageKind::Kernel, ImageKind::Initrd];
+    pub const ALL: [ImageKind; 4] = [
+        ImageKind::Disk,
+        ImageKind::Kernel,
+        ImageKind::Initrd,
+        ImageKind::Iso,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             ImageKind::Disk => "disk",
             ImageKind::Kernel => "kernel",
             ImageKind::Initrd => "initrd",
+            ImageKind::Iso => "iso",
         }
     }
 }
@@ -48,13 +58,16 @@ impl std::str::FromStr for ImageKind {
             .into_iter()
             .find(|k| k.as_str() == s)
             .ok_or_else(|| {
-                ValidationError::new("kind", format!("{s:?} is not one of disk, kernel, initrd"))
+                ValidationError::new(
+                    "kind",
+                    format!("{s:?} is not one of disk, kernel, initrd, iso"),
+                )
             })
     }
 }
 
-/// The on-disk format, as `qemu-img info` reported it at import. Kernels
-/// and initrds are plain files: `raw`.
+/// The on-disk format, as `qemu-img info` reported it at import. Kernels,
+/// initrds and ISOs are plain files: `raw`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ImageFormat {
@@ -165,6 +178,12 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().field, "format");
         assert_eq!("floppy".parse::<ImageKind>().unwrap_err().field, "kind");
         assert_eq!("initrd".parse::<ImageKind>().unwrap(), ImageKind::Initrd);
+        assert_eq!("iso".parse::<ImageKind>().unwrap(), ImageKind::Iso);
+        let bad = Image {
+            kind: ImageKind::Iso,
+            ..image()
+        };
+        assert_eq!(bad.validate().unwrap_err().field, "format");
     }
 
     #[test]

@@ -155,9 +155,19 @@ pub const ROOT_DISK: &str = "root";
 /// image (and `initrd` image) from the image store, never a host path.
 /// Without it, a VM whose first disk comes from an image, or that names a
 /// `firmware`, boots through firmware from its first disk; any other VM
-/// boots the node's default (test) guest kernel.
+/// boots the node's default (test) guest kernel. A VM with a `cdrom`
+/// boots through firmware too ([`crate::cdrom`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BootSpec {
+    /// The name of an image of kind `iso`, attached as a read-only CD-ROM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdrom: Option<String>,
+    /// What firmware tries first when there is a CD-ROM; `None`: the CD-ROM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first: Option<crate::BootDevice>,
+    /// A graphical console ([`crate::graphics`]); `None`: the serial one only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub graphics: Option<crate::Graphics>,
     /// The name of an image of kind `kernel`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kernel: Option<String>,
@@ -1252,6 +1262,11 @@ impl VmSpec {
         for used in self.images() {
             validate_image_ref(&used)?;
         }
+        crate::cdrom::validate(
+            self.boot.cdrom.as_deref(),
+            self.boot.first,
+            self.boot.kernel.as_deref(),
+        )?;
         if let Some(cmdline) = &self.boot.cmdline {
             if cmdline.len() > 1024 || cmdline.contains(['\0', '\n']) {
                 return Err(ValidationError::new(
@@ -1341,7 +1356,8 @@ impl VmSpec {
         self.ha_on(home) && home.is_shared()
     }
 
-    /// Every image the spec names, in disk order, then kernel and initrd.
+    /// Every image the spec names, in disk order, then kernel, initrd and
+    /// CD-ROM.
     pub fn images(&self) -> Vec<ImageUse> {
         use crate::ImageKind;
         let disks = self.disks.iter().enumerate().filter_map(|(i, d)| {
@@ -1354,6 +1370,7 @@ impl VmSpec {
         let boot = [
             ("spec.boot.kernel", &self.boot.kernel, ImageKind::Kernel),
             ("spec.boot.initrd", &self.boot.initrd, ImageKind::Initrd),
+            ("spec.boot.cdrom", &self.boot.cdrom, ImageKind::Iso),
         ]
         .into_iter()
         .filter_map(|(field, name, kind)| {

@@ -6,6 +6,7 @@
 //!   <name>.<sha256>.qcow2 | .raw  disk images (read-only, 0444)
 //!   <name>.<sha256>.kernel        kernels for direct boot
 //!   <name>.<sha256>.initrd        initrds for direct boot
+//!   <name>.<sha256>.iso           ISO 9660 images for CD-ROMs
 //!   <name>.qcow2 | .raw | ...     the same, imported before names carried the checksum
 //!   .overlays/<image file>/<id>   the overlays made on an image (`crate::image_refs`)
 //!   .import-<name>-<pid>-<n>      an upload in progress (never an image)
@@ -281,6 +282,10 @@ impl ImageStore {
                 (ImageFormat::Raw, upload.size)
             }
             ImageKind::Initrd => (ImageFormat::Raw, upload.size),
+            ImageKind::Iso => {
+                check_iso(&name, &tmp)?;
+                (ImageFormat::Raw, upload.size)
+            }
         };
         let sha256 = hex::encode(upload.hasher.clone().finalize());
         let image = Image {
@@ -455,6 +460,7 @@ fn extension(image: &Image) -> &'static str {
         (ImageKind::Disk, f) => f.as_str(),
         (ImageKind::Kernel, _) => "kernel",
         (ImageKind::Initrd, _) => "initrd",
+        (ImageKind::Iso, _) => "iso",
     }
 }
 
@@ -535,6 +541,34 @@ fn check_kernel(name: &str, file: &Path) -> Result<(), ImageError> {
         Err(rejected(
             name,
             "not a Linux kernel image (no x86 boot protocol header \"HdrS\" at 0x202)",
+        ))
+    }
+}
+
+/// Where ISO 9660 puts its first volume descriptor: after 16 sectors of
+/// 2048 bytes the system area holds (an MBR or anything else).
+const ISO_DESCRIPTOR_OFFSET: u64 = 16 * 2048;
+
+/// An ISO 9660 image (what an installer CD is): its first volume
+/// descriptor carries the standard identifier `CD001`. Anything else
+/// (a disk image imported with the wrong kind, say) is refused, since the
+/// guest would see a CD-ROM it cannot read.
+fn check_iso(name: &str, file: &Path) -> Result<(), ImageError> {
+    use std::io::{Seek, SeekFrom};
+    let mut identifier = [0u8; 6];
+    let ok = std::fs::File::open(file)
+        .and_then(|mut f| {
+            f.seek(SeekFrom::Start(ISO_DESCRIPTOR_OFFSET))?;
+            f.read_exact(&mut identifier)
+        })
+        .is_ok();
+    if ok && &identifier[1..6] == b"CD001" {
+        Ok(())
+    } else {
+        Err(rejected(
+            name,
+            "not an ISO 9660 image (no volume descriptor \"CD001\" at 32769); \
+             a disk image is imported with --kind disk",
         ))
     }
 }
@@ -697,6 +731,35 @@ mod tests {
         assert_eq!(path, dir.path().canonicalize().unwrap().join(&file));
         assert_eq!(s.verify(&image).await.unwrap(), path);
         assert_eq!(leftovers(dir.path()), [file]);
+    }
+
+    #[tokio::test]
+    async fn an_iso_needs_its_volume_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = store(dir.path());
+        let mut iso = vec![0u8; 17 * 2048];
+        iso[32768..32774].copy_from_slice(b"\x01CD001");
+        let staged = import(&s, "installer", ImageKind::Iso, &iso).await.unwrap();
+        assert_eq!(staged.image.format, ImageFormat::Raw);
+        let image = staged.image.clone();
+        let path = s.commit(staged).unwrap();
+        assert!(path.to_string_lossy().ends_with(".iso"), "{path:?}");
+        // A disk image (here: blank, as qemu-img makes raw ones) is no ISO.
+        let err = import(&s, "disk", ImageKind::Iso, &vec![0u8; 17 * 2048])
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ImageError::Rejected { reason, .. } if reason.contains("CD001")),
+            "{err}"
+        );
+        let err = import(&s, "short", ImageKind::Iso, b"tiny")
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ImageError::Rejected { .. }), "{err}");
+        assert_eq!(
+            leftovers(dir.path()),
+            [format!("installer.{}.iso", image.sha256)]
+        );
     }
 
     #[tokio::test]

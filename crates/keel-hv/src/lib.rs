@@ -577,6 +577,13 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported_guest(instance, "attach console"))
     }
 
+    /// Connects to the graphical console's VNC server (the raw RFB stream)
+    /// of an instance started with `spec.boot.graphics`. Drivers without
+    /// a display (the sim) refuse it.
+    async fn open_vnc(&self, instance: &str) -> Result<ConsoleStream, HvError> {
+        Err(unsupported_guest(instance, "attach graphical console"))
+    }
+
     /// Asks the guest agent what it knows (bounded in time: a silent or
     /// absent agent is `AgentState::Silent`, never a hang). Errors only
     /// when the instance itself cannot be looked at.

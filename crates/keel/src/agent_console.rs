@@ -1,5 +1,5 @@
 //! `keel agent --console-listen ADDR`: the agent serves the consoles of its node's
-//! VMs (`/api/v1/vms/{name}/console` and `/console/log`, the very handlers
+//! VMs (`/api/v1/vms/{name}/console`, `/console/log` and `/vnc`, the very handlers
 //! of `keel serve`) and nothing else, to the cluster's control planes only:
 //! mutual TLS on the cluster CA (`agent_link`), no user token.
 //! Its URL goes on its node record (`status.agent_url`), where the control
@@ -106,6 +106,7 @@ fn router(state: AppState) -> Router {
     Router::new()
         .route("/api/v1/vms/{name}/console", get(api::console::attach))
         .route("/api/v1/vms/{name}/console/log", get(api::console::log))
+        .route("/api/v1/vms/{name}/vnc", get(api::vnc::attach))
         .layer(middleware::from_fn(
             crate::agent_link::require_control_plane,
         ))

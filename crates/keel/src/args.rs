@@ -632,7 +632,7 @@ pub struct ImportArgs {
     /// downloads itself.
     #[arg(value_name = "FILE|URL")]
     pub source: String,
-    /// disk, kernel or initrd.
+    /// disk, kernel, initrd or iso (an installer for `keel vm create --cdrom`).
     #[arg(long, default_value = "disk", value_parser = parse_image_kind)]
     pub kind: keel_api::ImageKind,
     /// The SHA-256 the download must have (URL imports; hex).
@@ -737,6 +737,25 @@ pub enum VmVerb {
     /// Add, remove or grow one of a VM's disks.
     #[command(subcommand)]
     Disk(DiskVerb),
+    /// Put an ISO image in the VM's CD-ROM, eject it, or change which of
+    /// it and the first disk boots first (a spec change: a running VM
+    /// takes it at its next start).
+    Cdrom(CdromArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("change").required(true).multiple(true).args(["insert", "eject", "boot_first"])))]
+pub struct CdromArgs {
+    pub name: String,
+    /// An image of kind iso to put in the CD-ROM (replacing any).
+    #[arg(long, value_name = "IMAGE", conflicts_with = "eject")]
+    pub insert: Option<String>,
+    /// Empty the CD-ROM (and drop it from the boot order).
+    #[arg(long)]
+    pub eject: bool,
+    /// What firmware tries first: cdrom or disk.
+    #[arg(long = "boot", value_name = "cdrom|disk", value_parser = parse_boot_device)]
+    pub boot_first: Option<keel_api::BootDevice>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -854,6 +873,17 @@ pub struct CreateArgs {
     /// Kernel for direct boot: an image of kind kernel in the image store.
     #[arg(long)]
     pub kernel: Option<String>,
+    /// An image of kind iso attached as a read-only CD-ROM (an OS
+    /// installer); the VM boots through firmware.
+    #[arg(long, value_name = "IMAGE", conflicts_with = "kernel")]
+    pub cdrom: Option<String>,
+    /// What firmware tries first with --cdrom: cdrom (the default) or disk.
+    #[arg(long = "boot", value_name = "cdrom|disk", value_parser = parse_boot_device)]
+    pub boot_first: Option<keel_api::BootDevice>,
+    /// A graphical console: vnc (a VGA display whose screen the API serves
+    /// as a WebSocket VNC stream, GET /api/v1/vms/NAME/vnc).
+    #[arg(long, value_name = "vnc", value_parser = parse_graphics)]
+    pub graphics: Option<keel_api::Graphics>,
     /// Initrd for direct boot: an image of kind initrd in the image store.
     #[arg(long)]
     pub initrd: Option<String>,
@@ -1137,6 +1167,14 @@ pub fn parse_window(s: &str) -> Result<u64, String> {
 }
 
 fn parse_firmware(s: &str) -> Result<keel_api::Firmware, String> {
+    s.parse().map_err(|e: keel_api::ValidationError| e.message)
+}
+
+fn parse_graphics(s: &str) -> Result<keel_api::Graphics, String> {
+    s.parse().map_err(|e: keel_api::ValidationError| e.message)
+}
+
+fn parse_boot_device(s: &str) -> Result<keel_api::BootDevice, String> {
     s.parse().map_err(|e: keel_api::ValidationError| e.message)
 }
 

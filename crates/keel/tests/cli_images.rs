@@ -124,3 +124,111 @@ fn import_create_from_image_list_and_delete() {
     let table = ok(&keel(&server, &["image", "list"]));
     assert!(!table.contains("debian"), "{table}");
 }
+
+/// The installer's CLI: an ISO imported with `--kind iso`, a VM created
+/// with `--cdrom` and `--graphics vnc` (shown by `keel vm get`), its
+/// CD-ROM ejected, put back and put behind the disk with `keel vm cdrom`,
+/// bad names refused naming the field and the spec left as it was.
+#[test]
+fn cdrom_create_eject_insert_and_boot_order() {
+    let server = TestServer::start();
+    let tmp = tempfile::tempdir().unwrap();
+    let iso = tmp.path().join("inst.iso");
+    let mut bytes = vec![0u8; 17 * 2048];
+    bytes[32768..32774].copy_from_slice(b"\x01CD001");
+    std::fs::write(&iso, &bytes).unwrap();
+    let disk = tmp.path().join("disk.raw");
+    std::fs::write(&disk, vec![0u8; 17 * 2048]).unwrap();
+    let (iso, disk) = (iso.to_str().unwrap(), disk.to_str().unwrap());
+
+    let err = fails(&keel(
+        &server,
+        &["image", "import", "notiso", disk, "--kind", "iso"],
+    ));
+    assert!(
+        err.contains("CD001") && err.contains("[field: file]"),
+        "{err}"
+    );
+    let out = ok(&keel(
+        &server,
+        &["image", "import", "inst", iso, "--kind", "iso"],
+    ));
+    assert!(out.contains("image inst imported: iso raw"), "{out}");
+    ok(&keel(&server, &["image", "import", "rawdisk", disk]));
+
+    let err = fails(&keel(
+        &server,
+        &[
+            "vm", "create", "w", "--disk", "root:64", "--cdrom", "rawdisk",
+        ],
+    ));
+    assert!(err.contains("[field: spec.boot.cdrom]"), "{err}");
+    ok(&keel(
+        &server,
+        &[
+            "vm",
+            "create",
+            "w",
+            "--disk",
+            "root:64",
+            "--cdrom",
+            "inst",
+            "--graphics",
+            "vnc",
+            "--stopped",
+        ],
+    ));
+    let shown = ok(&keel(&server, &["vm", "get", "w"]));
+    assert!(
+        shown.contains("inst (boots first, then the first disk)")
+            && shown.contains("/api/v1/vms/w/vnc"),
+        "{shown}"
+    );
+    let boot = |server: &TestServer| server.vm("w").unwrap()["vm"]["spec"]["boot"].clone();
+
+    let out = ok(&keel(&server, &["vm", "cdrom", "w", "--eject"]));
+    assert!(out.contains("the CD-ROM is empty"), "{out}");
+    assert!(boot(&server).get("cdrom").is_none(), "{}", boot(&server));
+    assert_eq!(boot(&server)["graphics"], "vnc");
+
+    let err = fails(&keel(&server, &["vm", "cdrom", "w", "--insert", "missing"]));
+    assert!(err.contains("[field: spec.boot.cdrom]"), "{err}");
+    assert!(boot(&server).get("cdrom").is_none(), "{}", boot(&server));
+    let err = fails(&keel(&server, &["vm", "cdrom", "w"]));
+    assert!(
+        err.contains("--insert") || err.contains("required"),
+        "{err}"
+    );
+
+    let out = ok(&keel(
+        &server,
+        &["vm", "cdrom", "w", "--insert", "inst", "--boot", "disk"],
+    ));
+    assert!(out.contains("the CD-ROM holds inst"), "{out}");
+    assert_eq!(boot(&server)["cdrom"], "inst");
+    assert_eq!(boot(&server)["first"], "disk");
+    let shown = ok(&keel(&server, &["vm", "get", "w"]));
+    assert!(shown.contains("inst (after the first disk)"), "{shown}");
+
+    let err = fails(&keel(&server, &["image", "delete", "inst"]));
+    assert!(err.contains("used by VM w"), "{err}");
+
+    // A running VM keeps its CD-ROM until its next start.
+    ok(&keel(
+        &server,
+        &["vm", "create", "r", "--disk", "root:64", "--cdrom", "inst"],
+    ));
+    server.wait_vm("r", "run", |v| common::phase(v) == "Running");
+    let out = ok(&keel(&server, &["vm", "cdrom", "r", "--eject"]));
+    assert!(out.contains("until its next start"), "{out}");
+    let vm = server.wait_vm("r", "need a restart", |v| {
+        v["vm"]["status"]["restart_required"]
+            .as_array()
+            .is_some_and(|r| !r.is_empty())
+    });
+    assert_eq!(
+        vm["vm"]["status"]["restart_required"],
+        serde_json::json!(["boot"]),
+        "{vm}"
+    );
+}

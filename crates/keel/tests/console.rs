@@ -462,3 +462,67 @@ fn guest_text_reaches_the_terminal_escaped() {
     let shown = keel_on_a_terminal(&server, &["vm", "logs", "app", "--raw"]);
     assert!(raw_log(&shown), "{:?}", String::from_utf8_lossy(&shown));
 }
+
+/// The graphical console's route on the sim driver (no display): a VM
+/// without `spec.boot.graphics` is a 409 naming it, a plain GET is told to
+/// upgrade, the sim's instance has no VNC server (409), it counts as one
+/// of the token's console sessions, and `keel vm get` shows the installer
+/// lines. The real VNC stream is in `qemu_images.rs`.
+#[test]
+fn the_graphical_console_route_names_what_is_missing() {
+    let server = TestServer::start_with(|cfg| cfg.token_limits.consoles_per_token = 1);
+    running_vm(&server, "plain");
+    let r = server.get("/api/v1/vms/plain/vnc");
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert_eq!(r.json()["field"], "spec.boot.graphics", "{}", r.text);
+    assert_eq!(server.get("/api/v1/vms/nope/vnc").status, 404);
+
+    server.create_vm(
+        "gfx",
+        json!({"cpus": 1, "memory_mib": 64, "readiness": "console:KEEL-GUEST-READY",
+               "boot": {"graphics": "vnc"}}),
+    );
+    server.wait_vm("gfx", "ready", |v| {
+        phase(v) == "Running" && v["vm"]["status"]["instance"]["readiness"]["ready_at"].is_u64()
+    });
+    let r = server.get("/api/v1/vms/gfx/vnc");
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.json()["field"], "upgrade", "{}", r.text);
+    let token = server.token.clone();
+    server.rt.block_on(async {
+        let (url, connector) = server.ws_url("/api/v1/vms/gfx/vnc");
+        let mut req = url.into_client_request().unwrap();
+        req.headers_mut().insert(
+            "authorization",
+            HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+        );
+        let attempt = || {
+            tokio_tungstenite::connect_async_tls_with_config(
+                req.clone(),
+                None,
+                false,
+                connector.clone(),
+            )
+        };
+        let err = attempt().await.map(|_| ()).unwrap_err();
+        assert_eq!(status_of(err), 409);
+        // The token's one console session is taken by a serial console.
+        let _serial = connect(&server, "plain", &token).await.unwrap();
+        match attempt().await.map(|_| ()).unwrap_err() {
+            WsError::Http(resp) => {
+                let body = String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default())
+                    .into_owned();
+                assert_eq!(resp.status().as_u16(), 429, "{body}");
+                assert!(body.contains("max-consoles-per-token"), "{body}");
+            }
+            other => panic!("expected an HTTP refusal, got {other}"),
+        }
+    });
+
+    let shown = keel(&server, &["vm", "get", "gfx"], b"");
+    let text = String::from_utf8_lossy(&shown.stdout);
+    assert!(
+        text.contains("graphics") && text.contains("/api/v1/vms/gfx/vnc"),
+        "{text}"
+    );
+}

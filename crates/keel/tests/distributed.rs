@@ -876,6 +876,29 @@ async fn console_ws(trust: &ServerTrust, base: &str, vm: &str, token: &str) -> R
     }
 }
 
+/// The refusal (status and body) of a graphical console session.
+async fn vnc_refusal(trust: &ServerTrust, base: &str, vm: &str, token: &str) -> (u16, String) {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::{http::HeaderValue, Error};
+    let url = format!("{}/api/v1/vms/{vm}/vnc", base.replace("https://", "wss://"));
+    let mut req = url.into_client_request().unwrap();
+    req.headers_mut().insert(
+        "authorization",
+        HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+    );
+    let connector = trust
+        .client_config()
+        .map(tokio_tungstenite::Connector::Rustls);
+    match tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector).await {
+        Ok(_) => panic!("the graphical console of {vm} opened"),
+        Err(Error::Http(resp)) => (
+            resp.status().as_u16(),
+            String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned(),
+        ),
+        Err(e) => panic!("graphical console of {vm}: {e}"),
+    }
+}
+
 /// `vm logs` and `vm console` of a VM on a `keel agent` node, asked of a
 /// control plane that runs no guests: passed on to the node's agent (which
 /// serves them on `--console-listen`, published on its node record) over
@@ -918,6 +941,7 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
             },
         );
         v.spec.stop_grace_period_s = 30;
+        v.spec.boot.graphics = Some(keel_api::Graphics::Vnc);
         c.store.create(&vm_key(vm), &v).await.unwrap();
     }
     let (node, instance) = c.running("web").await;
@@ -1041,6 +1065,15 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
         "{out:?}"
     );
 
+    // The graphical console is passed on too: the sim agent's own answer
+    // (it has no display) comes back, not a refusal of the control plane.
+    let (status, body) = vnc_refusal(&trust, &cp, "web", &token).await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body.contains("attach graphical console failed: not supported by this driver"),
+        "{body}"
+    );
+
     // A node record rewritten to send consoles elsewhere: a plain URL gets
     // nothing at all, an https one a TLS handshake the control plane
     // refuses (the listener's certificate cannot name n1), and the user's
@@ -1101,6 +1134,9 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     let err: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(err["field"], "status.instance.node", "{body}");
     assert!(err["error"].as_str().unwrap().contains("n2"), "{body}");
+    let (status, body) = vnc_refusal(&trust, &cp, "quiet", &token).await;
+    assert_eq!(status, 501, "{body}");
+    assert!(body.contains("status.instance.node"), "{body}");
     c.check_one_instance(&["web", "quiet"]);
     c.shutdown().await;
 }

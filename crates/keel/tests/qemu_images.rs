@@ -3,7 +3,10 @@
 //! through firmware (SeaBIOS; OVMF with `firmware: uefi`) from its own
 //! overlay root disk, up to the guest's ready marker on its console. And a
 //! changed image, or a host path in an old record, fails the start with the
-//! reason on the VM and boots nothing.
+//! reason on the VM and boots nothing. An installer ISO (built by
+//! scripts/build-boot-iso) imported as kind iso boots a VM with a blank
+//! disk from its CD-ROM, and its graphical console answers a VNC client
+//! over the API's WebSocket.
 
 mod common;
 
@@ -55,6 +58,22 @@ fn boot_image(guest: &Path) -> PathBuf {
         "scripts/build-boot-image failed (run scripts/setup)"
     );
     out.join("boot.raw")
+}
+
+/// Builds (or reuses) the bootable ISO (an installer CD in miniature).
+fn boot_iso(guest: &Path) -> PathBuf {
+    let out = workspace().join("target/boot-iso");
+    let status = Command::new("bash")
+        .arg(workspace().join("scripts/build-boot-iso"))
+        .arg(&out)
+        .env("KEEL_GUEST_DIR", guest)
+        .status()
+        .expect("bash runs");
+    assert!(
+        status.success(),
+        "scripts/build-boot-iso failed (run scripts/setup)"
+    );
+    out.join("boot.iso")
 }
 
 /// SIGKILLs every process whose command line names the data dir, so a
@@ -124,15 +143,20 @@ fn instance_dir(server: &TestServer, vm: &Value) -> PathBuf {
 
 /// Waits for the guest's ready marker on the instance's serial console.
 fn wait_ready(dir: &Path) -> (Duration, String) {
+    wait_console(dir, "KEEL-GUEST-READY")
+}
+
+/// Waits for `marker` on the instance's serial console.
+fn wait_console(dir: &Path, marker: &str) -> (Duration, String) {
     let start = Instant::now();
     loop {
         let console = std::fs::read_to_string(dir.join("console.log")).unwrap_or_default();
-        if console.contains("KEEL-GUEST-READY") {
+        if console.contains(marker) {
             return (start.elapsed(), console);
         }
         assert!(
             start.elapsed() < BOOT,
-            "no ready marker within {BOOT:?}; console: {console:?}; qemu log: {:?}",
+            "no {marker} within {BOOT:?}; console: {console:?}; qemu log: {:?}",
             std::fs::read_to_string(dir.join("qemu.log")).unwrap_or_default()
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -467,4 +491,235 @@ fn a_disk_whose_image_was_imported_again_fails_start_and_restore_with_the_reason
     );
     assert!(!qemu_runs(), "nothing booted");
     delete_and_wait(&server, "rebased");
+}
+
+/// The installer path: an ISO imported as kind iso, a VM with a blank disk
+/// and the ISO as its CD-ROM, booted by SeaBIOS from the CD (the marker
+/// the ISO's boot loader puts on the kernel's command line shows on the
+/// console). Bad input names its field; the ISO is kept while the VM names
+/// it, and is no disk's base.
+#[test]
+fn an_installer_iso_boots_a_vm_from_its_cdrom() {
+    let Some(guest) = guest_dir() else { return };
+    let iso = boot_iso(&guest);
+    let (server, _guard) = qemu_server(&guest);
+
+    // Not an ISO: refused at import, naming the file.
+    let r = server.request(
+        "PUT",
+        "/api/v1/images/fake?kind=iso",
+        Some(&server.token),
+        Some(&vec![0u8; 64 << 10]),
+        &[("Connection", "close")],
+    );
+    assert_eq!(r.status, 422, "{}", r.text);
+    assert_eq!(r.json()["field"], "file", "{}", r.text);
+    assert!(r.text.contains("CD001"), "{}", r.text);
+
+    let bytes = std::fs::read(&iso).unwrap();
+    let r = server.request(
+        "PUT",
+        "/api/v1/images/installer?kind=iso",
+        Some(&server.token),
+        Some(&bytes),
+        &[("Connection", "close")],
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    assert_eq!(r.json()["image"]["kind"], "iso", "{}", r.text);
+    // The same file as a disk image (qemu-img reads it as raw).
+    let r = server.request(
+        "PUT",
+        "/api/v1/images/rawdisk",
+        Some(&server.token),
+        Some(&bytes),
+        &[("Connection", "close")],
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+
+    let refused = |spec: Value, field: &str| {
+        let r = server.send(
+            "POST",
+            "/api/v1/vms",
+            &json!({"name": "bad", "spec": spec}).to_string(),
+        );
+        assert_eq!(r.status, 422, "{spec}: {}", r.text);
+        assert_eq!(r.json()["field"], field, "{spec}: {}", r.text);
+    };
+    let disk = json!([{"name": "root", "size_mib": 64}]);
+    refused(
+        json!({"cpus": 1, "memory_mib": 256, "disks": disk, "boot": {"cdrom": "missing"}}),
+        "spec.boot.cdrom",
+    );
+    refused(
+        json!({"cpus": 1, "memory_mib": 256, "disks": disk, "boot": {"cdrom": "rawdisk"}}),
+        "spec.boot.cdrom",
+    );
+    refused(
+        json!({"cpus": 1, "memory_mib": 256, "disks": [{"name": "root", "image": "installer"}]}),
+        "spec.disks[0].image",
+    );
+    assert!(server.vm("bad").is_none());
+
+    server.create_vm(
+        "inst",
+        json!({"cpus": 1, "memory_mib": 256, "stop_grace_period_s": 30,
+               "disks": disk, "boot": {"cdrom": "installer", "graphics": "vnc"},
+               "readiness": "console:KEEL-GUEST-READY"}),
+    );
+    let vm = server.wait_vm("inst", "run", |v| common::phase(v) == "Running");
+    let dir = instance_dir(&server, &vm);
+    let (took, console) = wait_console(&dir, "KEEL-ISO-BOOT");
+    eprintln!("SeaBIOS boot from the CD-ROM: marker after {took:?}");
+    assert!(console.contains("ISOLINUX"), "{console}");
+    wait_ready(&dir);
+    let args = argv(&dir);
+    let joined = args.join(" ");
+    assert!(!args.iter().any(|a| a == "-kernel"), "{joined}");
+    assert!(
+        joined.contains("-device ide-cd,drive=cdrom0,bootindex=0")
+            && joined.contains("drive=disk0,bootindex=1")
+            && joined.contains("media=cdrom,readonly=on"),
+        "{joined}"
+    );
+    server.wait_vm("inst", "be ready", |v| {
+        v["vm"]["status"]["instance"]["readiness"]["ready_at"].is_u64()
+    });
+
+    // The graphical console: VNC on the instance's unix socket only, its
+    // screen over the API's WebSocket.
+    let vnc = args
+        .windows(2)
+        .find(|w| w[0] == "-vnc")
+        .map(|w| w[1].clone())
+        .expect("a -vnc argument");
+    assert!(
+        vnc.starts_with("unix:") && vnc.ends_with("/vnc.sock"),
+        "{vnc}"
+    );
+    assert!(joined.ends_with("-device VGA"), "{joined}");
+    let r = server.send(
+        "POST",
+        "/api/v1/tokens",
+        &json!({"name": "watcher", "role": "viewer"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    let viewer = r.json()["secret"].as_str().unwrap().to_string();
+    let token = server.token.clone();
+    server.rt.block_on(async {
+        assert_eq!(vnc_refusal(&server, "inst", None).await, 401);
+        assert_eq!(vnc_refusal(&server, "inst", Some(&viewer)).await, 403);
+        let (update, took) = vnc_framebuffer_update(&server, "inst", &token).await;
+        eprintln!("VNC over the WebSocket: a FramebufferUpdate of {update:?} after {took:?}");
+    });
+
+    let r = server.send("DELETE", "/api/v1/images/installer", "");
+    assert_eq!(r.status, 409, "{}", r.text);
+    assert!(r.text.contains("VM inst"), "{}", r.text);
+    delete_and_wait(&server, "inst");
+    let r = server.send("DELETE", "/api/v1/images/installer", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+async fn vnc_connect(
+    server: &TestServer,
+    vm: &str,
+    token: Option<&str>,
+) -> Result<Ws, tokio_tungstenite::tungstenite::Error> {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::http::HeaderValue;
+    let (url, connector) = server.ws_url(&format!("/api/v1/vms/{vm}/vnc"));
+    let mut req = url.into_client_request().unwrap();
+    // What noVNC asks for.
+    req.headers_mut()
+        .insert("sec-websocket-protocol", HeaderValue::from_static("binary"));
+    if let Some(token) = token {
+        req.headers_mut().insert(
+            "authorization",
+            HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+        );
+    }
+    let (ws, resp) =
+        tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector).await?;
+    assert_eq!(
+        resp.headers()
+            .get("sec-websocket-protocol")
+            .and_then(|v| v.to_str().ok()),
+        Some("binary")
+    );
+    Ok(ws)
+}
+
+async fn vnc_refusal(server: &TestServer, vm: &str, token: Option<&str>) -> u16 {
+    match vnc_connect(server, vm, token).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => resp.status().as_u16(),
+        Err(other) => panic!("expected an HTTP refusal, got {other}"),
+        Ok(_) => panic!("the graphical console opened"),
+    }
+}
+
+/// Reads RFB bytes from binary messages until `buf` holds `n` (bounded).
+async fn vnc_read(ws: &mut Ws, buf: &mut Vec<u8>, n: usize) -> Vec<u8> {
+    use futures_util::StreamExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while buf.len() < n {
+        let msg = tokio::time::timeout_at(deadline, ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {buf:?} of {n} RFB bytes"))
+            .expect("the WebSocket stays open")
+            .unwrap();
+        match msg {
+            Message::Binary(b) => buf.extend_from_slice(&b),
+            Message::Ping(_) | Message::Pong(_) => {}
+            other => panic!("unexpected message {other:?}"),
+        }
+    }
+    buf.drain(..n).collect()
+}
+
+/// The RFB 3.8 handshake with security type None, a
+/// FramebufferUpdateRequest for the whole screen, and the first
+/// FramebufferUpdate's header: (width, height, rectangles).
+async fn vnc_framebuffer_update(
+    server: &TestServer,
+    vm: &str,
+    token: &str,
+) -> ((u16, u16, u16), Duration) {
+    use futures_util::SinkExt;
+    use tokio_tungstenite::tungstenite::Message;
+    let start = Instant::now();
+    let mut ws = vnc_connect(server, vm, Some(token)).await.unwrap();
+    let mut buf = Vec::new();
+    let version = vnc_read(&mut ws, &mut buf, 12).await;
+    assert_eq!(version, b"RFB 003.008\n", "{version:?}");
+    let send = |bytes: Vec<u8>| Message::binary(bytes);
+    ws.send(send(b"RFB 003.008\n".to_vec())).await.unwrap();
+    let count = vnc_read(&mut ws, &mut buf, 1).await[0] as usize;
+    assert!(count > 0, "the server offers no security type");
+    let types = vnc_read(&mut ws, &mut buf, count).await;
+    assert!(types.contains(&1), "no security type None in {types:?}");
+    ws.send(send(vec![1])).await.unwrap();
+    let result = vnc_read(&mut ws, &mut buf, 4).await;
+    assert_eq!(result, [0, 0, 0, 0], "security handshake failed");
+    ws.send(send(vec![1])).await.unwrap(); // ClientInit: shared
+    let init = vnc_read(&mut ws, &mut buf, 24).await;
+    let width = u16::from_be_bytes([init[0], init[1]]);
+    let height = u16::from_be_bytes([init[2], init[3]]);
+    let name_len = u32::from_be_bytes([init[20], init[21], init[22], init[23]]) as usize;
+    vnc_read(&mut ws, &mut buf, name_len).await;
+    assert!(width > 0 && height > 0, "{width}x{height}");
+    // FramebufferUpdateRequest, not incremental, the whole screen.
+    let mut request = vec![3, 0, 0, 0, 0, 0];
+    request.extend_from_slice(&width.to_be_bytes());
+    request.extend_from_slice(&height.to_be_bytes());
+    ws.send(send(request)).await.unwrap();
+    let header = vnc_read(&mut ws, &mut buf, 4).await;
+    assert_eq!(header[0], 0, "not a FramebufferUpdate: {header:?}");
+    let rectangles = u16::from_be_bytes([header[2], header[3]]);
+    assert!(rectangles >= 1, "an update without rectangles");
+    let _ = ws.close(None).await;
+    ((width, height, rectangles), start.elapsed())
 }

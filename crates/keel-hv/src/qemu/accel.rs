@@ -225,6 +225,7 @@ pub async fn probe_kvm(
         direct_io: false,
         hotplug_ports: 0,
         plugged: vec![],
+        graphics: None,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use keel_api::{Firmware, Image, ImageKind};
 
+use super::cdrom::Cdrom;
 use super::opts::opt_escape;
 use crate::images::ImageStore;
 use crate::DomainSpec;
@@ -36,19 +37,46 @@ pub enum BootPlan {
         cmdline: String,
         uefi: Option<UefiFiles>,
     },
-    /// Firmware boots the first disk (`bootindex=0` on it).
-    Disk { uefi: Option<UefiFiles> },
+    /// Firmware boots the first disk (`bootindex=0` on it), or the
+    /// CD-ROM when there is one that goes first.
+    Disk {
+        uefi: Option<UefiFiles>,
+        cdrom: Option<Cdrom>,
+    },
 }
 
 impl BootPlan {
-    /// Whether the first disk carries `bootindex=0`.
+    /// Whether firmware boots from the first disk, which then carries a
+    /// bootindex ([`BootPlan::first_disk_bootindex`]).
     pub fn boots_first_disk(&self) -> bool {
         matches!(self, BootPlan::Disk { .. })
     }
 
+    /// The first disk's `bootindex`: 0, or 1 behind a CD-ROM that goes
+    /// first.
+    pub fn first_disk_bootindex(&self) -> u32 {
+        match self {
+            BootPlan::Disk {
+                cdrom: Some(Cdrom { first: true, .. }),
+                ..
+            } => 1,
+            BootPlan::Disk { .. } | BootPlan::Kernel { .. } => 0,
+        }
+    }
+
     pub fn uefi(&self) -> Option<&UefiFiles> {
         match self {
-            BootPlan::Kernel { uefi, .. } | BootPlan::Disk { uefi } => uefi.as_ref(),
+            BootPlan::Kernel { uefi, .. } | BootPlan::Disk { uefi, .. } => uefi.as_ref(),
+        }
+    }
+
+    /// The CD-ROM's arguments ([`Cdrom::args`]); none without one.
+    pub fn cdrom_args(&self) -> Vec<String> {
+        match self {
+            BootPlan::Disk {
+                cdrom: Some(cdrom), ..
+            } => cdrom.args(),
+            BootPlan::Disk { cdrom: None, .. } | BootPlan::Kernel { .. } => Vec::new(),
         }
     }
 
@@ -153,6 +181,12 @@ pub async fn verified_images(
                 .initrd
                 .iter()
                 .map(|n| ("spec.boot.initrd".to_string(), n.clone(), ImageKind::Initrd)),
+        )
+        .chain(
+            spec.boot
+                .cdrom
+                .iter()
+                .map(|n| ("spec.boot.cdrom".to_string(), n.clone(), ImageKind::Iso)),
         );
     for (field, name, kind) in wanted {
         if out.iter().any(|(i, _)| i.name == name) {
@@ -193,19 +227,35 @@ pub fn plan(
             ));
         }
     }
-    let from_disk = boot.kernel.is_none()
-        && (boot.firmware.is_some() || spec.disks.first().is_some_and(|d| d.image.is_some()));
-    if from_disk {
-        if spec.disks.is_empty() {
-            return Err("firmware boot needs a disk to boot from; the VM has none".into());
-        }
-        return Ok(BootPlan::Disk { uefi });
-    }
     let image_file = |name: &String| {
         path_of(images, name)
             .map(Path::to_path_buf)
             .ok_or_else(|| format!("image {name} was not verified"))
     };
+    if boot.cdrom.is_some() && boot.kernel.is_some() {
+        // Validation refuses this; a record from elsewhere fails here.
+        return Err("spec.boot.cdrom and spec.boot.kernel: a VM boots one of them".into());
+    }
+    let cdrom = boot
+        .cdrom
+        .as_ref()
+        .map(|name| {
+            Ok::<_, String>(Cdrom {
+                iso: image_file(name)?,
+                first: keel_api::cdrom::cdrom_first(Some(name), boot.first),
+            })
+        })
+        .transpose()?;
+    let from_disk = boot.kernel.is_none()
+        && (boot.firmware.is_some()
+            || cdrom.is_some()
+            || spec.disks.first().is_some_and(|d| d.image.is_some()));
+    if from_disk {
+        if spec.disks.is_empty() && cdrom.is_none() {
+            return Err("firmware boot needs a disk to boot from; the VM has none".into());
+        }
+        return Ok(BootPlan::Disk { uefi, cdrom });
+    }
     let (kernel, initrd) = match &boot.kernel {
         Some(name) => (
             image_file(name)?,
@@ -291,7 +341,13 @@ mod tests {
             Path::new("/v"),
         )
         .unwrap();
-        assert_eq!(plan, BootPlan::Disk { uefi: None });
+        assert_eq!(
+            plan,
+            BootPlan::Disk {
+                uefi: None,
+                cdrom: None
+            }
+        );
         assert!(plan.boots_first_disk());
         let args = plan.args();
         assert!(

@@ -32,7 +32,11 @@ fn failed(instance: &str, op: &'static str, reason: impl std::fmt::Display) -> H
 }
 
 impl QemuDriver {
-    fn live_domain(&self, instance: &str, op: &'static str) -> Result<Arc<Domain>, HvError> {
+    pub(super) fn live_domain(
+        &self,
+        instance: &str,
+        op: &'static str,
+    ) -> Result<Arc<Domain>, HvError> {
         let domain = self.existing(instance, op)?;
         match domain.phase() {
             Phase::Live { .. } => Ok(domain),

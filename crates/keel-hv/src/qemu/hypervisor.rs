@@ -131,6 +131,10 @@ impl Hypervisor for QemuDriver {
         self.attach_console(instance).await
     }
 
+    async fn open_vnc(&self, instance: &str) -> Result<crate::ConsoleStream, HvError> {
+        self.attach_vnc(instance).await
+    }
+
     async fn guest_info(&self, instance: &str) -> Result<crate::GuestInfo, HvError> {
         self.agent_info(instance).await
     }

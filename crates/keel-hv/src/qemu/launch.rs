@@ -104,6 +104,7 @@ impl QemuDriver {
             nic,
             seed,
             direct_io: self.inner.direct_io,
+            graphics: spec.boot.graphics,
         })
     }
 

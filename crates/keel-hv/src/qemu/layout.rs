@@ -144,6 +144,8 @@ pub struct InstancePaths {
     /// Interactive side of ttyS0; its output is also logged to `console`.
     pub console_sock: PathBuf,
     pub qga: PathBuf,
+    /// The VNC server of a VM with a graphical console (`qemu::vnc`).
+    pub vnc_sock: PathBuf,
     pub console: PathBuf,
     pub qemu_log: PathBuf,
     pub pidfile: PathBuf,
@@ -167,6 +169,7 @@ impl InstancePaths {
             cmd: sockets.join("cmd.sock"),
             console_sock: sockets.join("console.sock"),
             qga: sockets.join("qga.sock"),
+            vnc_sock: sockets.join("vnc.sock"),
             console: dir.join("console.log"),
             qemu_log: dir.join("qemu.log"),
             pidfile: dir.join("qemu.pid"),
@@ -402,6 +405,8 @@ pub struct LaunchPlan {
     /// Disks on a root port (a migration target's, plugged on its source):
     /// each after the ports, on its own.
     pub plugged: Vec<PluggedPath>,
+    /// A graphical console (`spec.boot.graphics`), see [`super::vnc`].
+    pub graphics: Option<keel_api::Graphics>,
 }
 
 /// A disk of a launch that sits on a root port.
@@ -523,7 +528,10 @@ impl LaunchPlan {
                     "-drive",
                     &format!("{drive},if=none"),
                     "-device",
-                    &format!("virtio-blk-pci,drive=disk{i},bootindex=0"),
+                    &format!(
+                        "virtio-blk-pci,drive=disk{i},bootindex={}",
+                        self.boot.first_disk_bootindex()
+                    ),
                 ]);
             } else {
                 push(&["-drive", &drive.replacen(",format", ",if=virtio,format", 1)]);
@@ -532,6 +540,7 @@ impl LaunchPlan {
         if let Some(seed) = &self.seed {
             push(&["-drive", &super::cloud_init::drive_arg(seed)]);
         }
+        a.extend(self.boot.cdrom_args());
         if let Some(nic) = &self.nic {
             a.extend(nic.args());
         }
@@ -552,6 +561,11 @@ impl LaunchPlan {
                     super::hotplug::port_id(p.port)
                 ),
             ]);
+        }
+        // After everything: turning the display on or off moves no other
+        // device's PCI address.
+        if let Some(graphics) = self.graphics {
+            a.extend(super::vnc::args(graphics, &p.vnc_sock));
         }
         a
     }
@@ -622,6 +636,7 @@ mod tests {
             direct_io: false,
             hotplug_ports: 0,
             plugged: vec![],
+            graphics: None,
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -724,7 +739,10 @@ mod tests {
         // Firmware boot: the first disk carries the bootindex, the others
         // stay as they were; no kernel is handed to QEMU.
         let from_disk = LaunchPlan {
-            boot: super::super::boot::BootPlan::Disk { uefi: None },
+            boot: super::super::boot::BootPlan::Disk {
+                uefi: None,
+                cdrom: None,
+            },
             incoming: false,
             ..incoming
         };
@@ -747,6 +765,41 @@ mod tests {
             !args.iter().any(|a| a == "-kernel" || a == "-append"),
             "{joined}"
         );
+        assert!(!joined.contains("ide-cd"), "{joined}");
+
+        // An installer CD-ROM that goes first: the disk steps behind it.
+        let installer = LaunchPlan {
+            boot: super::super::boot::BootPlan::Disk {
+                uefi: None,
+                cdrom: Some(super::super::cdrom::Cdrom {
+                    iso: PathBuf::from("/images/inst.iso"),
+                    first: true,
+                }),
+            },
+            ..from_disk.clone()
+        };
+        let joined = installer.args().join(" ");
+        assert!(
+            joined.contains("-device virtio-blk-pci,drive=disk0,bootindex=1"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("-device ide-cd,drive=cdrom0,bootindex=0"),
+            "{joined}"
+        );
+        assert!(!joined.contains("-vnc"), "{joined}");
+
+        // A graphical console: VNC on the instance's socket, the display
+        // device last.
+        let graphical = LaunchPlan {
+            graphics: Some(keel_api::Graphics::Vnc),
+            ..installer
+        };
+        let args = graphical.args();
+        assert_eq!(
+            args[args.len() - 4..],
+            ["-vnc", "unix:/run/k,,eel/0123/vnc.sock", "-device", "VGA"]
+        );
     }
 
     #[test]
@@ -765,6 +818,7 @@ mod tests {
             &paths.migrate_sock,
             &paths.console_sock,
             &paths.qga,
+            &paths.vnc_sock,
         ] {
             assert!(sock.starts_with(runtime), "{}", sock.display());
             assert!(

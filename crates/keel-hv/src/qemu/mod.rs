@@ -24,6 +24,7 @@ mod accel;
 mod accel_choice;
 mod blocking;
 pub mod boot;
+pub mod cdrom;
 mod clone_disk;
 pub mod cloud_init;
 mod config;
@@ -54,6 +55,7 @@ mod reset;
 mod reset_count;
 mod snapshot;
 pub mod tls;
+mod vnc;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -40,7 +40,7 @@ use crate::token_book::Caller;
 pub use super::console_proxy::{INSTANCE_HEADER, MAX_LOG_BYTES};
 
 /// Where a VM's console is.
-enum Console {
+pub(super) enum Console {
     /// In this process: the hypervisor and the instance.
     Here(Arc<dyn Hypervisor>, String),
     /// With the agent of another node.
@@ -49,7 +49,7 @@ enum Console {
 
 /// The VM's current instance and who holds its console; `actor` is who
 /// asks, named to another node's agent.
-async fn locate(state: &AppState, name: &str, actor: &str) -> Result<Console, ApiError> {
+pub(super) async fn locate(state: &AppState, name: &str, actor: &str) -> Result<Console, ApiError> {
     let vm = state
         .store
         .get::<VirtualMachine>(&vm_key(name))
@@ -134,7 +134,7 @@ fn agent_trust(state: &AppState, node: &str, url: &str) -> Result<ServerTrust, A
     })
 }
 
-fn hv_error(err: HvError) -> ApiError {
+pub(super) fn hv_error(err: HvError) -> ApiError {
     match err {
         HvError::NotFound { instance } => {
             ApiError::conflict("status.instance", format!("instance {instance} is gone"))
@@ -148,7 +148,7 @@ fn hv_error(err: HvError) -> ApiError {
 
 /// The name of the token's holder (none on an agent's console port,
 /// where the control plane names the user itself).
-fn actor(caller: Option<Extension<Caller>>) -> String {
+pub(super) fn actor(caller: Option<Extension<Caller>>) -> String {
     caller.map(|Extension(c)| c.name).unwrap_or_default()
 }
 
@@ -244,7 +244,7 @@ pub async fn attach(
     }))
 }
 
-async fn pump(
+pub(super) async fn pump(
     socket: WebSocket,
     console: ConsoleStream,
     mut shutdown: tokio::sync::watch::Receiver<bool>,

@@ -1,5 +1,5 @@
-//! Consoles of VMs on other nodes: this server passes `console` and
-//! `console/log` on to the agent of the VM's node, at the URL that agent
+//! Consoles of VMs on other nodes: this server passes `console`,
+//! `console/log` and `vnc` on to the agent of the VM's node, at the URL that agent
 //! published on its node record (`keel agent --console-listen`,
 //! `crate::agent_console`), over mutual TLS on the cluster CA
 //! (`crate::agent_link`): the agent's certificate must name that node, and
@@ -132,11 +132,32 @@ pub async fn attach(
     shutdown: tokio::sync::watch::Receiver<bool>,
     session: Option<ConsoleSession>,
 ) -> Result<Response, ApiError> {
-    let url = format!(
-        "{}{}",
-        remote.url.replacen("https://", "wss://", 1),
-        remote.path(vm, "")
-    );
+    let path = remote.path(vm, "");
+    attach_at(remote, vm, &path, ws, shutdown, session).await
+}
+
+/// The graphical console (`/vms/{vm}/vnc`), passed on the same way: its
+/// RFB stream rides in the same binary messages.
+pub async fn attach_vnc(
+    remote: Remote,
+    vm: &str,
+    ws: WebSocketUpgrade,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    session: Option<ConsoleSession>,
+) -> Result<Response, ApiError> {
+    let path = format!("/api/v1/vms/{vm}/vnc");
+    attach_at(remote, vm, &path, ws, shutdown, session).await
+}
+
+async fn attach_at(
+    remote: Remote,
+    vm: &str,
+    path: &str,
+    ws: WebSocketUpgrade,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    session: Option<ConsoleSession>,
+) -> Result<Response, ApiError> {
+    let url = format!("{}{path}", remote.url.replacen("https://", "wss://", 1));
     let mut req = url
         .as_str()
         .into_client_request()
@@ -167,7 +188,7 @@ pub async fn attach(
             }
             Ok(Err(e)) => return Err(remote.unreachable(e)),
         };
-    tracing::info!(vm, instance = %remote.instance, node = %remote.node, "console attached through the node's agent");
+    tracing::info!(vm, path, instance = %remote.instance, node = %remote.node, "console attached through the node's agent");
     let vm = vm.to_string();
     Ok(ws.on_upgrade(move |client| async move {
         let _session = session;

@@ -64,7 +64,7 @@ pub(super) fn image_error(err: ImageError) -> ApiError {
     }
 }
 
-/// `PUT /api/v1/images/{name}?kind=disk|kernel|initrd`, the file as the body.
+/// `PUT /api/v1/images/{name}?kind=disk|kernel|initrd|iso`, the file as the body.
 pub async fn import(
     State(state): State<AppState>,
     name: Result<NameParam, ApiError>,
@@ -401,9 +401,9 @@ pub fn describe(doc: &mut serde_json::Value) {
         }},
         "/api/v1/images/{name}": {
             "put": {
-                "summary": "Import a file as image NAME: the body is the file, streamed (no size limit). Disk images must be qcow2 or raw without a backing file, external data file or encryption; a kernel must be a Linux x86 boot image. The sha256 is recorded; a failed upload leaves nothing.",
+                "summary": "Import a file as image NAME: the body is the file, streamed (no size limit). Disk images must be qcow2 or raw without a backing file, external data file or encryption; a kernel must be a Linux x86 boot image; an iso an ISO 9660 image. The sha256 is recorded; a failed upload leaves nothing.",
                 "operationId": "importImage",
-                "parameters": [name_param.clone(), {"name": "kind", "in": "query", "required": false, "schema": {"type": "string", "enum": ["disk", "kernel", "initrd"], "default": "disk"}}],
+                "parameters": [name_param.clone(), {"name": "kind", "in": "query", "required": false, "schema": {"type": "string", "enum": ["disk", "kernel", "initrd", "iso"], "default": "disk"}}],
                 "requestBody": {"required": true, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
                 "responses": with(one("201", "Imported"), &[("400", "Bad name or kind, or the upload broke off"), ("401", "Missing or wrong bearer token"), ("409", "An image of that name exists"), ("422", "Not an image Keel boots (the reason says why); field: file"), ("500", "The node could not store it")])
             },
@@ -420,7 +420,7 @@ pub fn describe(doc: &mut serde_json::Value) {
     let schemas = json!({
         "Image": {"type": "object", "required": ["name", "kind", "format", "size_bytes", "virtual_size_bytes", "sha256", "created_at"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
-            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd"]},
+            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd", "iso"]},
             "format": {"type": "string", "enum": ["qcow2", "raw"]},
             "size_bytes": {"type": "integer"},
             "virtual_size_bytes": {"type": "integer", "description": "The disk size a guest sees"},
@@ -437,6 +437,10 @@ pub fn describe(doc: &mut serde_json::Value) {
             "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
         }}
     });
+    // The CD-ROM names an image of kind iso.
+    let boot = &mut doc["components"]["schemas"]["BootSpec"]["properties"];
+    boot["cdrom"] = json!({"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "An image of kind iso attached as a read-only CD-ROM (an OS installer); the VM boots through firmware. Not with kernel"});
+    boot["first"] = json!({"type": "string", "enum": ["cdrom", "disk"], "description": "What firmware tries first when there is a CD-ROM; default cdrom"});
     for (section, add) in [
         ("paths", paths),
         ("components", json!({"schemas": schemas})),

@@ -32,6 +32,8 @@ pub mod strict;
 pub mod token_limits;
 pub mod tokens;
 pub mod vms;
+pub mod vnc;
+mod vnc_doc;
 mod write;
 
 use std::sync::Arc;
@@ -107,6 +109,7 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))
         .route("/api/v1/vms/{name}/console/log", get(console::log))
+        .route("/api/v1/vms/{name}/vnc", get(vnc::attach))
         .route(
             "/api/v1/vms/{name}/snapshots",
             get(snapshots::list).post(snapshots::create),

@@ -271,6 +271,7 @@ pub fn spec() -> Value {
     super::clone::describe(&mut doc);
     super::node_labels::describe(&mut doc);
     super::drain_return::describe(&mut doc);
+    super::vnc_doc::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",

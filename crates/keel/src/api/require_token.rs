@@ -116,7 +116,11 @@ pub async fn require_token(State(door): State<Door>, mut req: Request, next: Nex
     let resp = match refused {
         Some(err) => err.into_response(),
         None => {
-            if method == Method::GET && roles::matches("/api/v1/vms/{name}/console", &path) {
+            // The graphical console is a console session too.
+            if method == Method::GET
+                && (roles::matches("/api/v1/vms/{name}/console", &path)
+                    || roles::matches("/api/v1/vms/{name}/vnc", &path))
+            {
                 match door.meters.open_console(&caller.id) {
                     Ok(session) => {
                         req.extensions_mut()

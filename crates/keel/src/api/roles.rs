@@ -56,6 +56,7 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("POST", "/api/v1/vms/{name}/migrate", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console/log", Needs(Operator)),
+    ("GET", "/api/v1/vms/{name}/vnc", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/snapshots", Needs(Viewer)),
     ("POST", "/api/v1/vms/{name}/snapshots", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/snapshots/{snap}", Needs(Viewer)),

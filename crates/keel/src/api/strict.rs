@@ -9,8 +9,8 @@
 //! until it is added here too.
 
 use keel_api::{
-    AntiAffinity, BootSpec, CloudInitSpec, DiskSpec, Firmware, NetworkMode, NetworkSpec,
-    PlacementRules, PortForward, PowerState, Protocol, Readiness, RunPolicy, VmSpec,
+    AntiAffinity, BootDevice, BootSpec, CloudInitSpec, DiskSpec, Firmware, Graphics, NetworkMode,
+    NetworkSpec, PlacementRules, PortForward, PowerState, Protocol, Readiness, RunPolicy, VmSpec,
     DEFAULT_STOP_GRACE_PERIOD_S,
 };
 use serde::{Deserialize, Deserializer};
@@ -124,6 +124,12 @@ struct StrictDiskSpec {
 #[serde(deny_unknown_fields)]
 struct StrictBootSpec {
     #[serde(default)]
+    cdrom: Option<String>,
+    #[serde(default)]
+    first: Option<BootDevice>,
+    #[serde(default)]
+    graphics: Option<Graphics>,
+    #[serde(default)]
     kernel: Option<String>,
     #[serde(default)]
     initrd: Option<String>,
@@ -164,6 +170,9 @@ impl From<StrictVmSpec> for VmSpec {
             publish,
         } = network;
         let StrictBootSpec {
+            cdrom,
+            first,
+            graphics,
             kernel,
             initrd,
             cmdline,
@@ -187,6 +196,9 @@ impl From<StrictVmSpec> for VmSpec {
                 )
                 .collect(),
             boot: BootSpec {
+                cdrom,
+                first,
+                graphics,
                 kernel,
                 initrd,
                 cmdline,
@@ -294,6 +306,9 @@ fn covers_every_field(spec: VmSpec) {
     }) = cloud_init
     {}
     let BootSpec {
+        cdrom: _,
+        first: _,
+        graphics: _,
         kernel: _,
         initrd: _,
         cmdline: _,
@@ -334,6 +349,9 @@ mod tests {
                 image: Some("debian".into()),
             }],
             boot: BootSpec {
+                cdrom: None,
+                first: Some(BootDevice::Disk),
+                graphics: Some(Graphics::Vnc),
                 kernel: Some("k".into()),
                 initrd: Some("i".into()),
                 cmdline: Some("console=ttyS0".into()),

@@ -16,6 +16,7 @@ pub mod server_trust;
 mod snapshot;
 mod token;
 mod vm;
+mod vm_cdrom;
 mod vm_clone;
 mod vm_disk;
 mod vm_ha;

@@ -28,6 +28,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
         VmVerb::Clone(args) => super::vm_clone::run(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
+        VmVerb::Cdrom(args) => super::vm_cdrom::run(&client, out, args),
     }
 }
 
@@ -75,6 +76,9 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             .chain(args.disks.iter().cloned())
             .collect(),
         boot: BootSpec {
+            cdrom: args.cdrom.clone(),
+            first: args.boot_first,
+            graphics: args.graphics,
             kernel: args.kernel.clone(),
             initrd: args.initrd.clone(),
             cmdline: args.cmdline.clone(),
@@ -210,6 +214,7 @@ fn describe(resp: &VmResponse) -> String {
             pairs.push((k, v.clone()));
         }
     }
+    pairs.extend(super::vm_cdrom::describe(vm));
     if let Some(firmware) = vm.spec.boot.firmware {
         pairs.push((
             "firmware",
