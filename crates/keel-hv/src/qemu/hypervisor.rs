@@ -115,6 +115,25 @@ impl Hypervisor for QemuDriver {
         self.remove_snapshot(vm, disks, name).await
     }
 
+    async fn export_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        snapshot: &str,
+        dir: &std::path::Path,
+    ) -> Result<Vec<String>, HvError> {
+        self.write_export(vm, disks, snapshot, dir).await
+    }
+
+    async fn import_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        dir: &std::path::Path,
+    ) -> Result<(), HvError> {
+        self.take_import(vm, disks, dir).await
+    }
+
     async fn console_tail(
         &self,
         instance: &str,

@@ -54,6 +54,7 @@ mod reset;
 mod reset_count;
 mod snapshot;
 pub mod tls;
+mod vm_export;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
