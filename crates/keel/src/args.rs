@@ -781,6 +781,10 @@ pub struct CloneArgs {
     /// Run the clone (it is created stopped otherwise).
     #[arg(long)]
     pub start: bool,
+    /// Make each disk an overlay on a frozen copy of the source's at the
+    /// snapshot (shared by the linked clones of it) instead of a full copy.
+    #[arg(long)]
+    pub linked: bool,
     /// Seconds to wait for the snapshot taken first.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,

@@ -84,10 +84,10 @@ fn a_clone_is_made_from_a_snapshot_and_refusals_name_their_field() {
     let r = server.send(
         "POST",
         "/api/v1/vms/src/clone",
-        r#"{"name": "other", "snapshot": "clone-copy", "linked": true}"#,
+        r#"{"name": "other", "snapshot": "clone-copy", "shallow": true}"#,
     );
     assert_eq!(r.status, 400, "{}", r.text);
-    assert!(r.text.contains("linked"), "{}", r.text);
+    assert!(r.text.contains("shallow"), "{}", r.text);
     let err = fails(&keel(
         &server,
         &["vm", "clone", "src", "copy", "--snapshot", "clone-copy"],
@@ -100,6 +100,25 @@ fn a_clone_is_made_from_a_snapshot_and_refusals_name_their_field() {
     assert!(out.contains("stopped"), "{out}");
     let copy2 = server.wait_settled_stopped("copy2");
     assert_eq!(copy2["vm"]["status"]["clone_from"]["vm"], "copy");
+    assert!(copy2["vm"]["status"]["clone_from"].get("linked").is_none());
+
+    // A linked clone is recorded as one, and runs.
+    let out = ok(&keel(
+        &server,
+        &[
+            "vm",
+            "clone",
+            "src",
+            "thin",
+            "--snapshot",
+            "clone-copy",
+            "--linked",
+            "--start",
+        ],
+    ));
+    assert!(out.contains("overlays on a frozen copy"), "{out}");
+    let thin = server.wait_vm("thin", "run", |v| common::phase(v) == "Running");
+    assert_eq!(thin["vm"]["status"]["clone_from"]["linked"], true);
 }
 
 /// The entries of a tar archive: (name, bytes).

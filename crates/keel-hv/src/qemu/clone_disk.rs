@@ -31,6 +31,9 @@ impl QemuDriver {
         tmp: &Path,
         path: &Path,
     ) -> Result<(), String> {
+        if source.linked {
+            return self.make_linked(vm, source, disk, base, tmp, path).await;
+        }
         let from = self.inner.layout.disk(&source.vm, &disk.name);
         let what = format!(
             "disk {} of VM {vm} is a copy of VM {}'s disk {} at snapshot {}",

@@ -38,6 +38,7 @@ mod hypervisor;
 pub mod keeper;
 mod launch;
 mod layout;
+mod linked_clone;
 mod listing;
 mod live_monitor;
 mod migration;
