@@ -275,4 +275,23 @@ fn an_export_is_imported_as_a_new_vm_elsewhere_and_refusals_name_their_field() {
     refused(&server.get("/api/v1/vms/src/export"), 400, "snapshot");
     let err = fails(&keel(&server, &["vm", "export", "ghost", file_arg]));
     assert!(err.contains("ghost"), "{err}");
+
+    // A stopped VM exports the same way, and its import starts stopped.
+    let r = server.send("POST", "/api/v1/vms/src/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    server.wait_settled_stopped("src");
+    let stopped_file = out_dir.path().join("stopped.tar");
+    ok(&keel(
+        &server,
+        &["vm", "export", "src", stopped_file.to_str().unwrap()],
+    ));
+    ok(&keel(
+        &other,
+        &["vm", "import", stopped_file.to_str().unwrap()],
+    ));
+    let imported = other.wait_settled_stopped("src");
+    assert_eq!(imported["vm"]["spec"]["power"], "Stopped");
+    let r = other.send("POST", "/api/v1/vms/src/start", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    other.wait_vm("src", "run", |v| common::phase(v) == "Running");
 }

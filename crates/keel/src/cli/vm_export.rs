@@ -95,7 +95,10 @@ fn download_at(client: &Client, args: &VmExportArgs, snapshot: &str) -> anyhow::
         encode(&args.name),
         encode(snapshot)
     );
-    let written = client.download(&path, &mut out).and_then(|n| {
+    let mut shown = Progress::new(&mut out, &args.name);
+    let downloaded = client.download(&path, &mut shown);
+    shown.finish();
+    let written = downloaded.and_then(|n| {
         out.sync_all().context("sync")?;
         std::fs::rename(&tmp, &args.file)
             .with_context(|| format!("FILE {}: move into place", args.file.display()))?;
@@ -105,6 +108,54 @@ fn download_at(client: &Client, args: &VmExportArgs, snapshot: &str) -> anyhow::
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+/// How much of the archive has arrived, on stderr when it is a terminal
+/// (an export takes as long as the disks are big); nothing in scripts.
+struct Progress<'a, W: std::io::Write> {
+    inner: W,
+    vm: &'a str,
+    written: u64,
+    shown_at: Option<std::time::Instant>,
+    on_terminal: bool,
+}
+
+impl<'a, W: std::io::Write> Progress<'a, W> {
+    fn new(inner: W, vm: &'a str) -> Self {
+        use std::io::IsTerminal;
+        Self {
+            inner,
+            vm,
+            written: 0,
+            shown_at: None,
+            on_terminal: std::io::stderr().is_terminal(),
+        }
+    }
+
+    fn finish(&self) {
+        if self.on_terminal && self.shown_at.is_some() {
+            eprintln!();
+        }
+    }
+}
+
+impl<W: std::io::Write> std::io::Write for Progress<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.written += n as u64;
+        let due = self
+            .shown_at
+            .is_none_or(|at| at.elapsed() >= Duration::from_millis(500));
+        if self.on_terminal && due {
+            eprint!("\r{}: {} MiB received", self.vm, self.written >> 20);
+            self.shown_at = Some(std::time::Instant::now());
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 /// Where the download goes until it is complete: beside FILE, so the
