@@ -28,7 +28,40 @@ use super::vms;
 use super::{ApiError, AppState, NodeAccess};
 
 /// A directory of an export or import in progress, removed when dropped.
+/// One a crashed server left behind is removed by a later one's start
+/// once a day has passed without a change in it.
 pub(super) struct Staging(PathBuf);
+
+/// How the staging directories are named: `.vm-<what>-<pid>-<random>`.
+const STAGING_PREFIX: &str = ".vm-";
+
+/// A staging directory untouched this long belongs to no live export or
+/// import (each writes into its directory as it goes).
+const STALE_STAGING: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+fn remove_stale_staging(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let stale = entry
+            .metadata()
+            .ok()
+            .filter(|m| m.is_dir())
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_STAGING);
+        if stale
+            && entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(STAGING_PREFIX)
+        {
+            tracing::info!(path = %entry.path().display(), "removing an abandoned VM export or import");
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}
 
 impl Staging {
     /// A new, empty directory for `what` in the image store's directory
@@ -39,7 +72,10 @@ impl Staging {
         let doing = format!("not starting the {what}");
         let checked = tokio::task::spawn_blocking({
             let dir = dir.clone();
-            move || keel_hv::free_space::check_floor(&dir, floor, 0, &doing)
+            move || {
+                remove_stale_staging(&dir);
+                keel_hv::free_space::check_floor(&dir, floor, 0, &doing)
+            }
         })
         .await
         .unwrap_or_else(|e| Err(e.to_string()));
@@ -47,7 +83,7 @@ impl Staging {
             return Err(ApiError::new(StatusCode::INSUFFICIENT_STORAGE, why));
         }
         let path = dir.join(format!(
-            ".{what}-{}-{:016x}",
+            "{STAGING_PREFIX}{what}-{}-{:016x}",
             std::process::id(),
             rand::random::<u64>()
         ));
