@@ -329,3 +329,47 @@ async fn a_uefi_clones_first_start_copies_the_sources_variable_store_at_the_snap
         store.len()
     );
 }
+
+/// A linked clone whose base cannot be made (its source's disk is gone)
+/// fails its start with the reason and leaves neither a note of it nor a
+/// base: nothing keeps a base alive for a clone that has no disk on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_linked_clone_whose_base_cannot_be_made_leaves_no_note_behind() {
+    let Some(f) = Fixture::new().await else {
+        return;
+    };
+    let hv = f.hv();
+    let disk = vec![DiskSpec {
+        name: "data".into(),
+        size_mib: 32,
+        image: None,
+    }];
+    let mut spec = DomainSpec::bare("thin", "thin-1", 1, 128);
+    spec.disks = disk.clone();
+    spec.create_disks = keel_hv::DiskCreation::all_of(&disk);
+    spec.clone_from = Some(keel_api::CloneSource {
+        vm: "gone".into(),
+        vm_uid: "u9".into(),
+        snapshot: "s1".into(),
+        disks: vec!["data".into()],
+        linked: true,
+    });
+    let err = hv.start(&spec).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("an overlay on VM gone's disk data"),
+        "{err}"
+    );
+    assert!(!hv.disk_path("thin", "data").exists());
+    let bases = hv
+        .disk_path("thin", "data")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join(".clone-bases/gone-u9/s1");
+    let left: Vec<_> = std::fs::read_dir(&bases)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left in {}: {left:?}", bases.display());
+}

@@ -75,82 +75,98 @@ impl QemuDriver {
         })
         .await
         .map_err(|e| format!("{what}: note it at {}: {e}", base.display()))?;
-        if !tokio::fs::try_exists(&base).await.unwrap_or(false) {
-            let from = self.inner.layout.disk(&source.vm, &disk.name);
-            let base_tmp = base.with_extension(format!("qcow2.{}.tmp", std::process::id()));
-            let mut args: Vec<std::ffi::OsString> = vec![
-                "convert".into(),
+        let made: Result<(), String> = async {
+            if !tokio::fs::try_exists(&base).await.unwrap_or(false) {
+                let from = self.inner.layout.disk(&source.vm, &disk.name);
+                let base_tmp = base.with_extension(format!("qcow2.{}.tmp", std::process::id()));
+                let mut args: Vec<std::ffi::OsString> = vec![
+                    "convert".into(),
+                    "-q".into(),
+                    "-U".into(),
+                    "-f".into(),
+                    "qcow2".into(),
+                    "-O".into(),
+                    "qcow2".into(),
+                    "-l".into(),
+                    format!("snapshot.name={}", source.snapshot).into(),
+                ];
+                if let Some((image, image_path)) = image {
+                    args.extend(["-F".into(), image.format.as_str().into(), "-B".into()]);
+                    args.push(image_path.into());
+                }
+                args.push(from.clone().into());
+                args.push(base_tmp.clone().into());
+                let timeout = self.inner.config.storage_timeout
+                    + std::time::Duration::from_millis(disk.size_mib.saturating_mul(COPY_MS_PER_MIB));
+                tracing::info!(%vm, disk = %disk.name, source = %source.vm, snapshot = %source.snapshot,
+                    "making the frozen base of a linked clone");
+                if let Err(why) = self.run_qemu_img(&args, timeout).await {
+                    let _ = blocking::remove_file(base_tmp).await;
+                    return Err(format!("{what}: {why}"));
+                }
+                let (t, b) = (base_tmp.clone(), base.clone());
+                let placed = blocking::unblocked("move a clone base into place", move || {
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o444))?;
+                    match rename_noreplace(&t, &b) {
+                        // Another clone's start made it meanwhile, the same.
+                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => std::fs::remove_file(&t),
+                        other => other,
+                    }
+                })
+                .await;
+                if let Err(e) = placed {
+                    let _ = blocking::remove_file(base_tmp).await;
+                    return Err(format!("{what}: {}: {e}", base.display()));
+                }
+            }
+            let args: Vec<std::ffi::OsString> = vec![
+                "create".into(),
                 "-q".into(),
-                "-U".into(),
                 "-f".into(),
                 "qcow2".into(),
-                "-O".into(),
+                "-F".into(),
                 "qcow2".into(),
-                "-l".into(),
-                format!("snapshot.name={}", source.snapshot).into(),
+                "-b".into(),
+                base.clone().into(),
+                tmp.into(),
+                format!("{}M", disk.size_mib).into(),
             ];
-            if let Some((image, image_path)) = image {
-                args.extend(["-F".into(), image.format.as_str().into(), "-B".into()]);
-                args.push(image_path.into());
-            }
-            args.push(from.clone().into());
-            args.push(base_tmp.clone().into());
-            let timeout = self.inner.config.storage_timeout
-                + std::time::Duration::from_millis(disk.size_mib.saturating_mul(COPY_MS_PER_MIB));
-            tracing::info!(%vm, disk = %disk.name, source = %source.vm, snapshot = %source.snapshot,
-                "making the frozen base of a linked clone");
-            if let Err(why) = self.run_qemu_img(&args, timeout).await {
-                let _ = blocking::remove_file(base_tmp).await;
+            if let Err(why) = self
+                .run_qemu_img(&args, self.inner.config.storage_timeout)
+                .await
+            {
+                let _ = blocking::remove_file(tmp.to_path_buf()).await;
                 return Err(format!("{what}: {why}"));
             }
-            let (t, b) = (base_tmp.clone(), base.clone());
-            let placed = blocking::unblocked("move a clone base into place", move || {
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o444))?;
-                match rename_noreplace(&t, &b) {
-                    // Another clone's start made it meanwhile, the same.
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => std::fs::remove_file(&t),
-                    other => other,
-                }
+            let (from_tmp, to) = (tmp.to_path_buf(), path.to_path_buf());
+            match blocking::unblocked("move a linked clone's disk into place", move || {
+                rename_noreplace(&from_tmp, &to)
             })
-            .await;
-            if let Err(e) = placed {
-                let _ = blocking::remove_file(base_tmp).await;
-                return Err(format!("{what}: {}: {e}", base.display()));
-            }
-        }
-        let args: Vec<std::ffi::OsString> = vec![
-            "create".into(),
-            "-q".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-F".into(),
-            "qcow2".into(),
-            "-b".into(),
-            base.clone().into(),
-            tmp.into(),
-            format!("{}M", disk.size_mib).into(),
-        ];
-        if let Err(why) = self
-            .run_qemu_img(&args, self.inner.config.storage_timeout)
             .await
-        {
-            let _ = blocking::remove_file(tmp.to_path_buf()).await;
-            return Err(format!("{what}: {why}"));
-        }
-        let (from_tmp, to) = (tmp.to_path_buf(), path.to_path_buf());
-        match blocking::unblocked("move a linked clone's disk into place", move || {
-            rename_noreplace(&from_tmp, &to)
-        })
-        .await
-        {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let _ = blocking::remove_file(tmp.to_path_buf()).await;
-                Ok(())
+            {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                    let _ = blocking::remove_file(tmp.to_path_buf()).await;
+                    Ok(())
+                }
+                Err(e) => Err(format!("{}: {e}", path.display())),
             }
-            Err(e) => Err(format!("{}: {e}", path.display())),
         }
+        .await;
+        // A clone whose disk was not made holds no base: its note goes,
+        // and a base made for it alone with it.
+        if made.is_err() && !tokio::fs::try_exists(path).await.unwrap_or(true) {
+            let (b, v) = (base.clone(), vm.to_string());
+            if let Err(e) = blocking::unblocked("drop a failed linked clone's note", move || {
+                release(&v, &[b])
+            })
+            .await
+            {
+                tracing::warn!(%vm, error = %e, "could not drop the note of a linked clone whose disk was not made");
+            }
+        }
+        made
     }
 
     async fn run_qemu_img(
