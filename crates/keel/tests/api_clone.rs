@@ -261,6 +261,28 @@ fn an_export_is_imported_as_a_new_vm_elsewhere_and_refusals_name_their_field() {
     );
     assert_eq!(other.settled_state(), before, "nothing stored");
     assert!(other.vm("fresh").is_none());
+
+    // An upload larger than --max-image-size is refused as it arrives,
+    // also when what is over the limit follows the archive's end.
+    let cap = bytes.len() as u64 + 1024;
+    let small = TestServer::start_with(move |cfg| cfg.api_limits.max_image_bytes = cap);
+    let before_small = small.settled_state();
+    let mut padded = bytes.clone();
+    padded.extend(std::iter::repeat_n(0u8, 64 << 10));
+    let r = small.request(
+        "PUT",
+        "/api/v1/vms/fresh/import",
+        Some(&small.token),
+        Some(&padded),
+        &[("Connection", "close")],
+    );
+    refused(&r, 413, "size");
+    assert_eq!(small.settled_state(), before_small, "nothing stored");
+    assert!(
+        staging_left(&small).is_empty(),
+        "{:?}",
+        staging_left(&small)
+    );
     assert!(
         staging_left(&other).is_empty(),
         "{:?}",

@@ -83,6 +83,13 @@ pub async fn import(
         match chunk {
             Ok(chunk) => {
                 received += chunk.len() as u64;
+                // Counted here too: what follows the archive's end is
+                // never read by the unpacking, but is still received.
+                if received > limits.max_bytes {
+                    drop(tx);
+                    let _ = unpacking.await;
+                    return Err(too_large(limits.max_bytes, "the export"));
+                }
                 // Once the unpacking stopped (a refusal, which its answer
                 // explains), the rest is read and dropped: a client cut
                 // off mid-send would see a broken pipe, not the answer.
