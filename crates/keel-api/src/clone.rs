@@ -84,6 +84,7 @@ impl VirtualMachine {
                 .iter()
                 .map(|d| d.to_string())
                 .collect(),
+            linked: false,
         });
         clone.validate()?;
         Ok(clone)

@@ -19,4 +19,9 @@ pub struct CloneSource {
     /// The disks copied, by name (the snapshot's). A disk the clone gains
     /// later is made blank, as for any VM.
     pub disks: Vec<String>,
+    /// Linked (`keel vm clone --linked`): each disk is an overlay on a
+    /// frozen copy of the source's at the snapshot, shared by every linked
+    /// clone of that snapshot and never written, instead of a full copy.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub linked: bool,
 }

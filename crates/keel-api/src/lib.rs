@@ -36,6 +36,7 @@ pub mod untrusted;
 pub mod user_migration;
 pub mod validation;
 pub mod vm;
+pub mod vm_export;
 
 pub use api_token::{ApiToken, CreateTokenRequest, Role};
 pub use audit::{Audit, AuditEvent, AuditPart};
@@ -67,6 +68,7 @@ pub use started_with::StartedWith;
 pub use user_migration::{MigrateOutcome, MigrateRequest};
 pub use validation::ValidationError;
 pub use vm::*;
+pub use vm_export::{ExportManifest, ExportedFile};
 
 /// The version of the stored record format this build writes, in each
 /// record's top-level [`SCHEMA_VERSION_FIELD`]. Records are read leniently:

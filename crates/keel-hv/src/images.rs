@@ -159,6 +159,12 @@ impl ImageStore {
         &self.dir
     }
 
+    /// The free space kept on the image dir's filesystem
+    /// (`--min-free-disk-mib`).
+    pub fn min_free_bytes(&self) -> u64 {
+        self.min_free_bytes
+    }
+
     /// The free-space floor (`--min-free-disk-mib`); 0 turns it off.
     pub fn with_min_free_bytes(mut self, bytes: u64) -> Self {
         self.min_free_bytes = bytes;

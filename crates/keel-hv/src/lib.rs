@@ -667,6 +667,42 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported_guest(instance, "grow a disk online"))
     }
 
+    /// Writes each of `disks` of `vm` as snapshot `snapshot` holds them
+    /// into `dir` (`keel vm export`), as files that stand alone: one per
+    /// disk, named [`keel_api::vm_export::disk_file`], and the UEFI
+    /// variable store the snapshot kept, if any
+    /// ([`keel_api::vm_export::UEFI_VARS_FILE`]). The VM may run meanwhile:
+    /// a snapshot does not change. Returns the names written, in order.
+    async fn export_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        snapshot: &str,
+        dir: &std::path::Path,
+    ) -> Result<Vec<String>, HvError> {
+        let _ = (disks, dir);
+        Err(unsupported(vm, "export", snapshot))
+    }
+
+    /// Makes the files of an export in `dir` (named as
+    /// [`Hypervisor::export_disks`] names them) the disks of `vm`, which
+    /// has none: each is checked to be a disk this driver runs (never one
+    /// that names another file of the host) and moved into place; an
+    /// existing disk is never replaced. On failure none stays.
+    async fn import_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        dir: &std::path::Path,
+    ) -> Result<(), HvError> {
+        let _ = (disks, dir);
+        Err(HvError::Storage {
+            vm: vm.to_string(),
+            op: "import",
+            reason: "not supported by this driver".into(),
+        })
+    }
+
     /// Removes snapshot `name` from the disks of `vm`; absent is success.
     async fn delete_snapshot(
         &self,

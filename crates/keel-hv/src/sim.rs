@@ -22,6 +22,7 @@ mod hotplug;
 mod online_resize;
 mod reset;
 mod table;
+mod vm_export;
 
 use table::{DomainTable, NextChange};
 
@@ -1657,6 +1658,25 @@ impl Hypervisor for SimHypervisor {
             })?;
         disks.records = records;
         Ok(())
+    }
+
+    async fn export_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        snapshot: &str,
+        dir: &std::path::Path,
+    ) -> Result<Vec<String>, HvError> {
+        self.write_export(vm, disks, snapshot, dir)
+    }
+
+    async fn import_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        dir: &std::path::Path,
+    ) -> Result<(), HvError> {
+        self.take_import(vm, disks, dir)
     }
 
     async fn delete_snapshot(

@@ -265,3 +265,111 @@ async fn a_guest_left_paused_by_an_interrupted_snapshot_is_resumed() {
     fx.hv().kill("web-1").await.unwrap();
     fx.hv().cleanup("web-1").await.unwrap();
 }
+
+/// A UEFI clone's first start makes its variable store a copy of its
+/// source's as the snapshot kept it, not a fresh one from the template.
+/// The driver's OVMF code is missing on purpose: the start fails after
+/// the disks and the store are made, so no firmware writes the store
+/// before it is compared (and no guest is booted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_uefi_clones_first_start_copies_the_sources_variable_store_at_the_snapshot() {
+    let Some(f) = Fixture::with(|mut c| {
+        c.ovmf_code = "/nonexistent/OVMF_CODE_4M.fd".into();
+        c
+    })
+    .await
+    else {
+        return;
+    };
+    let hv = f.hv();
+    let disk = vec![DiskSpec {
+        name: "data".into(),
+        size_mib: 32,
+        image: None,
+    }];
+    let source_disk = hv.disk_path("uefisrc", "data");
+    std::fs::create_dir_all(source_disk.parent().unwrap()).unwrap();
+    let made = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&source_disk)
+        .arg("32M")
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let vars = source_disk.parent().unwrap().join("uefi-vars.fd");
+    std::fs::write(&vars, b"boot entries at s1").unwrap();
+    hv.snapshot_disks("uefisrc", &disk, None, "s1")
+        .await
+        .unwrap();
+    std::fs::write(&vars, b"changed after s1").unwrap();
+
+    let mut spec = DomainSpec::bare("uefiseed", "uefiseed-1", 1, 256);
+    spec.disks = disk.clone();
+    spec.create_disks = keel_hv::DiskCreation::all_of(&disk);
+    spec.boot.firmware = Some(keel_api::Firmware::Uefi);
+    spec.clone_from = Some(keel_api::CloneSource {
+        vm: "uefisrc".into(),
+        vm_uid: "u1".into(),
+        snapshot: "s1".into(),
+        disks: vec!["data".into()],
+        linked: false,
+    });
+    let err = hv.start(&spec).await.unwrap_err();
+    assert!(err.to_string().contains("OVMF"), "{err}");
+    let clone_dir = hv
+        .disk_path("uefiseed", "data")
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    assert!(clone_dir.join("data.qcow2").is_file(), "the copy was made");
+    let store = std::fs::read(clone_dir.join("uefi-vars.fd")).unwrap();
+    assert!(
+        store == b"boot entries at s1",
+        "the clone's store is not the source's at the snapshot ({} bytes)",
+        store.len()
+    );
+}
+
+/// A linked clone whose base cannot be made (its source's disk is gone)
+/// fails its start with the reason and leaves neither a note of it nor a
+/// base: nothing keeps a base alive for a clone that has no disk on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_linked_clone_whose_base_cannot_be_made_leaves_no_note_behind() {
+    let Some(f) = Fixture::new().await else {
+        return;
+    };
+    let hv = f.hv();
+    let disk = vec![DiskSpec {
+        name: "data".into(),
+        size_mib: 32,
+        image: None,
+    }];
+    let mut spec = DomainSpec::bare("thin", "thin-1", 1, 128);
+    spec.disks = disk.clone();
+    spec.create_disks = keel_hv::DiskCreation::all_of(&disk);
+    spec.clone_from = Some(keel_api::CloneSource {
+        vm: "gone".into(),
+        vm_uid: "u9".into(),
+        snapshot: "s1".into(),
+        disks: vec!["data".into()],
+        linked: true,
+    });
+    let err = hv.start(&spec).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("an overlay on VM gone's disk data"),
+        "{err}"
+    );
+    assert!(!hv.disk_path("thin", "data").exists());
+    let bases = hv
+        .disk_path("thin", "data")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join(".clone-bases/gone-u9/s1");
+    let left: Vec<_> = std::fs::read_dir(&bases)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left in {}: {left:?}", bases.display());
+}

@@ -734,6 +734,14 @@ pub enum VmVerb {
     /// Create a new VM whose disks are copies of this one's at a snapshot
     /// (taken now, live if it runs, unless --snapshot names one).
     Clone(CloneArgs),
+    /// Write the VM to one file: a consistent copy of each disk at a
+    /// snapshot (taken now, live if it runs, and deleted after, unless
+    /// --snapshot names one) and its spec. The VM's snapshots do not go
+    /// with it.
+    Export(VmExportArgs),
+    /// Create a VM from a file written by `keel vm export` (its disks as
+    /// they were, a MAC and cloud-init instance-id of its own).
+    Import(VmImportArgs),
     /// Add, remove or grow one of a VM's disks.
     #[command(subcommand)]
     Disk(DiskVerb),
@@ -802,9 +810,44 @@ pub struct CloneArgs {
     /// Run the clone (it is created stopped otherwise).
     #[arg(long)]
     pub start: bool,
+    /// Make each disk an overlay on a frozen copy of the source's at the
+    /// snapshot (shared by the linked clones of it) instead of a full copy.
+    #[arg(long)]
+    pub linked: bool,
     /// Seconds to wait for the snapshot taken first.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct VmExportArgs {
+    /// The VM to export.
+    pub name: String,
+    /// The file to write (a tar archive; replaced only once complete).
+    pub file: std::path::PathBuf,
+    /// A Ready snapshot to export at (kept); without it, snapshot
+    /// `export-<seconds>` is taken first and deleted after.
+    #[arg(long)]
+    pub snapshot: Option<String>,
+    /// Seconds to wait for the snapshot taken first.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct VmImportArgs {
+    /// A file written by `keel vm export`.
+    pub file: std::path::PathBuf,
+    /// The new VM's name (default: the exported VM's).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Run the VM (it is created stopped otherwise).
+    #[arg(long)]
+    pub start: bool,
+    /// Keep the exported MAC, cloud-init instance-id and published ports
+    /// (for moving a VM, not copying it).
+    #[arg(long)]
+    pub keep_identity: bool,
 }
 
 #[derive(Debug, Args)]

@@ -6,7 +6,9 @@
 //! reason on the VM and boots nothing. An installer ISO (built by
 //! scripts/build-boot-iso) imported as kind iso boots a VM with a blank
 //! disk from its CD-ROM, and its graphical console answers a VNC client
-//! over the API's WebSocket.
+//! over the API's WebSocket. And a running guest's VM exported
+//! (`keel vm export`) and imported on a second server with its own data
+//! dir, where it boots with the data the guest wrote before the export.
 
 mod common;
 
@@ -722,4 +724,93 @@ async fn vnc_framebuffer_update(
     assert!(rectangles >= 1, "an update without rectangles");
     let _ = ws.close(None).await;
     ((width, height, rectangles), start.elapsed())
+}
+
+/// A synced command channel to the guest of the instance in `dir`.
+async fn guest_channel(dir: &Path) -> keel_hv::guest::GuestChannel {
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(dir.join("spec.json")).unwrap()).unwrap();
+    let sockets = PathBuf::from(record["socket_dir"].as_str().expect("socket_dir"));
+    keel_hv::guest::GuestChannel::connect_ready(
+        &dir.join("console.log"),
+        &sockets.join("cmd.sock"),
+        BOOT,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("guest in {} not ready: {e}", dir.display()))
+}
+
+#[test]
+fn a_running_guests_export_imported_on_another_data_dir_boots_with_its_data() {
+    use common::cli::{keel, ok};
+    let Some(guest) = guest_dir() else { return };
+    let began = Instant::now();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (server, _guard) = qemu_server(&guest);
+    server.create_vm(
+        "exp-src",
+        json!({"cpus": 1, "memory_mib": 128, "run_policy": "Manual", "readiness": "none",
+               "disks": [{"name": "data", "size_mib": 64}]}),
+    );
+    let src = server.wait_vm("exp-src", "run", |v| {
+        common::phase(v) == "Running" && common::instance(v).is_some()
+    });
+    let src_dir = instance_dir(&server, &src);
+    rt.block_on(async {
+        let mut g = guest_channel(&src_dir).await;
+        g.put(1, "written before the export").await.unwrap();
+    });
+
+    let out = tempfile::tempdir().unwrap();
+    let file = out.path().join("exp-src.tar");
+    let exported = keel(
+        &server,
+        &["vm", "export", "exp-src", file.to_str().unwrap()],
+    );
+    ok(&exported);
+    // Exported live: the same instance runs on.
+    let after = server.vm("exp-src").unwrap();
+    assert_eq!(common::phase(&after), "Running");
+    assert_eq!(common::instance(&after), common::instance(&src));
+
+    let (other, _other_guard) = qemu_server(&guest);
+    ok(&keel(
+        &other,
+        &[
+            "vm",
+            "import",
+            file.to_str().unwrap(),
+            "--name",
+            "exp-copy",
+            "--start",
+        ],
+    ));
+    let copy = other.wait_vm("exp-copy", "run", |v| {
+        common::phase(v) == "Running" && common::instance(v).is_some()
+    });
+    let copy_dir = instance_dir(&other, &copy);
+    let read = rt.block_on(async {
+        let mut g = guest_channel(&copy_dir).await;
+        g.get(1).await.unwrap()
+    });
+    assert_eq!(read, "written before the export");
+    let mac = |v: &Value| v["vm"]["spec"]["network"]["mac"].clone();
+    assert_ne!(mac(&copy), mac(&src));
+    assert!(argv(&copy_dir)
+        .iter()
+        .any(|a| a.contains(&format!("mac={}", mac(&copy).as_str().unwrap()))));
+    // The disk is a standalone qcow2 in the second server's own disk dir.
+    let disk = other.dir.path().join("node/disks/exp-copy/data.qcow2");
+    let info = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json"])
+        .arg(&disk)
+        .output()
+        .unwrap();
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["format"], "qcow2", "{info}");
+    assert!(info.get("backing-filename").is_none(), "{info}");
+    eprintln!("export, import and boot: {:?}", began.elapsed());
 }

@@ -7,6 +7,11 @@
 //! holding only what the source changed. Built under a temporary name and
 //! moved into place, like every new disk: a crash leaves no half copy that
 //! looks ready.
+//!
+//! A UEFI source's variable store as the snapshot kept it (boot entries,
+//! boot order, Secure Boot keys) is copied too, before the clone's first
+//! start would make a fresh one from the template: the clone's disks at
+//! the snapshot go with the firmware state that boots them.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -15,6 +20,7 @@ use std::process::Stdio;
 use keel_api::{CloneSource, DiskSpec, Image};
 
 use super::layout::rename_noreplace;
+use super::snapshot::uefi_vars::VarsStore;
 use super::{blocking, QemuDriver};
 
 /// The slowest copy a clone waits for: 25 MiB/s (beyond the storage
@@ -31,6 +37,10 @@ impl QemuDriver {
         tmp: &Path,
         path: &Path,
     ) -> Result<(), String> {
+        self.copy_clone_vars(vm, source).await?;
+        if source.linked {
+            return self.make_linked(vm, source, disk, base, tmp, path).await;
+        }
         let from = self.inner.layout.disk(&source.vm, &disk.name);
         let what = format!(
             "disk {} of VM {vm} is a copy of VM {}'s disk {} at snapshot {}",
@@ -99,5 +109,46 @@ impl QemuDriver {
             }
             Err(e) => Err(format!("{}: {e}", path.display())),
         }
+    }
+
+    /// The source's variable store at the snapshot as the clone's, unless
+    /// the clone has one already or the snapshot kept none.
+    async fn copy_clone_vars(&self, vm: &str, source: &CloneSource) -> Result<(), String> {
+        let from = VarsStore::of(&self.inner.layout.vm_disks(&source.vm)).copy_of(&source.snapshot);
+        let vm_dir = self.inner.layout.vm_disks(vm);
+        blocking::unblocked("copy a clone's UEFI variable store", move || {
+            let to = vm_dir.join(super::boot::UEFI_VARS);
+            if to.exists() {
+                return Ok(());
+            }
+            let tmp = vm_dir.join(format!(
+                ".{}.clone.{}.tmp",
+                super::boot::UEFI_VARS,
+                std::process::id()
+            ));
+            match std::fs::copy(&from, &tmp) {
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+                Err(e) => return Err(e),
+                Ok(_) => {}
+            }
+            let placed = std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .and_then(|()| rename_noreplace(&tmp, &to));
+            match placed {
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => std::fs::remove_file(&tmp),
+                Err(e) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    Err(e)
+                }
+                Ok(()) => Ok(()),
+            }
+        })
+        .await
+        .map_err(|e| {
+            format!(
+                "UEFI variable store of VM {vm} from VM {}'s at snapshot {}: {e}",
+                source.vm, source.snapshot
+            )
+        })
     }
 }

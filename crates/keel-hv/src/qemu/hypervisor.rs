@@ -115,6 +115,25 @@ impl Hypervisor for QemuDriver {
         self.remove_snapshot(vm, disks, name).await
     }
 
+    async fn export_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        snapshot: &str,
+        dir: &std::path::Path,
+    ) -> Result<Vec<String>, HvError> {
+        self.write_export(vm, disks, snapshot, dir).await
+    }
+
+    async fn import_disks(
+        &self,
+        vm: &str,
+        disks: &[keel_api::DiskSpec],
+        dir: &std::path::Path,
+    ) -> Result<(), HvError> {
+        self.take_import(vm, disks, dir).await
+    }
+
     async fn console_tail(
         &self,
         instance: &str,
@@ -363,14 +382,28 @@ impl Hypervisor for QemuDriver {
         // Whole disk images: can take long, and on shared storage longer.
         let dir = self.inner.layout.vm_disks(vm);
         let listed = dir.clone();
-        let overlays = blocking::unblocked("find the VM's overlays", move || {
-            Ok(super::disks::overlays_in(&listed))
+        let disks_dir = self.inner.layout.disks_dir();
+        let (overlays, clone_bases) = blocking::unblocked("find the VM's overlays", move || {
+            Ok((
+                super::disks::overlays_in(&listed),
+                super::linked_clone::bases_of(&disks_dir, &listed),
+            ))
         })
         .await
         .map_err(|e| storage(format!("look at {}: {e}", dir.display())))?;
         blocking::remove_dir_all(dir.clone())
             .await
             .map_err(|e| storage(format!("remove {}: {e}", dir.display())))?;
+        // Only once its overlays are gone: a linked clone's base no clone
+        // notes any more goes with its last one.
+        let released = vm.to_string();
+        if let Err(e) = blocking::unblocked("release linked clones' bases", move || {
+            super::linked_clone::release(&released, &clone_bases)
+        })
+        .await
+        {
+            tracing::warn!(vm, error = %e, "could not release the bases of the VM's linked-clone disks");
+        }
         // Only once the overlays are gone: a note outliving its overlay is
         // dropped by the next image delete that finds it gone.
         let driver = self.clone();

@@ -39,6 +39,7 @@ mod hypervisor;
 pub mod keeper;
 mod launch;
 mod layout;
+mod linked_clone;
 mod listing;
 mod live_monitor;
 mod migration;
@@ -56,6 +57,7 @@ mod reset_count;
 mod snapshot;
 pub mod tls;
 mod vnc;
+mod vm_export;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

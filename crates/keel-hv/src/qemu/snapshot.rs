@@ -29,7 +29,7 @@
 //! `stop`, removed after `cont`): if Keel dies in between, the next driver
 //! resumes the guest when it adopts the instance.
 
-mod uefi_vars;
+pub(super) mod uefi_vars;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

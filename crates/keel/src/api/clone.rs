@@ -26,6 +26,10 @@ pub struct CloneVmRequest {
     /// Whether the clone is to run (it is created stopped otherwise).
     #[serde(default)]
     pub start: bool,
+    /// Overlays on a frozen copy of the source's disks at the snapshot,
+    /// shared with other linked clones of it, instead of full copies.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub linked: bool,
 }
 
 pub async fn clone(
@@ -68,6 +72,9 @@ pub async fn clone(
             _ => ApiError::invalid(e),
         })?;
     clone.uid = new_vm_uid();
+    if let Some(from) = &mut clone.status.clone_from {
+        from.linked = req.linked;
+    }
     let vms = state.store.raw().count(keel_ctrl::keys::VMS_PREFIX).await?;
     check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
     match state.store.create(&vm_key(&clone.name), &clone).await {
@@ -114,11 +121,12 @@ pub fn describe(doc: &mut serde_json::Value) {
         "responses": responses
     }});
     doc["components"]["schemas"]["VmStatus"]["properties"]["clone_from"] = json!({"type": "object", "description": "The VM this one was cloned from: its disks (by name) are copies of that VM's at the snapshot, made by its first start", "properties": {
-        "vm": {"type": "string"}, "vm_uid": {"type": "string"}, "snapshot": {"type": "string"}, "disks": {"type": "array", "items": {"type": "string"}}
+        "vm": {"type": "string"}, "vm_uid": {"type": "string"}, "snapshot": {"type": "string"}, "disks": {"type": "array", "items": {"type": "string"}}, "linked": {"type": "boolean"}
     }});
     doc["components"]["schemas"]["CloneVmRequest"] = json!({"type": "object", "additionalProperties": false, "required": ["name", "snapshot"], "properties": {
         "name": {"$ref": "#/components/schemas/Name"},
         "snapshot": {"$ref": "#/components/schemas/Name"},
-        "start": {"type": "boolean", "description": "Run the clone (else it is created stopped)"}
+        "start": {"type": "boolean", "description": "Run the clone (else it is created stopped)"},
+        "linked": {"type": "boolean", "description": "Make each disk a qcow2 overlay on a frozen copy of the source's at the snapshot (shared by the linked clones of that snapshot, kept while one uses it) instead of a full copy"}
     }});
 }

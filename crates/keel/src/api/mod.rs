@@ -31,6 +31,8 @@ pub mod snapshots;
 pub mod strict;
 pub mod token_limits;
 pub mod tokens;
+pub mod vm_export;
+pub mod vm_import;
 pub mod vms;
 pub mod vnc;
 mod vnc_doc;
@@ -106,6 +108,12 @@ pub fn router(state: AppState, door: Door) -> Router {
         )
         .route("/api/v1/vms/{name}/restore", post(snapshots::restore))
         .route("/api/v1/vms/{name}/clone", post(clone::clone))
+        .route("/api/v1/vms/{name}/export", get(vm_export::export))
+        .route(
+            "/api/v1/vms/{name}/import",
+            // The upload is unpacked as it streams: no body limit applies.
+            put(vm_import::import).layer(DefaultBodyLimit::disable()),
+        )
         .route("/api/v1/vms/{name}/migrate", post(migrate::migrate))
         .route("/api/v1/vms/{name}/console", get(console::attach))
         .route("/api/v1/vms/{name}/console/log", get(console::log))

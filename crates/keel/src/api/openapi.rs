@@ -269,6 +269,8 @@ pub fn spec() -> Value {
     super::tokens::describe(&mut doc);
     super::disks::describe(&mut doc);
     super::clone::describe(&mut doc);
+    super::vm_export::describe(&mut doc);
+    super::vm_import::describe(&mut doc);
     super::node_labels::describe(&mut doc);
     super::drain_return::describe(&mut doc);
     super::vnc_doc::describe(&mut doc);

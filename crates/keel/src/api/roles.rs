@@ -7,7 +7,8 @@
 //! - operator: powers VMs (start, stop, restart, reboot), takes
 //!   snapshots, live-migrates, and the console and its log (the console
 //!   is interactive power over the guest, its log that session's text);
-//! - admin: what creates, changes or destroys: VMs (create, clone, spec, disks, delete),
+//! - admin: what creates, changes or destroys: VMs (create, clone, spec, disks, delete,
+//!   import; and export, which carries all of a VM's data away),
 //!   restoring and deleting snapshots (both discard disk contents), images,
 //!   nodes (cordon, uncordon, drain, freeze), tokens.
 //!
@@ -53,6 +54,10 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ),
     ("POST", "/api/v1/vms/{name}/restore", Needs(Admin)),
     ("POST", "/api/v1/vms/{name}/clone", Needs(Admin)),
+    // An export carries all of the VM's data off the cluster; an import
+    // creates a VM.
+    ("GET", "/api/v1/vms/{name}/export", Needs(Admin)),
+    ("PUT", "/api/v1/vms/{name}/import", Needs(Admin)),
     ("POST", "/api/v1/vms/{name}/migrate", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console", Needs(Operator)),
     ("GET", "/api/v1/vms/{name}/console/log", Needs(Operator)),

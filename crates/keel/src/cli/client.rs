@@ -250,6 +250,30 @@ impl Client {
             .with_context(|| format!("decoding the server's response to {path}"))
     }
 
+    /// A GET whose answer is a file (an export), streamed into `out`
+    /// without the overall request timeout; returns its length. A short
+    /// answer (the server broke off) is an error.
+    pub fn download(&self, path: &str, out: &mut impl std::io::Write) -> anyhow::Result<u64> {
+        let resp = self.send(&self.stream_agent, Method::GET, path, Vec::new())?;
+        let status = resp.status().as_u16();
+        let length = resp
+            .headers()
+            .get(http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        let mut body = resp.into_body();
+        if !(200..300).contains(&status) {
+            let bytes = body.read_to_vec().unwrap_or_default();
+            return Err(failure(status, &bytes).into());
+        }
+        let mut reader = body.with_config().limit(u64::MAX).reader();
+        let copied = std::io::copy(&mut reader, out)
+            .with_context(|| format!("reading the response to {path}"))?;
+        if let Some(expected) = length.filter(|l| *l != copied) {
+            bail!("the server's answer to {path} broke off after {copied} of {expected} bytes");
+        }
+        Ok(copied)
+    }
+
     /// Calls `each` with every JSON line of a streaming response until the
     /// server ends it; stops early if `each` returns `Ok(false)`.
     pub fn stream_lines<T: DeserializeOwned>(

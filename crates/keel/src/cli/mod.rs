@@ -19,6 +19,7 @@ mod vm;
 mod vm_cdrom;
 mod vm_clone;
 mod vm_disk;
+mod vm_export;
 mod vm_ha;
 mod vm_migrate;
 mod wait;

@@ -27,6 +27,8 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Console { name } => super::console::run(&client, &name),
         VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
         VmVerb::Clone(args) => super::vm_clone::run(&client, out, args),
+        VmVerb::Export(args) => super::vm_export::export(&client, args),
+        VmVerb::Import(args) => super::vm_export::import(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
         VmVerb::Cdrom(args) => super::vm_cdrom::run(&client, out, args),
     }

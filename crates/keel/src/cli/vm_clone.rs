@@ -38,6 +38,7 @@ pub fn run(client: &Client, out: OutputFormat, args: CloneArgs) -> anyhow::Resul
         name: args.name.clone(),
         snapshot: snapshot.clone(),
         start: args.start,
+        linked: args.linked,
     };
     let resp: VmResponse = client.call(
         Method::POST,
@@ -46,11 +47,16 @@ pub fn run(client: &Client, out: OutputFormat, args: CloneArgs) -> anyhow::Resul
     )?;
     output::print(out, &resp, || {
         format!(
-            "{}: cloned from {} at snapshot {snapshot} ({}; its disks are copied at its first \
+            "{}: cloned from {} at snapshot {snapshot} ({}; its disks are {} at its first \
              start) (revision {})\n",
             args.name,
             args.source,
             if args.start { "starting" } else { "stopped" },
+            if args.linked {
+                "overlays on a frozen copy of the source's, made"
+            } else {
+                "copied"
+            },
             resp.revision
         )
     })
