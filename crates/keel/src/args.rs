@@ -727,6 +727,21 @@ pub enum VmVerb {
     /// Add, remove or grow one of a VM's disks.
     #[command(subcommand)]
     Disk(DiskVerb),
+    /// CPU, memory, disk and network rates of the VMs running on the
+    /// server's node, redrawn live on a terminal.
+    Top(TopArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Only these VMs (default: every VM on the node).
+    pub names: Vec<String>,
+    /// Print one table and exit (also when stdout is not a terminal).
+    #[arg(long)]
+    pub once: bool,
+    /// Seconds between redraws.
+    #[arg(long, default_value_t = 2.0)]
+    pub interval: f64,
 }
 
 #[derive(Debug, Subcommand)]

@@ -15,7 +15,11 @@
 //! - restart all: from just before the first restart request until every
 //!   VM runs a new instance for it (`observed_restart_generation`);
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
-//!   on disk (SQLite files, or etcd's backend file).
+//!   on disk (SQLite files, or etcd's backend file);
+//! - single node: `/metrics` with every VM's series, its scrape time
+//!   (p50, p99) and CPU per scrape ([`scrape`]).
+
+mod scrape;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -53,6 +57,10 @@ pub struct ScaleArgs {
     /// the system temp dir, removed afterwards).
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
+    /// `/metrics` scrapes of each single-node run, once every VM runs
+    /// (about a second apart, so each reads the guests afresh).
+    #[arg(long, default_value_t = scrape::SCRAPES)]
+    pub scrapes: usize,
     /// The etcd binary of the cluster run.
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: PathBuf,
@@ -76,6 +84,8 @@ pub struct ScaleReport {
     pub restarted_at_timeout: usize,
     pub peak_rss_mib: BTreeMap<String, f64>,
     pub store_bytes: u64,
+    /// The single-node runs' `/metrics` scrapes with every VM running.
+    pub scrape: Option<scrape::ScrapeFigures>,
 }
 
 pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
@@ -108,7 +118,7 @@ pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for (i, &n) in args.vms.iter().enumerate() {
         let dir = root.join(format!("sqlite-{n}-{i}"));
-        let report = sqlite_run(&dir, n, args.clients, timeout)
+        let report = sqlite_run(&dir, n, args.clients, args.scrapes, timeout)
             .with_context(|| format!("the SQLite run with {n} VMs"))?;
         print_report(&report);
         reports.push(report);
@@ -131,6 +141,7 @@ fn sqlite_run(
     dir: &Path,
     vms: usize,
     clients: usize,
+    scrapes: usize,
     timeout: Duration,
 ) -> anyhow::Result<ScaleReport> {
     let data = dir.join("serve");
@@ -152,7 +163,12 @@ fn sqlite_run(
         ],
     )?;
     let api = Api::connect(&procs, serve, &data)?;
-    let mut report = drive(&[api], vms, clients, timeout)?;
+    let mut report = drive(std::slice::from_ref(&api), vms, clients, timeout)?;
+    report.scrape = Some(scrape::measure(
+        &api,
+        procs.children[serve].1.id(),
+        scrapes.max(1),
+    )?);
     report.store = "sqlite".into();
     report.control_planes = 1;
     report.nodes = 1;
@@ -292,6 +308,7 @@ fn drive(
         restarted_at_timeout,
         peak_rss_mib: BTreeMap::new(),
         store_bytes: 0,
+        scrape: None,
     })
 }
 
@@ -467,6 +484,18 @@ fn print_report(r: &ScaleReport) {
         restart = secs(r.restart_all_s, r.restarted_at_timeout),
         size = r.store_bytes as f64 / (1024.0 * 1024.0),
     );
+    if let Some(s) = &r.scrape {
+        println!(
+            "  /metrics with {with} VMs' series ({kib:.0} KiB): {n} scrapes, p50 {p50:.1} ms, \
+             p99 {p99:.1} ms, CPU {cpu:.1} ms per scrape",
+            with = s.vms_with_series,
+            kib = s.bytes as f64 / 1024.0,
+            n = s.scrapes,
+            p50 = s.p50_ms,
+            p99 = s.p99_ms,
+            cpu = s.cpu_ms_per_scrape,
+        );
+    }
 }
 
 /// The API of one control plane: its address and token.

@@ -678,3 +678,102 @@ fn vm_get_and_list_show_the_fields_a_restart_would_apply() {
     assert!(!get.contains("restart required"), "{get}");
     assert!(get.contains("cpus:") && get.contains("2"), "{get}");
 }
+
+/// The per-VM series on `/metrics` (labels vm, node, instance; a disk
+/// label on disk counters), the stats route for a viewer, `keel vm top
+/// --once` on a pipe, and a stopped VM's series gone.
+#[test]
+fn vm_series_stats_route_and_top() {
+    let server = TestServer::start();
+    let mut spec = common::small_spec();
+    spec["disks"] = serde_json::json!([{"name": "data", "size_mib": 64}]);
+    server.create_vm("web", spec);
+    let running = server.wait_vm("web", "run", |v| phase(v) == "Running");
+    let inst = instance(&running).unwrap();
+    let deadline = std::time::Instant::now() + common::DEADLINE;
+    let page = loop {
+        let page = server.get("/api/v1/vm-stats").json();
+        if page["vms"][0]["ready"] == true && page["vms"][0]["cpu_seconds"].as_f64() > Some(0.0) {
+            break page;
+        }
+        assert!(std::time::Instant::now() < deadline, "not ready: {page}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(page["node"], "test-node");
+    assert_eq!(page["vms"][0]["instance"], inst.as_str());
+    assert_eq!(page["vms"][0]["memory_configured_bytes"], 64 << 20);
+
+    let labels = format!("vm=\"web\",node=\"test-node\",instance=\"{inst}\"");
+    let text = server.get("/metrics").text;
+    for needle in [
+        format!("keel_vm_memory_configured_bytes{{{labels}}} 67108864"),
+        format!("keel_vm_ready{{{labels}}} 1"),
+        format!("keel_vm_vcpus{{{labels}}} 1"),
+        format!("keel_vm_cpu_seconds_total{{{labels}}} "),
+        format!("keel_vm_memory_rss_bytes{{{labels}}} "),
+        format!("keel_vm_uptime_seconds{{{labels}}} "),
+        format!("keel_vm_restarts_total{{{labels}}} 0"),
+        format!("keel_vm_disk_write_bytes_total{{{labels},disk=\"data\"}} "),
+        format!("keel_vm_network_receive_bytes_total{{{labels},nic=\"net0\"}} "),
+        "# TYPE keel_vm_cpu_seconds counter".to_string(),
+        "# HELP keel_vm_memory_rss_bytes ".to_string(),
+    ] {
+        assert!(text.contains(&needle), "{needle} missing in:\n{text}");
+    }
+    assert!(text.ends_with("# EOF\n"), "one end marker, at the end");
+    assert_eq!(text.matches("# EOF").count(), 1);
+
+    // A viewer reads the figures; no token reads nothing.
+    let r = server.send(
+        "POST",
+        "/api/v1/tokens",
+        &serde_json::json!({"name": "watcher", "role": "viewer"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    let viewer = r.json()["secret"].as_str().unwrap().to_string();
+    let r = server.request("GET", "/api/v1/vm-stats", Some(&viewer), None, &[]);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = server.request("GET", "/api/v1/vm-stats", None, None, &[]);
+    assert_eq!(r.status, 401, "{}", r.text);
+
+    // stdout is a pipe here: one table, not a live redraw.
+    let out = ok(&keel(&server, &["vm", "top"]));
+    assert!(
+        !out.contains('\x1b'),
+        "no screen control on a pipe: {out:?}"
+    );
+    assert!(out.starts_with("node test-node: 1 VMs running\n"), "{out}");
+    let line = out.lines().find(|l| l.starts_with("web ")).expect(&out);
+    assert!(line.contains("yes"), "{line}");
+    // The sim guest keeps its vCPU 5 % busy.
+    assert!(
+        line.contains("5.0") || line.contains("4.9") || line.contains("5.1"),
+        "{out}"
+    );
+    let rows: Value = serde_json::from_str(&ok(&keel(
+        &server,
+        &["vm", "top", "--once", "web", "-o", "json"],
+    )))
+    .unwrap();
+    assert_eq!(rows[0]["vm"], "web");
+    assert!(
+        rows[0]["disk_write_bytes_per_s"].as_f64().unwrap() > 0.0,
+        "{rows}"
+    );
+    let out = ok(&keel(&server, &["vm", "top", "--once", "nope"]));
+    assert!(out.contains("not running on this node: nope"), "{out}");
+
+    ok(&keel(
+        &server,
+        &["vm", "stop", "web", "--wait", "--timeout", "60"],
+    ));
+    let text = server.get("/metrics").text;
+    assert!(
+        !text.contains("vm=\"web\""),
+        "a stopped VM has no series:\n{text}"
+    );
+    assert_eq!(
+        server.get("/api/v1/vm-stats").json()["vms"],
+        serde_json::json!([])
+    );
+}

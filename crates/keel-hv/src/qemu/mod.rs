@@ -53,6 +53,7 @@ mod registry;
 mod reset;
 mod reset_count;
 mod snapshot;
+mod stats;
 pub mod tls;
 
 use std::collections::BTreeMap;

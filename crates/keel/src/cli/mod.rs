@@ -20,6 +20,7 @@ mod vm_clone;
 mod vm_disk;
 mod vm_ha;
 mod vm_migrate;
+mod vm_top;
 mod wait;
 
 pub use client::{encode, ApiFailure, Client};

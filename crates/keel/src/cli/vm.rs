@@ -28,6 +28,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Migrate(args) => super::vm_migrate::run(&client, out, args),
         VmVerb::Clone(args) => super::vm_clone::run(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
+        VmVerb::Top(args) => super::vm_top::run(&client, out, args),
     }
 }
 
