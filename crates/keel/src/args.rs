@@ -43,6 +43,10 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Restore a VM from one of its snapshots; it comes back in the power state it had.
     Restore(RestoreArgs),
+    /// Make the VMs a YAML or JSON file describes exist as described:
+    /// create the missing, update the differing (compare-and-swap on the
+    /// revision read), delete the others only with --prune.
+    Apply(ApplyArgs),
     /// List live migrations (made by node drains and `keel vm migrate`).
     Migration(MigrationCommand),
     /// Check this host for running Keel: QEMU, KVM, disk space, the store.
@@ -1071,6 +1075,22 @@ pub struct SnapshotCreateArgs {
     /// Seconds to wait with --wait.
     #[arg(long, default_value_t = 120, requires = "wait")]
     pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The file: one VM (`name`, `spec`), a list, several YAML documents,
+    /// or `keel vm get/list -o yaml` output; `-` reads stdin.
+    #[arg(short = 'f', long = "file")]
+    pub file: PathBuf,
+    /// Print what would change (each changed field) and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Also delete the VMs the file does not name (each is printed).
+    #[arg(long)]
+    pub prune: bool,
 }
 
 #[derive(Debug, Args)]

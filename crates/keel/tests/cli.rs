@@ -777,3 +777,99 @@ fn vm_series_stats_route_and_top() {
         serde_json::json!([])
     );
 }
+
+/// `keel apply -f`: a dry run changes nothing; missing VMs are created,
+/// a second apply finds nothing to do; `vm get -o yaml` and `vm list -o
+/// json` output apply unchanged (from stdin too); a changed field shows in
+/// the dry run's diff before it is applied; a VM the file leaves out is
+/// deleted only with --prune, and named; an unknown field is refused
+/// naming it, and nothing is changed.
+#[test]
+fn apply_creates_updates_and_prunes_only_when_asked() {
+    use std::io::Write;
+    let server = TestServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("vms.yaml");
+    let f = file.to_str().unwrap();
+    let apply_stdin = |args: &[&str], input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("KEEL_SERVER", &server.base)
+            .env("KEEL_DATA_DIR", server.dir.path())
+            .env("KEEL_CONFIG", "")
+            .env_remove("KEEL_TOKEN")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    std::fs::write(
+        &file,
+        "- name: web\n  spec: {cpus: 1, memory_mib: 64, power: Stopped}\n\
+         - name: db\n  spec: {cpus: 1, memory_mib: 64, power: Stopped}\n",
+    )
+    .unwrap();
+    let out = ok(&keel(&server, &["apply", "-f", f, "--dry-run"]));
+    assert_eq!(out, "web: would be created\ndb: would be created\n");
+    assert!(server.vm("web").is_none(), "a dry run changes nothing");
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(out, "web: created\ndb: created\n");
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(out, "web: unchanged\ndb: unchanged\n");
+
+    // A VM's own output applies as it is: no diff.
+    let yaml = ok(&keel(&server, &["vm", "get", "web", "-o", "yaml"]));
+    let out = ok(&apply_stdin(&["apply", "-f", "-", "--dry-run"], &yaml));
+    assert_eq!(out, "web: unchanged\n");
+    let json = ok(&keel(&server, &["vm", "list", "-o", "json"]));
+    let out = ok(&apply_stdin(&["apply", "-f", "-"], &json));
+    assert_eq!(
+        out, "db: unchanged\nweb: unchanged\n",
+        "in the list's order"
+    );
+
+    let before = server.vm("web").unwrap();
+    std::fs::write(
+        &file,
+        "name: web\nspec: {cpus: 2, memory_mib: 64, power: Stopped}\n",
+    )
+    .unwrap();
+    let out = ok(&keel(&server, &["apply", "-f", f, "--dry-run"]));
+    assert_eq!(out, "web: would be updated\n  spec.cpus: 1 -> 2\n");
+    assert_eq!(server.vm("web").unwrap()["revision"], before["revision"]);
+    let out = ok(&keel(&server, &["apply", "-f", f, "--prune", "--dry-run"]));
+    assert!(
+        out.ends_with("db: would be deleted (--prune: not in the file)\n"),
+        "{out}"
+    );
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(
+        out, "web: updated\n  spec.cpus: 1 -> 2\n",
+        "db is left alone"
+    );
+    assert_eq!(server.vm("web").unwrap()["vm"]["spec"]["cpus"], 2);
+    assert!(server.vm("db").is_some());
+    let out = ok(&keel(&server, &["apply", "-f", f, "--prune"]));
+    assert_eq!(
+        out,
+        "web: unchanged\ndb: deleted (--prune: not in the file)\n"
+    );
+    server.wait_gone("db");
+
+    std::fs::write(
+        &file,
+        "name: web\nspec: {cpus: 4, memory_mib: 64, colour: red}\n",
+    )
+    .unwrap();
+    let err = fails(&keel(&server, &["apply", "-f", f]));
+    assert!(err.contains("[field: spec.colour]"), "{err}");
+    assert_eq!(server.vm("web").unwrap()["vm"]["spec"]["cpus"], 2);
+}
