@@ -4,6 +4,7 @@
 
 mod tally;
 pub mod vm_figures;
+mod vm_records;
 mod vm_series;
 
 use std::sync::Arc;
@@ -54,6 +55,9 @@ pub struct Metrics {
     /// The node whose VMs' figures this process reports (the one whose
     /// hypervisor runs in it); unset: none.
     vm_source: std::sync::OnceLock<VmSource>,
+    /// What the per-VM rows need of the records, kept by a watch like the
+    /// phase counts.
+    vm_records: Arc<vm_records::VmRecords>,
 }
 
 /// The node this process runs guests on, and its guests' figures.
@@ -143,6 +147,7 @@ impl Metrics {
         Self {
             counting: Default::default(),
             vm_source: Default::default(),
+            vm_records: Default::default(),
             vm_phases: Arc::new(PhaseTally::new(VMS_PREFIX, PHASES.len(), vm_phase)),
             migration_phases: Arc::new(PhaseTally::new(
                 MIGRATIONS_PREFIX,
@@ -209,14 +214,22 @@ impl Metrics {
         let Some(source) = self.vm_source.get() else {
             return Ok(vm_figures::VmStatsPage::default());
         };
+        self.start_counting();
         let stats = source.stats.get().await;
-        let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
-        let vms: Vec<VirtualMachine> = vms.into_iter().map(|(_, e)| e.value).collect();
+        let records = match self.vm_records.on_node(&source.node) {
+            Some(records) => records,
+            None => {
+                let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
+                vms.iter()
+                    .filter_map(|(_, e)| vm_records::RecordFacts::of(&e.value))
+                    .collect()
+            }
+        };
         Ok(vm_figures::VmStatsPage {
             node: Some(source.node.clone()),
             sampled_at: stats.sampled_at,
             stale_reason: stats.stale_reason.clone(),
-            vms: vm_figures::rows(&vms, &source.node, &stats, source.clock.now_ms()),
+            vms: vm_figures::rows(&records, &source.node, &stats, source.clock.now_ms()),
         })
     }
 
@@ -225,6 +238,13 @@ impl Metrics {
             return;
         };
         tokio::spawn(self.vm_phases.clone().keep(store.clone(), stop.clone()));
+        if self.vm_source.get().is_some() {
+            tokio::spawn(
+                self.vm_records
+                    .clone()
+                    .keep(store.clone(), VMS_PREFIX, stop.clone()),
+            );
+        }
         tokio::spawn(self.migration_phases.clone().keep(store, stop));
     }
 

@@ -767,15 +767,20 @@ fn vm_series_stats_route_and_top() {
         &server,
         &["vm", "stop", "web", "--wait", "--timeout", "60"],
     ));
-    let text = server.get("/metrics").text;
-    assert!(
-        !text.contains("vm=\"web\""),
-        "a stopped VM has no series:\n{text}"
-    );
-    assert_eq!(
-        server.get("/api/v1/vm-stats").json()["vms"],
-        serde_json::json!([])
-    );
+    // The rows follow the records by a watch: gone within moments.
+    let deadline = std::time::Instant::now() + common::DEADLINE;
+    loop {
+        let text = server.get("/metrics").text;
+        let rows = server.get("/api/v1/vm-stats").json()["vms"].clone();
+        if !text.contains("vm=\"web\"") && rows == serde_json::json!([]) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a stopped VM still has series:\n{text}\n{rows}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
 
 /// `keel apply -f`: a dry run changes nothing; missing VMs are created,

@@ -4,9 +4,11 @@
 //! encodes these rows as series; `GET /api/v1/vm-stats` serves them as
 //! JSON, which `keel vm top` turns into rates.
 
-use keel_api::{Millis, VirtualMachine};
+use keel_api::Millis;
 use keel_hv::vm_stats::{DiskStats, NicStats, NodeStats};
 use serde::{Deserialize, Serialize};
+
+use super::vm_records::RecordFacts;
 
 /// `GET /api/v1/vm-stats`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -47,30 +49,30 @@ pub struct VmFigures {
 
 const MIB: u64 = 1 << 20;
 
-/// The rows of the VMs among `vms` whose instance is on `node`, by name.
-pub fn rows(vms: &[VirtualMachine], node: &str, stats: &NodeStats, now: Millis) -> Vec<VmFigures> {
-    let mut rows: Vec<VmFigures> = vms
+/// The rows of the VMs among `records` whose instance is on `node`, by name.
+pub fn rows(records: &[RecordFacts], node: &str, stats: &NodeStats, now: Millis) -> Vec<VmFigures> {
+    let mut rows: Vec<VmFigures> = records
         .iter()
-        .filter_map(|vm| {
-            let instance = vm.status.instance.as_ref().filter(|i| i.node == node)?;
-            let read = stats.of_instance(&instance.id);
-            Some(VmFigures {
-                vm: vm.name.clone(),
+        .filter(|r| r.node == node)
+        .map(|r| {
+            let read = stats.of_instance(&r.instance);
+            VmFigures {
+                vm: r.vm.clone(),
                 node: node.to_string(),
-                instance: instance.id.clone(),
-                cpus: vm.spec.cpus,
-                memory_configured_bytes: vm.spec.memory_mib.saturating_mul(MIB),
-                ready: vm.ready_since().is_some(),
-                uptime_seconds: instance
+                instance: r.instance.clone(),
+                cpus: r.cpus,
+                memory_configured_bytes: r.memory_mib.saturating_mul(MIB),
+                ready: r.ready_since.is_some(),
+                uptime_seconds: r
                     .running_since
                     .map(|since| now.saturating_sub(since) as f64 / 1000.0),
-                restarts: vm.status.instance_seq.saturating_sub(1),
-                guest_resets: instance.resets,
-                cpu_seconds: read.and_then(|r| r.cpu_seconds),
-                rss_bytes: read.and_then(|r| r.rss_bytes),
-                disks: read.map(|r| r.disks.clone()).unwrap_or_default(),
-                nics: read.map(|r| r.nics.clone()).unwrap_or_default(),
-            })
+                restarts: r.instance_seq.saturating_sub(1),
+                guest_resets: r.resets,
+                cpu_seconds: read.and_then(|d| d.cpu_seconds),
+                rss_bytes: read.and_then(|d| d.rss_bytes),
+                disks: read.map(|d| d.disks.clone()).unwrap_or_default(),
+                nics: read.map(|d| d.nics.clone()).unwrap_or_default(),
+            }
         })
         .collect();
     rows.sort_by(|a, b| a.vm.cmp(&b.vm));
