@@ -56,7 +56,6 @@ pub fn run(args: ApplyArgs) -> anyhow::Result<()> {
     let plan = plan(&wanted, &current.items, args.prune);
     let mut failures = 0;
     for (name, change) in &plan {
-        let verb = if args.dry_run { "would be" } else { "" };
         let outcome = match change {
             Change::Unchanged => Ok(format!("{name}: unchanged")),
             Change::Create => {
@@ -103,7 +102,7 @@ pub fn run(args: ApplyArgs) -> anyhow::Result<()> {
                 done.map(|()| {
                     format!(
                         "{name}: {}deleted (--prune: not in the file)",
-                        if verb.is_empty() { "" } else { "would be " }
+                        if args.dry_run { "would be " } else { "" }
                     )
                 })
             }
