@@ -24,7 +24,9 @@ pub mod ownership;
 pub mod qcow2;
 pub mod qemu;
 pub mod sim;
+pub mod stats_cache;
 pub mod unprivileged;
+pub mod vm_stats;
 
 pub use disk_creation::DiskCreation;
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
@@ -701,6 +703,15 @@ pub trait Hypervisor: Send + Sync + 'static {
             op: "import",
             reason: "not supported by this driver".into(),
         })
+    }
+
+    /// What each running domain uses (CPU time, memory, disk and network
+    /// counters), each domain's read bounded in time: one that cannot be
+    /// read is reported with what could be, or left out. Read through
+    /// [`stats_cache::StatsCache`], which bounds and shares the reads. A
+    /// driver that cannot tell reports no domains.
+    async fn stats_all(&self) -> Result<Vec<vm_stats::DomainStats>, HvError> {
+        Ok(Vec::new())
     }
 
     /// Removes snapshot `name` from the disks of `vm`; absent is success.

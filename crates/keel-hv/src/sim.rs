@@ -21,6 +21,7 @@ pub use hot_unplug::RELEASE_MS as UNPLUG_RELEASE_MS;
 mod hotplug;
 mod online_resize;
 mod reset;
+mod stats;
 mod table;
 mod vm_export;
 
@@ -1087,6 +1088,10 @@ impl Hypervisor for SimHypervisor {
         let p = s.config.faults.lookup_unavailable;
         s.maybe_unavailable(instance, "info", p)?;
         s.info_of(instance)
+    }
+
+    async fn stats_all(&self) -> Result<Vec<crate::vm_stats::DomainStats>, HvError> {
+        Ok(self.stats_now())
     }
 
     async fn list(&self) -> Result<DomainListing, HvError> {

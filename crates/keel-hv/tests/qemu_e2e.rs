@@ -601,3 +601,61 @@ async fn a_missing_instance_dir_is_not_gone_while_its_qemu_lives() {
     );
     common::stop_and_cleanup(fx.hv(), "web-1").await;
 }
+
+/// The figures of a running guest (`stats_all`): its QEMU's CPU time grows
+/// while it works, its resident memory is real, its data disk's write
+/// counters grow with the guest's acknowledged writes, and an exited
+/// instance has no figures.
+#[tokio::test]
+async fn stats_of_a_running_guest_grow_with_its_work() {
+    let Some(fx) = Fixture::new().await else {
+        return;
+    };
+    let hv = fx.hv();
+    let mut ch = fx.boot("busy", "busy-1").await;
+    let figures = |all: Vec<keel_hv::vm_stats::DomainStats>| {
+        all.into_iter()
+            .find(|d| d.instance == "busy-1")
+            .expect("the running instance has figures")
+    };
+    let before = figures(hv.stats_all().await.unwrap());
+    assert_eq!(before.vm, "busy");
+    assert!(
+        before.rss_bytes.unwrap() > 16 << 20,
+        "resident memory of a booted guest: {before:?}"
+    );
+    let disk = |d: &keel_hv::vm_stats::DomainStats| {
+        d.disks
+            .iter()
+            .find(|x| x.disk == "data")
+            .cloned()
+            .unwrap_or_else(|| panic!("the data disk, by its spec name: {d:?}"))
+    };
+    assert_eq!(before.disks.len(), 1, "only the VM's own disks: {before:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut slot = 0;
+    let after = loop {
+        // Each put is a write the guest waits for to be on the disk.
+        ch.put(slot % 8, &"x".repeat(400)).await.unwrap();
+        slot += 1;
+        let now = figures(hv.stats_all().await.unwrap());
+        if now.cpu_seconds > before.cpu_seconds && disk(&now).write_ops > disk(&before).write_ops {
+            break now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "figures did not grow: {before:?} then {now:?}"
+        );
+    };
+    assert!(disk(&after).write_bytes > disk(&before).write_bytes);
+    assert!(after.nics.is_empty(), "user-mode NICs have no counters");
+
+    hv.kill("busy-1").await.unwrap();
+    fx.wait_for("busy-1", STOP, DomainState::is_exited).await;
+    let all = hv.stats_all().await.unwrap();
+    assert!(
+        all.iter().all(|d| d.instance != "busy-1"),
+        "an exited instance has no figures: {all:?}"
+    );
+    hv.cleanup("busy-1").await.unwrap();
+}

@@ -43,6 +43,10 @@ pub enum Command {
     Snapshot(SnapshotCommand),
     /// Restore a VM from one of its snapshots; it comes back in the power state it had.
     Restore(RestoreArgs),
+    /// Make the VMs a YAML or JSON file describes exist as described:
+    /// create the missing, update the differing (compare-and-swap on the
+    /// revision read), delete the others only with --prune.
+    Apply(ApplyArgs),
     /// List live migrations (made by node drains and `keel vm migrate`).
     Migration(MigrationCommand),
     /// Check this host for running Keel: QEMU, KVM, disk space, the store.
@@ -749,6 +753,9 @@ pub enum VmVerb {
     /// it and the first disk boots first (a spec change: a running VM
     /// takes it at its next start).
     Cdrom(CdromArgs),
+    /// CPU, memory, disk and network rates of the VMs running on the
+    /// server's node, redrawn live on a terminal.
+    Top(TopArgs),
 }
 
 #[derive(Debug, Args)]
@@ -764,6 +771,18 @@ pub struct CdromArgs {
     /// What firmware tries first: cdrom or disk.
     #[arg(long = "boot", value_name = "cdrom|disk", value_parser = parse_boot_device)]
     pub boot_first: Option<keel_api::BootDevice>,
+}
+
+#[derive(Debug, Args)]
+pub struct TopArgs {
+    /// Only these VMs (default: every VM on the node).
+    pub names: Vec<String>,
+    /// Print one table and exit (also when stdout is not a terminal).
+    #[arg(long)]
+    pub once: bool,
+    /// Seconds between redraws.
+    #[arg(long, default_value_t = 2.0)]
+    pub interval: f64,
 }
 
 #[derive(Debug, Subcommand)]
@@ -1139,6 +1158,22 @@ pub struct SnapshotCreateArgs {
     /// Seconds to wait with --wait.
     #[arg(long, default_value_t = 120, requires = "wait")]
     pub timeout: u64,
+}
+
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    #[command(flatten)]
+    pub client: ClientArgs,
+    /// The file: one VM (`name`, `spec`), a list, several YAML documents,
+    /// or `keel vm get/list -o yaml` output; `-` reads stdin.
+    #[arg(short = 'f', long = "file")]
+    pub file: PathBuf,
+    /// Print what would change (each changed field) and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Also delete the VMs the file does not name (each is printed).
+    #[arg(long)]
+    pub prune: bool,
 }
 
 #[derive(Debug, Args)]

@@ -15,7 +15,11 @@
 //! - restart all: from just before the first restart request until every
 //!   VM runs a new instance for it (`observed_restart_generation`);
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
-//!   on disk (SQLite files, or etcd's backend file).
+//!   on disk (SQLite files, or etcd's backend file);
+//! - single node: `/metrics` with every VM's series, its scrape time
+//!   (p50, p99) and CPU per scrape ([`scrape`]).
+
+mod scrape;
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
@@ -61,6 +65,10 @@ pub struct ScaleArgs {
     /// the system temp dir, removed afterwards).
     #[arg(long)]
     pub work_dir: Option<PathBuf>,
+    /// `/metrics` scrapes of each single-node run, once every VM runs
+    /// (about a second apart, so each reads the guests afresh).
+    #[arg(long, default_value_t = scrape::SCRAPES)]
+    pub scrapes: usize,
     /// The etcd binary of the cluster run.
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: PathBuf,
@@ -87,6 +95,8 @@ pub struct ScaleReport {
     /// The mixed run's samples of every node's allocation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub capacity: Option<CapacitySamples>,
+    /// The single-node runs' `/metrics` scrapes with every VM running.
+    pub scrape: Option<scrape::ScrapeFigures>,
 }
 
 /// What the mixed run saw of the nodes' allocations while the VMs were
@@ -132,7 +142,7 @@ pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for (i, &n) in args.vms.iter().enumerate() {
         let dir = root.join(format!("sqlite-{n}-{i}"));
-        let report = sqlite_run(&dir, n, args.clients, timeout)
+        let report = sqlite_run(&dir, n, args.clients, args.scrapes, timeout)
             .with_context(|| format!("the SQLite run with {n} VMs"))?;
         print_report(&report);
         reports.push(report);
@@ -162,10 +172,16 @@ pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The bench's clients all use the server's own token, at rates far past
+/// the per-token limit (`--max-requests-per-token`), which would answer
+/// most of them 429: the bench measures the control plane, not that limit.
+const UNLIMITED_REQUESTS: &str = "1000000";
+
 fn sqlite_run(
     dir: &Path,
     vms: usize,
     clients: usize,
+    scrapes: usize,
     timeout: Duration,
 ) -> anyhow::Result<ScaleReport> {
     let data = dir.join("serve");
@@ -184,10 +200,17 @@ fn sqlite_run(
             "bench",
             "--data-dir",
             &data.to_string_lossy(),
+            "--max-requests-per-token",
+            UNLIMITED_REQUESTS,
         ],
     )?;
     let api = Api::connect(&procs, serve, &data)?;
-    let mut report = drive(&[api], vms, clients, timeout, &small_vm)?;
+    let mut report = drive(std::slice::from_ref(&api), vms, clients, timeout, &small_vm)?;
+    report.scrape = Some(scrape::measure(
+        &api,
+        procs.children[serve].1.id(),
+        scrapes.max(1),
+    )?);
     report.store = "sqlite".into();
     report.control_planes = 1;
     report.nodes = 1;
@@ -248,6 +271,8 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
                 &format!("cp{i}"),
                 "--data-dir",
                 &data.to_string_lossy(),
+                "--max-requests-per-token",
+                UNLIMITED_REQUESTS,
             ],
         )?;
         apis.push(Api::connect(&procs, cp, &data)?);
@@ -313,6 +338,8 @@ fn mixed_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<
             MIXED_HOSTS,
             "--data-dir",
             &data.to_string_lossy(),
+            "--max-requests-per-token",
+            UNLIMITED_REQUESTS,
         ],
     )?;
     let api = Api::connect(&procs, serve, &data)?;
@@ -434,6 +461,7 @@ fn drive(
         peak_rss_mib: BTreeMap::new(),
         store_bytes: 0,
         capacity: None,
+        scrape: None,
     })
 }
 
@@ -616,6 +644,18 @@ fn print_report(r: &ScaleReport) {
             samples = c.samples,
             cpu = c.max_cpu_share * 100.0,
             mem = c.max_memory_share * 100.0,
+        );
+    }
+    if let Some(s) = &r.scrape {
+        println!(
+            "  /metrics with {with} VMs' series ({kib:.0} KiB): {n} scrapes, p50 {p50:.1} ms, \
+             p99 {p99:.1} ms, CPU {cpu:.1} ms per scrape",
+            with = s.vms_with_series,
+            kib = s.bytes as f64 / 1024.0,
+            n = s.scrapes,
+            p50 = s.p50_ms,
+            p99 = s.p99_ms,
+            cpu = s.cpu_ms_per_scrape,
         );
     }
 }

@@ -40,6 +40,7 @@ fn main() -> ExitCode {
         }
         Command::Man { dir } => keel::host_tools::man_pages(Cli::command(), &dir),
         Command::Image(cmd) => keel::cli::image(cmd),
+        Command::Apply(args) => keel::cli::apply(args),
         Command::Bench(cmd) => match cmd.verb {
             keel::args::BenchVerb::Scale(args) => keel::bench_scale::main(args),
         },

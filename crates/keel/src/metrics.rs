@@ -3,14 +3,18 @@
 //! Prometheus scrapes natively.
 
 mod tally;
+pub mod vm_figures;
+mod vm_records;
+mod vm_series;
 
 use std::sync::Arc;
 
 use keel_api::{ExitKind, Migration, MigrationPhase, Phase, StopReason, VirtualMachine};
 use keel_ctrl::keys::{MIGRATIONS_PREFIX, VMS_PREFIX};
 use keel_ctrl::LifecycleObserver;
+use keel_hv::stats_cache::StatsCache;
 use keel_store::{Store, StoreError, TypedStore};
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -48,6 +52,19 @@ pub struct Metrics {
     migration_phases: Arc<PhaseTally>,
     /// Where to keep the counts from, until the first scrape starts it.
     counting: std::sync::Mutex<Option<CountFrom>>,
+    /// The node whose VMs' figures this process reports (the one whose
+    /// hypervisor runs in it); unset: none.
+    vm_source: std::sync::OnceLock<VmSource>,
+    /// What the per-VM rows need of the records, kept by a watch like the
+    /// phase counts.
+    vm_records: Arc<vm_records::VmRecords>,
+}
+
+/// The node this process runs guests on, and its guests' figures.
+struct VmSource {
+    node: String,
+    stats: Arc<StatsCache>,
+    clock: Arc<dyn keel_api::Clock>,
 }
 
 /// The store to count from, and when to stop.
@@ -129,6 +146,8 @@ impl Metrics {
         );
         Self {
             counting: Default::default(),
+            vm_source: Default::default(),
+            vm_records: Default::default(),
             vm_phases: Arc::new(PhaseTally::new(VMS_PREFIX, PHASES.len(), vm_phase)),
             migration_phases: Arc::new(PhaseTally::new(
                 MIGRATIONS_PREFIX,
@@ -170,11 +189,62 @@ impl Metrics {
         *self.counting.lock().expect("metrics lock") = Some((store, stop));
     }
 
+    /// Reports the figures of the VMs running on `node`, read through
+    /// `stats` (the node's hypervisor, in this process): per-VM series on
+    /// `/metrics` and the rows of `GET /api/v1/vm-stats`. Set once.
+    pub fn report_vms_of(
+        &self,
+        node: &str,
+        stats: Arc<StatsCache>,
+        clock: Arc<dyn keel_api::Clock>,
+    ) {
+        let _ = self.vm_source.set(VmSource {
+            node: node.to_string(),
+            stats,
+            clock,
+        });
+    }
+
+    /// The figures of the VMs running on this process's node (none when
+    /// it runs no guests).
+    pub async fn vm_stats(
+        &self,
+        store: &TypedStore,
+    ) -> Result<vm_figures::VmStatsPage, StoreError> {
+        let Some(source) = self.vm_source.get() else {
+            return Ok(vm_figures::VmStatsPage::default());
+        };
+        self.start_counting();
+        let stats = source.stats.get().await;
+        let records = match self.vm_records.on_node(&source.node) {
+            Some(records) => records,
+            None => {
+                let (vms, _) = store.list::<VirtualMachine>(VMS_PREFIX).await?;
+                vms.iter()
+                    .filter_map(|(_, e)| vm_records::RecordFacts::of(&e.value))
+                    .collect()
+            }
+        };
+        Ok(vm_figures::VmStatsPage {
+            node: Some(source.node.clone()),
+            sampled_at: stats.sampled_at,
+            stale_reason: stats.stale_reason.clone(),
+            vms: vm_figures::rows(&records, &source.node, &stats, source.clock.now_ms()),
+        })
+    }
+
     fn start_counting(&self) {
         let Some((store, stop)) = self.counting.lock().expect("metrics lock").take() else {
             return;
         };
         tokio::spawn(self.vm_phases.clone().keep(store.clone(), stop.clone()));
+        if self.vm_source.get().is_some() {
+            tokio::spawn(
+                self.vm_records
+                    .clone()
+                    .keep(store.clone(), VMS_PREFIX, stop.clone()),
+            );
+        }
         tokio::spawn(self.migration_phases.clone().keep(store, stop));
     }
 
@@ -223,8 +293,15 @@ impl Metrics {
         let (refused, _) = keel_ctrl::transitions::refused_so_far();
         self.forbidden_transitions
             .set(i64::try_from(refused).unwrap_or(i64::MAX));
+        let vm_series = match self.vm_source.get() {
+            Some(_) => Some(vm_series::registry(&self.vm_stats(store).await?.vms)),
+            None => None,
+        };
         let mut out = String::new();
-        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        let written = encode_registry(&mut out, &self.registry)
+            .and_then(|()| vm_series.map_or(Ok(()), |r| encode_registry(&mut out, &r)))
+            .and_then(|()| encode_eof(&mut out));
+        written.expect("writing to a String cannot fail");
         Ok(out)
     }
 }

@@ -48,6 +48,7 @@ use crate::host::{
 use crate::hypervisor::{image_dir, make_hypervisor, shared_disk_dir, HypervisorOptions};
 use crate::metrics::Metrics;
 use crate::token_book::{self, TokenBook};
+use keel_hv::stats_cache::StatsCache;
 
 pub const DB_FILE: &str = "keel.db";
 /// How long in-flight HTTP requests may take to finish at shutdown.
@@ -306,6 +307,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     ));
     let metrics = Arc::new(Metrics::new());
     metrics.count_from(store.raw().clone(), stop_rx.clone());
+    metrics.report_vms_of(
+        &cfg.node,
+        Arc::new(StatsCache::new(hv.clone(), clock.clone())),
+        clock.clone(),
+    );
     let ctrl = Arc::new(
         VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle.clone())
             .with_observer(metrics.clone()),
@@ -434,6 +440,11 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     metrics.count_from(raw.clone(), stop_rx.clone());
     let (agent, hypervisor) = if cfg.agent {
         let hv = make_hypervisor(&cfg.hypervisor_options(), clock.clone()).await?;
+        metrics.report_vms_of(
+            &cfg.node,
+            Arc::new(StatsCache::new(hv.clone(), clock.clone())),
+            clock.clone(),
+        );
         let agent = NodeAgent::spawn(
             store.clone(),
             hv.clone(),

@@ -30,6 +30,8 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             "2",
             "--clients",
             "4",
+            "--scrapes",
+            "2",
             "--timeout-s",
             "120",
             "--work-dir",
@@ -60,6 +62,11 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
         assert!(r["restart_all_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["create_p99_ms"].as_f64().unwrap() >= r["create_p50_ms"].as_f64().unwrap());
         assert!(r["store_bytes"].as_u64().unwrap() > 0, "{r}");
+        if store == "sqlite" {
+            // Every VM's series, on the node that runs them.
+            assert_eq!(r["scrape"]["vms_with_series"], 30, "{r}");
+            assert!(r["scrape"]["p99_ms"].as_f64().unwrap() > 0.0, "{r}");
+        }
         for kind in kinds {
             assert!(
                 r["peak_rss_mib"][kind].as_f64().unwrap() > 1.0,

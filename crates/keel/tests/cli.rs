@@ -678,3 +678,203 @@ fn vm_get_and_list_show_the_fields_a_restart_would_apply() {
     assert!(!get.contains("restart required"), "{get}");
     assert!(get.contains("cpus:") && get.contains("2"), "{get}");
 }
+
+/// The per-VM series on `/metrics` (labels vm, node, instance; a disk
+/// label on disk counters), the stats route for a viewer, `keel vm top
+/// --once` on a pipe, and a stopped VM's series gone.
+#[test]
+fn vm_series_stats_route_and_top() {
+    let server = TestServer::start();
+    let mut spec = common::small_spec();
+    spec["disks"] = serde_json::json!([{"name": "data", "size_mib": 64}]);
+    server.create_vm("web", spec);
+    let running = server.wait_vm("web", "run", |v| phase(v) == "Running");
+    let inst = instance(&running).unwrap();
+    let deadline = std::time::Instant::now() + common::DEADLINE;
+    let page = loop {
+        let page = server.get("/api/v1/vm-stats").json();
+        if page["vms"][0]["ready"] == true && page["vms"][0]["cpu_seconds"].as_f64() > Some(0.0) {
+            break page;
+        }
+        assert!(std::time::Instant::now() < deadline, "not ready: {page}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(page["node"], "test-node");
+    assert_eq!(page["vms"][0]["instance"], inst.as_str());
+    assert_eq!(page["vms"][0]["memory_configured_bytes"], 64 << 20);
+
+    let labels = format!("vm=\"web\",node=\"test-node\",instance=\"{inst}\"");
+    let text = server.get("/metrics").text;
+    for needle in [
+        format!("keel_vm_memory_configured_bytes{{{labels}}} 67108864"),
+        format!("keel_vm_ready{{{labels}}} 1"),
+        format!("keel_vm_vcpus{{{labels}}} 1"),
+        format!("keel_vm_cpu_seconds_total{{{labels}}} "),
+        format!("keel_vm_memory_rss_bytes{{{labels}}} "),
+        format!("keel_vm_uptime_seconds{{{labels}}} "),
+        format!("keel_vm_restarts_total{{{labels}}} 0"),
+        format!("keel_vm_disk_write_bytes_total{{{labels},disk=\"data\"}} "),
+        format!("keel_vm_network_receive_bytes_total{{{labels},nic=\"net0\"}} "),
+        "# TYPE keel_vm_cpu_seconds counter".to_string(),
+        "# HELP keel_vm_memory_rss_bytes ".to_string(),
+    ] {
+        assert!(text.contains(&needle), "{needle} missing in:\n{text}");
+    }
+    assert!(text.ends_with("# EOF\n"), "one end marker, at the end");
+    assert_eq!(text.matches("# EOF").count(), 1);
+
+    // A viewer reads the figures; no token reads nothing.
+    let r = server.send(
+        "POST",
+        "/api/v1/tokens",
+        &serde_json::json!({"name": "watcher", "role": "viewer"}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+    let viewer = r.json()["secret"].as_str().unwrap().to_string();
+    let r = server.request("GET", "/api/v1/vm-stats", Some(&viewer), None, &[]);
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = server.request("GET", "/api/v1/vm-stats", None, None, &[]);
+    assert_eq!(r.status, 401, "{}", r.text);
+
+    // stdout is a pipe here: one table, not a live redraw.
+    let out = ok(&keel(&server, &["vm", "top"]));
+    assert!(
+        !out.contains('\x1b'),
+        "no screen control on a pipe: {out:?}"
+    );
+    assert!(out.starts_with("node test-node: 1 VMs running\n"), "{out}");
+    let line = out.lines().find(|l| l.starts_with("web ")).expect(&out);
+    assert!(line.contains("yes"), "{line}");
+    // The sim guest keeps its vCPU 5 % busy.
+    assert!(
+        line.contains("5.0") || line.contains("4.9") || line.contains("5.1"),
+        "{out}"
+    );
+    let rows: Value = serde_json::from_str(&ok(&keel(
+        &server,
+        &["vm", "top", "--once", "web", "-o", "json"],
+    )))
+    .unwrap();
+    assert_eq!(rows[0]["vm"], "web");
+    assert!(
+        rows[0]["disk_write_bytes_per_s"].as_f64().unwrap() > 0.0,
+        "{rows}"
+    );
+    let out = ok(&keel(&server, &["vm", "top", "--once", "nope"]));
+    assert!(out.contains("not running on this node: nope"), "{out}");
+
+    ok(&keel(
+        &server,
+        &["vm", "stop", "web", "--wait", "--timeout", "60"],
+    ));
+    // The rows follow the records by a watch: gone within moments.
+    let deadline = std::time::Instant::now() + common::DEADLINE;
+    loop {
+        let text = server.get("/metrics").text;
+        let rows = server.get("/api/v1/vm-stats").json()["vms"].clone();
+        if !text.contains("vm=\"web\"") && rows == serde_json::json!([]) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a stopped VM still has series:\n{text}\n{rows}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// `keel apply -f`: a dry run changes nothing; missing VMs are created,
+/// a second apply finds nothing to do; `vm get -o yaml` and `vm list -o
+/// json` output apply unchanged (from stdin too); a changed field shows in
+/// the dry run's diff before it is applied; a VM the file leaves out is
+/// deleted only with --prune, and named; an unknown field is refused
+/// naming it, and nothing is changed.
+#[test]
+fn apply_creates_updates_and_prunes_only_when_asked() {
+    use std::io::Write;
+    let server = TestServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("vms.yaml");
+    let f = file.to_str().unwrap();
+    let apply_stdin = |args: &[&str], input: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("KEEL_SERVER", &server.base)
+            .env("KEEL_DATA_DIR", server.dir.path())
+            .env("KEEL_CONFIG", "")
+            .env_remove("KEEL_TOKEN")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    std::fs::write(
+        &file,
+        "- name: web\n  spec: {cpus: 1, memory_mib: 64, power: Stopped}\n\
+         - name: db\n  spec: {cpus: 1, memory_mib: 64, power: Stopped}\n",
+    )
+    .unwrap();
+    let out = ok(&keel(&server, &["apply", "-f", f, "--dry-run"]));
+    assert_eq!(out, "web: would be created\ndb: would be created\n");
+    assert!(server.vm("web").is_none(), "a dry run changes nothing");
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(out, "web: created\ndb: created\n");
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(out, "web: unchanged\ndb: unchanged\n");
+
+    // A VM's own output applies as it is: no diff.
+    let yaml = ok(&keel(&server, &["vm", "get", "web", "-o", "yaml"]));
+    let out = ok(&apply_stdin(&["apply", "-f", "-", "--dry-run"], &yaml));
+    assert_eq!(out, "web: unchanged\n");
+    let json = ok(&keel(&server, &["vm", "list", "-o", "json"]));
+    let out = ok(&apply_stdin(&["apply", "-f", "-"], &json));
+    assert_eq!(
+        out, "db: unchanged\nweb: unchanged\n",
+        "in the list's order"
+    );
+
+    let before = server.vm("web").unwrap();
+    std::fs::write(
+        &file,
+        "name: web\nspec: {cpus: 2, memory_mib: 64, power: Stopped}\n",
+    )
+    .unwrap();
+    let out = ok(&keel(&server, &["apply", "-f", f, "--dry-run"]));
+    assert_eq!(out, "web: would be updated\n  spec.cpus: 1 -> 2\n");
+    assert_eq!(server.vm("web").unwrap()["revision"], before["revision"]);
+    let out = ok(&keel(&server, &["apply", "-f", f, "--prune", "--dry-run"]));
+    assert!(
+        out.ends_with("db: would be deleted (--prune: not in the file)\n"),
+        "{out}"
+    );
+    let out = ok(&keel(&server, &["apply", "-f", f]));
+    assert_eq!(
+        out, "web: updated\n  spec.cpus: 1 -> 2\n",
+        "db is left alone"
+    );
+    assert_eq!(server.vm("web").unwrap()["vm"]["spec"]["cpus"], 2);
+    assert!(server.vm("db").is_some());
+    let out = ok(&keel(&server, &["apply", "-f", f, "--prune"]));
+    assert_eq!(
+        out,
+        "web: unchanged\ndb: deleted (--prune: not in the file)\n"
+    );
+    server.wait_gone("db");
+
+    std::fs::write(
+        &file,
+        "name: web\nspec: {cpus: 4, memory_mib: 64, colour: red}\n",
+    )
+    .unwrap();
+    let err = fails(&keel(&server, &["apply", "-f", f]));
+    assert!(err.contains("[field: spec.colour]"), "{err}");
+    assert_eq!(server.vm("web").unwrap()["vm"]["spec"]["cpus"], 2);
+}

@@ -285,6 +285,10 @@ impl Hypervisor for QemuDriver {
         Ok(self.info_of(&domain, state))
     }
 
+    async fn stats_all(&self) -> Result<Vec<crate::vm_stats::DomainStats>, HvError> {
+        Ok(self.stats_of_live().await)
+    }
+
     async fn list(&self) -> Result<crate::DomainListing, HvError> {
         self.list_domains().await
     }

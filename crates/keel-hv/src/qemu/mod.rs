@@ -55,6 +55,7 @@ mod registry;
 mod reset;
 mod reset_count;
 mod snapshot;
+mod stats;
 pub mod tls;
 mod vnc;
 mod vm_export;

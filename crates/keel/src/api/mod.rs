@@ -33,6 +33,7 @@ pub mod token_limits;
 pub mod tokens;
 pub mod vm_export;
 pub mod vm_import;
+pub mod vm_stats;
 pub mod vms;
 pub mod vnc;
 mod vnc_doc;
@@ -95,6 +96,7 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/openapi.json", get(openapi::document))
         .route("/api/v1/vms", get(vms::list).post(vms::create))
         .route("/api/v1/vms/{name}", get(vms::get).delete(vms::delete))
+        .route("/api/v1/vm-stats", get(vm_stats::list))
         .route("/api/v1/vms/{name}/spec", put(vms::replace_spec))
         .route("/api/v1/vms/{name}/start", post(vms::start))
         .route("/api/v1/vms/{name}/stop", post(vms::stop))

@@ -109,7 +109,7 @@ pub fn spec() -> Value {
                 "responses": {"200": {"description": "Serving", "content": {"application/json": {"schema": {"type": "object"}}}}}
             }},
             "/metrics": {"get": {
-                "summary": "Prometheus metrics (OpenMetrics text): keel_vms{phase}, keel_reconcile_errors_total, keel_api_requests_total{method,status}",
+                "summary": "Prometheus metrics (OpenMetrics text): keel_vms{phase}, keel_reconcile_errors_total, keel_api_requests_total{method,status}; per VM on this server's node keel_vm_*{vm,node,instance} (CPU, memory, disks, network, uptime, restarts, readiness)",
                 "operationId": "metrics",
                 "responses": with(json!({"200": {"description": "Metrics", "content": {"application/openmetrics-text": {"schema": {"type": "string"}}}}}), errors(&["401", "503"]))
             }},
@@ -274,6 +274,7 @@ pub fn spec() -> Value {
     super::node_labels::describe(&mut doc);
     super::drain_return::describe(&mut doc);
     super::vnc_doc::describe(&mut doc);
+    super::vm_stats::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",

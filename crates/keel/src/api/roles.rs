@@ -39,6 +39,7 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("GET", "/api/v1/vms", Needs(Viewer)),
     ("POST", "/api/v1/vms", Needs(Admin)),
     ("GET", "/api/v1/vms/{name}", Needs(Viewer)),
+    ("GET", "/api/v1/vm-stats", Needs(Viewer)),
     ("DELETE", "/api/v1/vms/{name}", Needs(Admin)),
     ("PUT", "/api/v1/vms/{name}/spec", Needs(Admin)),
     ("POST", "/api/v1/vms/{name}/start", Needs(Operator)),

@@ -1,6 +1,7 @@
 //! The command-line client: each verb is one or a few HTTP requests to
 //! `keel serve`. Errors carry the server's message and the field it names.
 
+mod apply;
 mod client;
 mod console;
 mod events;
@@ -22,6 +23,7 @@ mod vm_disk;
 mod vm_export;
 mod vm_ha;
 mod vm_migrate;
+mod vm_top;
 mod wait;
 
 pub use client::{encode, ApiFailure, Client};
@@ -57,6 +59,10 @@ pub fn restore(args: RestoreArgs) -> anyhow::Result<()> {
 
 pub fn migration(cmd: MigrationCommand) -> anyhow::Result<()> {
     migration::run(cmd)
+}
+
+pub fn apply(args: crate::args::ApplyArgs) -> anyhow::Result<()> {
+    apply::run(args)
 }
 
 pub fn image(cmd: ImageCommand) -> anyhow::Result<()> {

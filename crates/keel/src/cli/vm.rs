@@ -31,6 +31,7 @@ pub fn run(cmd: VmCommand) -> anyhow::Result<()> {
         VmVerb::Import(args) => super::vm_export::import(&client, out, args),
         VmVerb::Disk(verb) => super::vm_disk::run(&client, out, verb),
         VmVerb::Cdrom(args) => super::vm_cdrom::run(&client, out, args),
+        VmVerb::Top(args) => super::vm_top::run(&client, out, args),
     }
 }
 

@@ -1,0 +1,53 @@
+//! `GET /api/v1/vm-stats`: the figures of the VMs running on this server's
+//! node (CPU time, memory, disk and network counters, uptime, readiness),
+//! the same rows `/metrics` encodes as series. `keel vm top` reads it
+//! twice and shows the rates between.
+
+use axum::extract::State;
+use axum::Json;
+
+use super::{ApiError, AppState};
+use crate::metrics::vm_figures::VmStatsPage;
+
+pub async fn list(State(state): State<AppState>) -> Result<Json<VmStatsPage>, ApiError> {
+    Ok(Json(state.metrics.vm_stats(&state.store).await?))
+}
+
+/// Its path and schema in the OpenAPI document.
+pub fn describe(doc: &mut serde_json::Value) {
+    use serde_json::json;
+    doc["paths"]["/api/v1/vm-stats"] = json!({"get": {
+        "summary": "Figures of the VMs running on this server's node (CPU time, memory, disk and network counters, uptime, readiness): what /metrics reports per VM",
+        "operationId": "vmStats",
+        "responses": {
+            "200": {"description": "Per-VM figures", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/VmStatsPage"}}}},
+            "401": {"description": "Missing or wrong bearer token", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+            "503": {"description": "Store unavailable or the record kept changing; retry", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        }
+    }});
+    let disk = json!({"type": "object", "properties": {
+        "disk": {"type": "string"}, "read_bytes": {"type": "integer"}, "write_bytes": {"type": "integer"},
+        "read_ops": {"type": "integer"}, "write_ops": {"type": "integer"},
+        "read_time_ns": {"type": "integer"}, "write_time_ns": {"type": "integer"}
+    }});
+    let nic = json!({"type": "object", "properties": {
+        "nic": {"type": "string"}, "receive_bytes": {"type": "integer"}, "transmit_bytes": {"type": "integer"},
+        "receive_packets": {"type": "integer"}, "transmit_packets": {"type": "integer"}
+    }});
+    let row = json!({"type": "object", "required": ["vm", "node", "instance", "cpus", "memory_configured_bytes", "ready", "restarts", "guest_resets", "disks", "nics"], "properties": {
+        "vm": {"type": "string"}, "node": {"type": "string"}, "instance": {"type": "string"},
+        "cpus": {"type": "integer"}, "memory_configured_bytes": {"type": "integer"},
+        "ready": {"type": "boolean"}, "uptime_seconds": {"type": ["number", "null"]},
+        "restarts": {"type": "integer"}, "guest_resets": {"type": "integer"},
+        "cpu_seconds": {"type": ["number", "null"], "description": "CPU time of the VM's QEMU process"},
+        "rss_bytes": {"type": ["integer", "null"], "description": "Resident memory of the VM's QEMU process"},
+        "disks": {"type": "array", "items": disk},
+        "nics": {"type": "array", "items": nic, "description": "Bridged NICs only: user-mode networking has no counters"}
+    }});
+    doc["components"]["schemas"]["VmStatsPage"] = json!({"type": "object", "required": ["node", "sampled_at", "vms"], "properties": {
+        "node": {"type": ["string", "null"], "description": "The node whose VMs these are; null: this server runs no guests"},
+        "sampled_at": {"type": "integer", "description": "When the hypervisor's figures were read (ms since the epoch)"},
+        "stale_reason": {"type": "string", "description": "Why the figures are from an earlier read"},
+        "vms": {"type": "array", "items": row}
+    }});
+}
