@@ -608,6 +608,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         )
     }
@@ -698,6 +699,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

@@ -52,8 +52,10 @@ mod query_block;
 mod registry;
 mod reset;
 mod reset_count;
+pub mod secure_boot;
 mod snapshot;
 pub mod tls;
+pub mod tpm;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -18,6 +18,7 @@ mod token;
 mod vm;
 mod vm_clone;
 mod vm_disk;
+mod vm_firmware;
 mod vm_ha;
 mod vm_migrate;
 mod wait;
