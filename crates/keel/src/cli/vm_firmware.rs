@@ -50,4 +50,19 @@ mod tests {
             .to_string();
         assert!(err.starts_with("spec.boot.firmware"), "{err}");
     }
+
+    #[test]
+    fn get_tells_whether_the_tpms_state_is_the_vms_data_yet() {
+        let spec = serde_json::from_value(serde_json::json!({"cpus": 1, "memory_mib": 64}))
+            .expect("a minimal spec");
+        let mut vm = VirtualMachine::new("web", spec);
+        assert_eq!(tpm_summary(&vm), None);
+        vm.spec.tpm = Some(keel_api::TpmSpec::default());
+        assert_eq!(
+            tpm_summary(&vm).unwrap(),
+            "2.0 (state made at the first start)"
+        );
+        vm.status.tpm_used_since = Some(1);
+        assert!(tpm_summary(&vm).unwrap().contains("in use"));
+    }
 }
