@@ -74,22 +74,38 @@ impl TpmPlan {
 
     /// swtpm's arguments: TPM 2.0, the VM's state (files private to the
     /// user), the control socket, gone with QEMU's connection, a daemon
-    /// that writes its pid.
+    /// that writes its pid. swtpm's option lists have no escape for a
+    /// comma, so a path with one is refused instead ([`Self::check_paths`]).
     pub fn swtpm_args(&self, instance_dir: &Path) -> Vec<String> {
         vec![
             "socket".into(),
             "--tpm2".into(),
             "--tpmstate".into(),
-            format!("dir={},mode=0600", opt_escape(&self.state)),
+            format!("dir={},mode=0600", self.state.display()),
             "--ctrl".into(),
-            format!("type=unixio,path={}", opt_escape(&self.socket)),
+            format!("type=unixio,path={}", self.socket.display()),
             "--terminate".into(),
             "--daemon".into(),
             "--pid".into(),
-            format!("file={}", opt_escape(&instance_dir.join(PID_FILE))),
+            format!("file={}", instance_dir.join(PID_FILE).display()),
             "--log".into(),
-            format!("file={}", opt_escape(&instance_dir.join(LOG))),
+            format!("file={}", instance_dir.join(LOG).display()),
         ]
+    }
+
+    /// The paths swtpm is given, unless one has a comma (see above).
+    pub fn check_paths(&self, instance_dir: &Path) -> Result<(), String> {
+        match [self.state.as_path(), &self.socket, instance_dir]
+            .into_iter()
+            .find(|p| p.to_string_lossy().contains(','))
+        {
+            Some(path) => Err(format!(
+                "swtpm cannot be given a path with a comma ({}): for VMs with a TPM, keep the \
+                 data, disk and runtime dirs on paths without one",
+                path.display()
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Whether the state exists (made by an earlier start, or copied).
@@ -106,6 +122,8 @@ pub fn ensure_state(
     vm: &str,
     may_create: bool,
 ) -> Result<(), String> {
+    // swtpm_setup hands the state dir to swtpm in an option list too.
+    plan.check_paths(&plan.state)?;
     if plan.state_exists() {
         return Ok(());
     }
@@ -198,6 +216,7 @@ pub(crate) async fn start(
     plan: &TpmPlan,
     instance_dir: &Path,
 ) -> Result<(), String> {
+    plan.check_paths(instance_dir)?;
     let log = instance_dir.join(LOG);
     // Its complaints before the log is open go to the log too; not a pipe,
     // which the daemon would hold open.
@@ -257,7 +276,7 @@ fn running(instance_dir: &Path, socket: &Path) -> Option<libc::pid_t> {
         .ok()?;
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let ours = String::from_utf8_lossy(&cmdline)
-        .contains(&format!("type=unixio,path={}", opt_escape(socket)));
+        .contains(&format!("type=unixio,path={}", socket.display()));
     // A zombie (exited, not yet reaped by whoever adopted it) is gone.
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     let zombie = state
@@ -314,12 +333,19 @@ mod tests {
                 "tpm-crb,tpmdev=tpm0"
             ]
         );
+        let why = plan
+            .check_paths(Path::new("/data/instances/web-1"))
+            .unwrap_err();
+        assert!(why.contains("/d,isks/web/tpm"), "{why}");
+        let plan = TpmPlan::new(Path::new("/disks/web"), Path::new("/run/keel/0123"));
+        plan.check_paths(Path::new("/data/instances/web-1"))
+            .unwrap();
         let swtpm = plan
             .swtpm_args(Path::new("/data/instances/web-1"))
             .join(" ");
         assert_eq!(
             swtpm,
-            "socket --tpm2 --tpmstate dir=/d,,isks/web/tpm,mode=0600 \
+            "socket --tpm2 --tpmstate dir=/disks/web/tpm,mode=0600 \
              --ctrl type=unixio,path=/run/keel/0123/swtpm.sock --terminate --daemon \
              --pid file=/data/instances/web-1/swtpm.pid --log file=/data/instances/web-1/swtpm.log"
         );
