@@ -25,6 +25,10 @@ pub struct StartedWith {
     /// before it was kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpu_model: Option<String>,
+    /// Whether it was started with a TPM (`spec.tpm`); `false` on records
+    /// from before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tpm: bool,
 }
 
 /// A digest of `value`'s JSON that stays the same across builds and

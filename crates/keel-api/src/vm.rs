@@ -122,6 +122,9 @@ pub struct VmSpec {
     /// together with ([`crate::placement`]).
     #[serde(default, skip_serializing_if = "PlacementRules::is_empty")]
     pub placement: PlacementRules,
+    /// An emulated TPM whose state is kept with the disks ([`crate::tpm`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<crate::TpmSpec>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -189,6 +192,49 @@ pub enum Firmware {
     Bios,
     /// OVMF (EDK II), with a writable variable store of the VM's own.
     Uefi,
+    /// OVMF with Secure Boot on: the Secure Boot build of the code, SMM,
+    /// and a variable store with Microsoft's keys enrolled. q35 only.
+    #[serde(rename = "uefi-secure")]
+    UefiSecure,
+}
+
+impl Firmware {
+    /// Whether it is OVMF, with a variable store of the VM's own.
+    pub fn is_uefi(self) -> bool {
+        match self {
+            Firmware::Bios => false,
+            Firmware::Uefi | Firmware::UefiSecure => true,
+        }
+    }
+
+    /// Why a start asking for `asked` (`spec.boot.firmware`) is refused
+    /// for a VM whose first instance was recorded with `recorded`
+    /// (`VmStatus::firmware`): its variable store was made for that one,
+    /// and a restart must not silently boot other firmware (Secure Boot off,
+    /// or a store without its keys). Nothing recorded: no refusal.
+    pub fn change_refused(recorded: Option<Firmware>, asked: Option<Firmware>) -> Option<String> {
+        let recorded = recorded?;
+        let asked = asked.unwrap_or_default();
+        (recorded != asked).then(|| {
+            format!(
+                "spec.boot.firmware is {} but the VM was first started with {}, which its \
+                 variable store was made for; the firmware is fixed for the VM's life (set it \
+                 back to {}, or create a new VM)",
+                asked.name(),
+                recorded.name(),
+                recorded.name()
+            )
+        })
+    }
+
+    /// The name the API and the CLI use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Firmware::Bios => "bios",
+            Firmware::Uefi => "uefi",
+            Firmware::UefiSecure => "uefi-secure",
+        }
+    }
 }
 
 impl std::str::FromStr for Firmware {
@@ -197,9 +243,10 @@ impl std::str::FromStr for Firmware {
         match s {
             "bios" => Ok(Firmware::Bios),
             "uefi" => Ok(Firmware::Uefi),
+            "uefi-secure" => Ok(Firmware::UefiSecure),
             _ => Err(ValidationError::new(
                 "spec.boot.firmware",
-                format!("{s:?} is not one of bios, uefi"),
+                format!("{s:?} is not one of bios, uefi, uefi-secure"),
             )),
         }
     }
@@ -385,6 +432,17 @@ pub struct VmStatus {
     /// changes it at the next start; the machine type stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hardware: Option<crate::VmHardware>,
+    /// The firmware (`spec.boot.firmware`, SeaBIOS when unnamed) recorded
+    /// with the first instance, like the machine type: the UEFI variable
+    /// store was made for it (Secure Boot's has Microsoft's keys enrolled),
+    /// so a start with another one is refused, with the reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub firmware: Option<Firmware>,
+    /// When an instance was first seen running with the TPM (`spec.tpm`):
+    /// from then on its state is the VM's data and must exist wherever
+    /// the VM starts; no start may make a blank one instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm_used_since: Option<Millis>,
     /// The VM this one is a clone of, whose disks at a snapshot its first
     /// start copies (`keel vm clone`). Kept afterwards as its history.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1204,6 +1262,9 @@ impl VmSpec {
             ha: _,
             // Placement rules, like the node pin.
             placement: _,
+            // The TPM's state is not in the snapshot (its disks are): the
+            // VM keeps the TPM it has.
+            tpm: _,
             cpu_model,
         } = snapshot.clone();
         // Readiness describes the guest on the disks (does it run an
@@ -1417,7 +1478,39 @@ pub(crate) mod tests {
             ha: None,
             cpu_model: None,
             placement: Default::default(),
+            tpm: None,
         }
+    }
+
+    #[test]
+    fn the_recorded_firmware_is_the_only_one_a_start_may_name() {
+        assert_eq!(
+            "uefi-secure".parse::<Firmware>().unwrap(),
+            Firmware::UefiSecure
+        );
+        assert_eq!(
+            serde_json::to_string(&Firmware::UefiSecure).unwrap(),
+            r#""uefi-secure""#
+        );
+        assert!("secure"
+            .parse::<Firmware>()
+            .unwrap_err()
+            .message
+            .contains("uefi-secure"));
+        assert!(Firmware::UefiSecure.is_uefi() && !Firmware::Bios.is_uefi());
+        // Nothing recorded yet: any.
+        assert_eq!(Firmware::change_refused(None, Some(Firmware::Uefi)), None);
+        let secure = Some(Firmware::UefiSecure);
+        assert_eq!(Firmware::change_refused(secure, secure), None);
+        let why = Firmware::change_refused(secure, Some(Firmware::Uefi)).unwrap();
+        assert!(
+            why.contains("spec.boot.firmware is uefi")
+                && why.contains("first started with uefi-secure"),
+            "{why}"
+        );
+        // Unnamed is SeaBIOS, as recorded for a VM that named none.
+        assert_eq!(Firmware::change_refused(Some(Firmware::Bios), None), None);
+        assert!(Firmware::change_refused(Some(Firmware::Bios), secure).is_some());
     }
 
     #[test]
@@ -1738,6 +1831,7 @@ pub(crate) mod tests {
             network: String::new(),
             cloud_init: String::new(),
             cpu_model: None,
+            tpm: false,
         });
         assert_eq!(inst.free_port(), None, "no ports: nothing to plug into");
         inst.hotplug_ports = 2;

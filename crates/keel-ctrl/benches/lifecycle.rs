@@ -486,6 +486,7 @@ impl Bench {
             ha: None,
             cpu_model: None,
             placement: Default::default(),
+            tpm: None,
         }
     }
 

@@ -100,6 +100,14 @@ pub(crate) fn decide_eviction(
                     None => fallback(vm, &no_target(cluster), now, windows.fallback_ms),
                 },
                 None if state != DomainState::Running => poll(ev.submit_deadline),
+                // No target could take the TPM's state (`qemu::tpm`): the
+                // stop and start elsewhere at once, not after failed tries.
+                None if inst.started_with.as_ref().is_some_and(|s| s.tpm) => fallback(
+                    vm,
+                    "the VM has a TPM, whose state a live migration cannot carry",
+                    now,
+                    windows.fallback_ms,
+                ),
                 None if cluster.targets.is_empty() => {
                     fallback(vm, &no_target(cluster), now, windows.fallback_ms)
                 }
@@ -618,6 +626,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         )
     }
@@ -689,6 +698,50 @@ mod tests {
     }
 
     #[test]
+    fn a_vm_running_with_a_tpm_falls_back_at_once_without_a_migration() {
+        let now = 100_000;
+        let cfg = LifecycleConfig::default();
+        let drain = Drain {
+            requested_at: 1_000,
+            windows: Default::default(),
+            tuning: Default::default(),
+            completed_at: None,
+        };
+        let mut vm = evicting_vm();
+        vm.spec.tpm = Some(keel_api::TpmSpec::default());
+        let mut inst = Instance::new("vm-1", "a", 0);
+        inst.started_with = Some(crate::restart_required::started_with(&vm));
+        vm.status.instance = Some(inst.clone());
+        vm.status.eviction = Some(Eviction::submitting(
+            drain.requested_at,
+            1_000,
+            Some(now + 60_000),
+            false,
+        ));
+        let cluster = ClusterView {
+            drain: Some(drain),
+            migration: None,
+            targets: vec!["b".into()],
+            no_target: None,
+            in_flight: vec![],
+            drain_evictions_waiting: 0,
+            no_room_here: None,
+        };
+        let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
+        let Step::Persist {
+            vm: next,
+            then: None,
+            ..
+        } = &step
+        else {
+            panic!("a migration was tried: {step:?}")
+        };
+        let ev = next.status.eviction.as_ref().unwrap();
+        assert_eq!((ev.phase, &ev.migration), (EvictionPhase::Fallback, &None));
+        assert!(ev.message.as_deref().unwrap().contains("TPM"), "{ev:?}");
+    }
+
+    #[test]
     fn final_migrations_beyond_the_last_few_are_collected() {
         use MigrationPhase::*;
         let mut vm = VirtualMachine::new(
@@ -709,6 +762,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));

@@ -34,6 +34,7 @@ pub mod schedule;
 pub mod snapshot_controller;
 pub mod step;
 mod stop;
+pub mod tpm_state;
 pub mod transitions;
 mod user_migrate_decide;
 pub mod view;

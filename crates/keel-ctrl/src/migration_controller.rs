@@ -206,6 +206,15 @@ impl MigrationController {
                     plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
                     // A target opens the source's disks; it makes none.
                     clone_from: None,
+                    recorded_firmware: vm.status.firmware,
+                    // The source's TPM, if it has one (the driver refuses
+                    // the migration then, with the reason).
+                    tpm: started.map_or(vm.spec.tpm.is_some(), |s| s.tpm).then(|| {
+                        keel_hv::TpmUse {
+                            version: vm.spec.tpm.unwrap_or_default().version,
+                            may_create: false,
+                        }
+                    }),
                 };
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {

@@ -293,6 +293,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
                 cpus: 1,
                 memory_mib: 128,
                 disks: vec![],

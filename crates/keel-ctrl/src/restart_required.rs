@@ -18,11 +18,12 @@ pub fn started_with(vm: &VirtualMachine) -> StartedWith {
         network: digest(&vm.nic()),
         cloud_init: digest(&vm.spec.cloud_init),
         cpu_model: vm.spec.cpu_model.clone(),
+        tpm: vm.spec.tpm.is_some(),
     }
 }
 
 /// The fields (`cpus`, `memory`, `disks`, `boot`, `network`, `cloud_init`,
-/// `cpu_model`)
+/// `cpu_model`, `tpm`)
 /// in which `vm`'s spec differs from what its instance was started with.
 /// None without an instance, or for one from before this was recorded
 /// (nothing is known to differ).
@@ -56,6 +57,7 @@ pub fn fields(vm: &VirtualMachine) -> Vec<String> {
             "cpu_model",
             now.cpu_model.is_some() && now.cpu_model != was.cpu_model,
         ),
+        ("tpm", was.tpm != now.tpm),
     ]
     .into_iter()
     .filter(|(_, changed)| *changed)
@@ -106,6 +108,8 @@ mod tests {
             fields(&v),
             ["cpus", "memory", "disks", "boot", "network", "cloud_init"]
         );
+        v.spec.tpm = Some(keel_api::TpmSpec::default());
+        assert_eq!(fields(&v).last().map(String::as_str), Some("tpm"));
         // An instance from before `started_with`: nothing known to differ.
         v.status.instance.as_mut().unwrap().started_with = None;
         assert!(fields(&v).is_empty());

@@ -382,6 +382,7 @@ pub(crate) mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         );
         v.status.node = node.map(str::to_string);

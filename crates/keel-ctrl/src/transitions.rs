@@ -89,6 +89,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
                 readiness: keel_api::Readiness::Agent,
             },
         );

@@ -1226,6 +1226,8 @@ impl VmController {
                         // A new instance: every disk on the root complex.
                         plugged: Vec::new(),
                         clone_from: vm.status.clone_from.clone(),
+                        recorded_firmware: vm.status.firmware,
+                        tpm: crate::tpm_state::tpm_use(vm),
                     })
                     .await?)
             }

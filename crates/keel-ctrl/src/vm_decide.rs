@@ -370,6 +370,7 @@ fn keep_running(
         let mut records = vm.status.disk_records(&vm.spec, &home);
         disk_record::mark_used(&mut records, &started, &home);
         status.disks = Some(records);
+        crate::tpm_state::mark_used(status, inst, now);
     }
     status.restart_required = restart_required::fields(vm);
     if settled {
@@ -755,6 +756,10 @@ fn no_instance(
     // Recorded before the start, with the instance: every later instance
     // and every migration target runs as the same machine.
     next.status.hardware = crate::hardware::for_new_instance(vm, cfg.default_machine.as_deref());
+    // The firmware too, once: its variable store is made for it.
+    next.status
+        .firmware
+        .get_or_insert(vm.spec.boot.firmware.unwrap_or_default());
     let id = next.mint_instance_id();
     next.status.instance = Some(Instance {
         started_with: Some(restart_required::started_with(vm)),
@@ -868,6 +873,7 @@ mod tests {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         )
     }

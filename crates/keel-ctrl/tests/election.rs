@@ -107,6 +107,7 @@ impl World {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

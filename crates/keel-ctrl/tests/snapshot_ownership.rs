@@ -103,6 +103,7 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
         ha: None,
         cpu_model: None,
         placement: Default::default(),
+        tpm: None,
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

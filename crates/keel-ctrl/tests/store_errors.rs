@@ -33,6 +33,7 @@ fn spec(power: PowerState) -> VmSpec {
         ha: None,
         cpu_model: None,
         placement: Default::default(),
+        tpm: None,
     }
 }
 

@@ -68,6 +68,8 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             hotplug_ports: 0,
             plugged: Vec::new(),
             clone_from: None,
+            recorded_firmware: None,
+            tpm: None,
         })
         .await
         .unwrap();

@@ -25,11 +25,13 @@ pub mod qcow2;
 pub mod qemu;
 pub mod sim;
 pub mod stats_cache;
+pub mod tpm_use;
 pub mod unprivileged;
 pub mod vm_stats;
 
 pub use disk_creation::DiskCreation;
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
+pub use tpm_use::TpmUse;
 
 use async_trait::async_trait;
 use keel_api::{Accelerator, Millis};
@@ -91,6 +93,14 @@ pub struct DomainSpec {
     /// start, naming it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clone_from: Option<keel_api::CloneSource>,
+    /// The firmware recorded with the VM's first instance
+    /// (`VmStatus::firmware`): a start whose `boot.firmware` names another
+    /// is refused, with the reason. `None`: nothing recorded yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recorded_firmware: Option<keel_api::Firmware>,
+    /// The VM's TPM (`spec.tpm`), and whether this start may make its state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<TpmUse>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -149,6 +159,8 @@ impl DomainSpec {
             hotplug_ports: 0,
             plugged: Vec::new(),
             clone_from: None,
+            recorded_firmware: None,
+            tpm: None,
         }
     }
 }

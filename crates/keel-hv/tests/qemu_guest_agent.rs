@@ -104,6 +104,8 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         hotplug_ports: 0,
         plugged: Vec::new(),
         clone_from: None,
+        recorded_firmware: None,
+        tpm: None,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

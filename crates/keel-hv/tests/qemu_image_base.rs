@@ -46,6 +46,8 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         hotplug_ports: 0,
         plugged: Vec::new(),
         clone_from: None,
+        recorded_firmware: None,
+        tpm: None,
     }
 }
 

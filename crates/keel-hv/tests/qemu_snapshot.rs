@@ -46,6 +46,8 @@ fn db_spec(instance: &str) -> DomainSpec {
         hotplug_ports: 0,
         plugged: Vec::new(),
         clone_from: None,
+        recorded_firmware: None,
+        tpm: None,
     }
 }
 

@@ -928,10 +928,18 @@ pub struct CreateArgs {
     /// image's virtual size, which is the default).
     #[arg(long, requires = "image")]
     pub disk_size: Option<u64>,
-    /// Firmware: bios (SeaBIOS, the default) or uefi (OVMF, with a
-    /// variable store of the VM's own).
+    /// Firmware: bios (SeaBIOS, the default), uefi (OVMF, with a
+    /// variable store of the VM's own) or uefi-secure (UEFI Secure Boot).
     #[arg(long, value_parser = parse_firmware)]
     pub firmware: Option<keel_api::Firmware>,
+    /// UEFI Secure Boot (`--firmware uefi-secure`): OVMF's Secure Boot
+    /// build, SMM, and a variable store with Microsoft's keys enrolled.
+    /// Needs the q35 machine type; fixed for the VM's life.
+    #[arg(long)]
+    pub secure_boot: bool,
+    /// An emulated TPM 2.0 (swtpm), its state kept with the VM's disks.
+    #[arg(long)]
+    pub tpm: bool,
     /// Kernel for direct boot: an image of kind kernel in the image store.
     #[arg(long)]
     pub kernel: Option<String>,

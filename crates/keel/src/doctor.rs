@@ -106,6 +106,7 @@ pub fn run(args: &DoctorArgs) -> Vec<Check> {
     checks.push(check_passt());
     checks.push(check_kvm(args));
     checks.push(check_firmware());
+    checks.push(check_secure_boot_and_tpm());
     checks.push(check_data_dir(&args.data_dir));
     let disk_dir = args
         .disk_dir
@@ -346,6 +347,47 @@ fn check_firmware() -> Check {
             format!("{} missing", bios.display()),
             "apt-get install seabios (it comes with qemu-system-x86)",
         ),
+    }
+}
+
+/// `--secure-boot` needs OVMF's Secure Boot build and the variable store
+/// with Microsoft's keys; `--tpm` needs swtpm and swtpm_setup. Only the
+/// VMs that ask for them fail without: a warning.
+fn check_secure_boot_and_tpm() -> Check {
+    const NAME: &str = "secure boot, tpm";
+    let mut missing: Vec<String> = [
+        "/usr/share/OVMF/OVMF_CODE_4M.ms.fd",
+        "/usr/share/OVMF/OVMF_VARS_4M.ms.fd",
+    ]
+    .into_iter()
+    .filter(|f| !Path::new(f).is_file())
+    .map(String::from)
+    .collect();
+    for tool in ["swtpm", "swtpm_setup"] {
+        let runs = std::process::Command::new(tool)
+            .arg("--help")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok();
+        if !runs {
+            missing.push(tool.to_string());
+        }
+    }
+    if missing.is_empty() {
+        Check::ok(
+            NAME,
+            "OVMF's Secure Boot build, swtpm and swtpm_setup present",
+        )
+    } else {
+        Check::warn(
+            NAME,
+            format!(
+                "missing {}: VMs with --secure-boot or --tpm will not start",
+                missing.join(", ")
+            ),
+            "apt-get install ovmf swtpm swtpm-tools",
+        )
     }
 }
 

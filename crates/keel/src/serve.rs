@@ -550,6 +550,7 @@ async fn create_demo_vm(store: &TypedStore) -> anyhow::Result<()> {
             ha: None,
             cpu_model: None,
             placement: Default::default(),
+            tpm: None,
         },
     );
     vm.uid = crate::api::vms::new_vm_uid();

@@ -1248,6 +1248,19 @@ fn migrate_refusals_name_the_field() {
     assert!(msg.contains("cordoned"), "{msg}");
     let msg = refused("/api/v1/vms/web/migrate", r#"{"to":"silent"}"#, 409, "to");
     assert!(msg.contains("not ready"), "{msg}");
+    // A TPM's state cannot go with a live migration: refused, not tried.
+    let mut with_tpm = small_spec();
+    with_tpm["tpm"] = json!({"version": "2.0"});
+    with_tpm["node"] = json!("test-node");
+    server.create_vm("sealed", with_tpm);
+    server.wait_vm("sealed", "run", |v| phase(v) == "Running");
+    let msg = refused(
+        "/api/v1/vms/sealed/migrate",
+        r#"{"to":"ready"}"#,
+        409,
+        "spec.tpm",
+    );
+    assert!(msg.contains("TPM"), "{msg}");
     // A stale revision is refused as for every other write.
     let resp = server.send(
         "POST",

@@ -215,6 +215,7 @@ impl Cluster {
             ha: None,
             cpu_model: None,
             placement: Default::default(),
+            tpm: None,
         }
     }
 
@@ -237,6 +238,7 @@ impl Cluster {
                 ha: None,
                 cpu_model: None,
                 placement: Default::default(),
+                tpm: None,
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

@@ -567,6 +567,6 @@ fn openapi_describes_the_image_routes() {
     assert!(schemas["DiskSpec"]["properties"]["image"].is_object());
     assert_eq!(
         schemas["BootSpec"]["properties"]["firmware"]["enum"],
-        json!(["bios", "uefi"])
+        json!(["bios", "uefi", "uefi-secure"])
     );
 }

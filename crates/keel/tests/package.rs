@@ -218,6 +218,7 @@ fn doctor_prints_each_check_with_a_fix() {
         "qemu-img",
         "kvm",
         "firmware",
+        "secure boot, tpm",
         "data dir",
         "disk dir",
         "image store",

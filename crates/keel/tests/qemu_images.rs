@@ -9,6 +9,8 @@
 //! over the API's WebSocket. And a running guest's VM exported
 //! (`keel vm export`) and imported on a second server with its own data
 //! dir, where it boots with the data the guest wrote before the export.
+//! And a VM with Secure Boot and a TPM keeps its variable store and TPM
+//! state across restarts.
 
 mod common;
 
@@ -813,4 +815,194 @@ fn a_running_guests_export_imported_on_another_data_dir_boots_with_its_data() {
     assert_eq!(info["format"], "qcow2", "{info}");
     assert!(info.get("backing-filename").is_none(), "{info}");
     eprintln!("export, import and boot: {:?}", began.elapsed());
+}
+
+/// Imports `file` as an image of `kind` (kernel, initrd).
+fn import_kind(server: &TestServer, name: &str, kind: &str, file: &Path) {
+    let bytes = std::fs::read(file).unwrap();
+    let r = server.request(
+        "PUT",
+        &format!("/api/v1/images/{name}?kind={kind}"),
+        Some(&server.token),
+        Some(&bytes),
+        &[("Connection", "close")],
+    );
+    assert_eq!(r.status, 201, "{}", r.text);
+}
+
+/// The pids of the swtpm processes serving the TPM state in `state`.
+fn swtpms_of(state: &Path) -> Vec<i32> {
+    let want = format!("dir={}", state.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+            cmdline.starts_with("swtpm") && cmdline.contains(&want) && !zombie
+        })
+        .collect()
+}
+
+fn wait_swtpms_gone(state: &Path) {
+    let start = Instant::now();
+    while !swtpms_of(state).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "swtpm outlived its QEMU: {:?}",
+            swtpms_of(state)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// UEFI Secure Boot and a TPM, on one VM (one OVMF boot, to keep the
+/// wall time small): the guest's kernel reports Secure Boot on (the
+/// Secure Boot build of OVMF, with the VM's own store holding Microsoft's
+/// keys) and finds the TPM (`tpm_crb`); the swtpm serving it ends with
+/// its QEMU. The firmware is recorded at the first start: a spec naming
+/// another is refused at the next start with the reason on the VM, and
+/// the refused start touches neither the variable store nor the TPM
+/// state. Started again as recorded, the VM has the same store (same file,
+/// the bytes as the first run left them) and the same TPM state.
+#[test]
+fn secure_boot_and_a_tpm_stay_the_vms_own_across_restarts() {
+    let Some(guest) = guest_dir() else { return };
+    let (server, _guard) = qemu_server(&guest);
+    import_kind(&server, "vmlinuz", "kernel", &guest.join("vmlinuz"));
+    import_kind(
+        &server,
+        "initrd",
+        "initrd",
+        &guest.join("initramfs.cpio.gz"),
+    );
+    // No `quiet`: the kernel's Secure Boot and TPM lines are info level.
+    let spec = json!({"cpus": 1, "memory_mib": 256, "stop_grace_period_s": 5,
+        "boot": {"kernel": "vmlinuz", "initrd": "initrd", "cmdline": "console=ttyS0 panic=-1",
+                 "firmware": "uefi-secure"},
+        "tpm": {"version": "2.0"}});
+    server.create_vm("sb", spec.clone());
+    let vm = server.wait_vm("sb", "run", |v| common::phase(v) == "Running");
+    let dir = instance_dir(&server, &vm);
+    let (took, console) = wait_ready(&dir);
+    eprintln!("Secure Boot OVMF with a TPM: ready after {took:?}");
+    assert!(
+        console.contains("Secure boot enabled"),
+        "the guest's kernel found Secure Boot on: {console}"
+    );
+    assert!(
+        console.contains("tpm_crb"),
+        "the guest's kernel found the TPM: {console}"
+    );
+    let disks = server
+        .dir
+        .path()
+        .join("node/disks/sb")
+        .canonicalize()
+        .unwrap();
+    let vars = disks.join("uefi-vars.fd");
+    let state = disks.join("tpm");
+    let joined = argv(&dir).join(" ");
+    for wanted in [
+        "if=pflash,format=raw,unit=0,readonly=on,file=/usr/share/OVMF/OVMF_CODE_4M.ms.fd"
+            .to_string(),
+        format!("if=pflash,format=raw,unit=1,file={}", vars.display()),
+        "-machine smm=on".into(),
+        "-global driver=cfi.pflash01,property=secure,value=on".into(),
+        "-tpmdev emulator,id=tpm0,chardev=chrtpm -device tpm-crb,tpmdev=tpm0".into(),
+    ] {
+        assert!(joined.contains(&wanted), "{wanted} in {joined}");
+    }
+    assert_eq!(
+        std::fs::metadata(&vars).unwrap().len(),
+        std::fs::metadata("/usr/share/OVMF/OVMF_VARS_4M.ms.fd")
+            .unwrap()
+            .len(),
+        "the VM's own copy of the template with Microsoft's keys"
+    );
+    assert!(state.join("tpm2-00.permall").is_file(), "TPM state made");
+    assert_eq!(swtpms_of(&state).len(), 1, "one swtpm for the instance");
+    assert_eq!(vm["vm"]["status"]["firmware"], "uefi-secure", "{vm}");
+
+    let r = server.send("POST", "/api/v1/vms/sb/stop", "");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let stopped = server.wait_settled_stopped("sb");
+    wait_swtpms_gone(&state);
+    assert!(
+        stopped["vm"]["status"]["tpm_used_since"].is_u64(),
+        "the TPM ran: its state is the VM's data now: {stopped}"
+    );
+    let vars_after_run = std::fs::read(&vars).unwrap();
+    assert_ne!(
+        vars_after_run,
+        std::fs::read("/usr/share/OVMF/OVMF_VARS_4M.ms.fd").unwrap(),
+        "the firmware wrote into the VM's own store"
+    );
+    use std::os::unix::fs::MetadataExt;
+    let vars_inode = std::fs::metadata(&vars).unwrap().ino();
+    // A file beside the state: a state dir made again would lose it.
+    std::fs::write(state.join("kept-by-the-test"), b"x").unwrap();
+
+    // Other firmware named: refused at the start, with the reason on the
+    // VM, and nothing of the VM's touched.
+    let mut plain = spec.clone();
+    plain["boot"]["firmware"] = json!("uefi");
+    // The spec's power is Running (the default): replacing it starts the VM.
+    replace_spec(&server, "sb", &plain);
+    let refused = server.wait_vm("sb", "refuse other firmware", |v| {
+        v["vm"]["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("first started with uefi-secure"))
+    });
+    eprintln!("refused: {}", refused["vm"]["status"]["message"]);
+    assert_eq!(std::fs::read(&vars).unwrap(), vars_after_run);
+    assert!(swtpms_of(&state).is_empty());
+
+    // As recorded again: the same store and TPM state.
+    replace_spec(&server, "sb", &spec);
+    let vm = server.wait_vm("sb", "run again", |v| {
+        common::phase(v) == "Running" && common::instance(v).is_some_and(|i| i != vm_id(&vm))
+    });
+    assert_eq!(std::fs::metadata(&vars).unwrap().ino(), vars_inode);
+    assert!(
+        state.join("kept-by-the-test").is_file(),
+        "the same TPM state dir"
+    );
+    assert!(state.join("tpm2-00.permall").is_file());
+    assert_eq!(swtpms_of(&state).len(), 1);
+    let dir = instance_dir(&server, &vm);
+    assert!(argv(&dir).join(" ").contains("OVMF_CODE_4M.ms.fd"));
+
+    // Deleted: QEMU killed at the end of the grace period if the firmware
+    // is still booting; its swtpm goes with it, and the state with the disks.
+    delete_and_wait(&server, "sb");
+    wait_swtpms_gone(&state);
+    assert!(!disks.exists(), "the TPM state went with the disks");
+}
+
+/// `PUT /vms/{name}/spec` at the revision just read (again, if the
+/// controller wrote in between).
+fn replace_spec(server: &TestServer, name: &str, spec: &Value) {
+    for _ in 0..20 {
+        let revision = server.vm(name).expect("the VM")["revision"].clone();
+        let r = server.send(
+            "PUT",
+            &format!("/api/v1/vms/{name}/spec"),
+            &json!({ "spec": spec, "revision": revision }).to_string(),
+        );
+        if r.status == 200 {
+            return;
+        }
+        assert_eq!(r.status, 409, "{}", r.text);
+    }
+    panic!("the spec of {name} could not be replaced");
+}
+
+fn vm_id(vm: &Value) -> String {
+    common::instance(vm).expect("an instance")
 }

@@ -126,6 +126,7 @@ pub fn spec(policy: RunPolicy) -> VmSpec {
         ha: None,
         cpu_model: None,
         placement: Default::default(),
+        tpm: None,
     }
 }
 

@@ -54,6 +54,7 @@ pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
         ha: None,
         cpu_model: None,
         placement: Default::default(),
+        tpm: None,
     }
 }
 

@@ -227,6 +227,7 @@ impl Env {
             ha: None,
             cpu_model: None,
             placement: Default::default(),
+            tpm: None,
         }
     }
 

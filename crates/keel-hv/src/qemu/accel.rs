@@ -223,6 +223,7 @@ pub async fn probe_kvm(
         nic: None,
         seed: None,
         direct_io: false,
+        tpm: None,
         hotplug_ports: 0,
         plugged: vec![],
         graphics: None,

@@ -26,6 +26,9 @@ pub struct UefiFiles {
     pub code: PathBuf,
     /// The VM's own copy of the variable store template.
     pub vars: PathBuf,
+    /// Secure Boot ([`super::secure_boot`]): `code` is OVMF's Secure Boot
+    /// build, `vars` a copy of the template with Microsoft's keys.
+    pub secure: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,6 +97,9 @@ impl BootPlan {
                 "if=pflash,format=raw,unit=1,file={}",
                 opt_escape(&uefi.vars)
             ));
+            if uefi.secure {
+                a.extend(super::secure_boot::args().map(String::from));
+            }
         }
         match self {
             BootPlan::Kernel {
@@ -125,6 +131,8 @@ pub struct BootDefaults<'a> {
     pub initrd: Option<&'a Path>,
     pub cmdline: &'a str,
     pub ovmf_code: &'a Path,
+    /// OVMF's Secure Boot build (`firmware: uefi-secure`).
+    pub ovmf_code_secure: &'a Path,
 }
 
 /// The image record `name` of `kind`, from those the controller passed.
@@ -215,14 +223,28 @@ pub fn plan(
     vars: &Path,
 ) -> Result<BootPlan, String> {
     let boot = &spec.boot;
-    let uefi = (boot.firmware == Some(Firmware::Uefi)).then(|| UefiFiles {
-        code: defaults.ovmf_code.to_path_buf(),
-        vars: vars.to_path_buf(),
+    let uefi = boot.firmware.filter(|f| f.is_uefi()).map(|firmware| {
+        let secure = firmware == Firmware::UefiSecure;
+        let code = if secure {
+            defaults.ovmf_code_secure
+        } else {
+            defaults.ovmf_code
+        };
+        UefiFiles {
+            code: code.to_path_buf(),
+            vars: vars.to_path_buf(),
+            secure,
+        }
     });
     if let Some(uefi) = &uefi {
         if !uefi.code.is_file() {
             return Err(format!(
-                "UEFI firmware {} is missing (install Debian's ovmf package: scripts/setup)",
+                "{} firmware {} is missing (install Debian's ovmf package: scripts/setup)",
+                if uefi.secure {
+                    "UEFI Secure Boot"
+                } else {
+                    "UEFI"
+                },
                 uefi.code.display()
             ));
         }
@@ -319,6 +341,8 @@ mod tests {
             hotplug_ports: 0,
             plugged: Vec::new(),
             clone_from: None,
+            recorded_firmware: None,
+            tpm: None,
         }
     }
 
@@ -329,6 +353,7 @@ mod tests {
             initrd: None,
             cmdline: "console=ttyS0",
             ovmf_code: Path::new("/nonexistent/OVMF_CODE.fd"),
+            ovmf_code_secure: Path::new("/nonexistent/OVMF_CODE.ms.fd"),
         }
     }
 
@@ -395,6 +420,59 @@ mod tests {
             args.contains("if=pflash,format=raw,unit=1,file=/disks/web/uefi-vars.fd"),
             "{args}"
         );
+    }
+
+    #[test]
+    fn secure_boot_takes_the_secure_code_with_smm_and_a_locked_flash() {
+        let boot = BootSpec {
+            firmware: Some(Firmware::UefiSecure),
+            ..Default::default()
+        };
+        let err = plan(
+            &spec(boot.clone(), Some("debian")),
+            &[],
+            &defaults(Path::new("/")),
+            Path::new("/v"),
+        )
+        .unwrap_err();
+        assert!(
+            err.contains("Secure Boot") && err.contains("OVMF_CODE.ms.fd"),
+            "{err}"
+        );
+        let code = tempfile::NamedTempFile::new().unwrap();
+        let plain = tempfile::NamedTempFile::new().unwrap();
+        let d = BootDefaults {
+            ovmf_code: plain.path(),
+            ovmf_code_secure: code.path(),
+            ..defaults(Path::new("/"))
+        };
+        let p = plan(
+            &spec(boot, Some("debian")),
+            &[],
+            &d,
+            Path::new("/disks/web/uefi-vars.fd"),
+        )
+        .unwrap();
+        assert!(p.uefi().unwrap().secure);
+        let args = p.args().join(" ");
+        assert!(
+            args.contains(&format!(
+                "if=pflash,format=raw,unit=0,readonly=on,file={} \
+                 -drive if=pflash,format=raw,unit=1,file=/disks/web/uefi-vars.fd \
+                 -machine smm=on -global driver=cfi.pflash01,property=secure,value=on",
+                code.path().display()
+            )),
+            "{args}"
+        );
+        // Plain UEFI: neither SMM nor the locked flash.
+        let plain_boot = BootSpec {
+            firmware: Some(Firmware::Uefi),
+            ..Default::default()
+        };
+        let p = plan(&spec(plain_boot, Some("debian")), &[], &d, Path::new("/v")).unwrap();
+        let args = p.args().join(" ");
+        assert!(!args.contains("smm") && !args.contains("secure"), "{args}");
+        assert!(args.contains(&plain.path().display().to_string()), "{args}");
     }
 
     #[test]

@@ -68,6 +68,14 @@ pub struct QemuConfig {
     /// variable store is copied from (Debian's `ovmf` package).
     pub ovmf_code: PathBuf,
     pub ovmf_vars: PathBuf,
+    /// The same for Secure Boot ([`super::secure_boot`]): OVMF's Secure
+    /// Boot build (it needs SMM) and the template with Microsoft's keys
+    /// enrolled, so Secure Boot is on from the first boot.
+    pub ovmf_code_secure: PathBuf,
+    pub ovmf_vars_secure: PathBuf,
+    /// The TPM emulator and its manufacturing tool ([`super::tpm`]).
+    pub swtpm_binary: PathBuf,
+    pub swtpm_setup_binary: PathBuf,
     pub accel: AccelChoice,
     /// How long the KVM probe guest may take to print its ready marker.
     pub probe_timeout: Duration,
@@ -117,6 +125,10 @@ impl QemuConfig {
             image_dir: None,
             ovmf_code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(),
             ovmf_vars: "/usr/share/OVMF/OVMF_VARS_4M.fd".into(),
+            ovmf_code_secure: "/usr/share/OVMF/OVMF_CODE_4M.ms.fd".into(),
+            ovmf_vars_secure: "/usr/share/OVMF/OVMF_VARS_4M.ms.fd".into(),
+            swtpm_binary: "swtpm".into(),
+            swtpm_setup_binary: "swtpm_setup".into(),
             accel: AccelChoice::Auto,
             probe_timeout: Duration::from_secs(20),
             probe_banner_timeout: Duration::from_secs(5),

@@ -260,7 +260,7 @@ impl QemuDriver {
         spec: &DomainSpec,
         incoming: bool,
     ) -> Result<(), String> {
-        if spec.boot.firmware != Some(keel_api::Firmware::Uefi) {
+        if !spec.boot.firmware.is_some_and(|f| f.is_uefi()) {
             return Ok(());
         }
         // A copy and two fsyncs on the disk dir: on the blocking pool.
@@ -286,7 +286,12 @@ impl QemuDriver {
                 vars.display()
             ));
         }
-        let template = &self.inner.config.ovmf_vars;
+        // Secure Boot's has Microsoft's keys enrolled, so it is on at once.
+        let template = if spec.boot.firmware == Some(keel_api::Firmware::UefiSecure) {
+            &self.inner.config.ovmf_vars_secure
+        } else {
+            &self.inner.config.ovmf_vars
+        };
         let tmp = vm_dir.join(format!(".{}.{}.tmp", boot::UEFI_VARS, std::process::id()));
         std::fs::create_dir_all(&vm_dir)
             .and_then(|()| std::fs::copy(template, &tmp))

@@ -331,6 +331,20 @@ impl Hypervisor for QemuDriver {
                 reason: e.to_string(),
             });
         }
+        // swtpm too: it holds the lock on the VM's TPM state, which the
+        // next instance takes at once.
+        let (dir, sockets) = (domain.paths.dir.clone(), domain.paths.sockets.clone());
+        let swtpm_gone = blocking::unblocked("wait for swtpm", move || {
+            super::tpm::await_gone(&dir, &sockets).map_err(io::Error::other)
+        })
+        .await;
+        if let Err(e) = swtpm_gone {
+            return Err(HvError::Failed {
+                instance: instance.to_string(),
+                op: "cleanup",
+                reason: e.to_string(),
+            });
+        }
         if let Err(e) = network::release(instance) {
             return Err(HvError::Failed {
                 instance: instance.to_string(),

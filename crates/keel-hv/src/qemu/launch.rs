@@ -16,7 +16,7 @@ use super::layout::{self, rename_noreplace, InstancePaths, LaunchPlan, LaunchRec
 use super::monitor::{Domain, Phase, ProcessWatch};
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
-use super::{blocking, boot, cloud_init, keeper, network, passt, QemuDriver};
+use super::{blocking, boot, cloud_init, keeper, network, passt, tpm, QemuDriver};
 use crate::{DomainSpec, HvError, IncomingParams};
 
 impl QemuDriver {
@@ -46,6 +46,7 @@ impl QemuDriver {
             initrd: config.default_initrd.as_deref(),
             cmdline: &config.default_cmdline,
             ovmf_code: &config.ovmf_code,
+            ovmf_code_secure: &config.ovmf_code_secure,
         };
         let vars = self.inner.layout.vm_disks(&spec.vm).join(boot::UEFI_VARS);
         let boot = boot::plan(spec, images, &defaults, &vars).map_err(failed)?;
@@ -63,6 +64,11 @@ impl QemuDriver {
             .hardware
             .as_ref()
             .map_or_else(|| config.machine.clone(), |hw| hw.machine.clone());
+        if boot.uefi().is_some_and(|u| u.secure) {
+            if let Some(why) = super::secure_boot::machine_refused(&machine) {
+                return Err(failed(why));
+            }
+        }
         // A plugged disk (a migration target's) sits on its root port; the
         // others are on the root complex, in the spec's order.
         let (plugged, disks): (Vec<_>, Vec<_>) = spec
@@ -84,9 +90,14 @@ impl QemuDriver {
             })
             .collect();
         let disks = disks.into_iter().map(|(_, path)| path).collect();
+        let paths = self.inner.layout.new_instance(&spec.instance);
+        let tpm = spec
+            .tpm
+            .map(|_| tpm::TpmPlan::new(&self.inner.layout.vm_disks(&spec.vm), &paths.sockets));
         Ok(LaunchPlan {
             instance: spec.instance.clone(),
-            paths: self.inner.layout.new_instance(&spec.instance),
+            paths,
+            tpm,
             accelerator,
             hotplug_ports: if super::hotplug::is_q35(&machine) {
                 spec.hotplug_ports
@@ -131,6 +142,14 @@ impl QemuDriver {
         let images = boot::verified_images(&self.inner.images, spec)
             .await
             .map_err(&failed)?;
+        if let Some(why) =
+            keel_api::Firmware::change_refused(spec.recorded_firmware, spec.boot.firmware)
+        {
+            return Err(failed(why));
+        }
+        if incoming && spec.tpm.is_some() {
+            return Err(failed(tpm::migration_refused(&spec.vm)));
+        }
         let disks = if incoming {
             self.existing_disks(spec).await?
         } else {
@@ -158,6 +177,19 @@ impl QemuDriver {
         let accelerator = self.accelerator().await;
         let mut plan = self.plan(accelerator, spec, disks, &images)?;
         plan.incoming = incoming;
+        if let (Some(tpm), Some(wanted)) = (&plan.tpm, spec.tpm) {
+            let (setup, tpm, vm) = (
+                self.inner.config.swtpm_setup_binary.clone(),
+                tpm.clone(),
+                spec.vm.clone(),
+            );
+            blocking::unblocked("the TPM's state", move || {
+                Ok(tpm::ensure_state(&setup, &tpm, &vm, wanted.may_create))
+            })
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()))
+            .map_err(&failed)?;
+        }
         let args = plan.args();
         let record = LaunchRecord {
             spec: spec.clone(),
@@ -233,6 +265,9 @@ impl QemuDriver {
                 if let Err(e) = network::release(&instance) {
                     tracing::warn!(instance = %instance, error = %e, "failed start: tap not removed");
                 }
+                if let Err(e) = tpm::await_gone(&paths.dir, &paths.sockets) {
+                    tracing::warn!(instance = %instance, error = %e, "failed start: swtpm left");
+                }
                 let _ = std::fs::remove_dir_all(&paths.dir);
                 paths.remove_sockets()
             })
@@ -243,6 +278,15 @@ impl QemuDriver {
             if let Err(e) = nic.prepare() {
                 let _ = remove_dir().await;
                 return Err(failed(e.to_string()));
+            }
+        }
+        // The TPM first: QEMU connects to it as it starts.
+        if let Some(tpm) = &plan.tpm {
+            if let Err(reason) =
+                tpm::start(&self.inner.config.swtpm_binary, tpm, &plan.paths.dir).await
+            {
+                let _ = remove_dir().await;
+                return Err(failed(reason));
             }
         }
         // QEMU's end of the user-mode network. Held only until QEMU has it:

@@ -16,6 +16,7 @@
 //!     fs-frozen             Keel froze the guest's filesystems; thaw them
 //!     cidata.img            cloud-init NoCloud seed, rebuilt at every start
 //!   disks/<vm>/<disk>.qcow2 belong to the VM and outlive instances
+//!   disks/<vm>/tpm/         the TPM's state (swtpm), the VM's like its disks
 //!
 //! runtime_dir/<16 hex>/     the instance's sockets (a hash of its directory)
 //!   qmp.sock                QMP monitor (QEMU listens)
@@ -23,6 +24,7 @@
 //!   console.sock            serial console ttyS0, interactive (QEMU listens)
 //!   qga.sock                qemu-guest-agent, virtio-serial (QEMU listens)
 //!   migrate.sock            incoming live migration (QEMU listens; unix URIs)
+//!   swtpm.sock              the TPM's control channel (swtpm listens; see `tpm`)
 //! ```
 //!
 //! Sockets live apart because a Unix socket's path must fit `sun_path`
@@ -407,6 +409,8 @@ pub struct LaunchPlan {
     pub plugged: Vec<PluggedPath>,
     /// A graphical console (`spec.boot.graphics`), see [`super::vnc`].
     pub graphics: Option<keel_api::Graphics>,
+    /// The VM's TPM ([`super::tpm`]), on its swtpm's socket.
+    pub tpm: Option<super::tpm::TpmPlan>,
 }
 
 /// A disk of a launch that sits on a root port.
@@ -544,6 +548,10 @@ impl LaunchPlan {
         if let Some(nic) = &self.nic {
             a.extend(nic.args());
         }
+        // Not on PCI: it takes no address from the devices after it.
+        if let Some(tpm) = &self.tpm {
+            a.extend(tpm.qemu_args());
+        }
         // Last: every device before keeps the address it has without them.
         a.extend(super::hotplug::port_args(self.hotplug_ports));
         for p in &self.plugged {
@@ -637,6 +645,7 @@ mod tests {
             hotplug_ports: 0,
             plugged: vec![],
             graphics: None,
+            tpm: None,
         };
         let args = plan.args();
         let joined = args.join(" ");

@@ -54,11 +54,13 @@ mod query_block;
 mod registry;
 mod reset;
 mod reset_count;
+pub mod secure_boot;
 mod snapshot;
 mod stats;
 pub mod tls;
 mod vnc;
 mod vm_export;
+pub mod tpm;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -211,6 +211,8 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         hotplug_ports: 0,
         plugged: Vec::new(),
         clone_from: None,
+        recorded_firmware: None,
+        tpm: None,
     }
 }
 

@@ -55,6 +55,23 @@ pub async fn migrate(
     vm.clone()
         .request_migration(req.to.as_deref(), now)
         .map_err(ApiError::refused)?;
+    // The TPM's state cannot go with a live migration (see qemu::tpm): refused
+    // here rather than tried and failed, or its state risked.
+    let started_with_tpm = vm
+        .status
+        .instance
+        .as_ref()
+        .and_then(|i| i.started_with.as_ref())
+        .map_or(vm.spec.tpm.is_some(), |s| s.tpm);
+    if started_with_tpm {
+        return Err(ApiError::conflict(
+            "spec.tpm",
+            format!(
+                "VM {name} runs with a TPM, whose state live migration cannot carry: stop it \
+                 and start it on the other node (its TPM state goes with its disks)"
+            ),
+        ));
+    }
     if let Some(inst) = &vm.status.instance {
         if let Some(node) = state.store.get::<Node>(&node_key(&inst.node)).await? {
             if node.value.draining().is_some() {

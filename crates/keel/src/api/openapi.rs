@@ -318,7 +318,8 @@ fn schemas() -> Value {
             "restart_generation": {"type": "integer", "minimum": 0},
             "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
             "node": {"$ref": "#/components/schemas/Name"},
-            "ha": {"type": "boolean", "description": "High availability: fenced and started on another node when its node is lost. Fences only a VM on shared disks. Default: on where the disk home is shared, off where it is node-local. A change applies from the next instance"}
+            "ha": {"type": "boolean", "description": "High availability: fenced and started on another node when its node is lost. Fences only a VM on shared disks. Default: on where the disk home is shared, off where it is node-local. A change applies from the next instance"},
+            "tpm": {"$ref": "#/components/schemas/TpmSpec"}
         }},
         "DiskSpec": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
@@ -329,7 +330,7 @@ fn schemas() -> Value {
             "kernel": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "Direct kernel boot: an image of kind kernel (never a host path)"},
             "initrd": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "An image of kind initrd"},
             "cmdline": {"type": "string", "maxLength": 1024},
-            "firmware": {"type": "string", "enum": ["bios", "uefi"], "description": "Firmware; a VM whose first disk is made from an image (or that names a firmware) and no kernel boots from that disk. Default bios (SeaBIOS); uefi is OVMF with a variable store of the VM's own"}
+            "firmware": {"type": "string", "enum": ["bios", "uefi", "uefi-secure"], "description": "Firmware; a VM whose first disk is made from an image (or that names a firmware) and no kernel boots from that disk. Default bios (SeaBIOS); uefi is OVMF with a variable store of the VM's own; uefi-secure is UEFI Secure Boot (Microsoft's keys enrolled, SMM; q35 only). Recorded at the first start and fixed for the VM's life"}
         }},
         "PowerState": {"type": "string", "enum": ["Running", "Stopped"]},
         "PowerIntent": {"type": "object", "required": ["power", "reason", "recorded_at"], "properties": {
@@ -549,9 +550,18 @@ fn schemas() -> Value {
             "items": {"type": "array", "items": {"$ref": "#/components/schemas/MigrationItem"}}
         }}
     });
+    // Apart from `core`: one more schema there passes json!'s recursion limit.
+    let tpm = json!({
+        "TpmSpec": {"type": "object", "additionalProperties": false, "description": "An emulated TPM (swtpm), its state kept with the VM's disks and never made again once an instance ran with it. A VM with a TPM is not live-migrated", "properties": {
+            "version": {"type": "string", "enum": ["2.0"], "default": "2.0"}
+        }}
+    });
     let mut all = core;
     all.as_object_mut()
         .expect("object")
         .extend(maintenance.as_object().expect("object").clone());
+    all.as_object_mut()
+        .expect("object")
+        .extend(tpm.as_object().expect("object").clone());
     all
 }

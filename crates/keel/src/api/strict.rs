@@ -47,6 +47,15 @@ struct StrictVmSpec {
     cpu_model: Option<String>,
     #[serde(default)]
     placement: StrictPlacementRules,
+    #[serde(default)]
+    tpm: Option<StrictTpmSpec>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StrictTpmSpec {
+    #[serde(default)]
+    version: keel_api::TpmVersion,
 }
 
 #[derive(Default, Deserialize)]
@@ -157,6 +166,7 @@ impl From<StrictVmSpec> for VmSpec {
             ha,
             cpu_model,
             placement,
+            tpm,
         } = s;
         let StrictPlacementRules {
             node_selector,
@@ -251,6 +261,7 @@ impl From<StrictVmSpec> for VmSpec {
                 }),
                 affinity,
             },
+            tpm: tpm.map(|StrictTpmSpec { version }| keel_api::TpmSpec { version }),
         }
     }
 }
@@ -275,7 +286,9 @@ fn covers_every_field(spec: VmSpec) {
         ha: _,
         cpu_model: _,
         placement,
+        tpm,
     } = spec;
+    if let Some(keel_api::TpmSpec { version: _ }) = tpm {}
     let PlacementRules {
         node_selector: _,
         anti_affinity,
@@ -382,6 +395,7 @@ mod tests {
             ha: Some(false),
             cpu_model: Some("Nehalem-v2".into()),
             placement: Default::default(),
+            tpm: Some(keel_api::TpmSpec::default()),
         };
         let json = serde_json::json!({ "spec": spec });
         let body: Body = serde_json::from_value(json).unwrap();

@@ -21,6 +21,7 @@ mod vm_cdrom;
 mod vm_clone;
 mod vm_disk;
 mod vm_export;
+mod vm_firmware;
 mod vm_ha;
 mod vm_migrate;
 mod vm_top;

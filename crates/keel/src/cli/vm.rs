@@ -85,7 +85,7 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             kernel: args.kernel.clone(),
             initrd: args.initrd.clone(),
             cmdline: args.cmdline.clone(),
-            firmware: args.firmware,
+            firmware: super::vm_firmware::firmware(args.firmware, args.secure_boot)?,
         },
         run_policy: args.policy.unwrap_or_default(),
         power: if args.stopped {
@@ -105,6 +105,7 @@ pub fn spec_from_args(args: &CreateArgs) -> anyhow::Result<VmSpec> {
             _ => None,
         },
         cpu_model: args.cpu_model.clone(),
+        tpm: args.tpm.then(keel_api::TpmSpec::default),
         placement: args.placement.rules(),
     })
 }
@@ -219,13 +220,10 @@ fn describe(resp: &VmResponse) -> String {
     }
     pairs.extend(super::vm_cdrom::describe(vm));
     if let Some(firmware) = vm.spec.boot.firmware {
-        pairs.push((
-            "firmware",
-            match firmware {
-                keel_api::Firmware::Bios => "bios".into(),
-                keel_api::Firmware::Uefi => "uefi".into(),
-            },
-        ));
+        pairs.push(("firmware", firmware.name().into()));
+    }
+    if let Some(tpm) = super::vm_firmware::tpm_summary(vm) {
+        pairs.push(("tpm", tpm));
     }
     match &s.instance {
         Some(i) => {
