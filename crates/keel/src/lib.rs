@@ -30,3 +30,4 @@ pub mod serve;
 pub mod store_access;
 pub mod timefmt;
 pub mod token_book;
+pub mod webui;

@@ -31,8 +31,11 @@ pub mod snapshots;
 pub mod strict;
 pub mod token_limits;
 pub mod tokens;
+pub mod vm_watch;
 pub mod vms;
+pub mod whoami;
 mod write;
+pub mod ws_auth;
 
 use std::sync::Arc;
 
@@ -139,6 +142,7 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/nodes/{name}/labels", post(node_labels::label))
         .route("/api/v1/tokens", get(tokens::list).post(tokens::create))
         .route("/api/v1/tokens/{id}", delete(tokens::revoke))
+        .route("/api/v1/whoami", get(whoami::whoami))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -271,6 +271,9 @@ pub fn spec() -> Value {
     super::clone::describe(&mut doc);
     super::node_labels::describe(&mut doc);
     super::drain_return::describe(&mut doc);
+    super::whoami::describe(&mut doc);
+    super::vm_watch::describe(&mut doc);
+    super::ws_auth::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",
