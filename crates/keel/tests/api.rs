@@ -1305,9 +1305,15 @@ fn vm_watch_streams_the_list_then_each_change_and_whoami_names_the_token() {
         "before",
         json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
     );
+    // Bounded: a change the stream never delivers fails the test.
     let mut resp = server
         .trust
-        .agent(ureq::Agent::config_builder().proxy(None).build())
+        .agent(
+            ureq::Agent::config_builder()
+                .proxy(None)
+                .timeout_global(Some(common::DEADLINE))
+                .build(),
+        )
         .get(format!("{}/api/v1/vms?watch=true", server.base))
         .header("Authorization", format!("Bearer {}", server.token))
         .call()

@@ -350,6 +350,26 @@ async fn the_web_console_in_a_real_browser() {
     )
     .await;
 
+    // The node page lists this server's node, with Drain for an admin;
+    // the events page has the demo VM's phase changes.
+    click(&c, "a[data-nav=nodes]").await;
+    wait_js(
+        &c,
+        "the node with its Drain button",
+        "return document.querySelectorAll('tr[data-node] [data-action=drain]').length",
+        |v| v == 1,
+    )
+    .await;
+    click(&c, "a[data-nav=events]").await;
+    wait_js(
+        &c,
+        "the demo VM's events",
+        "return document.getElementById('view').innerText",
+        |v| v.as_str().is_some_and(|t| t.contains("Stopping → Stopped")),
+    )
+    .await;
+    click(&c, "a[data-nav=vms]").await;
+
     // A viewer: the same pages, no action buttons; the API refuses anyway.
     click(&c, "#logout").await;
     sign_in(&c, &base, &viewer).await;

@@ -485,7 +485,8 @@ function vmPage(name) {
 
 function addresses(vm) {
   const inst = vm.status.instance;
-  const found = inst?.addresses ?? inst?.guest?.addresses ?? vm.status.addresses;
+  // The guest's addresses as its readiness check last read them.
+  const found = inst?.readiness?.addresses;
   if (!found || found.length === 0) return "-";
   return found.map((a) => (typeof a === "string" ? a : a.address ?? JSON.stringify(a))).join(", ");
 }
