@@ -350,6 +350,46 @@ async fn the_web_console_in_a_real_browser() {
     )
     .await;
 
+    // The create form posts the fields of `keel vm create`: a stopped VM
+    // appears in the list through the watch.
+    click(&c, "[data-action=create]").await;
+    let form = c
+        .wait()
+        .at_most(WAIT)
+        .for_element(Locator::Css("#create-form"))
+        .await
+        .unwrap();
+    let input = |name: &'static str| {
+        let form = form.clone();
+        async move {
+            form.find(Locator::Css(&format!("[name={name}]")))
+                .await
+                .unwrap()
+        }
+    };
+    input("name")
+        .await
+        .send_keys("from-the-form")
+        .await
+        .unwrap();
+    let memory = input("memory_mib").await;
+    memory.clear().await.unwrap();
+    memory.send_keys("64").await.unwrap();
+    input("power")
+        .await
+        .select_by_label("Stopped")
+        .await
+        .unwrap();
+    click(&c, "#create-form button[type=submit]").await;
+    wait_js(
+        &c,
+        "the VM made with the form, Stopped, in the list",
+        "const r = document.querySelector('tr[data-vm=\"from-the-form\"]'); \
+         return r ? [r.querySelector('td.phase').textContent, r.children[5].textContent] : null;",
+        |v| v == &json!(["Stopped", "1 / 64 MiB"]),
+    )
+    .await;
+
     // The node page lists this server's node, with Drain for an admin;
     // the events page has the demo VM's phase changes.
     click(&c, "a[data-nav=nodes]").await;
