@@ -341,6 +341,19 @@ async fn the_web_console_in_a_real_browser() {
     )
     .await;
     assert_eq!(progress[0], "done", "{progress}");
+
+    // A snapshot of the stopped VM, named in the page's prompt, followed
+    // to Ready and listed on the page.
+    click(&c, "#vm-page [data-action=snapshot]").await;
+    c.send_alert_text("from-the-page").await.unwrap();
+    c.accept_alert().await.unwrap();
+    wait_js(
+        &c,
+        "the snapshot Ready in the VM's list",
+        &text_of("tr[data-snapshot=\"from-the-page\"] td.phase"),
+        |v| v == "Ready",
+    )
+    .await;
     click(&c, "a[data-nav=vms]").await;
     wait_js(
         &c,

@@ -463,7 +463,7 @@ function vmPage(name) {
     h("td", { class: "reason" }, e.event.reason)));
   const snapshots = details.snapshots.map((it) => {
     const snap = it.snapshot;
-    return h("tr", {}, h("td", {}, snap.name), h("td", {}, badge(snap.status?.phase ?? snap.phase ?? "-")), h("td", {}, time(snap.created_at ?? snap.status?.created_at)),
+    return h("tr", { "data-snapshot": snap.name }, h("td", {}, snap.name), h("td", { class: "phase" }, badge(snap.status?.phase ?? "Pending")), h("td", {}, time(snap.status?.taken_at)),
       h("td", {}, can("restore") && h("button", { class: "small", "data-action": "restore", onclick: () => restore(name, snap.name) }, "Restore")));
   });
   const migrations = details.migrations.slice(-10).reverse().map((it) => {
@@ -494,14 +494,31 @@ function addresses(vm) {
 async function takeSnapshot(name) {
   const snap = prompt(`Name of the new snapshot of ${name}:`);
   if (!snap) return;
+  const progress = { name, verb: "snapshot", text: `${name}: snapshot ${snap} requested`, started: Date.now() };
+  state.progress = progress;
+  render();
   try {
     await api("POST", `/api/v1/vms/${enc(name)}/snapshots`, { name: snap });
-    state.progress = { name, verb: "snapshot", done: true, text: `${name}: snapshot ${snap} requested` };
+    // A snapshot is its own record, outside the VM watch: this one action
+    // is followed until it settles (Ready or Failed), backing off.
+    let pause = 500;
+    for (;;) {
+      const got = await api("GET", `/api/v1/vms/${enc(name)}/snapshots/${enc(snap)}`);
+      const phase = got.snapshot.status?.phase ?? "Pending";
+      progress.text = `${name}: snapshot ${snap} ${phase}${got.snapshot.status?.message ? `: ${got.snapshot.status.message}` : ""}`;
+      if (phase === "Ready") { progress.done = true; break; }
+      if (phase === "Failed") { progress.failed = true; break; }
+      if (Date.now() - progress.started > WAIT_LIMIT_MS) { progress.failed = true; progress.text += " (timed out waiting)"; break; }
+      render();
+      await new Promise((r) => setTimeout(r, pause));
+      pause = Math.min(pause * 2, 5000);
+    }
     loadDetails(name);
   } catch (err) {
-    state.progress = { name, verb: "snapshot", failed: true, text: `snapshot of ${name}: ${err.message}` };
+    progress.failed = true;
+    progress.text = `snapshot of ${name}: ${err.message}`;
   }
-  render();
+  if (state.progress === progress) render();
 }
 
 function restore(name, snapshot) {
