@@ -336,7 +336,8 @@ async fn the_web_console_in_a_real_browser() {
     let progress = wait_js(
         &c,
         "the stop's progress to finish",
-        "const p = document.getElementById('progress'); return p ? [p.dataset.state, p.textContent] : null;",
+        "const p = document.getElementById('progress'); \
+         return p && p.textContent.includes('stop') && p.dataset.state !== 'busy' ? [p.dataset.state, p.textContent] : null;",
         |v| v[0] == "done" || v[0] == "failed",
     )
     .await;
@@ -354,6 +355,27 @@ async fn the_web_console_in_a_real_browser() {
         |v| v == "Ready",
     )
     .await;
+    // Restored from it (confirmed in the page's dialog): the progress
+    // ends with the VM back Stopped, as it was.
+    click(
+        &c,
+        "tr[data-snapshot=\"from-the-page\"] [data-action=restore]",
+    )
+    .await;
+    c.accept_alert().await.unwrap();
+    let restored = wait_js(
+        &c,
+        "the restore's progress to finish",
+        "const p = document.getElementById('progress'); \
+         return p && p.textContent.includes('restore') && p.dataset.state !== 'busy' ? [p.dataset.state, p.textContent] : null;",
+        |v| v[0] == "done" || v[0] == "failed",
+    )
+    .await;
+    assert_eq!(restored[0], "done", "{restored}");
+    assert!(
+        restored[1].as_str().unwrap().contains("Stopped"),
+        "{restored}"
+    );
     click(&c, "a[data-nav=vms]").await;
     wait_js(
         &c,

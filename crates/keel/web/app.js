@@ -195,8 +195,19 @@ function goalFor(verb, vm) {
       return { what: "reboot its guest and be ready again", reached: (v, ready) => v.status.phase === "Running" && v.status.observed_reboot_generation >= vm.reboot_generation && v.status.instance?.id === inst?.id && (v.status.instance?.resets ?? 0) > (inst?.resets ?? 0) && !v.status.instance?.reboot && ready };
     case "delete":
       return { what: "be deleted", reached: () => false, gone: true };
-    case "restore":
-      return { what: "be restored", reached: (v) => !v.restore && (v.status.phase === "Running" || v.status.phase === "Stopped") && v.status.observed_generation >= vm.generation };
+    case "restore": {
+      // The controller's rule (VirtualMachine::power_after_restore) and
+      // the end of a restore (restored_to), as `keel snapshot restore --wait`.
+      const power = vm.spec.run_policy === "AlwaysOn" ? "Running"
+        : vm.spec.run_policy === "AlwaysOff" ? "Stopped"
+          : (vm.power_intent?.power ?? vm.spec.power);
+      return {
+        what: `be restored and ${power}`,
+        reached: (v) => !v.restore && !v.power_intent && (power === "Running"
+          ? v.status.phase === "Running" && !!v.status.instance
+          : v.status.phase === "Stopped" && !v.status.instance),
+      };
+    }
     default:
       return null;
   }
@@ -222,13 +233,13 @@ function checkProgress() {
   p.text = progressLine(p.name, entry);
   if (p.goal.gone ? !entry : entry && p.goal.reached(entry.vm, entry.ready)) {
     p.done = true;
-    p.text = p.goal.gone ? `${p.name}: deleted` : `${p.name}: done, ${progressLine(p.name, entry).slice(p.name.length + 2)}`;
+    p.text = p.goal.gone ? `${p.name}: deleted` : `${p.name}: ${p.verb} done, ${progressLine(p.name, entry).slice(p.name.length + 2)}`;
   } else if (!entry && !p.goal.gone) {
     p.failed = true;
-    p.text = `${p.name} was deleted while waiting for it to ${p.goal.what}`;
+    p.text = `${p.verb}: ${p.name} was deleted while waiting for it to ${p.goal.what}`;
   } else if (Date.now() - p.started > WAIT_LIMIT_MS) {
     p.failed = true;
-    p.text = `timed out waiting for ${p.name} to ${p.goal.what} (${p.text})`;
+    p.text = `${p.verb}: timed out waiting for ${p.name} to ${p.goal.what} (${p.text})`;
   }
 }
 
