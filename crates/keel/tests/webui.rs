@@ -435,6 +435,19 @@ async fn the_web_console_in_a_real_browser() {
         |v| v == 1,
     )
     .await;
+    // Drained (confirmed in the dialog; nothing runs there now, so the
+    // drain completes) and uncordoned again from the page.
+    click(&c, "tr[data-node] [data-action=drain]").await;
+    c.accept_alert().await.unwrap();
+    click(&c, "tr[data-node] [data-action=uncordon]").await;
+    wait_js(
+        &c,
+        "the node ready again, with its Drain button",
+        "const r = document.querySelector('tr[data-node]'); \
+         return r ? [r.querySelector('td.state').textContent, r.querySelectorAll('[data-action=drain]').length] : null;",
+        |v| v == &json!(["ready", 1]),
+    )
+    .await;
     click(&c, "a[data-nav=events]").await;
     wait_js(
         &c,

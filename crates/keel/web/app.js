@@ -610,14 +610,14 @@ function nodesPage() {
     const vmsHere = [...state.vms.values()].filter((e) => e.vm.status.instance?.node === n.name).map((e) => e.vm.name);
     const cap = n.status.capacity;
     const drain = n.drain ? (n.drain.completed_at ? `drained ${ago(n.drain.completed_at)}` : `draining since ${ago(n.drain.requested_at)}`) : "-";
-    const stateText = n.drain ? "draining" : n.cordoned ? "cordoned" : "ready";
+    const stateText = n.drain ? (n.drain.completed_at ? "drained" : "draining") : n.cordoned ? "cordoned" : "ready";
     const nodeAct = (verb, body) => async () => {
       try { await api("POST", `/api/v1/nodes/${enc(n.name)}/${verb}`, body); listCache.nodes = null; state.progress = { name: n.name, verb, done: true, text: `node ${n.name}: ${verb} requested` }; }
       catch (err) { state.progress = { name: n.name, verb, failed: true, text: `${verb} ${n.name}: ${err.message}` }; }
       render();
     };
     return h("tr", { "data-node": n.name },
-      h("td", {}, n.name), h("td", {}, badge(stateText, stateText === "ready" ? "ok" : "warn")),
+      h("td", {}, n.name), h("td", { class: "state" }, badge(stateText, stateText === "ready" ? "ok" : "warn")),
       h("td", {}, ago(n.status.last_heartbeat)),
       h("td", {}, n.cordoned ? (n.cordoned_by_keel ? "yes (keel)" : "yes (operator)") : "no"),
       h("td", {}, drain), h("td", {}, n.freeze ? `until ${time(n.freeze.until ?? n.freeze.ends_at)}` : "-"),
