@@ -31,3 +31,4 @@ pub mod sim_nodes;
 pub mod store_access;
 pub mod timefmt;
 pub mod token_book;
+pub mod webui;

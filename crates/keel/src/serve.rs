@@ -390,7 +390,8 @@ fn serve_api(
     identity: Option<&ServerIdentity>,
 ) -> JoinHandle<std::io::Result<()>> {
     let stop = state.shutdown.clone();
-    let app = api::router(state, door);
+    // The web console's files beside the API, on the same port and TLS.
+    let app = api::router(state, door).merge(crate::webui::router());
     let tls = identity.map(|i| tokio_rustls::TlsAcceptor::from(i.config.clone()));
     if tls.is_none() {
         tracing::warn!("--insecure-http: the API speaks plain HTTP (loopback only): the token and all traffic are unencrypted");

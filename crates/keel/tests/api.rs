@@ -1305,3 +1305,68 @@ fn a_refusal_before_the_body_is_read_says_the_connection_closes() {
     assert_eq!(r.status, 201, "{}", r.text);
     assert_eq!(r.header("connection"), None, "{:?}", r.headers);
 }
+
+/// `GET /api/v1/vms?watch=true` (the web console's live list): the VMs
+/// as listed, `synced`, then each change as the store's watch delivers
+/// it, `ready` as the server decides it, and the deletion; paging
+/// parameters are refused with it, naming `watch`; `GET /api/v1/whoami`
+/// names the caller's token and role.
+#[test]
+fn vm_watch_streams_the_list_then_each_change_and_whoami_names_the_token() {
+    let server = TestServer::start();
+    server.create_vm(
+        "before",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    // Bounded: a change the stream never delivers fails the test.
+    let mut resp = server
+        .trust
+        .agent(
+            ureq::Agent::config_builder()
+                .proxy(None)
+                .timeout_global(Some(common::DEADLINE))
+                .build(),
+        )
+        .get(format!("{}/api/v1/vms?watch=true", server.base))
+        .header("Authorization", format!("Bearer {}", server.token))
+        .call()
+        .unwrap();
+    assert_eq!(
+        resp.headers().get("content-type").unwrap(),
+        "application/x-ndjson"
+    );
+    use std::io::BufRead;
+    let mut lines = std::io::BufReader::new(resp.body_mut().as_reader())
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(&l.unwrap()).unwrap());
+    let first = lines.next().unwrap();
+    assert_eq!(
+        (&first["type"], &first["vm"]["name"]),
+        (&json!("put"), &json!("before"))
+    );
+    assert_eq!(lines.next().unwrap()["type"], "synced");
+
+    server.create_vm(
+        "live",
+        json!({"cpus": 1, "memory_mib": 64, "readiness": "console:KEEL-GUEST-READY"}),
+    );
+    let ready = lines
+        .by_ref()
+        .find(|l| l["vm"]["name"] == "live" && l["ready"] == true)
+        .expect("the watch saw the new VM become ready");
+    assert_eq!(ready["vm"]["status"]["phase"], "Running", "{ready}");
+    assert_eq!(server.send("DELETE", "/api/v1/vms/live", "").status, 202);
+    let gone = lines
+        .by_ref()
+        .find(|l| l["type"] == "deleted")
+        .expect("the watch saw the deletion");
+    assert_eq!(gone["name"], "live");
+
+    let r = server.get("/api/v1/vms?watch=true&limit=1");
+    assert_eq!((r.status, r.json()["field"].clone()), (400, json!("watch")));
+
+    let who = server.get("/api/v1/whoami");
+    assert_eq!(who.status, 200, "{}", who.text);
+    assert_eq!(who.json()["role"], "admin");
+    assert!(!who.text.contains(&server.token), "never the secret");
+}

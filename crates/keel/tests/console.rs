@@ -526,3 +526,49 @@ fn the_graphical_console_route_names_what_is_missing() {
         "{text}"
     );
 }
+
+/// The browser's way in (`api::ws_auth`): no `Authorization` header, the
+/// token offered as the subprotocol `keel.bearer.<token>` beside
+/// `keel.console`; the server selects `keel.console` (never the token's
+/// entry), a wrong token is refused as without one, and outside a
+/// WebSocket upgrade the subprotocol header authorises nothing.
+#[test]
+fn a_browser_attaches_with_its_token_as_a_subprotocol() {
+    let server = TestServer::start();
+    running_vm(&server, "web");
+    let offer = |token: &str| format!("keel.console, keel.bearer.{token}");
+    let token = server.token.clone();
+    server.rt.block_on(async {
+        let connect_offering = |protocols: String| {
+            let (url, connector) = server.ws_url("/api/v1/vms/web/console");
+            let mut req = url.into_client_request().unwrap();
+            req.headers_mut().insert(
+                "sec-websocket-protocol",
+                HeaderValue::from_str(&protocols).unwrap(),
+            );
+            tokio_tungstenite::connect_async_tls_with_config(req, None, false, connector)
+        };
+        let refused = connect_offering(offer("wrong")).await.unwrap_err();
+        assert_eq!(status_of(refused), 401);
+        let (mut ws, resp) = connect_offering(offer(&token)).await.unwrap();
+        assert_eq!(
+            resp.headers()
+                .get("sec-websocket-protocol")
+                .map(|v| v.to_str().unwrap()),
+            Some("keel.console")
+        );
+        ws.send(Message::binary(b"uname -a\n".to_vec()))
+            .await
+            .unwrap();
+        read_until(&mut ws, "sim: uname -a").await;
+        ws.close(None).await.unwrap();
+    });
+    let plain = server.request(
+        "GET",
+        "/api/v1/vms/web",
+        None,
+        None,
+        &[("sec-websocket-protocol", &offer(&token))],
+    );
+    assert_eq!(plain.status, 401, "{}", plain.text);
+}

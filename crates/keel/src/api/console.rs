@@ -226,6 +226,9 @@ pub async fn attach(
              `Upgrade: websocket` (or use `keel vm console`)",
         ));
     };
+    // A browser that sent its token as a subprotocol must get one back,
+    // or it drops the connection; the token's own entry is never chosen.
+    let ws = ws.protocols([super::ws_auth::CONSOLE_PROTOCOL]);
     let (hv, instance) = match located {
         Console::Here(hv, instance) => (hv, instance),
         Console::Agent(remote) => {

@@ -34,10 +34,13 @@ pub mod tokens;
 pub mod vm_export;
 pub mod vm_import;
 pub mod vm_stats;
+pub mod vm_watch;
 pub mod vms;
 pub mod vnc;
 mod vnc_doc;
+pub mod whoami;
 mod write;
+pub mod ws_auth;
 
 use std::sync::Arc;
 
@@ -152,6 +155,7 @@ pub fn router(state: AppState, door: Door) -> Router {
         .route("/api/v1/nodes/{name}/labels", post(node_labels::label))
         .route("/api/v1/tokens", get(tokens::list).post(tokens::create))
         .route("/api/v1/tokens/{id}", delete(tokens::revoke))
+        .route("/api/v1/whoami", get(whoami::whoami))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

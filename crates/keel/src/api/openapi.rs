@@ -275,6 +275,9 @@ pub fn spec() -> Value {
     super::drain_return::describe(&mut doc);
     super::vnc_doc::describe(&mut doc);
     super::vm_stats::describe(&mut doc);
+    super::whoami::describe(&mut doc);
+    super::vm_watch::describe(&mut doc);
+    super::ws_auth::describe(&mut doc);
     // Outside the macro above, which is at serde_json's recursion limit.
     doc["paths"]["/api/v1/vms/{name}/reboot"] = power(
         "reboot",

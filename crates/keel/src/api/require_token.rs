@@ -78,7 +78,11 @@ pub async fn require_token(State(door): State<Door>, mut req: Request, next: Nex
         Access::Open => return next.run(req).await,
         Access::Needs(role) => role,
     };
-    let presented = bearer(req.headers()).unwrap_or_default();
+    // A browser's WebSocket cannot send the header: its token comes as a
+    // subprotocol (`ws_auth`).
+    let presented = bearer(req.headers())
+        .or_else(|| super::ws_auth::subprotocol_token(&method, req.headers()))
+        .unwrap_or_default();
     let caller = match door.book.authenticate(presented).await {
         Ok(caller) => caller,
         Err(Refusal::Unknown) => return unauthorized(

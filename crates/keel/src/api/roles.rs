@@ -89,6 +89,7 @@ pub const ROUTE_ROLES: &[(&str, &str, Access)] = &[
     ("GET", "/api/v1/tokens", Needs(Admin)),
     ("POST", "/api/v1/tokens", Needs(Admin)),
     ("DELETE", "/api/v1/tokens/{id}", Needs(Admin)),
+    ("GET", "/api/v1/whoami", Needs(Viewer)),
 ];
 
 /// What a request needs: its route's row; a method or path the table

@@ -2,7 +2,7 @@
 
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_api::{VirtualMachine, VmSpec};
 use keel_ctrl::keys::{vm_key, VMS_PREFIX};
@@ -84,9 +84,19 @@ fn parse_create_unchecked(body: &[u8]) -> Result<VirtualMachine, ApiError> {
 pub async fn list(
     State(state): State<AppState>,
     mut query: QueryParams,
-) -> Result<Json<VmList>, ApiError> {
+) -> Result<Response, ApiError> {
+    let watch = query.take_bool("watch")?.unwrap_or(false);
     let page = PageRequest::take(&mut query)?;
     query.finish()?;
+    if watch {
+        if !page.is_default() {
+            return Err(ApiError::bad_request(
+                "watch",
+                "limit and continue page a list; watch streams every VM, then each change",
+            ));
+        }
+        return super::vm_watch::stream(state).await;
+    }
     let (entries, revision) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
     let items = entries
         .into_iter()
@@ -100,7 +110,8 @@ pub async fn list(
         revision,
         items,
         continue_token,
-    }))
+    })
+    .into_response())
 }
 
 pub async fn create(
