@@ -58,9 +58,9 @@ pub mod secure_boot;
 mod snapshot;
 mod stats;
 pub mod tls;
-mod vnc;
-mod vm_export;
 pub mod tpm;
+mod vm_export;
+mod vnc;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
