@@ -185,25 +185,8 @@ fn sqlite_run(
     timeout: Duration,
 ) -> anyhow::Result<ScaleReport> {
     let data = dir.join("serve");
-    std::fs::create_dir_all(&data)?;
     let mut procs = Procs::default();
-    let serve = procs.spawn(
-        "serve",
-        &data.join("serve.log"),
-        &[
-            "serve",
-            "--hypervisor",
-            "sim",
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "bench",
-            "--data-dir",
-            &data.to_string_lossy(),
-            "--max-requests-per-token",
-            UNLIMITED_REQUESTS,
-        ],
-    )?;
+    let serve = spawn_sim_serve(&mut procs, &data, &[])?;
     let api = Api::connect(&procs, serve, &data)?;
     let mut report = drive(std::slice::from_ref(&api), vms, clients, timeout, &small_vm)?;
     report.scrape = Some(scrape::measure(
@@ -309,6 +292,28 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
     Ok(report)
 }
 
+/// A `keel serve` on SQLite and the sim driver in `data`, node `bench`,
+/// with `extra` flags: the single-node and the mixed runs' server.
+fn spawn_sim_serve(procs: &mut Procs, data: &Path, extra: &[&str]) -> anyhow::Result<usize> {
+    std::fs::create_dir_all(data)?;
+    let data_dir = data.to_string_lossy();
+    let mut args = vec![
+        "serve",
+        "--hypervisor",
+        "sim",
+        "--listen",
+        "127.0.0.1:0",
+        "--node",
+        "bench",
+        "--data-dir",
+        &data_dir,
+        "--max-requests-per-token",
+        UNLIMITED_REQUESTS,
+    ];
+    args.extend_from_slice(extra);
+    procs.spawn("serve", &data.join("serve.log"), &args)
+}
+
 /// The hosts of the mixed run's nodes, taken in turn: 16,000 vCPUs (at
 /// the default overcommit of 4) and about 16 TiB over 50 nodes.
 const MIXED_HOSTS: &str = "32:128G,64:256G,96:384G,128:512G";
@@ -319,28 +324,12 @@ const MIXED_HOSTS: &str = "32:128G,64:256G,96:384G,128:512G";
 /// allocation all along.
 fn mixed_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
     let data = dir.join("serve");
-    std::fs::create_dir_all(&data)?;
     let mut procs = Procs::default();
-    let serve = procs.spawn(
-        "serve",
-        &data.join("serve.log"),
-        &[
-            "serve",
-            "--hypervisor",
-            "sim",
-            "--listen",
-            "127.0.0.1:0",
-            "--node",
-            "bench",
-            "--sim-nodes",
-            &args.nodes.to_string(),
-            "--sim-node-hosts",
-            MIXED_HOSTS,
-            "--data-dir",
-            &data.to_string_lossy(),
-            "--max-requests-per-token",
-            UNLIMITED_REQUESTS,
-        ],
+    let nodes = args.nodes.to_string();
+    let serve = spawn_sim_serve(
+        &mut procs,
+        &data,
+        &["--sim-nodes", &nodes, "--sim-node-hosts", MIXED_HOSTS],
     )?;
     let api = Api::connect(&procs, serve, &data)?;
     wait_nodes(&api, args.nodes, Duration::from_secs(60))?;
