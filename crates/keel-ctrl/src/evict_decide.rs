@@ -588,10 +588,7 @@ mod tests {
                 drain: Some(drain.clone()),
                 migration: migration_phase.map(|p| migration(1, p, "vm-1")),
                 targets: vec!["b".into()],
-                no_target: None,
-                in_flight: vec![],
-                drain_evictions_waiting: 0,
-                no_room_here: None,
+                ..ClusterView::default()
             };
             let inst = vm.status.instance.clone().unwrap();
             let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg)
@@ -659,12 +656,8 @@ mod tests {
         ));
         let cluster = ClusterView {
             drain: Some(drain),
-            migration: None,
             targets: vec!["b".into()],
-            no_target: None,
-            in_flight: vec![],
-            drain_evictions_waiting: 0,
-            no_room_here: None,
+            ..ClusterView::default()
         };
         let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
         let Step::Persist {
@@ -720,12 +713,8 @@ mod tests {
         ));
         let cluster = ClusterView {
             drain: Some(drain),
-            migration: None,
             targets: vec!["b".into()],
-            no_target: None,
-            in_flight: vec![],
-            drain_evictions_waiting: 0,
-            no_room_here: None,
+            ..ClusterView::default()
         };
         let step = decide_eviction(&vm, &inst, DomainState::Running, &cluster, now, &cfg).unwrap();
         let Step::Persist {
