@@ -95,20 +95,7 @@ impl QemuDriver {
             ))
             .await;
         }
-        let (from_tmp, to) = (tmp.to_path_buf(), path.to_path_buf());
-        match blocking::unblocked("move a cloned disk into place", move || {
-            rename_noreplace(&from_tmp, &to)
-        })
-        .await
-        {
-            Ok(()) => Ok(()),
-            // Another start made it meanwhile, from the same snapshot.
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                let _ = blocking::remove_file(tmp.to_path_buf()).await;
-                Ok(())
-            }
-            Err(e) => Err(format!("{}: {e}", path.display())),
-        }
+        move_into_place(tmp, path, "move a cloned disk into place").await
     }
 
     /// The source's variable store at the snapshot as the clone's, unless
@@ -150,5 +137,24 @@ impl QemuDriver {
                 source.vm, source.snapshot
             )
         })
+    }
+}
+
+/// Moves a disk made at `tmp` to `path`, never over one that is there:
+/// one already there was made meanwhile by another start from the same
+/// snapshot (or base), so the loser's copy is dropped and both succeed.
+pub(super) async fn move_into_place(
+    tmp: &Path,
+    path: &Path,
+    what: &'static str,
+) -> Result<(), String> {
+    let (from_tmp, to) = (tmp.to_path_buf(), path.to_path_buf());
+    match blocking::unblocked(what, move || rename_noreplace(&from_tmp, &to)).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            let _ = blocking::remove_file(tmp.to_path_buf()).await;
+            Ok(())
+        }
+        Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }

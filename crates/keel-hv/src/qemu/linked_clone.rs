@@ -24,6 +24,7 @@ use std::sync::Mutex;
 
 use keel_api::{CloneSource, DiskSpec, Image};
 
+use super::clone_disk::move_into_place;
 use super::layout::rename_noreplace;
 use super::{blocking, QemuDriver};
 
@@ -139,19 +140,7 @@ impl QemuDriver {
                 let _ = blocking::remove_file(tmp.to_path_buf()).await;
                 return Err(format!("{what}: {why}"));
             }
-            let (from_tmp, to) = (tmp.to_path_buf(), path.to_path_buf());
-            match blocking::unblocked("move a linked clone's disk into place", move || {
-                rename_noreplace(&from_tmp, &to)
-            })
-            .await
-            {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                    let _ = blocking::remove_file(tmp.to_path_buf()).await;
-                    Ok(())
-                }
-                Err(e) => Err(format!("{}: {e}", path.display())),
-            }
+            move_into_place(tmp, path, "move a linked clone's disk into place").await
         }
         .await;
         // A clone whose disk was not made holds no base: its note goes,
