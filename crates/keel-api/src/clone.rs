@@ -62,16 +62,7 @@ impl VirtualMachine {
                 format!("VM {} has no disks yet to clone", self.name),
             ));
         };
-        let mut spec = snapshot.spec.clone();
-        spec.network.mac = None;
-        spec.network.publish.clear();
-        if let Some(ci) = &mut spec.cloud_init {
-            ci.instance_id = None;
-        }
-        spec.assign_identity(random);
-        spec.power = power;
-        spec.node = None;
-        spec.restart_generation = 0;
+        let spec = snapshot.spec.clone().for_new_vm(power, random, false);
         let mut clone = VirtualMachine::new(name, spec);
         clone.status.disk_home = Some(home);
         clone.status.clone_from = Some(CloneSource {

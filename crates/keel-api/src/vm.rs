@@ -1366,6 +1366,26 @@ impl VmSpec {
         }
     }
 
+    /// This spec as a new VM made from another's disks takes it (a clone,
+    /// an import): unless `keep_identity`, a MAC and cloud-init
+    /// instance-id of its own from `random` and no published host ports
+    /// (the source may still hold them); in power state `power`, pinned to
+    /// no node, with no restart asked for.
+    pub fn for_new_vm(mut self, power: PowerState, random: [u8; 12], keep_identity: bool) -> Self {
+        if !keep_identity {
+            self.network.mac = None;
+            self.network.publish.clear();
+            if let Some(ci) = &mut self.cloud_init {
+                ci.instance_id = None;
+            }
+        }
+        self.assign_identity(random);
+        self.power = power;
+        self.node = None;
+        self.restart_generation = 0;
+        self
+    }
+
     /// Fills in what a new VM's identity still lacks, from the caller's
     /// randomness (this crate does no I/O): the MAC and, with cloud-init,
     /// the instance-id. A MAC given is kept, in canonical form.

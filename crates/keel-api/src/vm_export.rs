@@ -164,17 +164,7 @@ impl VirtualMachine {
         for disk in &mut spec.disks {
             disk.image = None;
         }
-        if !keep_identity {
-            spec.network.mac = None;
-            spec.network.publish.clear();
-            if let Some(ci) = &mut spec.cloud_init {
-                ci.instance_id = None;
-            }
-        }
-        spec.assign_identity(random);
-        spec.power = power;
-        spec.node = None;
-        spec.restart_generation = 0;
+        let spec = spec.for_new_vm(power, random, keep_identity);
         let disks = spec
             .disk_names()
             .iter()
