@@ -72,8 +72,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use keel_api::{
-    BootSpec, Clock, DiskSpec, Phase, PowerState, RunPolicy, StopReason, SystemClock,
-    ValidationError, VirtualMachine, VmSpec,
+    Clock, Phase, RunPolicy, StopReason, SystemClock, ValidationError, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::vm_key;
 use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
@@ -167,19 +166,7 @@ fn run() -> Res<()> {
 }
 
 fn guest_dir() -> Res<PathBuf> {
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
-    for file in ["vmlinuz", "initramfs.cpio.gz"] {
-        if !dir.join(file).is_file() {
-            return Err(format!(
-                "test guest missing: {} not found; build it with `bash scripts/build-test-guest` \
-                 (or point KEEL_GUEST_DIR at a directory holding vmlinuz and initramfs.cpio.gz)",
-                dir.join(file).display()
-            ));
-        }
-    }
-    Ok(dir)
+    keel_testkit::guest::locate()
 }
 
 fn wall_ms() -> f64 {
@@ -467,26 +454,11 @@ impl Bench {
 
     fn spec() -> VmSpec {
         VmSpec {
-            cpus: 1,
             memory_mib: 256,
-            disks: vec![DiskSpec {
-                name: "data".into(),
-                size_mib: 64,
-                image: None,
-            }],
-            boot: BootSpec::default(),
+            disks: vec![keel_testkit::spec::disk("data", 64)],
             run_policy: RunPolicy::Manual,
-            power: PowerState::Running,
-            restart_generation: 0,
             stop_grace_period_s: 30,
-            node: None,
-            readiness: keel_api::Readiness::Agent,
-            network: Default::default(),
-            cloud_init: None,
-            ha: None,
-            cpu_model: None,
-            placement: Default::default(),
-            tpm: None,
+            ..keel_testkit::spec::vm_spec()
         }
     }
 

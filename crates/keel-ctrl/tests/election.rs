@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use keel_api::{Clock, ManualClock, Millis, Phase, PowerState, RunPolicy, VirtualMachine, VmSpec};
+use keel_api::{Clock, ManualClock, Millis, Phase, RunPolicy, VirtualMachine, VmSpec};
 use keel_ctrl::keys::{vm_key, LEADER_KEY};
 use keel_ctrl::{ClusterController, ElectionConfig, LeaderElection, LifecycleConfig, VmController};
 use keel_hv::sim::{SimConfig, SimFabric, SimHypervisor};
@@ -92,22 +92,11 @@ impl World {
         let vm = VirtualMachine::new(
             name,
             VmSpec {
-                cpus: 1,
                 memory_mib: 64,
                 disks: vec![],
-                boot: Default::default(),
                 run_policy: RunPolicy::AlwaysOn,
-                power: PowerState::Running,
-                restart_generation: 0,
                 stop_grace_period_s: 10,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
+                ..keel_testkit::spec::vm_spec()
             },
         );
         self.store.create(&vm_key(name), &vm).await.unwrap();

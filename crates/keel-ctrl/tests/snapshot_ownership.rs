@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use keel_api::{
-    Clock, DiskSpec, ManualClock, Millis, Phase, PowerState, RunPolicy, Snapshot, SnapshotPhase,
-    VirtualMachine, VmSpec,
+    Clock, ManualClock, Millis, Phase, RunPolicy, Snapshot, SnapshotPhase, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::{snapshot_key, vm_key};
 use keel_ctrl::{LifecycleConfig, SnapshotController, VmController};
@@ -84,26 +83,12 @@ async fn only_the_owner_takes_and_deletes_snapshots() {
     let a = node(&store, &clock, "a", 1);
     let b = node(&store, &clock, "b", 2);
     let spec = VmSpec {
-        cpus: 1,
         memory_mib: 64,
-        disks: vec![DiskSpec {
-            name: "root".into(),
-            size_mib: 16,
-            image: None,
-        }],
-        boot: Default::default(),
+        disks: vec![keel_testkit::spec::disk("root", 16)],
         run_policy: RunPolicy::Manual,
-        power: PowerState::Running,
-        restart_generation: 0,
         stop_grace_period_s: 10,
         node: Some("a".into()),
-        readiness: keel_api::Readiness::Agent,
-        network: Default::default(),
-        cloud_init: None,
-        ha: None,
-        cpu_model: None,
-        placement: Default::default(),
-        tpm: None,
+        ..keel_testkit::spec::vm_spec()
     };
     store
         .create(&vm_key("vm"), &VirtualMachine::new("vm", spec.clone()))

@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use keel_api::{
-    BootSpec, DiskSpec, ManualClock, PowerState, Readiness, RestoreRequest, RunPolicy,
-    VirtualMachine, VmSpec,
+    DiskSpec, ManualClock, PowerState, Readiness, RestoreRequest, RunPolicy, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::vm_key;
 use keel_ctrl::{error_chain, LifecycleConfig, ReconcileError, VmController};
@@ -18,22 +17,12 @@ const CAUSE: &str = "injected: etcd leader lost";
 
 fn spec(power: PowerState) -> VmSpec {
     VmSpec {
-        cpus: 1,
         memory_mib: 64,
         disks: vec![],
-        boot: BootSpec::default(),
         run_policy: RunPolicy::Manual,
         power,
-        restart_generation: 0,
-        stop_grace_period_s: 60,
-        node: None,
         readiness: Readiness::None,
-        network: Default::default(),
-        cloud_init: None,
-        ha: None,
-        cpu_model: None,
-        placement: Default::default(),
-        tpm: None,
+        ..keel_testkit::spec::vm_spec()
     }
 }
 

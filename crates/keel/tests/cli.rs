@@ -433,14 +433,8 @@ fn serve_demo_boots_a_real_guest_from_a_deep_directory() {
     });
     let server_pid = child.id() as i32;
     let kill_guests = || {
-        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&*data_dir.to_string_lossy())
-                && pid != server_pid
-            {
+        for pid in keel_testkit::procs::pids_mentioning(&[&data_dir.to_string_lossy()]) {
+            if pid != server_pid {
                 // SAFETY: a QEMU whose command line names this test's data dir.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }

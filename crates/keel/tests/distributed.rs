@@ -17,9 +17,7 @@ use keel::args::HypervisorKind;
 use keel::cli::server_trust::ServerTrust;
 use keel::distributed::StoreSpec;
 use keel::serve::{self, RunningServer, ServeConfig};
-use keel_api::{
-    Clock, EvictionWindows, Node, Phase, PowerState, RunPolicy, SystemClock, VirtualMachine, VmSpec,
-};
+use keel_api::{Clock, EvictionWindows, Node, Phase, SystemClock, VirtualMachine, VmSpec};
 use keel_ctrl::keys::{node_key, vm_key};
 use keel_ctrl::{ElectionConfig, LeaderElection, LifecycleConfig};
 use keel_hv::qemu::tls;
@@ -200,47 +198,15 @@ impl Cluster {
 
     fn vm_spec(&self) -> VmSpec {
         VmSpec {
-            cpus: 1,
             memory_mib: 64,
             disks: vec![],
-            boot: Default::default(),
-            run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
-            power: PowerState::Running,
-            restart_generation: 0,
             stop_grace_period_s: 30,
-            node: None,
-            readiness: keel_api::Readiness::Agent,
-            network: Default::default(),
-            cloud_init: None,
-            ha: None,
-            cpu_model: None,
-            placement: Default::default(),
-            tpm: None,
+            ..keel_testkit::spec::vm_spec()
         }
     }
 
     async fn create_vm(&self, name: &str) {
-        let vm = VirtualMachine::new(
-            name,
-            VmSpec {
-                cpus: 1,
-                memory_mib: 64,
-                disks: vec![],
-                boot: Default::default(),
-                run_policy: RunPolicy::AlwaysOnUnlessStoppedManually,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 30,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
-            },
-        );
+        let vm = VirtualMachine::new(name, self.vm_spec());
         self.store.create(&vm_key(name), &vm).await.unwrap();
     }
 

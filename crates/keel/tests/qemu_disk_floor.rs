@@ -4,27 +4,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-
 use common::TestServer;
 use keel_hv::qemu::AccelChoice;
 use serde_json::json;
 
-fn guest_dir() -> Option<PathBuf> {
-    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
-        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
-        return None;
-    }
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
-    assert!(
-        dir.join("vmlinuz").is_file(),
-        "test guest missing in {}",
-        dir.display()
-    );
-    Some(dir.canonicalize().unwrap())
-}
+use keel_testkit::guest::dir as guest_dir;
 
 #[test]
 fn a_start_below_the_floor_says_why_on_the_vm() {

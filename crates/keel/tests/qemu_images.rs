@@ -30,23 +30,7 @@ fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-/// The test guest, or `None` when `KEEL_SKIP_QEMU_TESTS=1`; missing is a
-/// failure, as in the other real-QEMU tests.
-fn guest_dir() -> Option<PathBuf> {
-    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
-        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
-        return None;
-    }
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("target/guest"));
-    assert!(
-        dir.join("vmlinuz").is_file(),
-        "test guest missing in {}: run scripts/build-test-guest",
-        dir.display()
-    );
-    Some(dir.canonicalize().unwrap())
-}
+use keel_testkit::guest::dir as guest_dir;
 
 /// Builds (or reuses) the bootable disk image.
 fn boot_image(guest: &Path) -> PathBuf {
@@ -86,21 +70,7 @@ struct KillGuard(String);
 
 impl Drop for KillGuard {
     fn drop(&mut self) {
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return;
-        };
-        for pid in entries
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&self.0)
-                && pid != std::process::id() as i32
-            {
-                // SAFETY: kill(2) of a process whose cmdline names our temp dir.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
+        keel_testkit::procs::kill_mentioning(Path::new(&self.0));
     }
 }
 
@@ -833,19 +803,11 @@ fn import_kind(server: &TestServer, name: &str, kind: &str, file: &Path) {
 /// The pids of the swtpm processes serving the TPM state in `state`.
 fn swtpms_of(state: &Path) -> Vec<i32> {
     let want = format!("dir={}", state.display());
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            let cmdline = String::from_utf8_lossy(&cmdline);
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit_once(')')
-                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
-            cmdline.starts_with("swtpm") && cmdline.contains(&want) && !zombie
-        })
+    keel_testkit::procs::all()
+        .into_iter()
+        .filter(|p| p.cmdline.starts_with("swtpm") && p.cmdline.contains(&want))
+        .map(|p| p.pid)
+        .filter(|pid| keel_testkit::procs::alive(*pid))
         .collect()
 }
 

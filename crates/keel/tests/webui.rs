@@ -47,26 +47,13 @@ impl Drop for Processes {
             let _ = driver.wait();
         }
         // A guest the server left behind (its QEMU names the data dir).
-        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-                continue;
-            };
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if String::from_utf8_lossy(&cmdline).contains(&*self.data_dir.to_string_lossy()) {
-                // SAFETY: a process whose command line names this test's data dir.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
+        keel_testkit::procs::kill_mentioning(&self.data_dir);
     }
 }
 
 /// `keel serve --demo` on a free loopback port; its base URL.
 fn start_server(procs: &mut Processes) -> String {
-    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
-    assert!(
-        guest.join("vmlinuz").is_file(),
-        "test guest missing; run `bash scripts/build-test-guest`"
-    );
+    let guest = keel_testkit::guest::required_dir();
     let mut child = Command::new(env!("CARGO_BIN_EXE_keel"))
         .args([
             "serve",

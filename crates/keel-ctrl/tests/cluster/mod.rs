@@ -20,8 +20,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use keel_api::{
-    Clock, EvictionWindows, ManualClock, Migration, Millis, Node, PowerState, RunPolicy,
-    VirtualMachine, VmSpec,
+    Clock, EvictionWindows, ManualClock, Migration, Millis, Node, RunPolicy, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
 use keel_ctrl::runtime::Event;
@@ -107,26 +106,9 @@ impl Clock for SkewedClock {
 
 pub fn spec(policy: RunPolicy) -> VmSpec {
     VmSpec {
-        cpus: 1,
-        memory_mib: 128,
-        disks: vec![keel_api::DiskSpec {
-            name: "root".into(),
-            size_mib: 64,
-            image: None,
-        }],
-        boot: Default::default(),
         run_policy: policy,
-        power: PowerState::Running,
-        restart_generation: 0,
         stop_grace_period_s: 30,
-        node: None,
-        readiness: keel_api::Readiness::Agent,
-        network: Default::default(),
-        cloud_init: None,
-        ha: None,
-        cpu_model: None,
-        placement: Default::default(),
-        tpm: None,
+        ..keel_testkit::spec::vm_spec()
     }
 }
 

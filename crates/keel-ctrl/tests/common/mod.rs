@@ -21,8 +21,8 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use keel_api::{
-    BootSpec, Clock, DiskSpec, ManualClock, Millis, PowerState, RunPolicy, Snapshot,
-    ValidationError, VirtualMachine, VmSpec,
+    Clock, ManualClock, Millis, PowerState, RunPolicy, Snapshot, ValidationError, VirtualMachine,
+    VmSpec,
 };
 use keel_ctrl::keys::snapshot_key;
 use keel_ctrl::keys::vm_key;
@@ -35,26 +35,10 @@ pub const T0: Millis = 1_700_000_000_000;
 
 pub fn spec(policy: RunPolicy, power: PowerState, grace_s: u64) -> VmSpec {
     VmSpec {
-        cpus: 1,
-        memory_mib: 128,
-        disks: vec![DiskSpec {
-            name: "root".into(),
-            size_mib: 64,
-            image: None,
-        }],
-        boot: BootSpec::default(),
         run_policy: policy,
         power,
-        restart_generation: 0,
         stop_grace_period_s: grace_s,
-        node: None,
-        readiness: keel_api::Readiness::Agent,
-        network: Default::default(),
-        cloud_init: None,
-        ha: None,
-        cpu_model: None,
-        placement: Default::default(),
-        tpm: None,
+        ..keel_testkit::spec::vm_spec()
     }
 }
 

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 pub mod cas;
 
 use keel_api::{
-    BootSpec, Clock, DiskSpec, Phase, PowerState, RunPolicy, SystemClock, ValidationError,
-    VirtualMachine, VmSpec,
+    Clock, Phase, PowerState, RunPolicy, SystemClock, ValidationError, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::vm_key;
 use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
@@ -22,56 +21,8 @@ use keel_store::sqlite::SqliteStore;
 use keel_store::TypedStore;
 use tokio::sync::watch;
 
-pub fn guest_dir() -> Option<PathBuf> {
-    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
-        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
-        return None;
-    }
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
-    for file in ["vmlinuz", "initramfs.cpio.gz"] {
-        assert!(
-            dir.join(file).is_file(),
-            "test guest missing: {} not found; run `bash scripts/build-test-guest` \
-             (KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
-            dir.join(file).display()
-        );
-    }
-    Some(dir)
-}
-
-/// Pids of QEMU processes whose command line names `needle`.
-pub fn qemu_pids(needle: &str) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return vec![];
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    let c = String::from_utf8_lossy(&c);
-                    c.contains("qemu-system") && c.contains(needle)
-                })
-                .unwrap_or(false)
-        })
-        .collect()
-}
-
-/// [`qemu_pids`] of QEMUs under `data_dir` only: other tests on the machine
-/// run guests of the same names.
-pub fn qemu_pids_in(data_dir: &std::path::Path, needle: &str) -> Vec<i32> {
-    let mine = data_dir.to_string_lossy().into_owned();
-    qemu_pids(needle)
-        .into_iter()
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&mine))
-        })
-        .collect()
-}
+pub use keel_testkit::guest::dir as guest_dir;
+pub use keel_testkit::procs::{qemu_pids, qemu_pids_in};
 
 impl Env {
     /// This environment's QEMUs whose command line names `needle`.
@@ -208,26 +159,13 @@ impl Env {
 
     pub fn spec(policy: RunPolicy, grace_s: u64) -> VmSpec {
         VmSpec {
-            cpus: 1,
             memory_mib: 256,
-            disks: vec![DiskSpec {
-                name: "data".into(),
-                size_mib: 64,
-                image: None,
-            }],
-            boot: BootSpec::default(),
+            disks: vec![keel_testkit::spec::disk("data", 64)],
             run_policy: policy,
             power: PowerState::Running,
-            restart_generation: 0,
             stop_grace_period_s: grace_s,
-            node: None,
             readiness: keel_api::Readiness::Console("KEEL-GUEST-READY".into()),
-            network: Default::default(),
-            cloud_init: None,
-            ha: None,
-            cpu_model: None,
-            placement: Default::default(),
-            tpm: None,
+            ..keel_testkit::spec::vm_spec()
         }
     }
 

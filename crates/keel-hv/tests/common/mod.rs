@@ -15,70 +15,8 @@ use keel_hv::{DomainSpec, DomainState, Hypervisor};
 pub const BOOT: Duration = Duration::from_secs(60);
 pub const STOP: Duration = Duration::from_secs(30);
 
-/// The test guest's directory, or `None` when `KEEL_SKIP_QEMU_TESTS=1`.
-///
-/// Missing QEMU or guest is a failure, not a skip: these tests are the only
-/// proof the driver works. The guest is found in `$KEEL_GUEST_DIR` or
-/// `<workspace>/target/guest`.
-pub fn guest_dir() -> Option<PathBuf> {
-    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
-        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
-        return None;
-    }
-    let dir = std::env::var_os("KEEL_GUEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest"));
-    for file in ["vmlinuz", "initramfs.cpio.gz"] {
-        assert!(
-            dir.join(file).is_file(),
-            "test guest missing: {} not found. Run `bash scripts/build-test-guest` \
-             (or set KEEL_GUEST_DIR; KEEL_SKIP_QEMU_TESTS=1 skips these tests)",
-            dir.join(file).display()
-        );
-    }
-    let qemu = std::process::Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output();
-    assert!(
-        qemu.is_ok_and(|o| o.status.success()),
-        "qemu-system-x86_64 does not run: install qemu-system-x86 (scripts/setup), \
-         then run `bash scripts/build-test-guest`"
-    );
-    Some(dir)
-}
-
-/// SIGKILLs every process whose command line mentions the data dir. Runs on
-/// drop, so a failed assertion does not leave guests behind.
-pub struct KillGuard {
-    pub data_dir: PathBuf,
-}
-
-impl KillGuard {
-    fn pids(&self) -> Vec<i32> {
-        let needle = self.data_dir.to_string_lossy().into_owned();
-        let Ok(entries) = std::fs::read_dir("/proc") else {
-            return vec![];
-        };
-        entries
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-            .filter(|pid| {
-                std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .map(|c| String::from_utf8_lossy(&c).contains(&needle))
-                    .unwrap_or(false)
-            })
-            .collect()
-    }
-}
-
-impl Drop for KillGuard {
-    fn drop(&mut self) {
-        for pid in self.pids() {
-            // SAFETY: plain kill(2) on a pid whose cmdline names our temp dir.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
-}
+pub use keel_testkit::guest::dir as guest_dir;
+pub use keel_testkit::procs::KillGuard;
 
 /// The test configuration: the test guest, always TCG, so results do not
 /// depend on the host's KVM.

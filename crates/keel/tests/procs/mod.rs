@@ -125,18 +125,11 @@ impl Drop for KillAll {
 }
 
 pub fn processes_naming(needle: &str) -> Vec<(i32, String)> {
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let raw = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&raw).replace('\0', " ");
-        if cmdline.contains(needle) {
-            found.push((pid, cmdline));
-        }
-    }
-    found
+    keel_testkit::procs::all()
+        .into_iter()
+        .filter(|p| p.cmdline.contains(needle))
+        .map(|p| (p.pid, p.cmdline))
+        .collect()
 }
 
 /// QEMU processes of VM `vm` under `root`, by instance.
@@ -251,12 +244,7 @@ pub async fn guest_channel(agent_dir: &Path, instance: &str) -> keel_hv::guest::
 
 /// The test guest built by `scripts/build-test-guest`.
 pub fn test_guest() -> std::path::PathBuf {
-    let guest = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
-    assert!(
-        guest.join("vmlinuz").is_file(),
-        "run scripts/build-test-guest"
-    );
-    guest
+    keel_testkit::guest::required_dir()
 }
 
 /// A control plane (`keel serve`, node name `cp`) on `store` with data dir
