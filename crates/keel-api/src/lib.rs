@@ -58,7 +58,7 @@ pub use migration::{
     Migration, MigrationEndpoint, MigrationPhase, MigrationStatus, MigrationTransport,
     MigrationTuning,
 };
-pub use name::{validate_name, validate_vm_name};
+pub use name::{validate_name, validate_vm_name, MAX_NAME_LEN};
 pub use network::{MacAddr, NetworkMode, NetworkSpec, PortForward, Protocol};
 pub use node::{Accelerator, Drain, EvictionWindows, Node, NodeFreeze, NodeStatus, MAX_FREEZE_MS};
 pub use placement::{AntiAffinity, Labels, PlacementRules};

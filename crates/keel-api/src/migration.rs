@@ -10,6 +10,12 @@ pub const DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S: u64 = 150;
 pub const DEFAULT_PROGRESS_TIMEOUT_S: u64 = 150;
 pub const DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER: u32 = 5;
 pub const DEFAULT_PARALLEL_MIGRATIONS_PER_NODE: u32 = 2;
+/// Bounds of a drain's migration tuning, checked by
+/// `MigrationTuning::validate` and published in the OpenAPI document.
+pub const MAX_MIGRATION_TIMEOUT_S: u64 = 86_400;
+pub const MAX_BANDWIDTH_MIB_S: u64 = 1 << 20;
+pub const MAX_DOWNTIME_LIMIT_MS: u64 = 60_000;
+pub const MAX_PARALLEL_MIGRATIONS: u64 = 1000;
 
 /// How live migrations of a drain are run and bounded. Recorded on the
 /// drain and copied onto each migration it creates, so a migration is run
@@ -81,22 +87,32 @@ impl MigrationTuning {
             "completion_timeout_per_gib_s",
             self.completion_timeout_per_gib_s,
             1,
-            86_400,
+            MAX_MIGRATION_TIMEOUT_S,
         )?;
-        range("progress_timeout_s", self.progress_timeout_s, 1, 86_400)?;
+        range(
+            "progress_timeout_s",
+            self.progress_timeout_s,
+            1,
+            MAX_MIGRATION_TIMEOUT_S,
+        )?;
         if let Some(b) = self.bandwidth_mib_s {
-            range("bandwidth_mib_s", b, 1, 1 << 20)?;
+            range("bandwidth_mib_s", b, 1, MAX_BANDWIDTH_MIB_S)?;
         }
         if let Some(d) = self.downtime_limit_ms {
-            range("downtime_limit_ms", d, 1, 60_000)?;
+            range("downtime_limit_ms", d, 1, MAX_DOWNTIME_LIMIT_MS)?;
         }
         range(
             "parallel_per_cluster",
             self.parallel_per_cluster.into(),
             1,
-            1000,
+            MAX_PARALLEL_MIGRATIONS,
         )?;
-        range("parallel_per_node", self.parallel_per_node.into(), 1, 1000)
+        range(
+            "parallel_per_node",
+            self.parallel_per_node.into(),
+            1,
+            MAX_PARALLEL_MIGRATIONS,
+        )
     }
 }
 

@@ -23,6 +23,9 @@ use crate::{
 };
 
 pub const DEFAULT_STOP_GRACE_PERIOD_S: u64 = 60;
+pub const MAX_STOP_GRACE_PERIOD_S: u64 = 3600;
+/// The longest kernel command line a spec may give (one line).
+pub const MAX_CMDLINE_BYTES: usize = 1024;
 pub const MIN_MEMORY_MIB: u64 = 16;
 pub const MAX_MEMORY_MIB: u64 = 1 << 20;
 pub const MAX_CPUS: u32 = 256;
@@ -1329,17 +1332,20 @@ impl VmSpec {
             self.boot.kernel.as_deref(),
         )?;
         if let Some(cmdline) = &self.boot.cmdline {
-            if cmdline.len() > 1024 || cmdline.contains(['\0', '\n']) {
+            if cmdline.len() > MAX_CMDLINE_BYTES || cmdline.contains(['\0', '\n']) {
                 return Err(ValidationError::new(
                     "spec.boot.cmdline",
-                    "must be at most 1024 bytes on one line",
+                    format!("must be at most {MAX_CMDLINE_BYTES} bytes on one line"),
                 ));
             }
         }
-        if self.stop_grace_period_s == 0 || self.stop_grace_period_s > 3600 {
+        if !(1..=MAX_STOP_GRACE_PERIOD_S).contains(&self.stop_grace_period_s) {
             return Err(ValidationError::new(
                 "spec.stop_grace_period_s",
-                format!("{} is out of range 1..=3600", self.stop_grace_period_s),
+                format!(
+                    "{} is out of range 1..={MAX_STOP_GRACE_PERIOD_S}",
+                    self.stop_grace_period_s
+                ),
             ));
         }
         if let Some(node) = &self.node {

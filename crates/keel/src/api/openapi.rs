@@ -302,7 +302,7 @@ fn schemas() -> Value {
             "error": {"type": "string"},
             "field": {"type": "string", "description": "JSON path of the offending input, e.g. spec.memory_mib"}
         }},
-        "Name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63},
+        "Name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": keel_api::MAX_NAME_LEN},
         "CreateVmRequest": {"type": "object", "additionalProperties": false, "required": ["name", "spec"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"},
             "spec": {"$ref": "#/components/schemas/VmSpec"}
@@ -319,7 +319,7 @@ fn schemas() -> Value {
             "run_policy": {"type": "string", "enum": keel_api::RunPolicy::ALL, "default": keel_api::RunPolicy::default()},
             "power": {"$ref": "#/components/schemas/PowerState"},
             "restart_generation": {"type": "integer", "minimum": 0},
-            "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": 3600, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
+            "stop_grace_period_s": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_STOP_GRACE_PERIOD_S, "default": keel_api::DEFAULT_STOP_GRACE_PERIOD_S},
             "node": {"$ref": "#/components/schemas/Name"},
             "ha": {"type": "boolean", "description": "High availability: fenced and started on another node when its node is lost. Fences only a VM on shared disks. Default: on where the disk home is shared, off where it is node-local. A change applies from the next instance"},
             "tpm": {"$ref": "#/components/schemas/TpmSpec"}
@@ -332,7 +332,7 @@ fn schemas() -> Value {
         "BootSpec": {"type": "object", "additionalProperties": false, "properties": {
             "kernel": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "Direct kernel boot: an image of kind kernel (never a host path)"},
             "initrd": {"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "An image of kind initrd"},
-            "cmdline": {"type": "string", "maxLength": 1024},
+            "cmdline": {"type": "string", "maxLength": keel_api::MAX_CMDLINE_BYTES},
             "firmware": {"type": "string", "enum": ["bios", "uefi", "uefi-secure"], "description": "Firmware; a VM whose first disk is made from an image (or that names a firmware) and no kernel boots from that disk. Default bios (SeaBIOS); uefi is OVMF with a variable store of the VM's own; uefi-secure is UEFI Secure Boot (Microsoft's keys enrolled, SMM; q35 only). Recorded at the first start and fixed for the VM's life"}
         }},
         "PowerState": {"type": "string", "enum": ["Running", "Stopped"]},
@@ -482,13 +482,13 @@ fn schemas() -> Value {
             "tuning": {"$ref": "#/components/schemas/MigrationTuning"}
         }},
         "MigrationTuning": {"type": "object", "additionalProperties": false, "description": "How a drain's live migrations are run and bounded (pre-copy only; post-copy is never used). Fields left out keep their defaults.", "properties": {
-            "completion_timeout_per_gib_s": {"type": "integer", "minimum": 1, "maximum": 86400, "default": keel_api::migration::DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S, "description": "Cancelled when running longer than this per GiB of guest memory"},
-            "progress_timeout_s": {"type": "integer", "minimum": 1, "maximum": 86400, "default": keel_api::migration::DEFAULT_PROGRESS_TIMEOUT_S, "description": "Cancelled when nothing new was sent for this long"},
-            "bandwidth_mib_s": {"type": "integer", "minimum": 1, "description": "Bandwidth cap; absent: the node's setting"},
+            "completion_timeout_per_gib_s": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_MIGRATION_TIMEOUT_S, "default": keel_api::migration::DEFAULT_COMPLETION_TIMEOUT_PER_GIB_S, "description": "Cancelled when running longer than this per GiB of guest memory"},
+            "progress_timeout_s": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_MIGRATION_TIMEOUT_S, "default": keel_api::migration::DEFAULT_PROGRESS_TIMEOUT_S, "description": "Cancelled when nothing new was sent for this long"},
+            "bandwidth_mib_s": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_BANDWIDTH_MIB_S, "description": "Bandwidth cap; absent: the node's setting"},
             "auto_converge": {"type": "boolean", "default": true},
-            "downtime_limit_ms": {"type": "integer", "minimum": 1, "maximum": 60000, "description": "Longest pause at switch-over; absent: the hypervisor's default"},
-            "parallel_per_cluster": {"type": "integer", "minimum": 1, "maximum": 1000, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER},
-            "parallel_per_node": {"type": "integer", "minimum": 1, "maximum": 1000, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_NODE}
+            "downtime_limit_ms": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_DOWNTIME_LIMIT_MS, "description": "Longest pause at switch-over; absent: the hypervisor's default"},
+            "parallel_per_cluster": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_PARALLEL_MIGRATIONS, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_CLUSTER},
+            "parallel_per_node": {"type": "integer", "minimum": 1, "maximum": keel_api::migration::MAX_PARALLEL_MIGRATIONS, "default": keel_api::migration::DEFAULT_PARALLEL_MIGRATIONS_PER_NODE}
         }},
         "CreateSnapshotRequest": {"type": "object", "additionalProperties": false, "required": ["name"], "properties": {
             "name": {"$ref": "#/components/schemas/Name"}
@@ -567,4 +567,69 @@ fn schemas() -> Value {
         .expect("object")
         .extend(tpm.as_object().expect("object").clone());
     all
+}
+
+#[cfg(test)]
+mod tests {
+    use keel_api::migration::MigrationTuning;
+    use keel_api::VmSpec;
+    use serde_json::{json, Value};
+
+    fn schema(name: &str) -> Value {
+        super::spec()["components"]["schemas"][name].clone()
+    }
+
+    /// The document's bound, and the validation's verdict at it and one
+    /// past it, must agree: the two read one constant.
+    #[test]
+    fn the_documents_maxima_are_the_ones_validation_applies() {
+        let tuning = schema("MigrationTuning");
+        let mut checked = 0;
+        for (field, property) in tuning["properties"].as_object().unwrap() {
+            let Some(max) = property["maximum"].as_u64() else {
+                continue;
+            };
+            let with = |v: u64| {
+                let mut t = serde_json::to_value(MigrationTuning::default()).unwrap();
+                t[field.as_str()] = json!(v);
+                serde_json::from_value::<MigrationTuning>(t)
+                    .unwrap()
+                    .validate()
+            };
+            assert!(with(max).is_ok(), "{field} at its documented maximum {max}");
+            let past = with(max + 1).expect_err(field);
+            assert_eq!(past.field, format!("tuning.{field}"));
+            checked += 1;
+        }
+        assert_eq!(checked, 6, "every bounded tuning field is checked");
+
+        let grace = schema("VmSpec")["properties"]["stop_grace_period_s"]["maximum"]
+            .as_u64()
+            .unwrap();
+        let spec = |s: u64| VmSpec {
+            stop_grace_period_s: s,
+            ..keel_testkit::spec::vm_spec()
+        };
+        assert!(spec(grace).validate().is_ok());
+        assert_eq!(
+            spec(grace + 1).validate().unwrap_err().field,
+            "spec.stop_grace_period_s"
+        );
+
+        let cmdline = schema("BootSpec")["properties"]["cmdline"]["maxLength"]
+            .as_u64()
+            .unwrap() as usize;
+        let boot = |len: usize| {
+            let mut s = keel_testkit::spec::vm_spec();
+            s.boot.kernel = Some("k".into());
+            s.boot.cmdline = Some("x".repeat(len));
+            s.validate()
+        };
+        assert!(boot(cmdline).is_ok());
+        assert_eq!(boot(cmdline + 1).unwrap_err().field, "spec.boot.cmdline");
+
+        let name = schema("Name")["maxLength"].as_u64().unwrap() as usize;
+        assert!(keel_api::validate_name("name", &"a".repeat(name)).is_ok());
+        assert!(keel_api::validate_name("name", &"a".repeat(name + 1)).is_err());
+    }
 }
