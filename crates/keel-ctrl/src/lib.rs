@@ -10,6 +10,7 @@
 pub mod cluster_controller;
 pub mod config;
 pub mod election;
+pub mod error;
 mod error_chain;
 pub mod event_retention;
 mod events;
