@@ -9,6 +9,7 @@
 
 pub mod cluster_controller;
 pub mod config;
+mod domain_spec;
 pub mod election;
 pub mod error;
 mod error_chain;

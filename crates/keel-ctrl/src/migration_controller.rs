@@ -16,7 +16,7 @@
 use std::sync::Arc;
 
 use keel_api::{Clock, EvictionPhase, Migration, MigrationPhase, Millis, Node, VirtualMachine};
-use keel_hv::{DomainSpec, DomainState, Hypervisor, MigrationProgress};
+use keel_hv::{DomainState, Hypervisor, MigrationProgress};
 use keel_store::{StoreError, TypedStore};
 
 use crate::config::LifecycleConfig;
@@ -173,49 +173,14 @@ impl MigrationController {
                     return self.fail(&key, m, entry.revision, &why, now).await;
                 }
                 let images = crate::images::records_for(&self.store, &vm.spec).await?;
-                // The guest's device state arrives from the source and fits
-                // only the source's hardware: its CPUs, memory and disks
-                // (a spec change that waits for a restart is not the
-                // target's), its spare ports and the disks plugged on them.
-                let source = vm
-                    .status
-                    .instance
-                    .as_ref()
-                    .filter(|i| i.id == m.source_instance);
-                let started = source.and_then(|i| i.started_with.as_ref());
-                let spec = DomainSpec {
-                    vm: vm.name.clone(),
-                    instance: m.target_instance.clone(),
-                    cpus: started.map_or(vm.spec.cpus, |s| s.cpus),
-                    memory_mib: started.map_or(vm.spec.memory_mib, |s| s.memory_mib),
-                    disks: crate::hotplug::instance_disks(&vm, source),
-                    boot: vm.spec.boot.clone(),
-                    // The source's disks, on storage both nodes share.
-                    create_disks: keel_hv::DiskCreation::none(),
-                    // The same NIC (MAC) and seed: the guest's device
-                    // state arrives from the source and must fit them.
-                    network: vm.nic(),
-                    cloud_init: vm.spec.cloud_init.clone(),
+                let spec = crate::domain_spec::for_instance(
+                    &vm,
+                    crate::domain_spec::Launch::IncomingFrom {
+                        target_instance: &m.target_instance,
+                        source_instance: &m.source_instance,
+                    },
                     images,
-                    // The guest keeps the fencing its source was started with.
-                    fenced: vm.instance_fenced(&m.source_instance),
-                    // The machine the source runs as: the guest's device
-                    // state fits no other.
-                    hardware: vm.status.hardware.clone(),
-                    hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
-                    plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
-                    // A target opens the source's disks; it makes none.
-                    clone_from: None,
-                    recorded_firmware: vm.status.firmware,
-                    // The source's TPM, if it has one (the driver refuses
-                    // the migration then, with the reason).
-                    tpm: started.map_or(vm.spec.tpm.is_some(), |s| s.tpm).then(|| {
-                        keel_hv::TpmUse {
-                            version: vm.spec.tpm.unwrap_or_default().version,
-                            may_create: false,
-                        }
-                    }),
-                };
+                );
                 // Over TLS only the source node the record names may send.
                 let from = keel_hv::IncomingParams {
                     tls_peer: Some(m.source_node.clone()),

@@ -24,7 +24,7 @@ use crate::vm_index::{ClusterReflector, VmIndex};
 use keel_api::{
     Clock, Event, Migration, MigrationPhase, Millis, Node, Phase, Snapshot, VirtualMachine,
 };
-use keel_hv::{DiskDetach, DomainSpec, HvError, Hypervisor};
+use keel_hv::{DiskDetach, HvError, Hypervisor};
 use keel_store::{StoreError, TypedEntry, TypedStore};
 use std::sync::Arc;
 
@@ -540,26 +540,14 @@ impl VmController {
                     })?;
                 Ok(self
                     .hv
-                    .start(&DomainSpec {
-                        vm: vm.name.clone(),
-                        instance: inst.id.clone(),
-                        cpus: vm.spec.cpus,
-                        memory_mib: vm.spec.memory_mib,
-                        disks: vm.spec.disks.clone(),
-                        boot: vm.spec.boot.clone(),
-                        create_disks: self.disks_to_make(vm),
-                        network: vm.nic(),
-                        cloud_init: vm.spec.cloud_init.clone(),
+                    .start(&crate::domain_spec::for_instance(
+                        vm,
+                        crate::domain_spec::Launch::New {
+                            instance: inst,
+                            create_disks: self.disks_to_make(vm),
+                        },
                         images,
-                        fenced: inst.fenced,
-                        hardware: vm.status.hardware.clone(),
-                        hotplug_ports: inst.hotplug_ports,
-                        // A new instance: every disk on the root complex.
-                        plugged: Vec::new(),
-                        clone_from: vm.status.clone_from.clone(),
-                        recorded_firmware: vm.status.firmware,
-                        tpm: crate::tpm_state::tpm_use(vm),
-                    })
+                    ))
                     .await?)
             }
             HvAction::Shutdown(id) => Ok(absent_is_ok(self.hv.shutdown(id).await)?),
