@@ -1192,6 +1192,13 @@ async fn keel_vm_migrate_moves_a_vm_between_agents() {
     assert!(stdout.contains(&format!("from {from} to {to}")), "{stdout}");
     assert!(stdout.contains("transport "), "{stdout}");
     assert!(stdout.contains("downtime "), "{stdout}");
+    // Not a terminal: no progress line drawn over itself (a script's
+    // stderr stays plain lines).
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !stderr.contains('\r') && !stderr.contains('\x1b') && !stderr.contains(" sent, "),
+        "{stderr:?}"
+    );
     eprintln!("{stdout}");
     let vm = c.vm("web").await;
     assert_eq!(vm.status.instance.as_ref().unwrap().node, to);
