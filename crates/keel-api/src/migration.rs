@@ -290,6 +290,13 @@ pub struct MigrationStatus {
     pub progress_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress_at: Option<Millis>,
+    /// The source's own figures at `progress_at`: the guest memory it
+    /// sends, and what it still had to send then (for `--wait`'s progress
+    /// line and its ETA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_total_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_remaining_bytes: Option<u64>,
     /// When the source node's agent saw the source instance gone before
     /// any outcome: not an outcome itself. The target settles it by its
     /// own state (paused with the whole state: Succeeded; exited: Failed).

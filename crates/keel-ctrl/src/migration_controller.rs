@@ -277,7 +277,9 @@ impl MigrationController {
                             .await
                     }
                     Ok(MigrationProgress::Active {
-                        transferred_bytes, ..
+                        transferred_bytes,
+                        total_bytes,
+                        remaining_bytes,
                     }) => {
                         let check = check_progress(&m, memory_mib, transferred_bytes, now);
                         if !wanted || check.is_err() {
@@ -304,6 +306,8 @@ impl MigrationController {
                             Ok(Some(progress)) => {
                                 m.status.progress_bytes = Some(progress);
                                 m.status.progress_at = Some(now);
+                                m.status.progress_total_bytes = Some(total_bytes);
+                                m.status.progress_remaining_bytes = Some(remaining_bytes);
                                 self.write(&key, &m, entry.revision, now)
                                     .await
                                     .map(|_| poll)

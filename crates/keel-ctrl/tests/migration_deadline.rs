@@ -70,6 +70,24 @@ fn only_source_runs(c: &Cluster, source: &str) {
     assert!(c.agent("b").hv.executing_instances("vm").is_empty());
 }
 
+/// The record carries the source's own figures for a progress display
+/// (`keel vm migrate --wait` on a terminal): what was sent, the total and
+/// what remains, recorded together.
+#[tokio::test]
+async fn a_sending_migration_records_sent_total_and_remaining_bytes() {
+    let (mut c, _, _) = migrating(stalling(false)).await;
+    c.run(2_000).await;
+    let m = running(&c).await.expect("still sending");
+    let sent = m.status.progress_bytes.expect("progress recorded");
+    let total = m.status.progress_total_bytes.expect("total recorded");
+    let remaining = m
+        .status
+        .progress_remaining_bytes
+        .expect("remaining recorded");
+    assert!(sent > 0 && sent < total, "{sent} of {total}");
+    assert_eq!(sent + remaining, total);
+}
+
 /// The source stops answering mid-migration: nothing more is seen sent,
 /// so it is failed at the progress timeout (150 s) counted from the last
 /// progress seen, the source stays the instance, and a stop asked after

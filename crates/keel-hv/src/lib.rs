@@ -369,6 +369,11 @@ pub enum MigrationProgress {
     Active {
         transferred_bytes: u64,
         total_bytes: u64,
+        /// What the source still has to send (dirtied pages included),
+        /// for a progress display and its ETA; `transferred + remaining`
+        /// may exceed `total` as pages are sent again.
+        #[serde(default)]
+        remaining_bytes: u64,
     },
     Completed {
         total_ms: u64,

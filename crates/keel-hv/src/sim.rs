@@ -1366,14 +1366,17 @@ impl Hypervisor for SimHypervisor {
                 reason: "cancelled".into(),
             }
         } else if o.stalls && !exited {
+            let transferred = (now - o.started_at).min(migration_ms / 2) * 1000;
             return Ok(MigrationProgress::Active {
-                transferred_bytes: (now - o.started_at).min(migration_ms / 2) * 1000,
+                transferred_bytes: transferred,
                 total_bytes: migration_ms * 1000,
+                remaining_bytes: migration_ms * 1000 - transferred,
             });
         } else if now < o.completes_at && !exited {
             return Ok(MigrationProgress::Active {
                 transferred_bytes: (now - o.started_at) * 1000,
                 total_bytes: (o.completes_at - o.started_at) * 1000,
+                remaining_bytes: (o.completes_at - now) * 1000,
             });
         } else if o.fails || o.unconfirmed {
             MigrationProgress::Failed {

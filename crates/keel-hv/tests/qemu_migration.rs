@@ -324,11 +324,20 @@ async fn a_cancelled_migration_leaves_the_source_running() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     match a.migration_status("web-1").await.unwrap() {
         MigrationProgress::Active {
-            transferred_bytes, ..
-        } => assert!(
-            transferred_bytes < 6 << 20,
-            "{transferred_bytes} bytes in ~2 s at 1 MiB/s"
-        ),
+            transferred_bytes,
+            total_bytes,
+            remaining_bytes,
+        } => {
+            assert!(
+                transferred_bytes < 6 << 20,
+                "{transferred_bytes} bytes in ~2 s at 1 MiB/s"
+            );
+            // QEMU's own figure of what is left, for `--wait`'s ETA.
+            assert!(
+                remaining_bytes > 0 && remaining_bytes <= total_bytes,
+                "{remaining_bytes} of {total_bytes} left"
+            );
+        }
         other => panic!("expected a capped, active migration, got {other:?}"),
     }
 

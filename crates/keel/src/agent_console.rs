@@ -1,6 +1,8 @@
 //! `keel agent --console-listen ADDR`: the agent serves the consoles of its node's
 //! VMs (`/api/v1/vms/{name}/console`, `/console/log` and `/vnc`, the very handlers
-//! of `keel serve`) and nothing else, to the cluster's control planes only:
+//! of `keel serve`) and its VMs' figures (`/api/v1/vm-stats`, for the
+//! control plane's `/metrics`: `api::agent_figures`), nothing else, to the
+//! cluster's control planes only:
 //! mutual TLS on the cluster CA (`agent_link`), no user token.
 //! Its URL goes on its node record (`status.agent_url`), where the control
 //! planes find it to pass a user's console request on
@@ -63,10 +65,19 @@ impl ConsoleServer {
         let addr = listener.local_addr()?;
 
         let (stop, stop_rx) = watch::channel(false);
+        let metrics = Arc::new(Metrics::new());
+        metrics.report_vms_of(
+            node,
+            Arc::new(keel_hv::stats_cache::StatsCache::new(
+                hv.clone(),
+                clock.clone(),
+            )),
+            clock.clone(),
+        );
         let state = AppState {
             store,
             clock,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             shutdown: stop_rx.clone(),
             images,
             node: Some(NodeAccess {
@@ -107,6 +118,9 @@ fn router(state: AppState) -> Router {
         .route("/api/v1/vms/{name}/console", get(api::console::attach))
         .route("/api/v1/vms/{name}/console/log", get(api::console::log))
         .route("/api/v1/vms/{name}/vnc", get(api::vnc::attach))
+        // This node's VMs' figures, for the control plane's /metrics
+        // (`api::agent_figures`).
+        .route("/api/v1/vm-stats", get(api::vm_stats::list))
         .layer(middleware::from_fn(
             crate::agent_link::require_control_plane,
         ))

@@ -249,8 +249,15 @@ impl Metrics {
     }
 
     /// Counts the VMs in the store by phase (every phase, zeros included)
-    /// and encodes all metrics.
-    pub async fn render(&self, store: &TypedStore) -> Result<String, StoreError> {
+    /// and encodes all metrics, with the per-VM rows of other nodes
+    /// (`remote_rows`, from their agents) beside this node's, and `extra`
+    /// series of the caller's.
+    pub async fn render(
+        &self,
+        store: &TypedStore,
+        remote_rows: Vec<vm_figures::VmFigures>,
+        extra: Option<Registry>,
+    ) -> Result<String, StoreError> {
         self.start_counting();
         let vm_counts = match self.vm_phases.counts() {
             Some(counts) => counts,
@@ -293,13 +300,21 @@ impl Metrics {
         let (refused, _) = keel_ctrl::transitions::refused_so_far();
         self.forbidden_transitions
             .set(i64::try_from(refused).unwrap_or(i64::MAX));
-        let vm_series = match self.vm_source.get() {
-            Some(_) => Some(vm_series::registry(&self.vm_stats(store).await?.vms)),
-            None => None,
+        let mut rows = match self.vm_source.get() {
+            Some(_) => self.vm_stats(store).await?.vms,
+            None => Vec::new(),
+        };
+        let vm_series = if rows.is_empty() && remote_rows.is_empty() {
+            None
+        } else {
+            rows.extend(remote_rows);
+            rows.sort_by(|a, b| a.vm.cmp(&b.vm));
+            Some(vm_series::registry(&rows))
         };
         let mut out = String::new();
         let written = encode_registry(&mut out, &self.registry)
             .and_then(|()| vm_series.map_or(Ok(()), |r| encode_registry(&mut out, &r)))
+            .and_then(|()| extra.map_or(Ok(()), |r| encode_registry(&mut out, &r)))
             .and_then(|()| encode_eof(&mut out));
         written.expect("writing to a String cannot fail");
         Ok(out)
@@ -386,7 +401,7 @@ mod tests {
         let m = Metrics::new();
         m.observe_request("GET", 200);
         m.observe_request("BREW", 418);
-        let text = m.render(&store).await.unwrap();
+        let text = m.render(&store, Vec::new(), None).await.unwrap();
         assert!(text.contains("keel_vms{phase=\"Running\"} 0"), "{text}");
         assert!(
             text.contains("keel_api_requests_total{method=\"GET\",status=\"200\"} 1"),
@@ -408,7 +423,7 @@ mod tests {
         m.unrequested_exit(ExitKind::Crashed);
         m.migration_finished(true, 0.7);
         m.reconcile_failed("vm");
-        let text = m.render(&store).await.unwrap();
+        let text = m.render(&store, Vec::new(), None).await.unwrap();
         for needle in [
             "keel_operation_duration_seconds_count{operation=\"stop_restart\"} 1",
             "keel_operation_duration_seconds_count{operation=\"start\"} 1",
@@ -426,7 +441,7 @@ mod tests {
         use keel_store::Precondition;
         let store = TypedStore::new(Arc::new(keel_store::memory::MemoryStore::new()));
         let m = Metrics::new();
-        let text = m.render(&store).await.unwrap();
+        let text = m.render(&store, Vec::new(), None).await.unwrap();
         assert!(text.contains("keel_undecodable_records 0"), "{text}");
         assert!(text.contains("keel_forbidden_transitions 0"), "{text}");
         store
@@ -435,7 +450,7 @@ mod tests {
             .await
             .unwrap();
         let text = m
-            .render(&store)
+            .render(&store, Vec::new(), None)
             .await
             .expect("a bad record fails no scrape");
         assert!(text.contains("keel_undecodable_records 1"), "{text}");

@@ -5,9 +5,10 @@
 //! signs in with, kept in the tab's `sessionStorage`.
 //!
 //! Plain HTML, CSS and JavaScript modules (`crates/keel/web/`), no
-//! bundler: the only browser dependency is xterm.js for the serial
-//! console, installed from npm with its lockfile by `scripts/setup`
-//! (`npm ci` in `crates/keel/web`); `build.rs` says so when it is missing.
+//! bundler: the only browser dependencies are xterm.js for the serial
+//! console and noVNC for the graphical one, installed from npm with their
+//! lockfile by `scripts/setup` (`npm ci` in `crates/keel/web`); `build.rs`
+//! says so when they are missing.
 
 use axum::http::{header, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -49,6 +50,11 @@ const ASSETS: &[Asset] = &[
     },
 ];
 
+/// noVNC's ES modules (`core/`, `vendor/pako/`) under `/ui/novnc/`, as
+/// they lie in its npm package, so that their relative imports resolve;
+/// the table is written by `build.rs`.
+const NOVNC_MODULES: &[(&str, &[u8])] = include!(concat!(env!("OUT_DIR"), "/novnc_assets.rs"));
+
 /// Scripts only from this server; inline styles are allowed because
 /// xterm.js sizes its rows with a style element of its own.
 const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
@@ -58,22 +64,31 @@ const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; \
 /// The routes of the console's files, merged beside the API's router
 /// (outside its token check: they hold no data).
 pub fn router() -> Router {
-    ASSETS.iter().fold(Router::new(), |router, asset| {
-        router.route(asset.path, get(move || async move { serve(asset) }))
+    let router = ASSETS.iter().fold(Router::new(), |router, asset| {
+        router.route(
+            asset.path,
+            get(move || async move { serve(asset.content_type, asset.body) }),
+        )
+    });
+    NOVNC_MODULES.iter().fold(router, |router, &(path, body)| {
+        router.route(
+            path,
+            get(move || async move { serve("text/javascript; charset=utf-8", body) }),
+        )
     })
 }
 
 /// The paths served, for the tests and the README.
 pub fn paths() -> impl Iterator<Item = &'static str> {
-    ASSETS.iter().map(|a| a.path)
+    ASSETS
+        .iter()
+        .map(|a| a.path)
+        .chain(NOVNC_MODULES.iter().map(|&(path, _)| path))
 }
 
-fn serve(asset: &'static Asset) -> Response {
+fn serve(content_type: &'static str, body: &'static [u8]) -> Response {
     let headers = [
-        (
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(asset.content_type),
-        ),
+        (header::CONTENT_TYPE, HeaderValue::from_static(content_type)),
         // A new binary's page is picked up at the next load.
         (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
         (
@@ -93,5 +108,5 @@ fn serve(asset: &'static Asset) -> Response {
             HeaderValue::from_static("DENY"),
         ),
     ];
-    (headers, asset.body).into_response()
+    (headers, body).into_response()
 }

@@ -960,9 +960,27 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     )
     .await;
     assert_eq!(status, 200, "a control plane needs no user token: {body}");
-    // The agent serves consoles, nothing else.
+    // The agent serves consoles and its VMs' figures, nothing else.
     let (status, _, _) = get_as(&as_plane, format!("{agent_url}/api/v1/vms"), None).await;
     assert_eq!(status, 404);
+    // The control plane's /metrics has the figures of n1's VM, asked of
+    // n1's agent over the same link; n2's agent has no port to ask. A
+    // node's certificate does not get them from the agent.
+    let (status, _, metrics) = get_as(&trust, format!("{cp}/metrics"), Some(token.clone())).await;
+    assert_eq!(status, 200, "{metrics}");
+    assert!(
+        metrics.contains(&format!(
+            "keel_vm_vcpus{{vm=\"web\",node=\"n1\",instance=\"{instance}\"}} 1"
+        )),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("keel_agent_vm_figures_up{node=\"n1\"} 1"),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("vm=\"quiet\""), "{metrics}");
+    let (status, _, _) = get_as(&as_node, format!("{agent_url}/api/v1/vm-stats"), None).await;
+    assert_eq!(status, 403);
 
     // An interactive session through the control plane.
     let mut ws = console_ws(&trust, &cp, "web", &token).await.unwrap();
@@ -1158,6 +1176,13 @@ async fn keel_vm_migrate_moves_a_vm_between_agents() {
     assert!(stdout.contains(&format!("from {from} to {to}")), "{stdout}");
     assert!(stdout.contains("transport "), "{stdout}");
     assert!(stdout.contains("downtime "), "{stdout}");
+    // Not a terminal: no progress line drawn over itself (a script's
+    // stderr stays plain lines).
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !stderr.contains('\r') && !stderr.contains('\x1b') && !stderr.contains(" sent, "),
+        "{stderr:?}"
+    );
     eprintln!("{stdout}");
     let vm = c.vm("web").await;
     assert_eq!(vm.status.instance.as_ref().unwrap().node, to);

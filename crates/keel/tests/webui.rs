@@ -4,7 +4,9 @@
 //! in, sees the demo VM Running and ready in the live list, opens its
 //! page and its serial console (xterm.js over the console WebSocket, the
 //! token sent as a subprotocol) and gets an answer from the guest's
-//! shell, stops the VM from the page and sees the stop's progress end in
+//! shell, opens the graphical console of a second guest made with
+//! `--graphics vnc` (noVNC over the VNC WebSocket) and sees its screen
+//! drawn, stops the VM from the page and sees the stop's progress end in
 //! Stopped; a viewer token then sees no action buttons, and the API
 //! refuses the viewer's start all the same.
 //!
@@ -254,6 +256,30 @@ async fn the_web_console_in_a_real_browser() {
         assert!(out.status.success(), "{out:?}");
         String::from_utf8(out.stdout).unwrap().trim().to_string()
     };
+    let keel_cli = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+            .args(args)
+            .env("KEEL_SERVER", &base)
+            .env("KEEL_TOKEN", &admin)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "keel {args:?}: {out:?}");
+    };
+    // A guest with a graphical console, booting beside the demo VM.
+    keel_cli(&[
+        "vm",
+        "create",
+        "gfx",
+        "--cpus",
+        "1",
+        "--memory",
+        "256",
+        "--graphics",
+        "vnc",
+        // Its screen is what is looked at, not its guest's readiness.
+        "--readiness",
+        "none",
+    ]);
     let c = browser(&driver, &scratch.path().join("profile")).await;
 
     // The admin's list: the demo VM Running and ready, from the watch.
@@ -317,6 +343,51 @@ async fn the_web_console_in_a_real_browser() {
         screenshot(&c.screenshot().await.unwrap(), "webui-vm.png");
         c.set_window_size(1360, 900).await.unwrap();
     }
+
+    // The graphical console of the VNC guest: noVNC connects through the
+    // VNC WebSocket and draws the guest's screen (the firmware's and the
+    // kernel's text) on its canvas.
+    click(&c, "#console-close").await;
+    click(&c, "a[data-nav=vms]").await;
+    wait_js(
+        &c,
+        "the VNC VM Running and ready in the list",
+        "const r = document.querySelector('tr[data-vm=\"gfx\"]'); \
+         return r ? [r.querySelector('td.phase').textContent, r.querySelector('td.ready').textContent] : null;",
+        |v| v == &json!(["Running", "yes"]),
+    )
+    .await;
+    click(&c, "tr[data-vm=\"gfx\"] a").await;
+    wait_js(&c, "the VNC VM's page", &text_of("#vm-page h1"), |v| {
+        v == "gfx"
+    })
+    .await;
+    click(&c, "#vm-page [data-action=screen]").await;
+    wait_js(
+        &c,
+        "the graphical console connected",
+        "return document.getElementById('screen-panel').dataset.state",
+        |v| v == "connected",
+    )
+    .await;
+    let drawn = wait_js(
+        &c,
+        "the guest's screen drawn on the canvas",
+        "const c = document.querySelector('#screen canvas'); \
+         if (!c || !c.width || !c.height) return null; \
+         const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data; \
+         let lit = 0; for (let i = 0; i < d.length; i += 4) if (d[i] | d[i + 1] | d[i + 2]) lit++; \
+         return [c.width, c.height, lit];",
+        |v| v[2].as_u64().is_some_and(|lit| lit > 0),
+    )
+    .await;
+    // QEMU's VGA mode at boot, not a blank default canvas.
+    assert!(drawn[0].as_u64().unwrap() >= 640, "{drawn}");
+    click(&c, "#screen-close").await;
+    keel_cli(&["vm", "delete", "gfx"]);
+    click(&c, "a[data-nav=vms]").await;
+    click(&c, "tr[data-vm=\"demo\"] a").await;
+    wait_js(&c, "the VM page", &text_of("#vm-page h1"), |v| v == "demo").await;
 
     // Stop from the page: the progress follows it to Stopped.
     click(&c, "#vm-page [data-action=stop]").await;

@@ -5,6 +5,7 @@
 // API is only ever set as text (never as HTML).
 
 import { Terminal } from "/ui/xterm.mjs";
+import RFB from "/ui/novnc/core/rfb.js";
 
 const TOKEN_KEY = "keel.token";
 const ROLE_RANK = { viewer: 0, operator: 1, admin: 2 };
@@ -12,7 +13,7 @@ const ROLE_RANK = { viewer: 0, operator: 1, admin: 2 };
 // are not shown, and the API refuses them anyway.
 const NEEDS = {
   start: "operator", stop: "operator", restart: "operator", reboot: "operator",
-  console: "operator", snapshot: "operator", migrate: "operator",
+  console: "operator", screen: "operator", snapshot: "operator", migrate: "operator",
   delete: "admin", create: "admin", restore: "admin", drain: "admin", uncordon: "admin",
 };
 const WAIT_LIMIT_MS = 300_000;
@@ -25,6 +26,7 @@ const state = {
   watch: null, // AbortController of the running watch
   progress: null, // { name, verb, goal, started, done, failed, text }
   console: null, // { ws, term, vm }
+  screen: null, // { rfb, vm }: the graphical console (noVNC)
   detailsFor: null, // "name@revision" whose details were fetched last
 };
 
@@ -149,7 +151,7 @@ async function watchVms() {
             case "synced": synced = true; state.vms = fresh; state.synced = true; break;
             case "error": throw new Error(msg.error);
           }
-          if (synced) vmsChanged();
+          if (synced) vmsChanged(msg.vm?.name ?? msg.name);
         }
       }
       pause = 1000;
@@ -173,8 +175,12 @@ function setLive(on) {
 }
 
 let renderQueued = false;
-function vmsChanged() {
+function vmsChanged(name) {
   checkProgress();
+  // A VM's page is not redrawn (and a click in flight lost) for a change
+  // of another VM that neither it nor its progress box shows.
+  const { page, name: shown } = route();
+  if (page === "vm" && name !== undefined && name !== shown && name !== state.progress?.name) return;
   if (renderQueued) return;
   renderQueued = true;
   requestAnimationFrame(() => { renderQueued = false; render(); });
@@ -296,6 +302,7 @@ function render() {
   if (active && view.contains(active) && active.closest("form.create")) return;
   view.replaceChildren(content);
   if (page !== "vm" && state.console) closeConsole();
+  if (page !== "vm" && state.screen) closeScreen();
 }
 
 function powerButtons(name, vm) {
@@ -438,7 +445,8 @@ function vmPage(name) {
       powerButtons(name, vm),
       can("snapshot") && h("button", { "data-action": "snapshot", onclick: () => takeSnapshot(name) }, "Snapshot"),
       can("migrate") && inst && h("button", { "data-action": "migrate", onclick: () => migrate(name) }, "Migrate"),
-      can("console") && inst && h("button", { class: "primary", "data-action": "console", onclick: () => openConsole(name) }, "Console")));
+      can("console") && inst && h("button", { class: "primary", "data-action": "console", onclick: () => openConsole(name) }, "Console"),
+      can("screen") && inst && vm.spec.boot?.graphics && h("button", { "data-action": "screen", onclick: () => openScreen(name) }, "Screen")));
   const summary = kv([
     ["Phase", badge(s.phase)],
     ["Ready", ready ? "yes" : (inst?.readiness?.reason ?? "no")],
@@ -584,6 +592,51 @@ function closeConsole() {
   $("console-panel").hidden = true;
 }
 
+// --- the graphical console (spec.boot.graphics) ----------------------------
+
+function openScreen(name) {
+  closeScreen();
+  const panelEl = $("screen-panel");
+  if (!/^[A-Za-z0-9._~-]+$/.test(state.token)) {
+    panelEl.hidden = false;
+    $("screen-state").textContent = "this token cannot be sent to a WebSocket (unexpected characters)";
+    return;
+  }
+  panelEl.hidden = false;
+  const holder = $("screen");
+  holder.replaceChildren();
+  const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+  // RFB over the VNC WebSocket (api/vnc.rs), the token offered as a
+  // subprotocol beside noVNC's own `binary`, as for the serial console.
+  const rfb = new RFB(holder, `${scheme}//${location.host}/api/v1/vms/${enc(name)}/vnc`,
+    { wsProtocols: ["binary", `keel.bearer.${state.token}`] });
+  rfb.scaleViewport = true;
+  rfb.background = "#000";
+  $("screen-state").textContent = "connecting…";
+  panelEl.dataset.state = "connecting";
+  rfb.addEventListener("connect", () => {
+    $("screen-state").textContent = `showing ${name}'s screen`;
+    panelEl.dataset.state = "connected";
+    rfb.focus();
+  });
+  rfb.addEventListener("disconnect", (ev) => {
+    if (state.screen?.rfb !== rfb) return;
+    $("screen-state").textContent = ev.detail.clean
+      ? "closed"
+      : "closed: no instance, no display, another session, or the token may not attach";
+    panelEl.dataset.state = "closed";
+  });
+  state.screen = { rfb, vm: name };
+  panelEl.scrollIntoView({ block: "nearest" });
+}
+
+function closeScreen() {
+  const screen = state.screen;
+  state.screen = null;
+  $("screen-panel").hidden = true;
+  if (screen) screen.rfb.disconnect();
+}
+
 // --- nodes, images, events -------------------------------------------------
 
 const listCache = { nodes: null, images: null, events: null };
@@ -685,6 +738,7 @@ function signOut(message) {
   sessionStorage.removeItem(TOKEN_KEY);
   state.watch?.abort();
   closeConsole();
+  closeScreen();
   Object.assign(state, { token: null, who: null, vms: new Map(), synced: false, watch: null, progress: null, detailsFor: null });
   for (const k of Object.keys(listCache)) listCache[k] = null;
   document.body.dataset.role = "";
@@ -710,6 +764,7 @@ function start() {
   });
   $("logout").addEventListener("click", () => signOut());
   $("console-close").addEventListener("click", closeConsole);
+  $("screen-close").addEventListener("click", closeScreen);
   window.addEventListener("hashchange", () => {
     const { page } = route();
     if (page === "nodes" || page === "images" || page === "events") listCache[page] = null;

@@ -118,6 +118,8 @@ pub struct RamStats {
     pub transferred: u64,
     #[serde(default)]
     pub total: u64,
+    #[serde(default)]
+    pub remaining: u64,
 }
 
 /// QEMU's migration status, coarsened to what a caller acts on.
@@ -163,6 +165,7 @@ impl MigrateInfo {
             Stage::Active => MigrationProgress::Active {
                 transferred_bytes: ram.transferred,
                 total_bytes: ram.total,
+                remaining_bytes: ram.remaining,
             },
             Stage::Completed => MigrationProgress::Completed {
                 total_ms: self.total_time.unwrap_or(0),
@@ -778,13 +781,14 @@ mod tests {
         assert_eq!(none.stage(), Stage::Idle);
         assert_eq!(none.progress(&none.stage()), MigrationProgress::None);
 
-        let active =
-            info(json!({"status": "active", "ram": {"transferred": 5, "total": 9, "mbps": 1.5}}));
+        let active = info(json!({"status": "active",
+            "ram": {"transferred": 5, "total": 9, "remaining": 4, "mbps": 1.5}}));
         assert_eq!(
             active.progress(&active.stage()),
             MigrationProgress::Active {
                 transferred_bytes: 5,
-                total_bytes: 9
+                total_bytes: 9,
+                remaining_bytes: 4
             }
         );
         assert_eq!(info(json!({"status": "setup"})).stage(), Stage::Active);

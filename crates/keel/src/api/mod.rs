@@ -5,6 +5,7 @@
 //! of times on a conflict with another writer; a revision the client sent
 //! (`If-Match` or `revision`) is never retried: stale means 409.
 
+pub mod agent_figures;
 pub mod audit;
 pub mod clone;
 pub mod console;
@@ -172,7 +173,12 @@ async fn healthz() -> Json<serde_json::Value> {
 }
 
 async fn metrics_text(State(state): State<AppState>) -> Result<Response, ApiError> {
-    let text = state.metrics.render(&state.store).await?;
+    let agents = agent_figures::gather(&state).await?;
+    let extra = (!agents.up.is_empty()).then(|| agents.registry());
+    let text = state
+        .metrics
+        .render(&state.store, agents.rows, extra)
+        .await?;
     Ok((
         [(
             header::CONTENT_TYPE,

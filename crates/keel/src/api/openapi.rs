@@ -541,7 +541,9 @@ fn schemas() -> Value {
                 "downtime_ms": {"type": "integer"},
                 "message": {"type": "string"},
                 "progress_bytes": {"type": "integer", "description": "Bytes sent when progress was last recorded"},
-                "progress_at": millis
+                "progress_at": millis,
+                "progress_total_bytes": {"type": "integer", "description": "The guest memory the source sends, as it said at progress_at"},
+                "progress_remaining_bytes": {"type": "integer", "description": "What the source still had to send at progress_at (dirtied pages included)"}
             }}
         }},
         "MigrationItem": {"type": "object", "required": ["revision", "migration"], "properties": {

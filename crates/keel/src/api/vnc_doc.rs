@@ -22,7 +22,7 @@ pub fn describe(doc: &mut serde_json::Value) {
         responses[code] = error(why);
     }
     doc["paths"]["/api/v1/vms/{name}/vnc"] = json!({"get": {
-        "summary": "Attach to the graphical console (spec.boot.graphics vnc): a WebSocket carrying the raw RFB stream of the instance's VNC server in binary messages, as websockify does for noVNC; counts as a console session of the token; for a VM on another node passed on to that node's agent like the serial console",
+        "summary": "Attach to the graphical console (spec.boot.graphics vnc): a WebSocket carrying the raw RFB stream of the instance's VNC server in binary messages, as websockify does for noVNC; counts as a console session of the token; for a VM on another node passed on to that node's agent like the serial console. Browsers, which cannot set Authorization on a WebSocket, may instead offer the subprotocols `binary` and `keel.bearer.<token>` (the web console's Screen does); the server then selects `binary`",
         "operationId": "attachVnc",
         "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}}],
         "responses": responses

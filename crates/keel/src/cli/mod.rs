@@ -8,6 +8,7 @@ mod events;
 mod freeze;
 mod image;
 mod image_url;
+mod live_progress;
 mod migration;
 pub mod net;
 mod node;

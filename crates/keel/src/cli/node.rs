@@ -4,11 +4,13 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use keel_api::{Clock, MigrationTuning, Millis, Node, VirtualMachine};
+use keel_api::{Clock, Migration, MigrationTuning, Millis, Node, VirtualMachine};
 use ureq::http::Method;
 
+use super::live_progress::{LiveLine, SendRate, Sending};
 use super::output::{self, fields, Table};
 use super::{encode, Client};
+use crate::api::migrations::MigrationList;
 use crate::api::node_labels::LabelRequest;
 use crate::api::nodes::{DrainRequest, NodeList, NodeResponse, UncordonRequest, UncordonResponse};
 use crate::api::vms::VmList;
@@ -370,6 +372,8 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
     let node_path = format!("/api/v1/nodes/{}", encode(name));
     // The last line printed for each VM seen on the node.
     let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut live = LiveLine::new();
+    let mut rates: BTreeMap<String, SendRate> = BTreeMap::new();
     loop {
         let resp: NodeResponse = client.get(&node_path)?;
         let Some(drain) = resp.node.drain.clone() else {
@@ -385,6 +389,7 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
         }
         for (vm, line) in &on_node {
             if seen.get(vm) != Some(line) {
+                live.clear();
                 eprintln!("{}", keel_api::untrusted::terminal_safe(line));
                 seen.insert(vm.clone(), line.clone());
             }
@@ -398,10 +403,14 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
             seen.remove(&vm_name);
             let now = vms.items.iter().find(|i| i.vm.name == vm_name);
             let line = off_node_line(&vm_name, name, now.map(|i| &i.vm));
+            live.clear();
             eprintln!("{}", keel_api::untrusted::terminal_safe(&line));
         }
         if drain.completed_at.is_some() {
             return Ok(resp);
+        }
+        if live.is_on() {
+            live.show(&drain_line(client, name, on_node.len(), &mut rates));
         }
         if Instant::now() >= deadline {
             bail!(
@@ -413,6 +422,39 @@ fn wait_drained(client: &Client, name: &str, timeout: Duration) -> anyhow::Resul
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// The drain's progress line: the VMs still on the node and the sums of
+/// the migrations sending them away (bytes, rate, ETA).
+fn drain_line(
+    client: &Client,
+    node: &str,
+    vms_on_node: usize,
+    rates: &mut BTreeMap<String, SendRate>,
+) -> String {
+    let mut line = format!("node {node}: draining, {vms_on_node} VM(s) on it");
+    // The line is a nicety: without the list it says what it knows.
+    let Ok(list) = client.get::<MigrationList>("/api/v1/migrations") else {
+        return line;
+    };
+    let under_way: Vec<Migration> = list
+        .items
+        .into_iter()
+        .map(|i| i.migration)
+        .filter(|m| m.source_node == node && !m.status.phase.is_final())
+        .collect();
+    if under_way.is_empty() {
+        return line;
+    }
+    line.push_str(&format!(", {} migrating", under_way.len()));
+    let sending = Sending::sum(under_way.iter().filter_map(|m| {
+        let rate = rates.entry(m.id.clone()).or_default().observe(m);
+        Sending::of(m, rate)
+    }));
+    if let Some(sending) = sending {
+        line.push_str(&format!(": {}", sending.describe()));
+    }
+    line
 }
 
 fn eviction_line(vm: &VirtualMachine) -> String {

@@ -6,6 +6,7 @@ use anyhow::{bail, Context};
 use keel_api::{Migration, VirtualMachine};
 use ureq::http::Method;
 
+use super::live_progress::{migration_line, LiveLine, SendRate};
 use super::output;
 use super::{encode, Client};
 use crate::api::migrate::MigrateVmRequest;
@@ -40,10 +41,17 @@ pub fn run(client: &Client, out: OutputFormat, args: MigrateArgs) -> anyhow::Res
         });
     }
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
+    let mut live = LiveLine::new();
+    let mut rate = SendRate::default();
     let vm = loop {
         let now: VmResponse = client.get(&format!("/api/v1/vms/{}", encode(&args.name)))?;
         if is_over(&now.vm, requested_at) {
             break now.vm;
+        }
+        if live.is_on() {
+            if let Some(m) = migration_of(client, &args.name, requested_at) {
+                live.show(&migration_line(&m, rate.observe(&m)));
+            }
         }
         if Instant::now() >= deadline {
             bail!(
@@ -56,6 +64,7 @@ pub fn run(client: &Client, out: OutputFormat, args: MigrateArgs) -> anyhow::Res
         }
         std::thread::sleep(Duration::from_millis(500));
     };
+    live.clear();
     let outcome = vm.status.migrate_outcome.as_ref();
     let migration = match outcome.and_then(|o| o.migration.as_deref()) {
         Some(id) => {
@@ -77,6 +86,19 @@ pub fn run(client: &Client, out: OutputFormat, args: MigrateArgs) -> anyhow::Res
         );
     }
     Ok(())
+}
+
+/// The newest migration of the VM made for the request of `requested_at`,
+/// for the progress line; none when it cannot be read (the line is a
+/// nicety, the wait goes on by the VM's record).
+fn migration_of(client: &Client, vm: &str, requested_at: u64) -> Option<Migration> {
+    let list: MigrationList = client
+        .get(&format!("/api/v1/migrations?vm={}", encode(vm)))
+        .ok()?;
+    list.items
+        .into_iter()
+        .map(|i| i.migration)
+        .rfind(|m| m.created_at >= requested_at)
 }
 
 /// The request made at `requested_at` has ended, one way or another.
