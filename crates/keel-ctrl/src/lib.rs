@@ -17,6 +17,7 @@ pub mod event_retention;
 mod events;
 pub mod evict_decide;
 pub mod fence;
+mod handover;
 pub mod hardware;
 pub mod hot_unplug;
 pub mod hotplug;

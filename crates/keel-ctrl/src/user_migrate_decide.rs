@@ -15,7 +15,7 @@ use keel_api::{
 use keel_hv::DomainState;
 
 use crate::config::LifecycleConfig;
-use crate::evict_decide::{migrated, no_target, reserve_and_create};
+use crate::handover::{migrated, no_target, reserve_and_create};
 use crate::step::{persist_if_changed, Step};
 use crate::view::ClusterView;
 

@@ -44,7 +44,7 @@ pub fn decide(
             && m.is_from(vm)
         {
             return Step::Persist {
-                vm: Box::new(crate::evict_decide::migrated(vm, m, now)),
+                vm: Box::new(crate::handover::migrated(vm, m, now)),
                 then: None,
                 requeue_at: now,
             };
@@ -533,7 +533,7 @@ pub fn take_over_from_lost_node(
         .filter(from_recorded)
         .find(|m| m.status.phase == MigrationPhase::Succeeded)
     {
-        return Some(crate::evict_decide::migrated(vm, m, now));
+        return Some(crate::handover::migrated(vm, m, now));
     }
     if migrations
         .iter()
