@@ -476,22 +476,10 @@ mod tests {
         VirtualMachine::new(
             "vm",
             VmSpec {
-                cpus: 1,
                 memory_mib: 64,
                 disks: vec![],
-                boot: Default::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
+                ..keel_testkit::spec::vm_spec()
             },
         )
     }

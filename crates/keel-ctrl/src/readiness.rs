@@ -248,7 +248,7 @@ fn addresses(info: &GuestInfo) -> Vec<GuestAddress> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{BootSpec, PowerState, RunPolicy, VmSpec};
+    use keel_api::{RunPolicy, VmSpec};
     use keel_hv::{AgentState, GuestIp};
 
     /// Only the VM's own earlier instances go: not the current one, not
@@ -288,22 +288,10 @@ mod tests {
         let vm = VirtualMachine::new(
             "web",
             VmSpec {
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
-                cpus: 1,
-                memory_mib: 128,
                 disks: vec![],
-                boot: BootSpec::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
                 readiness,
+                ..keel_testkit::spec::vm_spec()
             },
         );
         let inst = Instance {

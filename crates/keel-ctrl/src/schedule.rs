@@ -360,29 +360,17 @@ pub fn why_no_node(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use keel_api::{BootSpec, Millis, PowerState, RunPolicy, VmSpec};
+    use keel_api::{Millis, PowerState, RunPolicy, VmSpec};
 
     /// A small VM, placed on `node` or not (shared with other modules' tests).
     pub(crate) fn vm(name: &str, node: Option<&str>) -> VirtualMachine {
         let mut v = VirtualMachine::new(
             name,
             VmSpec {
-                cpus: 1,
                 memory_mib: 64,
                 disks: vec![],
-                boot: BootSpec::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
+                ..keel_testkit::spec::vm_spec()
             },
         );
         v.status.node = node.map(str::to_string);

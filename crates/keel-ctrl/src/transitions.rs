@@ -69,28 +69,15 @@ pub fn refused_so_far() -> (u64, Option<ForbiddenTransition>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{BootSpec, Eviction, PowerState, RunPolicy, VmSpec};
+    use keel_api::{Eviction, RunPolicy, VmSpec};
 
     fn vm(phase: Phase) -> VirtualMachine {
         let mut vm = VirtualMachine::new(
             "web",
             VmSpec {
-                cpus: 1,
-                memory_mib: 128,
                 disks: vec![],
-                boot: BootSpec::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
-                readiness: keel_api::Readiness::Agent,
+                ..keel_testkit::spec::vm_spec()
             },
         );
         vm.status.phase = phase;

@@ -852,28 +852,15 @@ fn finish_restore(vm: &VirtualMachine, snap: Option<&Snapshot>, now: Millis) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use keel_api::{BootSpec, DiskHome, StopProgress, VmSpec};
+    use keel_api::{DiskHome, StopProgress, VmSpec};
 
     fn vm() -> VirtualMachine {
         VirtualMachine::new(
             "web",
             VmSpec {
-                cpus: 1,
-                memory_mib: 128,
                 disks: vec![],
-                boot: BootSpec::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
+                ..keel_testkit::spec::vm_spec()
             },
         )
     }
