@@ -86,6 +86,8 @@ impl ConsoleServer {
             }),
             limits: Default::default(),
             follows: Default::default(),
+            // Serves no creates: its count is never consulted.
+            vm_count: Default::default(),
             // An agent passes no console on: it serves its own node's.
             cluster_creds: None,
             image_imports: Default::default(),

@@ -341,6 +341,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         node: cfg.node.clone(),
         hv: hv.clone(),
     });
+    let vm_count = api::vm_count::VmCount::kept(store.raw().clone(), stop_rx.clone());
     let state = AppState {
         store: store.clone(),
         clock,
@@ -350,6 +351,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         images: open_image_store(&cfg)?,
         limits: cfg.api_limits,
         follows: Default::default(),
+        vm_count,
         cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
         image_imports: Default::default(),
     };
@@ -480,6 +482,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         node: cfg.node.clone(),
         hv: hv.clone(),
     });
+    let vm_count = api::vm_count::VmCount::kept(store.raw().clone(), stop_rx.clone());
     let state = AppState {
         store: store.clone(),
         clock,
@@ -489,6 +492,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
         images: open_image_store(&cfg)?,
         limits: cfg.api_limits,
         follows: Default::default(),
+        vm_count,
         cluster_creds: Some(crate::agent_link::creds_dir(&cfg.data_dir)),
         image_imports: Default::default(),
     };

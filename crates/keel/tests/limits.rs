@@ -127,6 +127,49 @@ fn creating_past_a_cap_is_refused_naming_it_and_stores_nothing() {
     assert_eq!(server.get("/api/v1/images/base").status, 404);
 }
 
+/// Creates racing each other never pass `--max-vms` together, and the
+/// count follows deletions: a VM deleted makes room for the next create.
+#[test]
+fn racing_creates_stop_at_the_vm_cap_and_a_deletion_makes_room() {
+    let server = TestServer::start_with(|cfg| cfg.api_limits.max_vms = 3);
+    let statuses: Vec<u16> = std::thread::scope(|s| {
+        let creates: Vec<_> = (0..12)
+            .map(|i| {
+                let server = &server;
+                s.spawn(move || {
+                    let body = json!({"name": format!("r{i}"), "spec": stopped()}).to_string();
+                    server.send("POST", "/api/v1/vms", &body).status
+                })
+            })
+            .collect();
+        creates.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        3,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().all(|s| *s == 201 || *s == 409),
+        "{statuses:?}"
+    );
+    let list = server.get("/api/v1/vms").json();
+    let stored = names(&list, "vm");
+    assert_eq!(stored.len(), 3, "{stored:?}");
+
+    let body = json!({"name": "late", "spec": stopped()}).to_string();
+    assert_eq!(server.send("POST", "/api/v1/vms", &body).status, 409);
+    assert_eq!(
+        server
+            .send("DELETE", &format!("/api/v1/vms/{}", stored[0]), "")
+            .status,
+        202
+    );
+    server.wait_gone(&stored[0]);
+    let r = server.send("POST", "/api/v1/vms", &body);
+    assert_eq!(r.status, 201, "{}", r.text);
+}
+
 /// Sends a follow request on a socket of its own and returns it with the
 /// response's status line.
 fn follow(server: &TestServer) -> (TcpStream, String) {

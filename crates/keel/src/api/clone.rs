@@ -12,7 +12,6 @@ use keel_store::StoreError;
 use serde::{Deserialize, Serialize};
 
 use super::extract::{JsonBody, NameParam, QueryParams};
-use super::limits::check_cap;
 use super::vms::{self, new_vm_uid, vm_response};
 use super::{ApiError, AppState};
 
@@ -75,10 +74,17 @@ pub async fn clone(
     if let Some(from) = &mut clone.status.clone_from {
         from.linked = req.linked;
     }
-    let vms = state.store.raw().count(keel_ctrl::keys::VMS_PREFIX).await?;
-    check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
+    let place = state
+        .vm_count
+        .take_place(
+            state.store.raw().as_ref(),
+            &clone.name,
+            state.limits.max_vms,
+        )
+        .await?;
     match state.store.create(&vm_key(&clone.name), &clone).await {
         Ok(revision) => {
+            place.created();
             tracing::info!(vm = %clone.name, %source, snapshot = %req.snapshot, revision,
                 "VM cloned");
             let location = format!("/api/v1/vms/{}", clone.name);

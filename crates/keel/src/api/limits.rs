@@ -6,9 +6,10 @@
 //! larger than `--max-image-size` is a 413 naming `size` instead: that
 //! request can never succeed.
 //!
-//! Counts are read just before the create, so creates racing each other
-//! may pass a cap by as many as run at once; the cap bounds growth, it
-//! is not an exact quota.
+//! The VM cap is held exactly by one server's racing creates (each takes
+//! a place first, `vm_count`). The other counts are read just before the
+//! create, so creates racing each other may pass those caps by as many as
+//! run at once; they bound growth, they are not exact quotas.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

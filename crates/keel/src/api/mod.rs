@@ -32,6 +32,7 @@ pub mod snapshots;
 pub mod strict;
 pub mod token_limits;
 pub mod tokens;
+pub mod vm_count;
 pub mod vm_export;
 pub mod vm_import;
 pub mod vm_stats;
@@ -78,6 +79,8 @@ pub struct AppState {
     pub limits: limits::ApiLimits,
     /// The event streams followed now, against `limits.max_follows`.
     pub follows: Arc<limits::FollowSlots>,
+    /// The VMs counted against `limits.max_vms`, and the creates' places.
+    pub vm_count: vm_count::VmCount,
     /// This server's cluster credentials (`agent_link`), with which it
     /// reaches other nodes' agents for their consoles; `None`: it does not.
     pub cluster_creds: Option<std::path::PathBuf>,

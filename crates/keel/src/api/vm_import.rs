@@ -25,13 +25,13 @@ use axum::response::Response;
 use futures_util::StreamExt;
 use keel_api::vm_export::{MANIFEST_FILE, MAX_MANIFEST_BYTES};
 use keel_api::{ExportManifest, PowerState, VirtualMachine};
-use keel_ctrl::keys::{vm_key, VMS_PREFIX};
+use keel_ctrl::keys::vm_key;
 use keel_store::StoreError;
 use sha2::{Digest, Sha256};
 
 use super::extract::{NameParam, QueryParams};
 use super::images::too_large;
-use super::limits::check_cap;
+use super::vm_count::Place;
 use super::vm_export::{node_home, to_hex, Staging};
 use super::vms::{new_vm_uid, vm_response};
 use super::{ApiError, AppState};
@@ -40,6 +40,7 @@ use super::{ApiError, AppState};
 const FREE_SPACE_CHECK_BYTES: u64 = 256 << 20;
 
 struct Asked {
+    place: Place,
     name: String,
     start: bool,
     keep_identity: bool,
@@ -139,9 +140,13 @@ async fn admit(
             "this server runs no node to keep the VM's disks on; import through the server of a node",
         ));
     }
-    let vms = state.store.raw().count(VMS_PREFIX).await?;
-    check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
+    // Held through the upload: an import in progress is a create.
+    let place = state
+        .vm_count
+        .take_place(state.store.raw().as_ref(), &name, state.limits.max_vms)
+        .await?;
     Ok(Asked {
+        place,
         name,
         start,
         keep_identity,
@@ -155,6 +160,7 @@ async fn create(
     staging: &Staging,
 ) -> Result<Response, ApiError> {
     let Asked {
+        place,
         name,
         start,
         keep_identity,
@@ -195,6 +201,7 @@ async fn create(
         })?;
     match state.store.create(&vm_key(&name), &vm).await {
         Ok(revision) => {
+            place.created();
             tracing::info!(vm = %name, from = %manifest.vm, snapshot = %manifest.snapshot,
                 revision, "VM imported");
             let mut resp = vm_response(StatusCode::CREATED, vm, revision);

@@ -10,7 +10,6 @@ use keel_store::{Revision, StoreError};
 use serde::{Deserialize, Serialize};
 
 use super::extract::{BodyBytes, JsonBody, NameParam, QueryParams};
-use super::limits::check_cap;
 use super::paging::PageRequest;
 use super::write::{self, expected_revision};
 use super::{parse_json, ApiError, AppState};
@@ -125,11 +124,14 @@ pub async fn create(
     super::images::resolve(&state, &mut vm.spec).await?;
     vm.validate().map_err(ApiError::invalid)?;
     super::host_ports::refuse_clash(&state, &vm.name, &vm.spec).await?;
-    let vms = state.store.raw().count(VMS_PREFIX).await?;
-    check_cap(vms, state.limits.max_vms, "VMs", "--max-vms")?;
+    let place = state
+        .vm_count
+        .take_place(state.store.raw().as_ref(), &vm.name, state.limits.max_vms)
+        .await?;
     let key = vm_key(&vm.name);
     match state.store.create(&key, &vm).await {
         Ok(revision) => {
+            place.created();
             tracing::info!(vm = %vm.name, revision, "VM created");
             let location = format!("/api/v1/vms/{}", vm.name);
             let mut resp = vm_response(StatusCode::CREATED, vm, revision);
