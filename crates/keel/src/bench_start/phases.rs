@@ -32,6 +32,11 @@ pub enum Whose {
 #[derive(Debug, Clone, Copy)]
 enum End {
     Logged(&'static str),
+    /// The last of these marks before the first of the other: of the
+    /// reconciles of a VM, the one that recorded the instance. (The
+    /// reconcile the API's write wakes may begin before the API logs that
+    /// write: the watch and the response race.)
+    LoggedBefore(&'static str, &'static str),
     ConsoleReady,
     Returned,
     /// A step Keel's start does not take (its row says why).
@@ -48,10 +53,14 @@ const PHASES: &[(&str, End, Whose)] = &[
     ),
     (
         "watch delivery (to the reconcile)",
-        End::Logged("reconcile_begun"),
+        End::LoggedBefore("reconcile_begun", "instance_recorded"),
         Whose::Keel,
     ),
-    ("placement", End::Logged("placed"), Whose::Keel),
+    (
+        "placement",
+        End::LoggedBefore("placed", "instance_recorded"),
+        Whose::Keel,
+    ),
     (
         "reconcile (decide, record the instance)",
         End::Logged("instance_recorded"),
@@ -142,24 +151,30 @@ pub fn figures(
         .collect();
     let mut per_phase: Vec<Vec<f64>> = vec![Vec::new(); PHASES.len()];
     for start in starts {
-        let window = start.requested_us..=start.returned_us;
+        let (from, until) = (start.requested_us, start.returned_us);
+        let window = move |at: &u64| (from..=until).contains(at);
         let mut prev = start.requested_us;
         for (i, (_, end, _)) in PHASES.iter().enumerate() {
+            let in_window = |name: &'static str| {
+                marks
+                    .iter()
+                    .filter(move |(m, at)| m == name && window(at))
+                    .map(|(_, at)| *at)
+            };
             let at = match end {
-                End::Logged(name) => {
-                    let in_window = || {
-                        marks
-                            .iter()
-                            .filter(|(m, at)| m == name && window.contains(at))
-                            .map(|(_, at)| *at)
-                    };
-                    // The first after the phase before; one logged before it
-                    // (clocks of a 10 ms poll) counts as taking no time.
-                    in_window()
-                        .find(|at| *at >= prev)
-                        .or_else(|| in_window().any(|at| at < prev).then_some(prev))
-                }
-                End::ConsoleReady => start.console_ready_us.filter(|at| window.contains(at)),
+                // The first after the phase before; one logged before it
+                // (the API's write racing its watch, the 10 ms poll of the
+                // console) counts as taking no time.
+                End::Logged(name) => in_window(name)
+                    .find(|at| *at >= prev)
+                    .or_else(|| in_window(name).any(|at| at < prev).then_some(prev)),
+                End::LoggedBefore(name, anchor) => in_window(anchor).next().and_then(|until| {
+                    in_window(name)
+                        .filter(|at| *at <= until)
+                        .max()
+                        .map(|at| at.max(prev))
+                }),
+                End::ConsoleReady => start.console_ready_us.filter(window),
                 End::Returned => Some(start.returned_us),
                 End::NotTaken(_) => None,
             };
@@ -253,7 +268,15 @@ impl ConsoleObserver {
             let mut found: Option<PathBuf> = None;
             while !stopped.load(Ordering::Relaxed) {
                 match &found {
-                    None => found = dirs(&instances).into_iter().find(|d| !before.contains(d)),
+                    // Not the driver's staging directory, which becomes the
+                    // instance's by a rename.
+                    None => {
+                        found = dirs(&instances).into_iter().find(|d| {
+                            !before.contains(d)
+                                && d.file_name()
+                                    .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+                        })
+                    }
                     Some(dir) => {
                         if std::fs::read(dir.join("console.log"))
                             .is_ok_and(|log| log.windows(text.len()).any(|w| w == text))
