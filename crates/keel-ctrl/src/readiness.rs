@@ -18,6 +18,12 @@ use keel_hv::{GuestInfo, Hypervisor};
 /// How long a look waits for a probe it started.
 pub const PROBE_BUDGET: Duration = Duration::from_millis(200);
 
+/// The agent's answer in a probe that did not ask it: a guest whose
+/// readiness is a console text is not ready until the text shows, and a
+/// silent agent would hold each look for the agent's timeout (2 s on
+/// QEMU) before the console is read.
+pub const AGENT_NOT_ASKED: &str = "not asked until the console shows the readiness text";
+
 /// What one probe saw.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Probe {
@@ -74,10 +80,13 @@ impl GuestProbes {
             let mut slots = self.slots.lock().expect("probe slots");
             // Only instances still recorded keep a slot.
             let slot = slots.entry(inst.id.clone()).or_default();
-            let due = slot
-                .last
-                .as_ref()
-                .is_none_or(|p| stale(inst, p) || now >= p.at.saturating_add(interval));
+            // Once ready, a probe that left the agent out is followed by
+            // one that asks it (its addresses) at once.
+            let due = slot.last.as_ref().is_none_or(|p| {
+                stale(inst, p)
+                    || now >= p.at.saturating_add(interval)
+                    || (ready && agent_not_asked(p))
+            });
             if !slot.in_flight && due {
                 slot.in_flight = true;
                 slot.started_at = now;
@@ -96,10 +105,16 @@ impl GuestProbes {
                 _ => None,
             };
             let task = tokio::spawn(async move {
-                let agent = hv.guest_info(&id).await.map_err(|e| e.to_string());
+                // The console first: reading a log is quick, asking a
+                // silent agent is not.
                 let console = match &text {
                     Some(t) => Some(hv.console_contains(&id, t).await.map_err(|e| e.to_string())),
                     None => None,
+                };
+                let agent = if text.is_some() && !ready {
+                    Err(AGENT_NOT_ASKED.to_string())
+                } else {
+                    hv.guest_info(&id).await.map_err(|e| e.to_string())
                 };
                 let probe = Probe {
                     at: clock.now_ms(),
@@ -144,6 +159,10 @@ impl GuestProbes {
             slots.remove(&id);
         }
     }
+}
+
+fn agent_not_asked(probe: &Probe) -> bool {
+    probe.agent.as_ref().err().map(String::as_str) == Some(AGENT_NOT_ASKED)
 }
 
 /// A probe finished no later than the guest's last reset seen: it
@@ -395,5 +414,40 @@ mod tests {
         let (v, inst) = vm(Readiness::None);
         let r = next_readiness(&v, &inst, Phase::Running, None, 510);
         assert_eq!(r.ready_at, Some(100), "ready since it ran");
+    }
+
+    /// A guest ready by its console is ready at the first look that sees
+    /// the text, even while its agent is silent (here: its calls hang);
+    /// once ready, the next look asks the agent.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn console_readiness_does_not_wait_for_a_silent_agent() {
+        let clock = keel_api::ManualClock::new(0);
+        let hv = Arc::new(keel_hv::sim::SimHypervisor::new(
+            Arc::new(clock.clone()),
+            1,
+            Default::default(),
+        ));
+        hv.start(&keel_hv::DomainSpec::bare("web", "web-1", 1, 128))
+            .await
+            .unwrap();
+        clock.advance(60_000);
+        hv.hang_calls("web-1");
+        let probes = GuestProbes::new(hv.clone(), Arc::new(clock.clone()));
+        let (v, mut inst) = vm(Readiness::Console("KEEL-GUEST-READY".into()));
+        let probe = probes
+            .latest(&v, &inst)
+            .await
+            .expect("a probe within its budget");
+        assert_eq!(probe.console, Some(Ok(true)), "{probe:?}");
+        assert!(agent_not_asked(&probe), "{probe:?}");
+        let r = next_readiness(&v, &inst, Phase::Running, Some(&probe), clock.now_ms());
+        assert_eq!(r.ready_at, Some(probe.at));
+
+        // Ready: the next look asks the agent (which hangs here, so the
+        // probe stays in flight past the look's budget).
+        inst.readiness = Some(r);
+        probes.latest(&v, &inst).await;
+        assert!(probes.slots.lock().unwrap()["web-1"].in_flight);
+        hv.release_calls("web-1");
     }
 }

@@ -159,12 +159,17 @@ impl VmController {
             return Ok(None);
         };
         let vm = entry.value;
+        keel_hv::start_marks::mark(name, "reconcile_begun");
         match vm.owner_node() {
             // Another node's agent looks after it; a change wakes us again.
             Some(node) if node != self.cfg.node => return Ok(None),
             // The control plane's leader places it; a change wakes us again.
             None if !self.cfg.cluster_duties => return Ok(None),
-            None => return self.place(&vm, entry.revision).await.map_err(store_err),
+            None => {
+                let placed = self.place(&vm, entry.revision).await.map_err(store_err);
+                keel_hv::start_marks::mark(name, "placed");
+                return placed;
+            }
             Some(_) => {}
         }
         let cluster = self.cluster_view(&vm).await.map_err(store_err)?;
@@ -202,6 +207,12 @@ impl VmController {
                 let Some(revision) = self.write(&key, &next, entry.revision).await? else {
                     return Ok(Some(now));
                 };
+                if then == Some(HvAction::Start) {
+                    keel_hv::start_marks::mark(name, "instance_recorded");
+                }
+                if vm.ready_since().is_none() && next.ready_since().is_some() {
+                    keel_hv::start_marks::mark(name, "ready_written");
+                }
                 self.record_event(&vm, &next, revision, now).await;
                 if let Some(action) = then {
                     if let Err(err) = self.act(&next, &action).await {
@@ -386,6 +397,9 @@ impl VmController {
         };
         let current = next.status.instance.as_mut().expect("checked above");
         let readiness = crate::readiness::next_readiness(vm, current, phase, probe.as_ref(), now);
+        if readiness.ready_at.is_some() && vm.ready_since().is_none() {
+            keel_hv::start_marks::mark(&vm.name, "ready_seen");
+        }
         let requeue_at = if readiness.ready_at.is_none() {
             requeue_at.min(now + self.cfg.readiness_probe_ms)
         } else {

@@ -24,6 +24,7 @@ pub mod ownership;
 pub mod qcow2;
 pub mod qemu;
 pub mod sim;
+pub mod start_marks;
 pub mod stats_cache;
 pub mod tpm_use;
 pub mod unprivileged;

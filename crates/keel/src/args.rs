@@ -86,6 +86,10 @@ pub enum BenchVerb {
     /// SQLite and on an etcd cluster; prints rates, latencies, peak RSS
     /// and store size, with the machine they were measured on.
     Scale(crate::bench_scale::ScaleArgs),
+    /// Start the test guest through Keel and bare (Keel's own QEMU command
+    /// line, spawned by hand), in interleaved rounds; prints the medians,
+    /// their spread, Keel/bare and the phases of a Keel start.
+    Start(crate::bench_start::StartArgs),
 }
 
 #[derive(Debug, Args)]

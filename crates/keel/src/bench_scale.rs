@@ -650,7 +650,7 @@ fn print_report(r: &ScaleReport) {
 }
 
 /// The API of one control plane: its address and token.
-struct Api {
+pub(crate) struct Api {
     base: String,
     authorization: String,
     agent: ureq::Agent,
@@ -659,7 +659,7 @@ struct Api {
 impl Api {
     /// Waits for the process's log to say where it serves, then reads the
     /// token it wrote.
-    fn connect(procs: &Procs, index: usize, data: &Path) -> anyhow::Result<Api> {
+    pub(crate) fn connect(procs: &Procs, index: usize, data: &Path) -> anyhow::Result<Api> {
         let since = Instant::now();
         loop {
             let log = procs.log(index);
@@ -699,7 +699,7 @@ impl Api {
         Ok(())
     }
 
-    fn get_text(&self, path: &str) -> anyhow::Result<String> {
+    pub(crate) fn get_text(&self, path: &str) -> anyhow::Result<String> {
         let mut resp = self
             .agent
             .get(format!("{}{path}", self.base))
@@ -731,12 +731,14 @@ fn http_agent(trust: &crate::cli::server_trust::ServerTrust) -> ureq::Agent {
 
 /// The bench's child processes, killed when it ends.
 #[derive(Default)]
-struct Procs {
+pub(crate) struct Procs {
     children: Vec<(String, Child, PathBuf)>,
+    /// `RUST_LOG` of the processes spawned from now on (default `info`).
+    pub(crate) log_filter: Option<&'static str>,
 }
 
 impl Procs {
-    fn spawn(&mut self, kind: &str, log: &Path, args: &[&str]) -> anyhow::Result<usize> {
+    pub(crate) fn spawn(&mut self, kind: &str, log: &Path, args: &[&str]) -> anyhow::Result<usize> {
         let exe = std::env::current_exe().context("locating this keel binary")?;
         self.spawn_program(kind, &exe, log, args)
     }
@@ -751,7 +753,7 @@ impl Procs {
         let out = std::fs::File::create(log)?;
         let child = Command::new(program)
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", self.log_filter.unwrap_or("info"))
             .env_remove("KEEL_CONFIG")
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
@@ -763,7 +765,7 @@ impl Procs {
         Ok(self.children.len() - 1)
     }
 
-    fn log(&self, index: usize) -> String {
+    pub(crate) fn log(&self, index: usize) -> String {
         let Some((_, _, path)) = self.children.get(index) else {
             return String::new();
         };
@@ -777,7 +779,7 @@ impl Procs {
             .join("\n")
     }
 
-    fn check_alive(&self, index: usize) -> anyhow::Result<()> {
+    pub(crate) fn check_alive(&self, index: usize) -> anyhow::Result<()> {
         let pid = self.children[index].1.id();
         if !Path::new(&format!("/proc/{pid}")).exists() || is_zombie(pid) {
             bail!("{} exited:\n{}", self.children[index].0, self.log(index));
@@ -873,7 +875,7 @@ pub fn machine() -> String {
     )
 }
 
-fn build_kind() -> &'static str {
+pub(crate) fn build_kind() -> &'static str {
     if cfg!(debug_assertions) {
         "debug"
     } else {

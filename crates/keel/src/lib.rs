@@ -15,6 +15,7 @@ pub mod api_tls_cluster;
 pub mod args;
 pub mod auth;
 pub mod bench_scale;
+pub mod bench_start;
 pub mod capacity_args;
 pub mod cli;
 pub mod config_file;

@@ -43,6 +43,7 @@ fn main() -> ExitCode {
         Command::Apply(args) => keel::cli::apply(args),
         Command::Bench(cmd) => match cmd.verb {
             keel::args::BenchVerb::Scale(args) => keel::bench_scale::main(args),
+            keel::args::BenchVerb::Start(args) => keel::bench_start::main(args),
         },
         Command::Cluster(cmd) => keel::migration_setup::cluster(cmd),
         Command::Keeper(args) => {

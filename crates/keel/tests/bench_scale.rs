@@ -1,6 +1,10 @@
 //! `keel bench scale` on a few VMs: the benchmark runs end to end (SQLite
 //! and an etcd cluster of its own) and reports every figure. Its speed is
 //! for the benchmark to print, not for this test to judge.
+//!
+//! `keel bench start` for one round on the test guest (real QEMU): both
+//! sides start and become ready, bare ran Keel's own command line, and a
+//! Keel start is cut into its phases.
 
 use std::process::Command;
 
@@ -83,4 +87,107 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
     assert_eq!(capacity["over_capacity"], 0, "{mixed}");
     assert!(capacity["max_cpu_share"].as_f64().unwrap() > 0.0, "{mixed}");
     assert!(stdout.contains("node samples over capacity"), "{stdout}");
+}
+
+#[test]
+fn the_start_bench_runs_keels_command_line_bare_and_cuts_the_phases() {
+    if std::env::var("KEEL_SKIP_QEMU_TESTS").as_deref() == Ok("1") {
+        eprintln!("KEEL_SKIP_QEMU_TESTS=1: skipping real-QEMU test");
+        return;
+    }
+    let guest = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/guest");
+    let work = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_keel"))
+        .args([
+            "bench", "start", "--rounds", "1", "--accel", "tcg", "--guest",
+        ])
+        .arg(&guest)
+        .arg("--work-dir")
+        .arg(work.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(" CPUs, "),
+        "the machine is named:\n{stdout}"
+    );
+    assert!(stdout.contains("Keel/bare "), "{stdout}");
+    let r: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(r["accelerator"], "tcg", "{r}");
+    for side in ["keel_start_ms", "bare_start_ms", "keel_stop_ms"] {
+        let samples = r[side].as_array().unwrap();
+        assert_eq!(samples.len(), 1, "{side}: {r}");
+        assert!(samples[0].as_f64().unwrap() > 0.0, "{side}: {r}");
+    }
+    assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+
+    // Bare ran Keel's command line, as the two processes had it: the same
+    // arguments in the same order, but for the instance's two directories,
+    // moved to bare's own.
+    let argv = |side: &str| -> Vec<String> {
+        r[side]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (keel, bare) = (argv("keel_argv"), argv("bare_argv"));
+    assert!(keel.len() > 10 && keel[0].contains("qemu"), "{keel:?}");
+    let moved: Vec<(String, String)> = r["moved_dirs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p[0].as_str().unwrap().to_string(),
+                p[1].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(moved.len(), 2, "{r}");
+    let mapped: Vec<String> = keel
+        .iter()
+        .map(|a| {
+            moved.iter().fold(a.clone(), |a, (from, to)| {
+                a.replace(from.as_str(), to.as_str())
+            })
+        })
+        .collect();
+    assert_eq!(mapped, bare, "bare's command line is Keel's");
+    assert!(
+        keel.iter().zip(&bare).filter(|(k, b)| k != b).count() >= 3,
+        "the pid file, the logs and the sockets moved: {keel:?}"
+    );
+
+    // Each phase of the start was seen, but the ones it does not take.
+    let phases = r["phases"].as_array().unwrap();
+    for f in phases {
+        let name = f["phase"].as_str().unwrap();
+        // A VM that keeps its node is not placed again.
+        if name == "placement" {
+            continue;
+        }
+        let taken = name != "cont";
+        assert_eq!(f["starts"], if taken { 1 } else { 0 }, "{name}: {f}");
+        if taken {
+            assert!(f["median_ms"].as_f64().unwrap() >= 0.0, "{f}");
+        }
+    }
+    for name in [
+        "spawn (passt, QEMU)",
+        "QMP handshake",
+        "readiness detection",
+    ] {
+        assert!(
+            phases.iter().any(|f| f["phase"] == name),
+            "{name} missing: {r}"
+        );
+    }
+    assert!(stdout.contains("phases of a Keel start"), "{stdout}");
 }

@@ -174,6 +174,7 @@ impl QemuDriver {
         self.ensure_uefi_vars(spec, incoming)
             .await
             .map_err(&failed)?;
+        crate::start_marks::mark(&spec.vm, "disks_ready");
         let accelerator = self.accelerator().await;
         let mut plan = self.plan(accelerator, spec, disks, &images)?;
         plan.incoming = incoming;
@@ -258,6 +259,7 @@ impl QemuDriver {
                 _ => failed(format!("{}: {e}", plan.paths.dir.display())),
             });
         }
+        crate::start_marks::mark(&spec.vm, "prepared");
 
         let remove_dir = || {
             let (instance, paths) = (instance.clone(), plan.paths.clone());
@@ -333,6 +335,7 @@ impl QemuDriver {
             }
         };
         let child_pid = child.id().unwrap_or(0);
+        crate::start_marks::mark(&spec.vm, "spawned");
         // Under a keeper, QEMU's pid is known only once it wrote its pid
         // file; until then a kill must wait (the keeper's pid is not QEMU's).
         if keeper.is_none() {
@@ -342,7 +345,9 @@ impl QemuDriver {
         }
         tracing::info!(instance = %instance, pid = child_pid, keeper = keeper.is_some(), accel = ?plan.accelerator, "QEMU spawned");
 
-        let ready = match self.await_qmp(&plan.paths, &mut child).await {
+        let connected = self.await_qmp(&plan.paths, &mut child).await;
+        crate::start_marks::mark(&spec.vm, "qmp_connected");
+        let ready = match connected {
             // Before the monitor takes the connection, so that a target that
             // cannot listen is rolled back like a failed start.
             Ok(connected) => match &incoming_from {

@@ -22,6 +22,7 @@
 
 mod accel;
 mod accel_choice;
+pub mod bare;
 mod blocking;
 pub mod boot;
 pub mod cdrom;

@@ -240,6 +240,7 @@ async fn power(
         request(vm).map_err(ApiError::refused)
     })
     .await?;
+    keel_hv::start_marks::mark(&name, "api_written");
     Ok(vm_response(StatusCode::OK, vm, revision))
 }
 
