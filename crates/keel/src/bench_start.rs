@@ -129,6 +129,12 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
     let runtime = root.join("run");
     std::fs::create_dir_all(&data)?;
     std::fs::create_dir_all(&runtime)?;
+    let instances = data.join("node").join("instances");
+    // Declared before the server: dropped after it, so no start is under
+    // way when the guests are killed.
+    let _guests = GuestReaper {
+        instances: instances.clone(),
+    };
     let mut procs = Procs::default();
     procs.log_filter = Some(phases::LOG_FILTER);
     let serve = procs.spawn(
@@ -170,7 +176,6 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
         ],
         timeout,
     )?;
-    let instances = data.join("node").join("instances");
     let bare_dir = root.join("bare");
     let bare_sockets = runtime.join("bare");
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -253,6 +258,38 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
             ),
         ],
     })
+}
+
+/// Kills the guests the bench's server left running when the bench ends
+/// early (a failed round): QEMU runs in a session of its own and outlives
+/// its `keel serve`, as it should outside a bench. Each is found by its
+/// instance's pid file and killed only if its command line names that
+/// instance's directory.
+struct GuestReaper {
+    instances: PathBuf,
+}
+
+impl Drop for GuestReaper {
+    fn drop(&mut self) {
+        let Ok(entries) = std::fs::read_dir(&self.instances) else {
+            return;
+        };
+        for dir in entries.flatten().map(|e| e.path()) {
+            let Some(pid) = std::fs::read_to_string(dir.join("qemu.pid"))
+                .ok()
+                .and_then(|p| p.trim().parse::<i32>().ok())
+            else {
+                continue;
+            };
+            let named = std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&*dir.to_string_lossy()));
+            if named {
+                // SAFETY: kill(2) has no memory preconditions; the process
+                // was just seen running this instance.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
 }
 
 /// This binary as the CLI, against the bench's server.
