@@ -9,6 +9,7 @@
 
 pub mod cluster_controller;
 pub mod config;
+mod drain_wake;
 pub mod election;
 mod error_chain;
 pub mod event_retention;
@@ -29,6 +30,7 @@ pub mod placement_rules;
 pub mod readiness;
 pub mod reboot;
 pub mod restart_required;
+pub mod resync;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;
