@@ -21,8 +21,17 @@ pub struct LifecycleConfig {
     pub start_backoff_max_ms: Millis,
     /// An instance running this long counts as a successful boot.
     pub boot_settle_ms: Millis,
-    /// How often a running instance is looked at, to notice crashes.
+    /// How often a VM in a transitional state is looked at: a guest still
+    /// booting (until `boot_settle_ms`), a pause, a start waiting for room
+    /// or for a drain, a migration under way. A steadily running guest is
+    /// watched through the hypervisor's domain events instead, and looked
+    /// at only every `resync_ms`.
     pub poll_ms: Millis,
+    /// How often a VM with nothing under way (running steadily, or
+    /// stopped with nothing to do) is looked at anyway, jittered per VM
+    /// (`resync`): the safety net for a missed domain event. Nothing in
+    /// fencing or the one-instance rule depends on it.
+    pub resync_ms: Millis,
     /// A node whose heartbeat is older than this is not ready: nothing new
     /// is placed on it.
     pub node_ready_ms: Millis,
@@ -84,6 +93,7 @@ impl Default for LifecycleConfig {
             start_backoff_max_ms: 32_000,
             boot_settle_ms: 10_000,
             poll_ms: 2_000,
+            resync_ms: 60_000,
             node_ready_ms: 15_000,
             node_lease_ms: 40_000,
             self_fence_ms: 20_000,

@@ -30,7 +30,9 @@ pub(crate) fn decide_eviction(
     now: Millis,
     cfg: &LifecycleConfig,
 ) -> Option<Step> {
-    let drain = cluster.drain.as_ref()?;
+    let Some(drain) = cluster.drain.as_ref() else {
+        return drop_called_off(vm, cluster, now);
+    };
     let windows = drain.windows;
     let ev = match &vm.status.eviction {
         Some(ev) if ev.drain_requested_at == drain.requested_at => ev,
@@ -160,6 +162,36 @@ pub(crate) fn decide_eviction(
         },
     };
     Some(step)
+}
+
+/// The node no longer drains (the drain was called off) and the record
+/// still carries the drain's eviction, submitting or migrating: with its
+/// migration never created or ended without success, the eviction is
+/// dropped, or its reserved target would hold that node's room (and its
+/// anti-affinity group) for good. A migration still under way is seen
+/// through first (`decide` honours its success); a fallback stop runs on.
+fn drop_called_off(vm: &VirtualMachine, cluster: &ClusterView, now: Millis) -> Option<Step> {
+    let ev = vm.status.eviction.as_ref().filter(|e| !e.user)?;
+    if !matches!(
+        ev.phase,
+        EvictionPhase::Submitting | EvictionPhase::Migrating
+    ) {
+        return None;
+    }
+    let migration = cluster
+        .migration
+        .as_ref()
+        .filter(|m| ev.migration.as_deref() == Some(m.id.as_str()));
+    if migration.is_some_and(|m| m.status.phase != MigrationPhase::Failed) {
+        return None;
+    }
+    let mut next = vm.clone();
+    next.status.eviction = None;
+    Some(Step::Persist {
+        vm: Box::new(next),
+        then: None,
+        requeue_at: now,
+    })
 }
 
 /// The target runs the guest now: it becomes the VM's instance.

@@ -10,6 +10,7 @@
 pub mod cluster_controller;
 pub mod config;
 mod domain_spec;
+mod drain_wake;
 pub mod election;
 pub mod error;
 mod error_chain;
@@ -32,6 +33,7 @@ pub mod placement_rules;
 pub mod readiness;
 pub mod reboot;
 pub mod restart_required;
+pub mod resync;
 pub mod runtime;
 pub mod schedule;
 pub mod snapshot_controller;

@@ -45,6 +45,8 @@ pub struct VmController {
     /// Every VM record, kept current by the runtime's watch; read where a
     /// decision looks at the whole cluster (drains, migrations).
     vm_index: Arc<ClusterReflector>,
+    /// Which change of this node's record wakes its VMs (a drain's).
+    drain_wake: crate::drain_wake::DrainWake,
 }
 
 impl VmController {
@@ -67,7 +69,14 @@ impl VmController {
             lease: Default::default(),
             probes,
             vm_index: Default::default(),
+            drain_wake: Default::default(),
         }
+    }
+
+    /// The VMs a change of this node's record (just taken into the
+    /// index) wakes: all it owns when its drain began or ended, else none.
+    pub fn woken_by_own_node_change(&self) -> Vec<String> {
+        self.drain_wake.woken(&self.vm_index, &self.cfg.node)
     }
 
     /// The index of every VM this controller reads; whoever watches the
@@ -108,9 +117,10 @@ impl VmController {
         &self.store
     }
 
-    /// Exit notifications from this node's hypervisor, if it gives them.
-    pub fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>> {
-        self.hv.exit_events()
+    /// Domain events (exits, QMP events) from this node's hypervisor, if
+    /// it gives them.
+    pub fn domain_events(&self) -> Option<tokio::sync::broadcast::Receiver<keel_hv::DomainEvent>> {
+        self.hv.domain_events()
     }
 
     /// Reports lifecycle transitions (and, through the runtime, failed
@@ -246,6 +256,8 @@ impl VmController {
                 if let Ok(false) = acted {
                     // Not done yet (the guest holds on to the disk): nothing
                     // to store, the record already says what it waits for.
+                    // An unplug under way keeps the fast look (besides the
+                    // DEVICE_DELETED event): a guest may never answer.
                     return Ok(Some(now + self.cfg.poll_ms));
                 }
                 if let Err(err) = acted {

@@ -386,7 +386,16 @@ fn keep_running(
         }
     }
     let requeue_at = match since {
+        // Booting: looked at until the boot counts as settled (the start
+        // backoff is cleared then), and a guest dying in its first seconds
+        // is the likeliest crash there is.
         Some(s) if !settled => (s + cfg.boot_settle_ms).min(now + cfg.poll_ms),
+        // Running steadily: the hypervisor's events (exit, SHUTDOWN, STOP,
+        // RESET, GUEST_PANICKED, …) wake this VM; the resync only backs
+        // them up.
+        _ if running => crate::resync::resync_at(&vm.name, now, cfg),
+        // Paused, or not yet running (QEMU before its vCPUs run): a state
+        // that is meant to pass, looked at on the fast schedule.
         _ => now + cfg.poll_ms,
     };
     persist_if_changed(vm, next, None, requeue_at)
@@ -701,7 +710,9 @@ fn no_instance(
         next.status.phase = Phase::Stopped;
         next.status.failed_starts = 0;
         next.status.next_start_at = None;
-        return persist_if_changed(vm, next, None, now + cfg.poll_ms);
+        // Nothing to do until the record changes, and a change wakes it.
+        let requeue_at = crate::resync::resync_at(&vm.name, now, cfg);
+        return persist_if_changed(vm, next, None, requeue_at);
     }
     if let Some(at) = vm.status.next_start_at.filter(|at| *at > now) {
         next.status.phase = Phase::BackOff;
@@ -714,6 +725,8 @@ fn no_instance(
         next.status.eviction = None;
         next.status.phase = Phase::Pending;
         next.status.message = Some(format!("pinned to draining node {}", cfg.node));
+        // The fast look: the drain's end is a node record, which wakes no
+        // VM's reconcile.
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     let here = cfg.disk_home();
@@ -727,6 +740,7 @@ fn no_instance(
             "the disks of VM {} are on {home}, which node {} does not see; not started here",
             vm.name, cfg.node
         ));
+        // Handed back to the scheduler: a state meant to pass quickly.
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     if let Some(why) = &cluster.no_room_here {
@@ -741,6 +755,8 @@ fn no_instance(
         }
         next.status.phase = Phase::Pending;
         next.status.message = Some(format!("not started here: {why}"));
+        // The fast look: the room is freed by other VMs' changes, which
+        // wake no reconcile of this one.
         return persist_if_changed(vm, next, None, now + cfg.poll_ms);
     }
     // Each disk of the spec is recorded before the node is asked to make
@@ -800,6 +816,8 @@ fn restore(
         RestoreSource::Found(snap) if snap.status.phase == SnapshotPhase::Pending => {
             let mut next = vm.clone();
             next.status.message = Some(format!("waiting for snapshot {snapshot} to be taken"));
+            // A restore under way: the snapshot's write wakes this VM, and
+            // the fast look covers a missed one.
             persist_if_changed(vm, next, None, now + cfg.poll_ms)
         }
         RestoreSource::Unreadable(err) => {

@@ -37,7 +37,9 @@ async fn a_stop_of_a_stopped_process_ends_in_a_kill_at_the_grace_end() {
     let mut w = World::new(21, sim()).await;
     let inst = running_vm(&mut w, "hungmon", 10).await;
     w.hv.stop_process(&inst);
-    w.run_for(3_000).await;
+    // A stopped QEMU announces nothing (no event, no exit): a steadily
+    // running VM's hang is seen at its next look, the resync at the latest.
+    w.run_for(w.cfg.resync_ms + 1_000).await;
     let vm = w.get("hungmon").await.unwrap();
     assert!(
         vm.status

@@ -5,8 +5,11 @@ mod qemu;
 
 use std::time::{Duration, Instant};
 
-use keel_api::{ExitKind, Phase, RunPolicy, VirtualMachine};
+use keel_api::{Clock, ExitKind, Phase, RunPolicy, SystemClock, VirtualMachine};
+use keel_ctrl::LifecycleConfig;
+use keel_hv::Hypervisor;
 use qemu::{qemu_pids_in, Env};
+use tokio::io::AsyncWriteExt;
 
 const BOOT: Duration = Duration::from_secs(60);
 
@@ -131,4 +134,70 @@ async fn stop_is_graceful_then_forced_after_the_grace_period() {
     );
     assert!(env.qemu_pids(&format!("guest={hung}")).is_empty());
     assert_eq!(vm.status.last_exit.unwrap().kind, ExitKind::Killed);
+}
+
+/// A guest that powers itself off (`poweroff -f` typed on its console) is
+/// seen within seconds, its VM stopped as its run policy says, although
+/// a steadily running VM is looked at only every ten minutes here: the
+/// driver's exit event wakes the reconcile, not a poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_poweroff_is_seen_through_its_event_not_the_resync() {
+    let Some(env) = Env::new_with_lifecycle(|c| LifecycleConfig {
+        resync_ms: 600_000,
+        // Past its boot settle quickly: from then on only events (or the
+        // resync) make the VM looked at.
+        boot_settle_ms: 1_000,
+        ..c
+    })
+    .await
+    else {
+        return;
+    };
+    env.create("quiet", Env::spec(RunPolicy::Manual, 30)).await;
+    let (instance, _guest) = env.ready("quiet", BOOT).await;
+    let vm = env
+        .wait_for("quiet", BOOT, "ready", |vm| {
+            vm.status
+                .instance
+                .as_ref()
+                .and_then(|i| i.readiness.as_ref())
+                .is_some_and(|r| r.ready_at.is_some())
+        })
+        .await;
+    // Settled and ready: its next scheduled look is the ten-minute resync.
+    let since = vm.status.instance.unwrap().running_since.unwrap();
+    while SystemClock.now_ms() < since + 3_000 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let driver = env.node_driver("local");
+    let mut console = driver.open_console(&instance).await.unwrap();
+    // The shell may still be starting: type until the guest goes.
+    let typed = Instant::now();
+    while driver
+        .info(&instance)
+        .await
+        .is_ok_and(|i| !i.state.is_exited())
+    {
+        assert!(typed.elapsed() < BOOT, "the guest never powered off");
+        console.io.write_all(b"poweroff -f\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let gone = Instant::now();
+    drop(console);
+    let vm = env
+        .wait_for("quiet", Duration::from_secs(60), "stopped", |vm| {
+            vm.status.phase == Phase::Stopped
+        })
+        .await;
+    let seen_after = gone.elapsed();
+    let exit = vm.status.last_exit.unwrap();
+    assert_eq!(
+        (exit.kind, exit.requested),
+        (ExitKind::GuestPoweroff, false)
+    );
+    assert!(
+        seen_after < Duration::from_secs(10),
+        "the power-off was seen {seen_after:?} after QEMU exited: not by its event"
+    );
+    eprintln!("guest power-off seen {seen_after:?} after QEMU exited");
 }

@@ -14,6 +14,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
 pub mod disk_creation;
+pub mod domain_event;
 pub mod free_space;
 pub mod guest;
 pub mod guest_info;
@@ -31,6 +32,7 @@ pub mod unprivileged;
 pub mod vm_stats;
 
 pub use disk_creation::DiskCreation;
+pub use domain_event::{DomainEvent, DomainEventKind};
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
 pub use tpm_use::TpmUse;
 
@@ -321,14 +323,6 @@ pub struct NodeFacts {
     pub host: Option<keel_api::HostResources>,
 }
 
-/// A domain's process has just exited: a hint to look at it now rather than
-/// at the next scheduled check. The truth stays what `info` reports.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DomainExit {
-    pub vm: String,
-    pub instance: String,
-}
-
 /// How an outgoing migration is run (pre-copy only).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MigrationParams {
@@ -436,10 +430,11 @@ impl HvError {
 pub trait Hypervisor: Send + Sync + 'static {
     async fn facts(&self) -> NodeFacts;
 
-    /// Exits as they happen, for drivers that see them (`None`: only by
-    /// looking). A missed or lagged notification costs latency, never
-    /// correctness: controllers still re-check on their schedule.
-    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainExit>> {
+    /// Exits and monitor events as they happen ([`DomainEvent`]), for
+    /// drivers that see them (`None`: only by looking). A missed or lagged
+    /// event costs latency, never correctness: controllers still re-check
+    /// on their (slow) resync schedule.
+    fn domain_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainEvent>> {
         None
     }
 

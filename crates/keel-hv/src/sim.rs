@@ -28,8 +28,9 @@ mod vm_export;
 use table::{DomainTable, NextChange};
 
 use crate::{
-    check_instance_name, instance_prefix, DomainExit, DomainInfo, DomainListing, DomainSpec,
-    DomainState, ExitCause, HvError, Hypervisor, MigrationProgress, NodeFacts, UnknownDomain,
+    check_instance_name, instance_prefix, DomainEvent, DomainEventKind, DomainInfo, DomainListing,
+    DomainSpec, DomainState, ExitCause, HvError, Hypervisor, MigrationProgress, NodeFacts,
+    UnknownDomain,
 };
 
 #[derive(Debug, Clone)]
@@ -282,6 +283,9 @@ struct SimState {
     /// Instances whose disks cannot be grown online, and why (a driver
     /// whose `block_resize` fails).
     disk_changes_refused: BTreeMap<String, String>,
+    /// Where the domains' events are announced, as the QEMU driver's
+    /// monitors announce a process ending or a QMP event.
+    events: tokio::sync::broadcast::Sender<DomainEvent>,
 }
 
 #[derive(Clone)]
@@ -291,9 +295,10 @@ pub struct SimHypervisor {
     state: Arc<Mutex<SimState>>,
     fabric: SimFabric,
     consoles: crate::guest_info::ConsoleSlots,
-    /// Exits the tests cause (`guest_poweroff`, `crash`), announced as the
-    /// QEMU driver announces a QEMU process ending.
-    exits: tokio::sync::broadcast::Sender<DomainExit>,
+    /// The domains' events (exits, resets, a migration target resumed),
+    /// announced as the QEMU driver announces a QEMU process ending or
+    /// its monitor's events. The same sender as `SimState::events`.
+    events: tokio::sync::broadcast::Sender<DomainEvent>,
     /// Wakes hung calls when their instance is released.
     released: Arc<tokio::sync::Notify>,
 }
@@ -312,12 +317,13 @@ impl SimHypervisor {
         fabric: &SimFabric,
         node: &str,
     ) -> Self {
+        let events = tokio::sync::broadcast::channel(1024).0;
         Self {
             clock,
             node: node.to_string(),
             fabric: fabric.clone(),
             consoles: Default::default(),
-            exits: tokio::sync::broadcast::channel(1024).0,
+            events: events.clone(),
             released: Default::default(),
             state: Arc::new(Mutex::new(SimState {
                 domains: DomainTable::default(),
@@ -334,6 +340,7 @@ impl SimHypervisor {
                 hung: Default::default(),
                 hanging_calls: 0,
                 stopped: Default::default(),
+                events,
             })),
         }
     }
@@ -536,11 +543,10 @@ impl SimHypervisor {
 
     fn announce_exit(&self, vm: Option<String>, instance: &str) {
         if let Some(vm) = vm {
-            // Nobody listening is fine: exits are hints.
-            let _ = self.exits.send(DomainExit {
-                vm,
-                instance: instance.to_string(),
-            });
+            // Nobody listening is fine: events are hints.
+            let _ = self
+                .events
+                .send(DomainEvent::new(&vm, instance, DomainEventKind::Exited));
         }
     }
 
@@ -648,6 +654,15 @@ impl SimHypervisor {
     }
 }
 
+/// Announces `kind` for `d`. Nobody listening is fine: events are hints.
+fn announce(
+    events: &tokio::sync::broadcast::Sender<DomainEvent>,
+    d: &SimDomain,
+    kind: DomainEventKind,
+) {
+    let _ = events.send(DomainEvent::new(&d.spec.vm, &d.spec.instance, kind));
+}
+
 fn sim_failed(instance: &str, op: &'static str, reason: impl Into<String>) -> HvError {
     HvError::Failed {
         instance: instance.to_string(),
@@ -720,9 +735,13 @@ impl SimState {
             self.lapse_done = Some(deadline);
             // An unfenced guest runs without a keeper: no lease to lapse,
             // and it goes on booting, powering off, crashing on its own.
+            let events = &self.events;
             let fenced = self.domains.settle_where(
                 |d| !d.state.is_exited() && d.spec.fenced,
-                |d| d.exit(ExitCause::Killed, deadline),
+                |d| {
+                    d.exit(ExitCause::Killed, deadline);
+                    announce(events, d, DomainEventKind::Exited);
+                },
             );
             if !fenced.is_empty() {
                 self.log
@@ -731,62 +750,79 @@ impl SimState {
         }
         let boot_ms = self.config.boot_ms;
         let shutdown_ms = self.config.graceful_shutdown_ms;
+        let events = &self.events;
+        // What the clock alone changes is announced as QEMU would announce
+        // it (a process ending): the controllers' slow resync is not how
+        // a guest's exit is meant to be noticed.
+        let step_announcing = |d: &mut SimDomain, step: &dyn Fn(&mut SimDomain)| {
+            let was_exited = d.state.is_exited();
+            step(d);
+            if !was_exited && d.state.is_exited() {
+                announce(events, d, DomainEventKind::Exited);
+            }
+        };
         self.domains.advance(
             now,
             |d| {
-                if d.state.is_exited() {
-                    return;
-                }
-                if let Some(inc) = &d.incoming {
-                    if inc.aborted.load(Ordering::SeqCst) {
-                        d.state = DomainState::Exited(ExitCause::Crashed);
-                        d.incoming = None;
+                step_announcing(d, &|d: &mut SimDomain| {
+                    if d.state.is_exited() {
                         return;
                     }
-                    match inc.completes_at {
-                        Some(at) if now >= at => {
-                            if inc.fails {
-                                d.state = DomainState::Exited(ExitCause::Crashed);
-                                d.incoming = None;
-                            } else {
-                                // Everything arrived: paused until resumed.
-                                d.state = DomainState::Paused;
-                            }
+                    if let Some(inc) = &d.incoming {
+                        if inc.aborted.load(Ordering::SeqCst) {
+                            d.state = DomainState::Exited(ExitCause::Crashed);
+                            d.incoming = None;
+                            return;
                         }
-                        _ => {}
-                    }
-                    return;
-                }
-                if let Some(out) = &d.outgoing {
-                    if now >= out.completes_at && !out.fails && !out.unconfirmed && !out.cancelled {
-                        // Handed over: the source stays paused until told to quit.
-                        d.state = DomainState::Paused;
+                        match inc.completes_at {
+                            Some(at) if now >= at => {
+                                if inc.fails {
+                                    d.state = DomainState::Exited(ExitCause::Crashed);
+                                    d.incoming = None;
+                                } else {
+                                    // Everything arrived: paused until resumed.
+                                    d.state = DomainState::Paused;
+                                }
+                            }
+                            _ => {}
+                        }
                         return;
                     }
-                }
-                if let Some(at) = d.crash_at {
-                    if now >= at {
-                        d.exit(ExitCause::Crashed, at);
-                        return;
+                    if let Some(out) = &d.outgoing {
+                        if now >= out.completes_at
+                            && !out.fails
+                            && !out.unconfirmed
+                            && !out.cancelled
+                        {
+                            // Handed over: the source stays paused until told to quit.
+                            d.state = DomainState::Paused;
+                            return;
+                        }
                     }
-                }
-                if let Some(at) = d.guest.agent_shutdown_at {
-                    if now >= at + shutdown_ms {
-                        d.exit(ExitCause::Poweroff, at + shutdown_ms);
-                        return;
+                    if let Some(at) = d.crash_at {
+                        if now >= at {
+                            d.exit(ExitCause::Crashed, at);
+                            return;
+                        }
                     }
-                }
-                if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
-                    // A guest still booting acts on the button once it is up.
-                    let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
-                    if now >= off_at {
-                        d.exit(ExitCause::Poweroff, off_at);
-                        return;
+                    if let Some(at) = d.guest.agent_shutdown_at {
+                        if now >= at + shutdown_ms {
+                            d.exit(ExitCause::Poweroff, at + shutdown_ms);
+                            return;
+                        }
                     }
-                }
-                if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
-                    d.state = DomainState::Running;
-                }
+                    if let (Some(at), false) = (d.powerdown_requested_at, d.ignores_powerdown) {
+                        // A guest still booting acts on the button once it is up.
+                        let off_at = at.max(d.started_at + boot_ms) + shutdown_ms;
+                        if now >= off_at {
+                            d.exit(ExitCause::Poweroff, off_at);
+                            return;
+                        }
+                    }
+                    if d.state == DomainState::Starting && now >= d.started_at + boot_ms {
+                        d.state = DomainState::Running;
+                    }
+                })
             },
             |d| d.next_change(now, boot_ms, shutdown_ms),
         );
@@ -816,6 +852,7 @@ impl SimState {
             };
             if let Some(d) = self.domains.get_mut(instance) {
                 d.state = DomainState::Exited(cause);
+                announce(&self.events, d, DomainEventKind::Exited);
             }
             self.log
                 .push(format!("{instance}: exited ({cause:?}) before {op}"));
@@ -916,8 +953,8 @@ impl SimState {
 
 #[async_trait]
 impl Hypervisor for SimHypervisor {
-    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainExit>> {
-        Some(self.exits.subscribe())
+    fn domain_events(&self) -> Option<tokio::sync::broadcast::Receiver<DomainEvent>> {
+        Some(self.events.subscribe())
     }
 
     async fn facts(&self) -> NodeFacts {
@@ -1076,6 +1113,10 @@ impl Hypervisor for SimHypervisor {
         let d = s.domain_mut(instance)?;
         if !d.state.is_exited() {
             d.exit(ExitCause::Killed, now);
+            let vm = d.spec.vm.clone();
+            let _ = s
+                .events
+                .send(DomainEvent::new(&vm, instance, DomainEventKind::Exited));
         }
         s.log.push(format!("t={now}: kill {instance}"));
         Ok(())
@@ -1412,6 +1453,10 @@ impl Hypervisor for SimHypervisor {
             (Some(inc), DomainState::Paused) if inc.completes_at.is_some_and(|at| now >= at) => {
                 d.incoming = None;
                 d.state = DomainState::Running;
+                let vm = d.spec.vm.clone();
+                let _ = s
+                    .events
+                    .send(DomainEvent::new(&vm, instance, DomainEventKind::Resumed));
             }
             (_, state) => {
                 return Err(HvError::Failed {

@@ -17,8 +17,11 @@
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
 //!   on disk (SQLite files, or etcd's backend file);
 //! - single node: `/metrics` with every VM's series, its scrape time
-//!   (p50, p99) and CPU per scrape ([`scrape`]).
+//!   (p50, p99) and CPU per scrape ([`scrape`]);
+//! - single node: the server's idle CPU (% of one core) once every VM runs
+//!   and nothing changes ([`idle`]).
 
+mod idle;
 mod scrape;
 
 use std::collections::BTreeMap;
@@ -69,6 +72,15 @@ pub struct ScaleArgs {
     /// (about a second apart, so each reads the guests afresh).
     #[arg(long, default_value_t = scrape::SCRAPES)]
     pub scrapes: usize,
+    /// Seconds each single-node run leaves the server alone (every VM
+    /// running, nothing asked) before measuring its idle CPU: past the
+    /// boots' settle time and a whole resync period, so every VM's slow
+    /// look is in its steady rhythm.
+    #[arg(long, default_value_t = 70)]
+    pub idle_settle_s: u64,
+    /// Seconds over which the idle CPU is measured; 0 skips it.
+    #[arg(long, default_value_t = 30)]
+    pub idle_s: u64,
     /// The etcd binary of the cluster run.
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: PathBuf,
@@ -97,6 +109,8 @@ pub struct ScaleReport {
     pub capacity: Option<CapacitySamples>,
     /// The single-node runs' `/metrics` scrapes with every VM running.
     pub scrape: Option<scrape::ScrapeFigures>,
+    /// The single-node runs' idle CPU with every VM running.
+    pub idle: Option<idle::IdleFigures>,
 }
 
 /// What the mixed run saw of the nodes' allocations while the VMs were
@@ -142,7 +156,7 @@ pub fn main(args: ScaleArgs) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for (i, &n) in args.vms.iter().enumerate() {
         let dir = root.join(format!("sqlite-{n}-{i}"));
-        let report = sqlite_run(&dir, n, args.clients, args.scrapes, timeout)
+        let report = sqlite_run(&dir, n, &args, timeout)
             .with_context(|| format!("the SQLite run with {n} VMs"))?;
         print_report(&report);
         reports.push(report);
@@ -180,20 +194,30 @@ const UNLIMITED_REQUESTS: &str = "1000000";
 fn sqlite_run(
     dir: &Path,
     vms: usize,
-    clients: usize,
-    scrapes: usize,
+    args: &ScaleArgs,
     timeout: Duration,
 ) -> anyhow::Result<ScaleReport> {
     let data = dir.join("serve");
     let mut procs = Procs::default();
     let serve = spawn_sim_serve(&mut procs, &data, &[])?;
     let api = Api::connect(&procs, serve, &data)?;
-    let mut report = drive(std::slice::from_ref(&api), vms, clients, timeout, &small_vm)?;
-    report.scrape = Some(scrape::measure(
-        &api,
-        procs.children[serve].1.id(),
-        scrapes.max(1),
-    )?);
+    let mut report = drive(
+        std::slice::from_ref(&api),
+        vms,
+        args.clients,
+        timeout,
+        &small_vm,
+    )?;
+    let pid = procs.children[serve].1.id();
+    report.scrape = Some(scrape::measure(&api, pid, args.scrapes.max(1))?);
+    if args.idle_s > 0 {
+        report.idle = Some(idle::measure(
+            pid,
+            Duration::from_secs(args.idle_settle_s),
+            Duration::from_secs(args.idle_s),
+        )?);
+        procs.check_alive(serve)?;
+    }
     report.store = "sqlite".into();
     report.control_planes = 1;
     report.nodes = 1;
@@ -451,6 +475,7 @@ fn drive(
         store_bytes: 0,
         capacity: None,
         scrape: None,
+        idle: None,
     })
 }
 
@@ -645,6 +670,15 @@ fn print_report(r: &ScaleReport) {
             p50 = s.p50_ms,
             p99 = s.p99_ms,
             cpu = s.cpu_ms_per_scrape,
+        );
+    }
+    if let Some(i) = &r.idle {
+        println!(
+            "  idle: {cpu:.2}% of a core over {window:.0} s with every VM running and nothing changing \
+             ({settle:.0} s after the last request)",
+            cpu = i.cpu_percent_of_core,
+            window = i.window_s,
+            settle = i.settle_s,
         );
     }
 }

@@ -36,6 +36,10 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             "4",
             "--scrapes",
             "2",
+            "--idle-settle-s",
+            "0",
+            "--idle-s",
+            "1",
             "--timeout-s",
             "120",
             "--work-dir",
@@ -70,6 +74,13 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             // Every VM's series, on the node that runs them.
             assert_eq!(r["scrape"]["vms_with_series"], 30, "{r}");
             assert!(r["scrape"]["p99_ms"].as_f64().unwrap() > 0.0, "{r}");
+            // The idle window was measured and printed.
+            assert!(r["idle"]["window_s"].as_f64().unwrap() >= 1.0, "{r}");
+            assert!(
+                r["idle"]["cpu_percent_of_core"].as_f64().unwrap() >= 0.0,
+                "{r}"
+            );
+            assert!(stdout.contains("% of a core over"), "{stdout}");
         }
         for kind in kinds {
             assert!(

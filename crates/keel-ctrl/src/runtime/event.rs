@@ -1,8 +1,8 @@
 //! What the runtime hears: store records that changed or were (re)listed,
-//! and exits the hypervisor saw. Reconcilers map these to keys
-//! ([`super::Reconciler::triggers`]).
+//! and domain events the hypervisor saw (exits, QMP events). Reconcilers
+//! map these to keys ([`super::Reconciler::triggers`]).
 
-use keel_hv::DomainExit;
+use keel_hv::DomainEvent;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -11,9 +11,12 @@ pub enum Event {
     /// A record found by a list: at start, and after a watch broke, when
     /// changes may have been missed, every record is looked at again.
     Listed { key: String },
-    /// The hypervisor saw an instance exit. A hint only: a lost one costs
-    /// latency (the next scheduled look finds the exit), never correctness.
-    Exited(DomainExit),
+    /// The hypervisor saw something happen to an instance: its process
+    /// exited, or its guest shut down, paused, resumed, reset, panicked, …
+    /// A hint only: a lost one costs latency (the next scheduled look, the
+    /// slow resync at the latest, finds what it announced), never
+    /// correctness.
+    Domain(DomainEvent),
 }
 
 impl Event {
@@ -21,7 +24,7 @@ impl Event {
     pub fn key(&self) -> Option<&str> {
         match self {
             Event::Changed { key } | Event::Listed { key } => Some(key),
-            Event::Exited(_) => None,
+            Event::Domain(_) => None,
         }
     }
 }

@@ -69,14 +69,14 @@ impl Runtime {
     /// A runtime without reconcilers, watching `store`.
     pub fn new(
         store: Arc<dyn Store>,
-        exits: Option<tokio::sync::broadcast::Receiver<keel_hv::DomainExit>>,
+        domain_events: Option<tokio::sync::broadcast::Receiver<keel_hv::DomainEvent>>,
         clock: Arc<dyn Clock>,
         observer: Arc<dyn LifecycleObserver>,
         retry_ms: Millis,
         cfg: &RuntimeConfig,
     ) -> Self {
         Self {
-            source: EventSource::new(store, exits, retry_ms),
+            source: EventSource::new(store, domain_events, retry_ms),
             runner: Runner::new(clock.clone(), observer, cfg.max_concurrent_reconciles),
             clock,
         }
@@ -84,7 +84,7 @@ impl Runtime {
 
     /// A node's runtime: its VM, snapshot and migration controllers (in
     /// that order, which is the order ties run in), on the VM
-    /// controller's store, exit notifications and retry interval.
+    /// controller's store, domain events and retry interval.
     pub fn for_node(
         vms: Arc<VmController>,
         snapshots: Arc<SnapshotController>,
@@ -94,7 +94,7 @@ impl Runtime {
     ) -> Self {
         let mut runtime = Self::new(
             vms.store().raw().clone(),
-            vms.exit_events(),
+            vms.domain_events(),
             clock,
             vms.observer().clone(),
             vms.config().retry_ms,

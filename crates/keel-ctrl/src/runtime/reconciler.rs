@@ -7,7 +7,7 @@ use keel_api::Millis;
 use keel_store::StoreError;
 
 use super::event::Event;
-use crate::keys::{migration_of, name_of, snapshot_of, VMS_PREFIX};
+use crate::keys::{migration_of, name_of, snapshot_of, NODES_PREFIX, VMS_PREFIX};
 use crate::{MigrationController, ReconcileError, SnapshotController, SnapshotError, VmController};
 
 #[async_trait]
@@ -32,7 +32,8 @@ pub trait Reconciler: Send + Sync + 'static {
 
 /// Keyed by VM name: woken by its record, by its snapshots (one may unblock
 /// a restore waiting on it), its migrations (their progress moves its
-/// eviction on) and its instances' exits.
+/// eviction on), its instances' domain events (exits, QMP events), and a
+/// drain of its node beginning or ending.
 #[async_trait]
 impl Reconciler for VmController {
     type Error = ReconcileError;
@@ -43,7 +44,12 @@ impl Reconciler for VmController {
 
     fn triggers(&self, event: &Event) -> Vec<String> {
         let vm = match event {
-            Event::Exited(exit) => Some(exit.vm.as_str()),
+            Event::Domain(event) => Some(event.vm.as_str()),
+            Event::Changed { key }
+                if name_of(NODES_PREFIX, key) == Some(self.config().node.as_str()) =>
+            {
+                return self.woken_by_own_node_change();
+            }
             Event::Changed { key } | Event::Listed { key } => name_of(VMS_PREFIX, key)
                 .or_else(|| snapshot_of(key).map(|(vm, _)| vm))
                 .or_else(|| migration_of(key).map(|(vm, _)| vm)),

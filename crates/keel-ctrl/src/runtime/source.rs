@@ -1,15 +1,15 @@
 //! Where the runtime's events come from: one watch per watched prefix,
 //! opened after listing it (so nothing between list and watch is missed),
-//! and the hypervisor's exit notifications. A watch that breaks ends all of
-//! them; after `retry_ms` everything is listed again, as changes made
-//! meanwhile were never delivered.
+//! and the hypervisor's domain events (exits, QMP events). A watch that
+//! breaks ends all of them; after `retry_ms` everything is listed again,
+//! as changes made meanwhile were never delivered.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
 use keel_api::Millis;
-use keel_hv::DomainExit;
+use keel_hv::DomainEvent;
 use keel_store::{Store, StoreError, Watch, WatchEvent};
 use tokio::sync::broadcast::{self, error::RecvError, error::TryRecvError};
 
@@ -42,7 +42,7 @@ pub struct EventSource {
     /// When to list again while broken.
     relist_at: Millis,
     retry_ms: Millis,
-    exits: Option<broadcast::Receiver<DomainExit>>,
+    domain_events: Option<broadcast::Receiver<DomainEvent>>,
     /// Kept current with the VM records listed and watched here.
     vms: Option<Arc<ClusterReflector>>,
 }
@@ -51,7 +51,7 @@ impl EventSource {
     /// Lists on first use (`relist_at` 0 is due at once).
     pub fn new(
         store: Arc<dyn Store>,
-        exits: Option<broadcast::Receiver<DomainExit>>,
+        domain_events: Option<broadcast::Receiver<DomainEvent>>,
         retry_ms: Millis,
     ) -> Self {
         Self {
@@ -59,7 +59,7 @@ impl EventSource {
             watches: None,
             relist_at: 0,
             retry_ms,
-            exits,
+            domain_events,
             vms: None,
         }
     }
@@ -117,12 +117,12 @@ impl EventSource {
         }
     }
 
-    /// The next thing that has already arrived, without waiting: exits
-    /// first, then each watch in [`WATCHED_PREFIXES`] order. This is how a
+    /// The next thing that has already arrived, without waiting: domain
+    /// events first, then each watch in [`WATCHED_PREFIXES`] order. This is how a
     /// simulation takes events in one defined order.
     pub fn try_next(&mut self) -> Option<Incoming> {
-        if let Some(exit) = self.try_exit() {
-            return Some(Incoming::Event(Event::Exited(exit)));
+        if let Some(event) = self.try_domain_event() {
+            return Some(Incoming::Event(Event::Domain(event)));
         }
         let watches = self.watches.as_mut()?;
         let mut cx = Context::from_waker(Waker::noop());
@@ -140,14 +140,14 @@ impl EventSource {
     }
 
     /// Waits for the next event or for the watches to break. With the
-    /// watches closed, waits for exits only.
+    /// watches closed, waits for domain events only.
     pub async fn next(&mut self) -> Incoming {
-        let exits = &mut self.exits;
+        let domain_events = &mut self.domain_events;
         let Some([vms, snapshots, migrations, nodes]) = self.watches.as_mut() else {
-            return Incoming::Event(Event::Exited(next_exit(exits).await));
+            return Incoming::Event(Event::Domain(next_domain_event(domain_events).await));
         };
         tokio::select! {
-            exit = next_exit(exits) => Incoming::Event(Event::Exited(exit)),
+            event = next_domain_event(domain_events) => Incoming::Event(Event::Domain(event)),
             item = vms.next() => incoming(item, self.vms.as_deref()),
             item = snapshots.next() => incoming(item, None),
             item = migrations.next() => incoming(item, None),
@@ -155,16 +155,16 @@ impl EventSource {
         }
     }
 
-    fn try_exit(&mut self) -> Option<DomainExit> {
-        let rx = self.exits.as_mut()?;
+    fn try_domain_event(&mut self) -> Option<DomainEvent> {
+        let rx = self.domain_events.as_mut()?;
         loop {
             match rx.try_recv() {
-                Ok(exit) => return Some(exit),
+                Ok(event) => return Some(event),
                 // Missed some: the scheduled re-checks still find them.
                 Err(TryRecvError::Lagged(_)) => continue,
                 Err(TryRecvError::Empty) => return None,
                 Err(TryRecvError::Closed) => {
-                    self.exits = None;
+                    self.domain_events = None;
                     return None;
                 }
             }
@@ -192,17 +192,21 @@ fn incoming(
     }
 }
 
-/// The next exit notification; never resolves without a channel.
-async fn next_exit(exits: &mut Option<broadcast::Receiver<DomainExit>>) -> DomainExit {
-    let Some(rx) = exits else {
+/// The next domain event; never resolves without a channel.
+async fn next_domain_event(
+    domain_events: &mut Option<broadcast::Receiver<DomainEvent>>,
+) -> DomainEvent {
+    let Some(rx) = domain_events else {
         return std::future::pending().await;
     };
     loop {
         match rx.recv().await {
-            Ok(exit) => return exit,
+            Ok(event) => return event,
+            // Missed some: the scheduled re-checks still find what they
+            // announced.
             Err(RecvError::Lagged(_)) => continue,
             Err(RecvError::Closed) => {
-                *exits = None;
+                *domain_events = None;
                 return std::future::pending().await;
             }
         }

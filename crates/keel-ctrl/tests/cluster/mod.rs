@@ -228,7 +228,7 @@ impl Cluster {
         let migrations = Arc::new(vms.migration_controller());
         let mut runtime = Runtime::new(
             vms.store().raw().clone(),
-            vms.exit_events(),
+            vms.domain_events(),
             shared.clone(),
             vms.observer().clone(),
             vms.config().retry_ms,

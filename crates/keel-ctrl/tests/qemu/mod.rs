@@ -46,6 +46,8 @@ pub struct Env {
     pub store: TypedStore,
     pub data_dir: PathBuf,
     guest: PathBuf,
+    /// Changes every node's lifecycle config (`Env::new_with_lifecycle`).
+    lifecycle: fn(LifecycleConfig) -> LifecycleConfig,
     _dir: tempfile::TempDir,
 }
 
@@ -71,6 +73,20 @@ impl Env {
 
     /// [`Env::new`] with the first node's ("local") driver config changed.
     pub async fn new_with(tweak: impl FnOnce(QemuConfig) -> QemuConfig) -> Option<Env> {
+        Self::new_with_both(tweak, |c| c).await
+    }
+
+    /// [`Env::new`] with every node's lifecycle config changed.
+    pub async fn new_with_lifecycle(
+        lifecycle: fn(LifecycleConfig) -> LifecycleConfig,
+    ) -> Option<Env> {
+        Self::new_with_both(|c| c, lifecycle).await
+    }
+
+    async fn new_with_both(
+        tweak: impl FnOnce(QemuConfig) -> QemuConfig,
+        lifecycle: fn(LifecycleConfig) -> LifecycleConfig,
+    ) -> Option<Env> {
         let guest = guest_dir()?;
         let dir = tempfile::tempdir().unwrap();
         let data_dir = dir.path().canonicalize().unwrap();
@@ -83,6 +99,7 @@ impl Env {
             store,
             data_dir,
             guest,
+            lifecycle,
             _dir: dir,
         };
         let driver = env.driver.clone();
@@ -124,13 +141,13 @@ impl Env {
 
     async fn start_agent(&mut self, name: &str, driver: QemuDriver) {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let cfg = LifecycleConfig {
+        let cfg = (self.lifecycle)(LifecycleConfig {
             node: name.into(),
             poll_ms: 500,
             // The nodes share one disk dir, as nodes on shared storage.
             shared_disk_dir: Some("/shared-test-disks".into()),
             ..Default::default()
-        };
+        });
         let ctrl = Arc::new(VmController::new(
             self.store.clone(),
             Arc::new(driver.clone()),

@@ -45,8 +45,8 @@ impl Hypervisor for QemuDriver {
             })
     }
 
-    fn exit_events(&self) -> Option<tokio::sync::broadcast::Receiver<crate::DomainExit>> {
-        Some(self.inner.exits.subscribe())
+    fn domain_events(&self) -> Option<tokio::sync::broadcast::Receiver<crate::DomainEvent>> {
+        Some(self.inner.events.subscribe())
     }
 
     async fn start(&self, spec: &DomainSpec) -> Result<(), HvError> {

@@ -458,7 +458,7 @@ impl QemuDriver {
                 self.inner.layout.new_instance(instance),
                 self.inner.config.qmp_timeout,
                 Phase::Launching { pid: None },
-                self.inner.exits.clone(),
+                self.inner.events.clone(),
             );
             domains.insert(instance.clone(), domain.clone());
             domain

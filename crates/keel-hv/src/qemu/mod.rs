@@ -51,6 +51,7 @@ mod opts;
 pub mod passt;
 mod proc;
 mod qmp;
+mod qmp_events;
 mod query_block;
 mod registry;
 mod reset;
@@ -111,8 +112,9 @@ struct Inner {
     /// starting a migration), so e.g. a snapshot never pauses a guest that
     /// has just started handing over to another node.
     vm_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// Where monitors announce exits (see `Hypervisor::exit_events`).
-    exits: tokio::sync::broadcast::Sender<crate::DomainExit>,
+    /// Where monitors announce exits and QMP events (see
+    /// `Hypervisor::domain_events`).
+    events: tokio::sync::broadcast::Sender<crate::DomainEvent>,
     /// The node's local lease, read by the keepers.
     lease: keeper::FenceLease,
     /// One attached console session per instance.
@@ -267,7 +269,7 @@ impl QemuDriver {
                 direct_io,
                 domains: Mutex::new(BTreeMap::new()),
                 vm_locks: Mutex::new(BTreeMap::new()),
-                exits: tokio::sync::broadcast::channel(256).0,
+                events: tokio::sync::broadcast::channel(256).0,
                 lease,
                 console_slots: Default::default(),
                 console_scans: Mutex::new(BTreeMap::new()),

@@ -30,8 +30,9 @@ use super::layout::{
 };
 use super::proc::{self, PidFd};
 use super::qmp::{QmpClient, QmpEvent};
+use super::qmp_events::domain_event_kind;
 use super::reset_count::{counts_as_reset, ResetCounter, ResetRecord};
-use crate::{DomainExit, DomainState, HvError};
+use crate::{DomainEvent, DomainEventKind, DomainState, HvError};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
@@ -81,7 +82,8 @@ pub struct Domain {
     /// written (after the signal: a kill never waits on the disk).
     kill_requested: std::sync::atomic::AtomicBool,
     task: Mutex<Option<AbortHandle>>,
-    exits: broadcast::Sender<DomainExit>,
+    /// Where this domain's exit and monitor events are announced.
+    domain_events: broadcast::Sender<DomainEvent>,
 }
 
 /// How the monitor learns the process ended.
@@ -122,7 +124,7 @@ impl Domain {
         paths: InstancePaths,
         qmp_timeout: Duration,
         phase: Phase,
-        exits: broadcast::Sender<DomainExit>,
+        domain_events: broadcast::Sender<DomainEvent>,
     ) -> Arc<Domain> {
         let marker = paths.qmp_chardev_arg();
         let console_log = Arc::new(ConsoleLog::open(paths.console.clone()));
@@ -142,7 +144,7 @@ impl Domain {
             last_shutdown: Mutex::new(None),
             kill_requested: Default::default(),
             task: Mutex::new(None),
-            exits,
+            domain_events,
         })
     }
 
@@ -262,6 +264,14 @@ impl Domain {
         self.resets.current()
     }
 
+    /// Announces `kind` for this instance. Nobody listening is fine: the
+    /// events are hints, for latency only.
+    fn announce(&self, kind: DomainEventKind) {
+        let _ = self
+            .domain_events
+            .send(DomainEvent::new(&self.vm, &self.instance, kind));
+    }
+
     fn on_event(&self, event: QmpEvent) {
         if event.event == "RESET" {
             let reason = event
@@ -279,10 +289,7 @@ impl Domain {
                 Some(rec) => {
                     tracing::info!(instance = %self.instance, reason, resets = rec.count, "guest reset");
                     // A hint, as for an exit: look at the instance now.
-                    let _ = self.exits.send(DomainExit {
-                        vm: self.vm.clone(),
-                        instance: self.instance.clone(),
-                    });
+                    self.announce(DomainEventKind::Reset);
                 }
             }
             return;
@@ -295,12 +302,26 @@ impl Domain {
                 .and_then(|s| s.as_str())
                 .unwrap_or("?");
             tracing::info!(instance = %self.instance, status, "migration");
-            return;
         }
-        let Some(shutdown) = event.as_shutdown() else {
-            tracing::debug!(instance = %self.instance, event = %event.event, "QMP event");
-            return;
-        };
+        let kind = domain_event_kind(&event);
+        // The SHUTDOWN's record is written before anyone is woken by it:
+        // the look it causes must find why QEMU is going.
+        let shutdown = event.as_shutdown();
+        if let Some(shutdown) = shutdown {
+            self.record_shutdown(shutdown);
+        }
+        match kind {
+            Some(kind) => {
+                tracing::debug!(instance = %self.instance, event = %event.event, "QMP event, announced");
+                self.announce(kind);
+            }
+            None => {
+                tracing::debug!(instance = %self.instance, event = %event.event, "QMP event");
+            }
+        }
+    }
+
+    fn record_shutdown(&self, shutdown: super::qmp::ShutdownEvent) {
         tracing::info!(instance = %self.instance, reason = %shutdown.reason, "QEMU is shutting down");
         let record = ShutdownRecord {
             reason: shutdown.reason,
@@ -366,11 +387,7 @@ impl Domain {
         }
         tracing::info!(instance = %self.instance, cause = ?rec.cause, status = ?rec.exit_status, "QEMU exited");
         self.set_phase(Phase::Exited(rec.clone()));
-        // Nobody listening is fine: the hint is only for latency.
-        let _ = self.exits.send(DomainExit {
-            vm: self.vm.clone(),
-            instance: self.instance.clone(),
-        });
+        self.announce(DomainEventKind::Exited);
         rec
     }
 

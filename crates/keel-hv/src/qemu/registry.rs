@@ -114,7 +114,7 @@ impl QemuDriver {
             paths,
             self.inner.config.qmp_timeout,
             Phase::Launching { pid: None },
-            self.inner.exits.clone(),
+            self.inner.events.clone(),
         );
         match exit {
             Some(rec) => domain.set_phase(Phase::Exited(rec)),

@@ -7,7 +7,7 @@
 use keel_api::Millis;
 
 use super::{sim_failed, SimDomain, SimHypervisor};
-use crate::{DomainExit, HvError};
+use crate::{DomainEvent, DomainEventKind, HvError};
 
 impl SimDomain {
     /// When the guest's current boot began: its start, or its last reset.
@@ -70,10 +70,9 @@ impl SimHypervisor {
             vm
         };
         // A hint, as QEMU's monitor gives one for a RESET event.
-        let _ = self.exits.send(DomainExit {
-            vm,
-            instance: instance.to_string(),
-        });
+        let _ = self
+            .events
+            .send(DomainEvent::new(&vm, instance, DomainEventKind::Reset));
         Ok(())
     }
 

@@ -54,7 +54,7 @@ pub fn measure(api: &Api, pid: u32, scrapes: usize) -> anyhow::Result<ScrapeFigu
 }
 
 /// User and system CPU time of `pid`, all threads, in seconds.
-fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+pub(super) fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
     let rest = &stat[stat.rfind(')').context("no ')' in stat")? + 1..];
