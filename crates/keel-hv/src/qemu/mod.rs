@@ -22,6 +22,7 @@
 
 mod accel;
 mod accel_choice;
+mod balloon;
 mod blocking;
 pub mod boot;
 pub mod cdrom;

@@ -42,7 +42,11 @@ pub fn describe(doc: &mut serde_json::Value) {
         "cpu_seconds": {"type": ["number", "null"], "description": "CPU time of the VM's QEMU process"},
         "rss_bytes": {"type": ["integer", "null"], "description": "Resident memory of the VM's QEMU process"},
         "disks": {"type": "array", "items": disk},
-        "nics": {"type": "array", "items": nic, "description": "Bridged NICs only: user-mode networking has no counters"}
+        "nics": {"type": "array", "items": nic, "description": "Bridged NICs only: user-mode networking has no counters"},
+        "guest_memory": {"type": "object", "description": "The guest's own view of its memory, as its balloon driver reports it; absent without a balloon device or before the first report", "properties": {
+            "total_bytes": {"type": ["integer", "null"]}, "free_bytes": {"type": ["integer", "null"]},
+            "available_bytes": {"type": ["integer", "null"]}
+        }}
     }});
     doc["components"]["schemas"]["VmStatsPage"] = json!({"type": "object", "required": ["node", "sampled_at", "vms"], "properties": {
         "node": {"type": ["string", "null"], "description": "The node whose VMs these are; null: this server runs no guests"},

@@ -25,6 +25,11 @@ pub struct TopRow {
     pub cpu_percent: Option<f64>,
     pub rss_bytes: Option<u64>,
     pub memory_configured_bytes: u64,
+    /// The guest's own view (its balloon driver's report): memory it
+    /// could still use (available, or free from drivers that do not tell
+    /// available) and all it manages.
+    pub guest_available_bytes: Option<u64>,
+    pub guest_total_bytes: Option<u64>,
     pub disk_read_bytes_per_s: Option<f64>,
     pub disk_write_bytes_per_s: Option<f64>,
     pub net_receive_bytes_per_s: Option<f64>,
@@ -85,6 +90,10 @@ pub fn rows(before: &VmStatsPage, now: &VmStatsPage, names: &[String]) -> Vec<To
                 cpu_percent: rate(|f| f.cpu_seconds).map(|r| r * 100.0),
                 rss_bytes: v.rss_bytes,
                 memory_configured_bytes: v.memory_configured_bytes,
+                guest_available_bytes: v
+                    .guest_memory
+                    .and_then(|g| g.available_bytes.or(g.free_bytes)),
+                guest_total_bytes: v.guest_memory.and_then(|g| g.total_bytes),
                 disk_read_bytes_per_s: rate(|f| sum(&f.disks, |d| d.read_bytes)),
                 disk_write_bytes_per_s: rate(|f| sum(&f.disks, |d| d.write_bytes)),
                 net_receive_bytes_per_s: rate(|f| sum(&f.nics, |n| n.receive_bytes)),
@@ -105,7 +114,16 @@ fn sum<T>(items: &[T], of: fn(&T) -> u64) -> Option<f64> {
 
 pub fn table(page: &VmStatsPage, rows: &[TopRow], names: &[String]) -> String {
     let mut t = Table::new(&[
-        "NAME", "READY", "UPTIME", "CPU%", "MEMORY", "DISK R/s", "DISK W/s", "NET RX/s", "NET TX/s",
+        "NAME",
+        "READY",
+        "UPTIME",
+        "CPU%",
+        "MEMORY",
+        "GUEST AVAIL",
+        "DISK R/s",
+        "DISK W/s",
+        "NET RX/s",
+        "NET TX/s",
     ]);
     for r in rows {
         t.row(vec![
@@ -118,6 +136,14 @@ pub fn table(page: &VmStatsPage, rows: &[TopRow], names: &[String]) -> String {
                 r.rss_bytes.map_or("-".into(), bytes),
                 bytes(r.memory_configured_bytes)
             ),
+            match (r.guest_available_bytes, r.guest_total_bytes) {
+                (None, None) => "-".into(),
+                (available, total) => format!(
+                    "{}/{}",
+                    available.map_or("-".into(), bytes),
+                    total.map_or("-".into(), bytes)
+                ),
+            },
             r.disk_read_bytes_per_s.map_or("-".into(), rate),
             r.disk_write_bytes_per_s.map_or("-".into(), rate),
             r.net_receive_bytes_per_s.map_or("-".into(), rate),
@@ -198,6 +224,11 @@ mod tests {
                 ..Default::default()
             }],
             nics: vec![],
+            guest_memory: Some(keel_hv::vm_stats::GuestMemory {
+                total_bytes: Some(480 << 20),
+                free_bytes: Some(100 << 20),
+                available_bytes: Some(360 << 20),
+            }),
         }
     }
 
@@ -229,6 +260,8 @@ mod tests {
         let text = table(&now, &rows, &["web".into(), "gone".into()]);
         assert!(text.contains("50.0"), "{text}");
         assert!(text.contains("2.0Mi"), "{text}");
+        assert!(text.contains("GUEST AVAIL"), "{text}");
+        assert!(text.contains("360.0Mi/480.0Mi"), "the guest's view: {text}");
         assert!(text.contains("not running on this node: gone"), "{text}");
         let only_web = super::rows(&before, &now, &["web".into()]);
         assert_eq!(only_web.len(), 1);
