@@ -22,6 +22,18 @@ pub struct VmStatsPage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale_reason: Option<String>,
     pub vms: Vec<VmFigures>,
+    /// Asked for the cluster (`?cluster=true`): each bare agent node
+    /// asked for its VMs' rows, and whether it answered (its rows are in
+    /// `vms` then). Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agents: Vec<AgentAnswer>,
+}
+
+/// Whether an agent node's rows are in a cluster-wide page.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentAnswer {
+    pub node: String,
+    pub answered: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
