@@ -31,23 +31,15 @@ pub fn device_args() -> [String; 2] {
 }
 
 /// The guest's last report, within `bound` per QMP command. `Ok(None)`:
-/// the guest has not reported yet (no driver, or still booting); polling
-/// is then asked for, so a report follows (the setting is not migrated
-/// and does not survive a restart of the monitor's peer, so it is set
-/// whenever no report has come, which is cheap and idempotent).
-/// `Err`: no balloon device, or QMP failed.
+/// the guest has not reported (no driver, or still booting). `Err`: no
+/// balloon device, or QMP failed.
+///
+/// Polling is asked for at every read: the guest's driver sends one report
+/// when it loads and then only when polled, polling is off at every start
+/// (a migration's target included), and setting the interval QEMU already
+/// has only stores it again, so asking each time is the simple way to keep
+/// the figures fresh wherever the instance came from.
 pub async fn guest_memory(qmp: &QmpClient, bound: Duration) -> Result<Option<GuestMemory>, String> {
-    let stats = qmp
-        .execute_within(
-            "qom-get",
-            Some(json!({"path": DEVICE_PATH, "property": "guest-stats"})),
-            bound,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    if let Some(memory) = from_report(&stats) {
-        return Ok(Some(memory));
-    }
     qmp.execute_within(
         "qom-set",
         Some(json!({
@@ -59,7 +51,15 @@ pub async fn guest_memory(qmp: &QmpClient, bound: Duration) -> Result<Option<Gue
     )
     .await
     .map_err(|e| e.to_string())?;
-    Ok(None)
+    let stats = qmp
+        .execute_within(
+            "qom-get",
+            Some(json!({"path": DEVICE_PATH, "property": "guest-stats"})),
+            bound,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(from_report(&stats))
 }
 
 /// The figures of a `guest-stats` value; `None` before the first report
