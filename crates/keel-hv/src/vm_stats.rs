@@ -36,6 +36,10 @@ pub struct GuestMemory {
     /// Memory it could use without swapping, caches given up included
     /// (MemAvailable).
     pub available_bytes: Option<u64>,
+    /// When the guest sent this report (seconds since the epoch, the
+    /// host's clock): it is asked to every 10 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reported_at: Option<u64>,
 }
 
 /// A disk's counters since the instance started (`query-blockstats`).

@@ -682,6 +682,21 @@ async fn stats_of_a_running_guest_grow_with_its_work() {
     if let Some(available) = guest.available_bytes {
         assert!(available >= free && available <= total, "{guest:?}");
     }
+    // And fresh: polled (every 10 s), the guest reports again, rather than
+    // only the once its driver does when it loads.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let now = figures(hv.stats_all().await.unwrap());
+        let again = now.guest_memory.and_then(|g| g.reported_at);
+        if again > guest.reported_at {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no new report from the guest after {guest:?}: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     hv.kill("busy-1").await.unwrap();
     fx.wait_for("busy-1", STOP, DomainState::is_exited).await;

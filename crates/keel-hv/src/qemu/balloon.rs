@@ -65,9 +65,7 @@ pub async fn guest_memory(qmp: &QmpClient, bound: Duration) -> Result<Option<Gue
 /// The figures of a `guest-stats` value; `None` before the first report
 /// (`last-update` 0) or when it names none of them.
 fn from_report(stats: &Value) -> Option<GuestMemory> {
-    if stats["last-update"].as_u64().unwrap_or(0) == 0 {
-        return None;
-    }
+    let reported_at = stats["last-update"].as_u64().filter(|t| *t != 0)?;
     // A figure the guest did not report is -1 (as an unsigned 64-bit
     // number, its maximum).
     let figure = |name: &str| stats["stats"][name].as_u64().filter(|n| *n != u64::MAX);
@@ -75,8 +73,12 @@ fn from_report(stats: &Value) -> Option<GuestMemory> {
         total_bytes: figure("stat-total-memory"),
         free_bytes: figure("stat-free-memory"),
         available_bytes: figure("stat-available-memory"),
+        reported_at: None,
     };
-    (memory != GuestMemory::default()).then_some(memory)
+    (memory != GuestMemory::default()).then_some(GuestMemory {
+        reported_at: Some(reported_at),
+        ..memory
+    })
 }
 
 #[cfg(test)]
@@ -97,6 +99,7 @@ mod tests {
                 total_bytes: Some(250_000_000),
                 free_bytes: Some(200_000_000),
                 available_bytes: None,
+                reported_at: Some(1733390000),
             })
         );
     }

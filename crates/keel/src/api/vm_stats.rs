@@ -71,7 +71,8 @@ pub fn describe(doc: &mut serde_json::Value) {
         "nics": {"type": "array", "items": nic, "description": "Bridged NICs only: user-mode networking has no counters"},
         "guest_memory": {"type": "object", "description": "The guest's own view of its memory, as its balloon driver reports it; absent without a balloon device or before the first report", "properties": {
             "total_bytes": {"type": ["integer", "null"]}, "free_bytes": {"type": ["integer", "null"]},
-            "available_bytes": {"type": ["integer", "null"]}
+            "available_bytes": {"type": ["integer", "null"]},
+            "reported_at": {"type": "integer", "description": "When the guest sent the report (seconds since the epoch, the host's clock); asked every 10 s"}
         }}
     }});
     doc["components"]["schemas"]["VmStatsPage"] = json!({"type": "object", "required": ["node", "sampled_at", "vms"], "properties": {

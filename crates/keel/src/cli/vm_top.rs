@@ -255,6 +255,7 @@ mod tests {
                 total_bytes: Some(480 << 20),
                 free_bytes: Some(100 << 20),
                 available_bytes: Some(360 << 20),
+                reported_at: Some(1_733_390_000),
             }),
         }
     }
