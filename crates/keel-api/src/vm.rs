@@ -631,6 +631,12 @@ pub struct Instance {
     /// Disks plugged into it since its start, each on its own port.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub plugged: Vec<crate::PluggedDisk>,
+    /// Whether it is launched with a memory balloon device, through which
+    /// the guest reports its own view of its memory. Part of the device
+    /// set, so a migration target gets exactly what its source had:
+    /// `false` on instances from before (and so on their targets).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub balloon: bool,
 }
 
 fn fenced_before_ha() -> bool {
@@ -657,6 +663,7 @@ impl Instance {
             disk_sizes_mib: BTreeMap::new(),
             hotplug_ports: 0,
             plugged: Vec::new(),
+            balloon: false,
         }
     }
 }

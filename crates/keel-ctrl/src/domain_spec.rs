@@ -47,6 +47,7 @@ pub fn for_instance(vm: &VirtualMachine, launch: Launch<'_>, images: Vec<Image>)
         clone_from: None,
         recorded_firmware: vm.status.firmware,
         tpm: None,
+        balloon: false,
     };
     match launch {
         Launch::New {
@@ -56,6 +57,7 @@ pub fn for_instance(vm: &VirtualMachine, launch: Launch<'_>, images: Vec<Image>)
             create_disks,
             fenced: instance.fenced,
             hotplug_ports: instance.hotplug_ports,
+            balloon: instance.balloon,
             clone_from: vm.status.clone_from.clone(),
             tpm: crate::tpm_state::tpm_use(vm),
             ..common(instance.id.clone())
@@ -78,6 +80,9 @@ pub fn for_instance(vm: &VirtualMachine, launch: Launch<'_>, images: Vec<Image>)
                 fenced: vm.instance_fenced(source_instance),
                 hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
                 plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
+                // A balloon device only if the source has one: a device
+                // the source lacks fails the migration.
+                balloon: source.is_some_and(|i| i.balloon),
                 // The source's TPM, if it has one (the driver refuses the
                 // migration then, with the reason); never a new one.
                 tpm: started
@@ -89,5 +94,85 @@ pub fn for_instance(vm: &VirtualMachine, launch: Launch<'_>, images: Vec<Image>)
                 ..common(target_instance.to_string())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_api::Migration;
+
+    fn vm_running(balloon: bool) -> VirtualMachine {
+        let spec = serde_json::from_value(serde_json::json!({"cpus": 1, "memory_mib": 64}))
+            .expect("a minimal spec");
+        let mut vm = VirtualMachine::new("web", spec);
+        vm.status.instance = Some(Instance {
+            started_with: Some(crate::restart_required::started_with(&vm)),
+            balloon,
+            ..Instance::new("web-1", "a", 0)
+        });
+        vm
+    }
+
+    fn target_of(vm: &VirtualMachine) -> DomainSpec {
+        for_instance(
+            vm,
+            Launch::IncomingFrom {
+                target_instance: "web-2",
+                source_instance: "web-1",
+            },
+            Vec::new(),
+        )
+    }
+
+    #[test]
+    fn a_migration_target_has_a_balloon_exactly_when_its_source_has_one() {
+        // A source started before balloons were recorded: its target gets
+        // none, or the device sets differ and the migration fails.
+        let before = vm_running(false);
+        assert!(!target_of(&before).balloon);
+        let with = vm_running(true);
+        assert!(target_of(&with).balloon);
+        // And the record of the moved guest keeps saying so, for the next
+        // migration from it.
+        let m = Migration {
+            id: "m1".into(),
+            vm: "web".into(),
+            vm_uid: String::new(),
+            source_node: "a".into(),
+            source_instance: "web-1".into(),
+            target_node: "b".into(),
+            target_instance: "web-2".into(),
+            created_at: 5,
+            tuning: Default::default(),
+            status: Default::default(),
+        };
+        for source in [before, with] {
+            let had = source.status.instance.as_ref().unwrap().balloon;
+            let moved = crate::handover::migrated(&source, &m, 10);
+            assert_eq!(moved.status.instance.unwrap().balloon, had);
+        }
+    }
+
+    #[test]
+    fn a_new_instance_is_launched_as_recorded() {
+        let vm = vm_running(true);
+        let instance = vm.status.instance.clone().unwrap();
+        let launch = |instance: &Instance| {
+            for_instance(
+                &vm,
+                Launch::New {
+                    instance,
+                    create_disks: DiskCreation::none(),
+                },
+                Vec::new(),
+            )
+        };
+        assert!(launch(&instance).balloon);
+        let unrecorded = Instance {
+            balloon: false,
+            ..instance
+        };
+        assert!(!launch(&unrecorded).balloon);
     }
 }

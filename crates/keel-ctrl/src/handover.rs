@@ -31,6 +31,7 @@ pub(crate) fn migrated(vm: &VirtualMachine, m: &Migration, now: Millis) -> Virtu
         disk_sizes_mib: source.map(|i| i.disk_sizes_mib.clone()).unwrap_or_default(),
         hotplug_ports: source.map_or(0, |i| i.hotplug_ports),
         plugged: source.map(|i| i.plugged.clone()).unwrap_or_default(),
+        balloon: source.is_some_and(|i| i.balloon),
         resuming_after: Some(m.id.clone()),
         // As the target was launched (the migration controller's start).
         fenced: vm.instance_fenced(&m.source_instance),

@@ -781,6 +781,7 @@ fn no_instance(
         started_with: Some(restart_required::started_with(vm)),
         disk_sizes_mib: crate::online_resize::sizes_at_start(vm),
         hotplug_ports: keel_api::HOTPLUG_PORTS,
+        balloon: true,
         fenced,
         ..Instance::new(id, &cfg.node, now)
     });
@@ -1168,6 +1169,10 @@ mod tests {
             panic!()
         };
         assert_eq!(next.status.disk_home, Some(DiskHome::Node("a".into())));
+        assert!(
+            next.status.instance.as_ref().unwrap().balloon,
+            "a new instance is recorded with a balloon device"
+        );
         let records = next.status.disks.unwrap();
         assert!(
             records.iter().all(|r| !r.used),

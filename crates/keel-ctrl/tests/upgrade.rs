@@ -70,6 +70,7 @@ async fn records_of_the_previous_and_a_newer_release_keep_working() {
             clone_from: None,
             recorded_firmware: None,
             tpm: None,
+            balloon: false,
         })
         .await
         .unwrap();

@@ -104,6 +104,11 @@ pub struct DomainSpec {
     /// The VM's TPM (`spec.tpm`), and whether this start may make its state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<TpmUse>,
+    /// A memory balloon device (`Instance::balloon`), through which the
+    /// guest's driver reports its view of its memory. `false` on launch
+    /// records from before.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub balloon: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -164,6 +169,7 @@ impl DomainSpec {
             clone_from: None,
             recorded_firmware: None,
             tpm: None,
+            balloon: false,
         }
     }
 }

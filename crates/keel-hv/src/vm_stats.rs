@@ -18,6 +18,28 @@ pub struct DomainStats {
     pub rss_bytes: Option<u64>,
     pub disks: Vec<DiskStats>,
     pub nics: Vec<NicStats>,
+    /// The guest's own view of its memory, as its balloon driver reports
+    /// it; `None` without a balloon device, or before the guest reported.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_memory: Option<GuestMemory>,
+}
+
+/// What the guest's kernel says of its memory (virtio-balloon statistics).
+/// Each figure is one the guest's driver reports; older drivers report
+/// fewer (no `available_bytes` before Linux 4.6).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestMemory {
+    /// Memory the guest's kernel manages (MemTotal).
+    pub total_bytes: Option<u64>,
+    /// Memory not used at all (MemFree).
+    pub free_bytes: Option<u64>,
+    /// Memory it could use without swapping, caches given up included
+    /// (MemAvailable).
+    pub available_bytes: Option<u64>,
+    /// When the guest sent this report (seconds since the epoch, the
+    /// host's clock): it is asked to every 10 s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reported_at: Option<u64>,
 }
 
 /// A disk's counters since the instance started (`query-blockstats`).

@@ -612,7 +612,13 @@ async fn stats_of_a_running_guest_grow_with_its_work() {
         return;
     };
     let hv = fx.hv();
-    let mut ch = fx.boot("busy", "busy-1").await;
+    // With a balloon device, as every new instance has: the guest's own
+    // view of its memory comes through it.
+    let spec = keel_hv::DomainSpec {
+        balloon: true,
+        ..common::spec("busy", "busy-1")
+    };
+    let mut ch = common::boot(hv, &spec).await;
     let figures = |all: Vec<keel_hv::vm_stats::DomainStats>| {
         all.into_iter()
             .find(|d| d.instance == "busy-1")
@@ -649,6 +655,48 @@ async fn stats_of_a_running_guest_grow_with_its_work() {
     };
     assert!(disk(&after).write_bytes > disk(&before).write_bytes);
     assert!(after.nics.is_empty(), "user-mode NICs have no counters");
+
+    // The guest's balloon driver reports its kernel's figures once polling
+    // is on (the first read asked for it): all the memory it manages,
+    // a little under the configured 256 MiB, most of it free in this
+    // small guest.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let guest = loop {
+        let now = figures(hv.stats_all().await.unwrap());
+        if let Some(guest) = now.guest_memory {
+            break guest;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no guest memory figures from the balloon: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let total = guest.total_bytes.expect("the guest reports its total");
+    assert!(
+        total <= 256 << 20 && total > 128 << 20,
+        "total close to the configured memory: {guest:?}"
+    );
+    let free = guest.free_bytes.expect("the guest reports its free memory");
+    assert!(free > 0 && free < total, "{guest:?}");
+    if let Some(available) = guest.available_bytes {
+        assert!(available >= free && available <= total, "{guest:?}");
+    }
+    // And fresh: polled (every 10 s), the guest reports again, rather than
+    // only the once its driver does when it loads.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let now = figures(hv.stats_all().await.unwrap());
+        let again = now.guest_memory.and_then(|g| g.reported_at);
+        if again > guest.reported_at {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no new report from the guest after {guest:?}: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 
     hv.kill("busy-1").await.unwrap();
     fx.wait_for("busy-1", STOP, DomainState::is_exited).await;

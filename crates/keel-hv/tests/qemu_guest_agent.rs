@@ -106,6 +106,7 @@ async fn agent_answers_freezes_and_powers_off_a_guest_that_ignores_acpi() {
         clone_from: None,
         recorded_firmware: None,
         tpm: None,
+        balloon: false,
     };
     let t = Instant::now();
     hv.start(&spec).await.unwrap();

@@ -48,6 +48,7 @@ fn spec(instance: &str, image: &Image, create_disks: bool) -> DomainSpec {
         clone_from: None,
         recorded_firmware: None,
         tpm: None,
+        balloon: false,
     }
 }
 

@@ -48,6 +48,7 @@ fn db_spec(instance: &str) -> DomainSpec {
         clone_from: None,
         recorded_firmware: None,
         tpm: None,
+        balloon: false,
     }
 }
 

@@ -230,6 +230,7 @@ impl Metrics {
             sampled_at: stats.sampled_at,
             stale_reason: stats.stale_reason.clone(),
             vms: vm_figures::rows(&records, &source.node, &stats, source.clock.now_ms()),
+            agents: Vec::new(),
         })
     }
 

@@ -705,6 +705,11 @@ fn vm_series_stats_route_and_top() {
         format!("keel_vm_vcpus{{{labels}}} 1"),
         format!("keel_vm_cpu_seconds_total{{{labels}}} "),
         format!("keel_vm_memory_rss_bytes{{{labels}}} "),
+        // The sim guest's balloon report: 97 % of its memory managed, a
+        // quarter of that used.
+        format!("keel_vm_memory_guest_total_bytes{{{labels}}} 65095536"),
+        format!("keel_vm_memory_guest_free_bytes{{{labels}}} 48821652"),
+        format!("keel_vm_memory_guest_available_bytes{{{labels}}} 56958594"),
         format!("keel_vm_uptime_seconds{{{labels}}} "),
         format!("keel_vm_restarts_total{{{labels}}} 0"),
         format!("keel_vm_disk_write_bytes_total{{{labels},disk=\"data\"}} "),
@@ -737,8 +742,10 @@ fn vm_series_stats_route_and_top() {
         "no screen control on a pipe: {out:?}"
     );
     assert!(out.starts_with("node test-node: 1 VMs running\n"), "{out}");
+    assert!(out.contains("GUEST AVAIL"), "{out}");
     let line = out.lines().find(|l| l.starts_with("web ")).expect(&out);
     assert!(line.contains("yes"), "{line}");
+    assert!(line.contains("54.3Mi/62.1Mi"), "the guest's view: {line}");
     // The sim guest keeps its vCPU 5 % busy.
     assert!(
         line.contains("5.0") || line.contains("4.9") || line.contains("5.1"),
@@ -750,6 +757,8 @@ fn vm_series_stats_route_and_top() {
     )))
     .unwrap();
     assert_eq!(rows[0]["vm"], "web");
+    assert_eq!(rows[0]["guest_total_bytes"], 65095536, "{rows}");
+    assert_eq!(rows[0]["guest_available_bytes"], 56958594, "{rows}");
     assert!(
         rows[0]["disk_write_bytes_per_s"].as_f64().unwrap() > 0.0,
         "{rows}"

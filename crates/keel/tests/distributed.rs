@@ -981,6 +981,43 @@ async fn consoles_on_agent_nodes_are_reached_through_the_control_plane() {
     assert!(!metrics.contains("vm=\"quiet\""), "{metrics}");
     let (status, _, _) = get_as(&as_node, format!("{agent_url}/api/v1/vm-stats"), None).await;
     assert_eq!(status, 403);
+    // `keel vm top`'s route, asked for the cluster, has the same rows with
+    // their node (and the sim guest's balloon figures); without asking,
+    // only the control plane's own node's, which runs no guests.
+    let (status, _, page) = get_as(
+        &trust,
+        format!("{cp}/api/v1/vm-stats?cluster=true"),
+        Some(token.clone()),
+    )
+    .await;
+    assert_eq!(status, 200, "{page}");
+    let page: serde_json::Value = serde_json::from_str(&page).unwrap();
+    let vms = page["vms"].as_array().unwrap();
+    assert_eq!(vms.len(), 1, "{page}");
+    assert_eq!(
+        (&vms[0]["vm"], &vms[0]["node"], &vms[0]["instance"]),
+        (
+            &serde_json::json!("web"),
+            &serde_json::json!("n1"),
+            &serde_json::json!(instance)
+        ),
+        "{page}"
+    );
+    assert!(
+        vms[0]["guest_memory"]["total_bytes"].as_u64() > Some(0),
+        "{page}"
+    );
+    assert_eq!(
+        page["agents"],
+        serde_json::json!([{"node": "n1", "answered": true}]),
+        "{page}"
+    );
+    let (status, _, own) =
+        get_as(&trust, format!("{cp}/api/v1/vm-stats"), Some(token.clone())).await;
+    assert_eq!(status, 200, "{own}");
+    let own: serde_json::Value = serde_json::from_str(&own).unwrap();
+    assert_eq!(own["vms"], serde_json::json!([]), "{own}");
+    assert!(own.get("agents").is_none(), "{own}");
 
     // An interactive session through the control plane.
     let mut ws = console_ws(&trust, &cp, "web", &token).await.unwrap();

@@ -227,6 +227,7 @@ pub async fn probe_kvm(
         hotplug_ports: 0,
         plugged: vec![],
         graphics: None,
+        balloon: false,
     };
     let began = Instant::now();
     let outcome = match spawn_qemu(&config.qemu_binary, &plan) {

@@ -343,6 +343,7 @@ mod tests {
             clone_from: None,
             recorded_firmware: None,
             tpm: None,
+            balloon: false,
         }
     }
 

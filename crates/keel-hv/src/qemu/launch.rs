@@ -116,6 +116,7 @@ impl QemuDriver {
             seed,
             direct_io: self.inner.direct_io,
             graphics: spec.boot.graphics,
+            balloon: spec.balloon,
         })
     }
 

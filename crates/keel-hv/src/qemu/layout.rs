@@ -411,6 +411,8 @@ pub struct LaunchPlan {
     pub graphics: Option<keel_api::Graphics>,
     /// The VM's TPM ([`super::tpm`]), on its swtpm's socket.
     pub tpm: Option<super::tpm::TpmPlan>,
+    /// A memory balloon device ([`super::balloon`]).
+    pub balloon: bool,
 }
 
 /// A disk of a launch that sits on a root port.
@@ -575,6 +577,11 @@ impl LaunchPlan {
         if let Some(graphics) = self.graphics {
             a.extend(super::vnc::args(graphics, &p.vnc_sock));
         }
+        // Last too, for the same reason: instances from before it keep
+        // every address they had.
+        if self.balloon {
+            a.extend(super::balloon::device_args());
+        }
         a
     }
 }
@@ -646,6 +653,7 @@ mod tests {
             plugged: vec![],
             graphics: None,
             tpm: None,
+            balloon: false,
         };
         let args = plan.args();
         let joined = args.join(" ");
@@ -744,6 +752,23 @@ mod tests {
             "{joined}"
         );
         assert!(!incoming.args().join(" ").contains("pcie-root-port"));
+
+        // A balloon device: at the very end, so the devices before keep
+        // the addresses an instance without it gave them; none unasked.
+        let ballooned = LaunchPlan {
+            balloon: true,
+            ..target.clone()
+        };
+        let args = ballooned.args();
+        assert_eq!(args[..args.len() - 2], target.args()[..], "{args:?}");
+        assert_eq!(
+            args[args.len() - 2..],
+            [
+                "-device",
+                "virtio-balloon-pci,id=balloon0,free-page-reporting=off"
+            ]
+        );
+        assert!(!target.args().join(" ").contains("balloon"));
 
         // Firmware boot: the first disk carries the bootindex, the others
         // stay as they were; no kernel is handed to QEMU.

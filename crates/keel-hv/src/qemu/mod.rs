@@ -22,6 +22,7 @@
 
 mod accel;
 mod accel_choice;
+mod balloon;
 pub mod bare;
 mod blocking;
 pub mod boot;

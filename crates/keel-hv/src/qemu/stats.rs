@@ -18,7 +18,7 @@ use serde::Deserialize;
 use super::monitor::{Domain, Phase};
 use super::query_block::BlockInfo;
 use super::QemuDriver;
-use crate::vm_stats::{DiskStats, DomainStats, NicStats};
+use crate::vm_stats::{DiskStats, DomainStats, GuestMemory, NicStats};
 
 /// How long one domain's monitor may take to answer both queries.
 const QMP_BOUND: Duration = Duration::from_secs(1);
@@ -44,7 +44,11 @@ impl QemuDriver {
 
     async fn domain_stats(&self, domain: Arc<Domain>, pid: u32) -> DomainStats {
         let disk_dir = self.inner.layout.vm_disks(&domain.vm);
-        let disks = match tokio::time::timeout(QMP_BOUND, disk_stats(&domain, &disk_dir)).await {
+        let (disks, guest_memory) = tokio::join!(
+            tokio::time::timeout(QMP_BOUND, disk_stats(&domain, &disk_dir)),
+            tokio::time::timeout(QMP_BOUND, guest_memory(&domain)),
+        );
+        let disks = match disks {
             Ok(Ok(disks)) => disks,
             Ok(Err(reason)) => {
                 tracing::debug!(instance = %domain.instance, %reason, "no disk figures");
@@ -54,6 +58,16 @@ impl QemuDriver {
                 tracing::debug!(instance = %domain.instance, "no disk figures: QMP is slow");
                 Vec::new()
             }
+        };
+        // Only instances launched with a balloon device have the figures;
+        // asking the others costs one answer naming the missing device.
+        let guest_memory = match guest_memory {
+            Ok(Ok(memory)) => memory,
+            Ok(Err(reason)) => {
+                tracing::trace!(instance = %domain.instance, %reason, "no guest memory figures");
+                None
+            }
+            Err(_) => None,
         };
         let (cpu_seconds, rss_bytes) = process_figures(pid);
         DomainStats {
@@ -65,8 +79,14 @@ impl QemuDriver {
             nics: tap_stats(&super::network::tap_name(&domain.instance))
                 .into_iter()
                 .collect(),
+            guest_memory,
         }
     }
+}
+
+async fn guest_memory(domain: &Domain) -> Result<Option<GuestMemory>, String> {
+    let qmp = domain.qmp().await?;
+    super::balloon::guest_memory(&qmp, QMP_BOUND).await
 }
 
 /// One entry of `query-blockstats`, of the fields read here.

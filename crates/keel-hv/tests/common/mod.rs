@@ -151,6 +151,7 @@ pub fn spec(vm: &str, instance: &str) -> DomainSpec {
         clone_from: None,
         recorded_firmware: None,
         tpm: None,
+        balloon: false,
     }
 }
 

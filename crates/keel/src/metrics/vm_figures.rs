@@ -5,7 +5,7 @@
 //! JSON, which `keel vm top` turns into rates.
 
 use keel_api::Millis;
-use keel_hv::vm_stats::{DiskStats, NicStats, NodeStats};
+use keel_hv::vm_stats::{DiskStats, GuestMemory, NicStats, NodeStats};
 use serde::{Deserialize, Serialize};
 
 use super::vm_records::RecordFacts;
@@ -22,6 +22,18 @@ pub struct VmStatsPage {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stale_reason: Option<String>,
     pub vms: Vec<VmFigures>,
+    /// Asked for the cluster (`?cluster=true`): each bare agent node
+    /// asked for its VMs' rows, and whether it answered (its rows are in
+    /// `vms` then). Empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub agents: Vec<AgentAnswer>,
+}
+
+/// Whether an agent node's rows are in a cluster-wide page.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentAnswer {
+    pub node: String,
+    pub answered: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,6 +57,10 @@ pub struct VmFigures {
     pub rss_bytes: Option<u64>,
     pub disks: Vec<DiskStats>,
     pub nics: Vec<NicStats>,
+    /// The guest's own view of its memory (its balloon driver's report);
+    /// absent without a balloon device or before the first report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_memory: Option<GuestMemory>,
 }
 
 const MIB: u64 = 1 << 20;
@@ -72,6 +88,7 @@ pub fn rows(records: &[RecordFacts], node: &str, stats: &NodeStats, now: Millis)
                 rss_bytes: read.and_then(|d| d.rss_bytes),
                 disks: read.map(|d| d.disks.clone()).unwrap_or_default(),
                 nics: read.map(|d| d.nics.clone()).unwrap_or_default(),
+                guest_memory: read.and_then(|d| d.guest_memory),
             }
         })
         .collect();

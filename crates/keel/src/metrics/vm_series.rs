@@ -52,6 +52,21 @@ pub fn registry(rows: &[VmFigures]) -> Registry {
         "memory_rss_bytes",
         "Resident memory of the VM's QEMU process (guest memory it touched, and QEMU's own)",
     );
+    let guest_total = family::<Gauge>(
+        r,
+        "memory_guest_total_bytes",
+        "Memory the guest's kernel manages, as its balloon driver reports it (VMs with a balloon device whose guest reports)",
+    );
+    let guest_free = family::<Gauge>(
+        r,
+        "memory_guest_free_bytes",
+        "Memory the guest's kernel does not use at all, as its balloon driver reports it",
+    );
+    let guest_available = family::<Gauge>(
+        r,
+        "memory_guest_available_bytes",
+        "Memory the guest could use without swapping (caches given up included), as its balloon driver reports it",
+    );
     let uptime = family::<FloatGauge>(
         r,
         "uptime_seconds",
@@ -129,6 +144,17 @@ pub fn registry(rows: &[VmFigures]) -> Registry {
         }
         if let Some(bytes) = row.rss_bytes {
             rss.get_or_create(&labels).set(clamp(bytes));
+        }
+        if let Some(guest) = &row.guest_memory {
+            for (family, figure) in [
+                (&guest_total, guest.total_bytes),
+                (&guest_free, guest.free_bytes),
+                (&guest_available, guest.available_bytes),
+            ] {
+                if let Some(bytes) = figure {
+                    family.get_or_create(&labels).set(clamp(bytes));
+                }
+            }
         }
         for d in &row.disks {
             let mut l = labels.clone();
