@@ -105,6 +105,10 @@ impl GuestProbes {
                 _ => None,
             };
             let task = tokio::spawn(async move {
+                // A console read tells of the log as it was when the look
+                // began: a probe that began before a reset is stale
+                // however long the agent then takes to answer.
+                let begun = clock.now_ms();
                 // The console first: reading a log is quick, asking a
                 // silent agent is not.
                 let console = match &text {
@@ -116,11 +120,12 @@ impl GuestProbes {
                 } else {
                     hv.guest_info(&id).await.map_err(|e| e.to_string())
                 };
-                let probe = Probe {
-                    at: clock.now_ms(),
-                    agent,
-                    console,
+                let at = if console.is_some() {
+                    begun
+                } else {
+                    clock.now_ms()
                 };
+                let probe = Probe { at, agent, console };
                 let mut slots = slots.lock().expect("probe slots");
                 let slot = slots.entry(id).or_default();
                 slot.in_flight = false;
