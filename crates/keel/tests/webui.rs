@@ -196,15 +196,29 @@ async fn sign_in(c: &Client, base: &str, token: &str) {
     .await;
 }
 
+/// Clicks `selector` once it is there. The live list and pages redraw as
+/// the VMs change, so the element found may be replaced before the click
+/// lands (a stale reference): then it is found again and clicked again.
 async fn click(c: &Client, selector: &str) {
-    c.wait()
-        .at_most(WAIT)
-        .for_element(Locator::Css(selector))
-        .await
-        .unwrap_or_else(|e| panic!("no {selector}: {e}"))
-        .click()
-        .await
-        .unwrap();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let element = c
+            .wait()
+            .at_most(WAIT)
+            .for_element(Locator::Css(selector))
+            .await
+            .unwrap_or_else(|e| panic!("no {selector}: {e}"));
+        match element.click().await {
+            Ok(()) => return,
+            Err(fantoccini::error::CmdError::Standard(e))
+                if e.error == fantoccini::error::ErrorStatus::StaleElementReference
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("clicking {selector}: {e}"),
+        }
+    }
 }
 
 async fn action_buttons(c: &Client) -> u64 {

@@ -209,20 +209,32 @@ impl Client {
 
     /// PUTs a file as the request body, streamed from disk (with its
     /// length), without the overall request timeout: an upload takes as
-    /// long as the file is big.
+    /// long as the file is big. On a terminal its progress shows as one
+    /// line (`what`: bytes of the size, rate, ETA).
     pub fn upload<T: DeserializeOwned>(
         &self,
         path: &str,
         file: std::fs::File,
+        what: &str,
     ) -> anyhow::Result<T> {
         let url = format!("{}{path}", self.base);
+        let size = file
+            .metadata()
+            .with_context(|| format!("reading the size of {what}"))?
+            .len();
+        let body = ureq::SendBody::from_owned_reader(
+            crate::cli::upload_progress::UploadProgress::new(file, what, size),
+        );
         let req = http::Request::builder()
             .method(Method::PUT)
             .uri(&url)
             .header("Authorization", &self.authorization)
             .header("Accept", "application/json")
             .header("Content-Type", "application/octet-stream")
-            .body(file)
+            // Sent as given, so the server reads a length-delimited body
+            // as it did when the file itself was the body.
+            .header("Content-Length", size)
+            .body(body)
             .with_context(|| format!("building PUT {url}"))?;
         let mut resp = match self.stream_agent.run(req) {
             Ok(resp) => resp,

@@ -110,5 +110,9 @@ fn import(client: &Client, args: &ImportArgs) -> anyhow::Result<ImageResponse> {
             args.name
         );
     }
-    client.upload(&format!("{}?kind={}", path(&args.name), args.kind), file)
+    client.upload(
+        &format!("{}?kind={}", path(&args.name), args.kind),
+        file,
+        &args.source,
+    )
 }

@@ -17,6 +17,7 @@ pub mod placement;
 pub mod server_trust;
 mod snapshot;
 mod token;
+mod upload_progress;
 mod vm;
 mod vm_cdrom;
 mod vm_clone;

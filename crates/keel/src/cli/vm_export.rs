@@ -218,7 +218,7 @@ pub fn import(client: &Client, out: OutputFormat, args: VmImportArgs) -> anyhow:
         path.push('?');
         path.push_str(&query.join("&"));
     }
-    let resp: VmResponse = client.upload(&path, file)?;
+    let resp: VmResponse = client.upload(&path, file, &args.file.display().to_string())?;
     output::print(out, &resp, || {
         format!(
             "{name}: imported from VM {} at snapshot {} ({}; its disks are the export's) \
