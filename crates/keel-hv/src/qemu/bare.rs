@@ -8,9 +8,8 @@
 //! of its own (it finds instances by their directories).
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use super::layout::{InstancePaths, LaunchRecord};
@@ -142,30 +141,8 @@ fn spawn(
     dir: &Path,
     net: Option<&OwnedFd>,
 ) -> io::Result<tokio::process::Child> {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(dir.join("qemu.log"))?;
     let mut cmd = tokio::process::Command::new(binary);
-    cmd.args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .kill_on_drop(true);
-    let net = net.map(|fd| fd.as_raw_fd());
-    // SAFETY: setsid, dup2, fcntl, prctl and capset are async-signal-safe
-    // and touch no memory of ours (as in the launch's own spawn).
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if let Some(fd) = net {
-                passt::inherit_as(fd, passt::QEMU_NET_FD)?;
-            }
-            crate::unprivileged::drop_capabilities_in_child()
-        });
-    }
-    cmd.spawn()
+    // Unlike Keel's own, a bare run ends with the bench.
+    cmd.args(args).kill_on_drop(true);
+    super::launch::spawn_in_own_session(cmd, dir, &dir.join("qemu.log"), net)
 }

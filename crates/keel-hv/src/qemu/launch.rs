@@ -552,7 +552,7 @@ fn spawn(
     net: Option<&OwnedFd>,
 ) -> io::Result<tokio::process::Child> {
     cmd.args(plan.args());
-    spawn_in_own_session(cmd, plan, net)
+    spawn_in_own_session(cmd, &plan.paths.dir, &plan.paths.qemu_log, net)
 }
 
 /// Spawns a fence keeper for the instance (which then starts QEMU from the
@@ -571,28 +571,29 @@ fn spawn_keeper(
         .arg(&plan.paths.dir)
         .arg("--lease")
         .arg(lease.path());
-    spawn_in_own_session(cmd, plan, net)
+    spawn_in_own_session(cmd, &plan.paths.dir, &plan.paths.qemu_log, net)
 }
 
-/// Runs `cmd` in the instance dir, output appended to `qemu.log`, in a new
-/// session and process group of its own: no controlling terminal, so
-/// neither a Ctrl-C nor a hangup aimed at Keel reaches it, and it outlives
-/// this process. Without any capability ([`crate::unprivileged`]): a
-/// keeper passes none on to its QEMU.
-fn spawn_in_own_session(
+/// Runs `cmd` in `dir` (the instance dir), output appended to `log`
+/// (`qemu.log`), in a new session and process group of its own: no
+/// controlling terminal, so neither a Ctrl-C nor a hangup aimed at Keel
+/// reaches it. Without any capability ([`crate::unprivileged`]): a keeper
+/// passes none on to its QEMU. Whether it outlives this process is the
+/// caller's `kill_on_drop` (tokio's default: it does).
+pub(super) fn spawn_in_own_session(
     mut cmd: tokio::process::Command,
-    plan: &LaunchPlan,
+    dir: &Path,
+    log: &Path,
     net: Option<&OwnedFd>,
 ) -> io::Result<tokio::process::Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .open(&plan.paths.qemu_log)?;
-    cmd.current_dir(&plan.paths.dir)
+        .open(log)?;
+    cmd.current_dir(dir)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
-        .stderr(log)
-        .kill_on_drop(false);
+        .stderr(log);
     let net = net.map(|fd| fd.as_raw_fd());
     // SAFETY: setsid, dup2, fcntl, prctl and capset are async-signal-safe
     // and touch no memory of ours.
