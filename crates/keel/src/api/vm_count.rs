@@ -19,17 +19,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use keel_ctrl::keys::{name_of, VMS_PREFIX};
-use keel_store::{Entry, Store, StoreError, WatchEvent};
+use keel_store::{Entry, Store, WatchEvent};
 use tokio::sync::watch;
 
 use super::limits::check_cap;
 use super::ApiError;
-
-/// How long after a failed list or a broken watch to list again.
-const RETRY: Duration = Duration::from_secs(1);
 
 /// The VM count one server admits creates against; cloning shares it.
 #[derive(Clone, Default)]
@@ -163,6 +159,17 @@ impl VmCount {
         Some((stored + counted.places.len()) as u64)
     }
 
+    /// Keeps the stored names current with the store's watch until
+    /// `stop` turns true. Between a break and the next list the names kept
+    /// stay: a deletion missed meanwhile only refuses a create early, and
+    /// this server's own creates hold their places until a list or the
+    /// watch shows them.
+    async fn keep(self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
+        crate::prefix_view::keep(&self, &*store, VMS_PREFIX, stop).await
+    }
+}
+
+impl crate::prefix_view::PrefixView for VmCount {
     fn reset(&self, entries: &[Entry]) {
         let stored: HashSet<String> = entries
             .iter()
@@ -188,48 +195,6 @@ impl VmCount {
             }
         }
     }
-
-    /// Lists, then follows the watch from just after the list, until `stop`
-    /// turns true; lists again whenever the watch breaks. Between a break
-    /// and the next list the names kept stay: a deletion missed meanwhile
-    /// only refuses a create early, and this server's own creates hold
-    /// their places until a list or the watch shows them.
-    async fn keep(self, store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
-        while !*stop.borrow() {
-            if let Err(err) = self.follow(&store, &mut stop).await {
-                tracing::debug!(%err, "VM count: relisting");
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(RETRY) => {}
-                _ = stop.changed() => {}
-            }
-        }
-    }
-
-    async fn follow(
-        &self,
-        store: &Arc<dyn Store>,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<(), StoreError> {
-        let (entries, revision) = store.list(VMS_PREFIX).await?;
-        let mut watch = store.watch(VMS_PREFIX, revision + 1).await?;
-        self.reset(&entries);
-        drop(entries);
-        loop {
-            tokio::select! {
-                event = watch.next() => match event {
-                    Some(Ok(event)) => self.apply(&event),
-                    Some(Err(err)) => return Err(err),
-                    None => return Ok(()),
-                },
-                _ = stop.changed() => {
-                    if *stop.borrow() {
-                        return Ok(());
-                    }
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -239,6 +204,7 @@ mod tests {
     use keel_ctrl::keys::vm_key;
     use keel_store::memory::MemoryStore;
     use keel_store::Precondition;
+    use keel_store::StoreError;
 
     async fn create(store: &dyn Store, name: &str) -> Result<u64, StoreError> {
         store

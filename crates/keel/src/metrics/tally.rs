@@ -5,7 +5,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use keel_store::{Entry, Store, WatchEvent};
 use tokio::sync::watch;
@@ -41,9 +40,6 @@ impl Tally {
     }
 }
 
-/// How long after a failed list or a broken watch to list again.
-const RETRY: Duration = Duration::from_secs(1);
-
 impl PhaseTally {
     pub fn new(prefix: &'static str, phases: usize, phase_of: PhaseOf) -> Self {
         Self {
@@ -63,6 +59,14 @@ impl PhaseTally {
         self.state.lock().expect("phase tally lock")
     }
 
+    /// Keeps the counts current with the store's watch until `stop` turns
+    /// true.
+    pub async fn keep(self: Arc<Self>, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
+        crate::prefix_view::keep(&*self, &*store, self.prefix, stop).await
+    }
+}
+
+impl crate::prefix_view::PrefixView for PhaseTally {
     fn reset(&self, entries: &[Entry]) {
         let mut tally = Tally {
             phase_by_key: HashMap::with_capacity(entries.len()),
@@ -84,44 +88,9 @@ impl PhaseTally {
         }
     }
 
-    /// Lists, then follows the watch from just after the list, until `stop`
-    /// turns true; lists again whenever the watch breaks.
-    pub async fn keep(self: Arc<Self>, store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
-        while !*stop.borrow() {
-            if let Err(err) = self.follow(&store, &mut stop).await {
-                tracing::debug!(prefix = self.prefix, %err, "phase counts: relisting");
-            }
-            *self.lock() = None;
-            tokio::select! {
-                _ = tokio::time::sleep(RETRY) => {}
-                _ = stop.changed() => {}
-            }
-        }
-    }
-
-    async fn follow(
-        &self,
-        store: &Arc<dyn Store>,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<(), keel_store::StoreError> {
-        let (entries, revision) = store.list(self.prefix).await?;
-        let mut watch = store.watch(self.prefix, revision + 1).await?;
-        self.reset(&entries);
-        drop(entries);
-        loop {
-            tokio::select! {
-                event = watch.next() => match event {
-                    Some(Ok(event)) => self.apply(&event),
-                    Some(Err(err)) => return Err(err),
-                    None => return Ok(()),
-                },
-                _ = stop.changed() => {
-                    if *stop.borrow() {
-                        return Ok(());
-                    }
-                }
-            }
-        }
+    /// Counts that may miss changes are not reported.
+    fn broke(&self) {
+        *self.lock() = None;
     }
 }
 

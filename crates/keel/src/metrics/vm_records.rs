@@ -6,10 +6,9 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use keel_api::{Millis, VirtualMachine};
-use keel_store::{Store, WatchEvent};
+use keel_store::{Entry, Store, WatchEvent};
 use tokio::sync::watch;
 
 /// One VM with an instance, as far as its figures go.
@@ -56,8 +55,6 @@ pub struct VmRecords {
     state: Mutex<Option<HashMap<String, RecordFacts>>>,
 }
 
-const RETRY: Duration = Duration::from_secs(1);
-
 impl VmRecords {
     /// The facts of the VMs whose instance is on `node`, if current.
     pub fn on_node(&self, node: &str) -> Option<Vec<RecordFacts>> {
@@ -89,54 +86,36 @@ impl VmRecords {
         }
     }
 
-    /// Lists, then follows the watch from just after the list, until `stop`
-    /// turns true; lists again whenever the watch breaks.
+    /// Keeps the facts current with `prefix` of the store's watch until
+    /// `stop` turns true.
     pub async fn keep(
         self: Arc<Self>,
         store: Arc<dyn Store>,
         prefix: &'static str,
-        mut stop: watch::Receiver<bool>,
+        stop: watch::Receiver<bool>,
     ) {
-        while !*stop.borrow() {
-            if let Err(err) = self.follow(&store, prefix, &mut stop).await {
-                tracing::debug!(%err, "vm records for metrics: relisting");
-            }
-            *self.lock() = None;
-            tokio::select! {
-                _ = tokio::time::sleep(RETRY) => {}
-                _ = stop.changed() => {}
-            }
-        }
+        crate::prefix_view::keep(&*self, &*store, prefix, stop).await
     }
+}
 
-    async fn follow(
-        &self,
-        store: &Arc<dyn Store>,
-        prefix: &'static str,
-        stop: &mut watch::Receiver<bool>,
-    ) -> Result<(), keel_store::StoreError> {
-        let (entries, revision) = store.list(prefix).await?;
-        let mut watch = store.watch(prefix, revision + 1).await?;
+impl crate::prefix_view::PrefixView for VmRecords {
+    fn reset(&self, entries: &[Entry]) {
         let records = entries
             .iter()
             .filter_map(|e| Some((e.key.clone(), RecordFacts::decode(&e.value)?)))
             .collect();
         *self.lock() = Some(records);
-        drop(entries);
-        loop {
-            tokio::select! {
-                event = watch.next() => match event {
-                    Some(Ok(WatchEvent::Put(e))) => self.set(&e.key, RecordFacts::decode(&e.value)),
-                    Some(Ok(WatchEvent::Deleted { key, .. })) => self.set(&key, None),
-                    Some(Err(err)) => return Err(err),
-                    None => return Ok(()),
-                },
-                _ = stop.changed() => {
-                    if *stop.borrow() {
-                        return Ok(());
-                    }
-                }
-            }
+    }
+
+    fn apply(&self, event: &WatchEvent) {
+        match event {
+            WatchEvent::Put(e) => self.set(&e.key, RecordFacts::decode(&e.value)),
+            WatchEvent::Deleted { key, .. } => self.set(key, None),
         }
+    }
+
+    /// Facts that may miss changes are not used.
+    fn broke(&self) {
+        *self.lock() = None;
     }
 }
