@@ -347,7 +347,7 @@ mod tests {
     use super::*;
     use crate::step::HvAction;
     use keel_api::MigrationStatus;
-    use keel_api::{Drain, PowerState, RunPolicy, VmSpec};
+    use keel_api::{Drain, RunPolicy, VmSpec};
 
     fn migration(seq: u64, phase: MigrationPhase, source: &str) -> Migration {
         Migration {
@@ -624,22 +624,10 @@ mod tests {
         let mut vm = VirtualMachine::new(
             "vm",
             VmSpec {
-                cpus: 1,
                 memory_mib: 64,
                 disks: vec![],
-                boot: Default::default(),
                 run_policy: RunPolicy::Manual,
-                power: PowerState::Running,
-                restart_generation: 0,
-                stop_grace_period_s: 60,
-                node: None,
-                readiness: keel_api::Readiness::Agent,
-                network: Default::default(),
-                cloud_init: None,
-                ha: None,
-                cpu_model: None,
-                placement: Default::default(),
-                tpm: None,
+                ..keel_testkit::spec::vm_spec()
             },
         );
         vm.status.instance = Some(Instance::new("vm-9", "a", 0));
