@@ -8,7 +8,19 @@ use crate::{validate_name, Millis, ValidationError};
 
 /// What a token may do. Each role includes the ones below it: an admin
 /// may do all an operator may, an operator all a viewer may.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     /// Reads: VMs, snapshots, images, nodes, events, migrations, metrics.
@@ -57,7 +69,7 @@ impl std::str::FromStr for Role {
 
 /// One token, stored under `/tokens/<id>`. The secret handed out is
 /// `keel_<id>_<secret>`; `hash` is the hex SHA-256 of `<secret>`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ApiToken {
     pub id: String,
     /// Who holds it: the actor of audit events.
@@ -94,7 +106,7 @@ impl ApiToken {
 }
 
 /// The body of `POST /api/v1/tokens`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateTokenRequest {
     pub name: String,

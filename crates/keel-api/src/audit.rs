@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::Event;
 
 /// One mutating API request as the audit trail records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Audit {
     /// The name of the token that made it.
     pub actor: String,
@@ -23,7 +23,7 @@ pub struct Audit {
 
 /// What is stored for an audited request: an [`Event`] (so every reader
 /// of events lists it) with its [`Audit`] beside the event's fields.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AuditEvent {
     #[serde(flatten)]
     pub event: Event,
@@ -31,7 +31,7 @@ pub struct AuditEvent {
 }
 
 /// Reads only the audit part of a stored event, if it has one.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct AuditPart {
     #[serde(default)]
     pub audit: Option<Audit>,

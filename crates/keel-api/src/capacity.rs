@@ -13,14 +13,14 @@ use serde::{Deserialize, Serialize};
 use crate::validation::ValidationError;
 
 /// What a host has, as its agent read it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HostResources {
     pub cpus: u32,
     pub memory_mib: u64,
 }
 
 /// What a node offers its guests in all (not what is left).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeCapacity {
     /// vCPUs the node's guests may have together.
     pub cpus: u32,
@@ -32,7 +32,7 @@ pub struct NodeCapacity {
 
 /// How a node's capacity follows from its host (`--reserve-memory`,
 /// `--cpu-overcommit`, `--memory-overcommit`).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CapacityPolicy {
     /// Memory kept for the host (QEMU's own overhead, the agent, the OS).
     pub reserve_memory_mib: u64,
@@ -81,7 +81,19 @@ impl CapacityPolicy {
 }
 
 /// What a VM, or the VMs on a node together, take of its capacity.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    utoipa::ToSchema,
+)]
 pub struct Demand {
     pub cpus: u64,
     pub memory_mib: u64,

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::ValidationError;
 
 /// The device firmware tries first when the VM has a CD-ROM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum BootDevice {
     Cdrom,

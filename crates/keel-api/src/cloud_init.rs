@@ -15,7 +15,7 @@ pub const MAX_SSH_KEYS: usize = 32;
 /// An RSA 16384-bit key is about 2.8 KiB; this leaves room for comments.
 pub const MAX_SSH_KEY_BYTES: usize = 8 * 1024;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CloudInitSpec {
     /// Public keys (one `authorized_keys` line each) for the image's
     /// default user.

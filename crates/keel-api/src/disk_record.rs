@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::Millis;
 
 /// Where a VM's disks are, as the nodes that can see them say.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum DiskHome {
     /// In the node's own disk dir: only this node sees them.
@@ -31,7 +31,7 @@ impl std::fmt::Display for DiskHome {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DiskRecord {
     pub name: String,
     /// When the first start that could make it was recorded (the record is

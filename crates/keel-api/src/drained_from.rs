@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::Millis;
 
 /// The node a drain moved a VM away from, and which drain.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DrainedFrom {
     pub node: String,
     /// The drain's `requested_at`.

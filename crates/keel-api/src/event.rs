@@ -4,7 +4,7 @@ use crate::{Millis, Phase};
 
 /// A recorded state change of a VM, kept in the store under
 /// `/events/<vm>/<revision, zero-padded>` so they list in order.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Event {
     pub at: Millis,
     pub vm: String,

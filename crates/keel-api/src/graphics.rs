@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::ValidationError;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Graphics {
     /// A standard VGA device, its screen served by QEMU's VNC server.

@@ -21,7 +21,7 @@ pub const HOST_CPU: &str = "host";
 pub const DEFAULT_CPU_MODEL: &str = "qemu64-v1";
 
 /// What a VM's instances run as, fixed at its first start.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmHardware {
     /// A versioned machine type, e.g. `pc-q35-7.2`.
     pub machine: String,
@@ -30,7 +30,7 @@ pub struct VmHardware {
 }
 
 /// What a node's QEMU offers, advertised on its node record.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct HostHardware {
     /// The versioned machine type a new VM gets here (what the configured
     /// alias, `q35`, stands for in this QEMU).

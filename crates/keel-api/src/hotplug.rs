@@ -25,7 +25,7 @@ use crate::Millis;
 /// without a restart. Each costs the guest a PCI bridge.
 pub const HOTPLUG_PORTS: u32 = 4;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PluggedDisk {
     pub disk: String,
     /// The root port it sits on (`0..hotplug_ports`).

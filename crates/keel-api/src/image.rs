@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{validate_name, Millis, ValidationError};
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ImageKind {
     /// A bootable disk image (qcow2 or raw): a VM's root disk is a qcow2
@@ -68,7 +70,7 @@ impl std::str::FromStr for ImageKind {
 
 /// The on-disk format, as `qemu-img info` reported it at import. Kernels,
 /// initrds and ISOs are plain files: `raw`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ImageFormat {
     Qcow2,
@@ -91,7 +93,7 @@ impl std::fmt::Display for ImageFormat {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Image {
     pub name: String,
     pub kind: ImageKind,

@@ -24,7 +24,7 @@ pub const MAX_PARALLEL_MIGRATIONS: u64 = 1000;
 /// Post-copy is never used: Keel migrates pre-copy only (a post-copy
 /// switch-over cannot be undone if the link fails, and there is no opt-in
 /// for it yet).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MigrationTuning {
     /// A migration running longer than this per GiB of guest memory
@@ -120,7 +120,7 @@ impl MigrationTuning {
 /// at: `unix:` (one host), `tcp:` (plain, only with the nodes'
 /// `--insecure-migration`) or Keel's `tls+tcp:` (QEMU's TLS, both ends
 /// verified against the cluster CA).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum MigrationTransport {
     #[serde(rename = "unix")]
     Unix,
@@ -160,7 +160,7 @@ impl std::fmt::Display for MigrationTransport {
 }
 
 /// Where and how a node receives live migrations (on its record).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrationEndpoint {
     pub transport: MigrationTransport,
     /// `ADDR:FIRST-LAST` for TCP; `None` for a Unix socket.
@@ -168,7 +168,7 @@ pub struct MigrationEndpoint {
     pub listen: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Migration {
     /// `m<seq>-<vm uid>`, unique across deletes and re-creations of the VM
     /// (`<vm>-m<seq>` for VMs from before uids).
@@ -251,7 +251,9 @@ impl Migration {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum MigrationPhase {
     /// Waiting for the target node to start an incoming instance.
     #[default]
@@ -270,7 +272,7 @@ impl MigrationPhase {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrationStatus {
     #[serde(default)]
     pub phase: MigrationPhase,

@@ -21,7 +21,7 @@ pub const MAX_PUBLISH: usize = 64;
 /// Linux interface names hold 15 bytes (IFNAMSIZ less the NUL).
 pub const MAX_IFNAME_LEN: usize = 15;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NetworkSpec {
     /// `aa:bb:cc:dd:ee:ff`, unicast. `None` only in a request (the API
     /// assigns one) or a record from before MACs were kept (derived from
@@ -38,7 +38,9 @@ pub struct NetworkSpec {
     pub publish: Vec<PortForward>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum NetworkMode {
     /// QEMU's user-mode network (slirp): needs no privileges; the guest
@@ -60,7 +62,9 @@ impl fmt::Display for NetworkMode {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Protocol {
     #[default]
@@ -78,7 +82,7 @@ impl fmt::Display for Protocol {
 }
 
 /// `host_address:host_port` on the node → `guest_port` in the guest.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PortForward {
     /// IPv4 address on the node to listen on; loopback unless asked.
     #[serde(default = "default_host_address")]

@@ -6,7 +6,7 @@ use crate::{MigrationTuning, Millis};
 
 pub const DEFAULT_EVICTION_WINDOW_MS: Millis = 10 * 60 * 1000;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum Accelerator {
     Kvm,
     Tcg,
@@ -15,7 +15,7 @@ pub enum Accelerator {
 }
 
 /// A host that runs VMs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Node {
     pub name: String,
     /// No new VMs are placed on a cordoned node.
@@ -53,7 +53,7 @@ pub const MAX_FREEZE_MS: Millis = 60 * 60 * 1000;
 /// The freeze is judged on each observer's own clock, as liveness is: its
 /// end is `duration_ms` after the observer first saw it, never a wall-clock
 /// time of another host, so a skewed clock cannot stretch or shorten it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeFreeze {
     /// When it was asked for, on the asker's wall clock: shown to users
     /// and, with the duration, it tells one freeze from the next.
@@ -73,7 +73,7 @@ impl NodeFreeze {
 /// A request to move every VM off the node: live migration first, then
 /// (per VM, when migration cannot be done in time) graceful stop and start
 /// elsewhere. Each phase has a bounded window.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Drain {
     pub requested_at: Millis,
     #[serde(default)]
@@ -86,7 +86,7 @@ pub struct Drain {
     pub completed_at: Option<Millis>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EvictionWindows {
     /// From the start of an eviction until its migration is under way.
     pub submit_ms: Millis,
@@ -107,7 +107,7 @@ impl Default for EvictionWindows {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub accelerator: Option<Accelerator>,

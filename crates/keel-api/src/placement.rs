@@ -28,7 +28,7 @@ pub const MAX_LABELS: usize = 32;
 /// The longest label key and value.
 pub const MAX_LABEL_LEN: usize = 63;
 
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PlacementRules {
     /// Labels a node must carry, each with this value, for the VM to go
     /// there (`--node-selector k=v`).
@@ -42,7 +42,7 @@ pub struct PlacementRules {
     pub affinity: Option<String>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AntiAffinity {
     pub group: String,
     /// Apart where possible; sharing a node allowed when there is no other

@@ -116,8 +116,27 @@ impl<'de> Deserialize<'de> for Readiness {
     }
 }
 
+/// Written as text, so described by hand: one of the three forms, the
+/// console's text bounded as validation bounds it.
+impl utoipa::PartialSchema for Readiness {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{ObjectBuilder, Type};
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .pattern(Some("^(agent|none|console:[^\\x00-\\x1f\\x7f]+)$"))
+            .max_length(Some("console:".len() + MAX_READY_TEXT))
+            .description(Some(
+                "When the guest counts as up: agent (its guest agent answers), \
+                 console:<text> (the serial console printed the text) or none (once running)",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for Readiness {}
+
 /// One guest address, as its agent reported it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GuestAddress {
     pub interface: String,
     /// `10.0.2.15/24`
@@ -125,7 +144,7 @@ pub struct GuestAddress {
 }
 
 /// What was seen of the guest of one instance.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct InstanceReadiness {
     /// When the guest was first seen up (per `spec.readiness`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

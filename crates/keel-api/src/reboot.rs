@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::Millis;
 
 /// A reboot the controller has asked of the guest and not yet seen done.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RebootProgress {
     /// The `reboot_generation` this reboot carries out.
     pub generation: u64,

@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{validate_name, Millis, ValidationError, VmSpec};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Snapshot {
     pub vm: String,
     pub name: String,
@@ -17,7 +17,9 @@ pub struct Snapshot {
     pub status: SnapshotStatus,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum SnapshotPhase {
     #[default]
     Pending,
@@ -25,7 +27,7 @@ pub enum SnapshotPhase {
     Failed,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotStatus {
     #[serde(default)]
     pub phase: SnapshotPhase,

@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use crate::ValidationError;
 
 /// `spec.tpm`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub struct TpmSpec {
     #[serde(default)]
     pub version: TpmVersion,
@@ -18,7 +20,9 @@ pub struct TpmSpec {
 
 /// The TPM's specification version. Only 2.0: TPM 1.2 is what no guest
 /// that asks for a TPM today accepts.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum TpmVersion {
     #[default]
     #[serde(rename = "2.0")]

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::Millis;
 
 /// What the user asked for.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrateRequest {
     pub requested_at: Millis,
     /// The node the VM ran on when asked: once it runs elsewhere (a drain
@@ -24,7 +24,7 @@ pub struct MigrateRequest {
 
 /// How the request with `requested_at` ended (on the VM's status). Its
 /// presence marks that request as handled, so it is never repeated.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrateOutcome {
     pub requested_at: Millis,
     #[serde(default, skip_serializing_if = "Option::is_none")]

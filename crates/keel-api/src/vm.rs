@@ -32,7 +32,7 @@ pub const MAX_CPUS: u32 = 256;
 pub const MAX_DISKS: usize = 16;
 pub const MAX_DISK_SIZE_MIB: u64 = 16 << 20;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VirtualMachine {
     pub name: String,
     /// Tells this VM from an earlier or later one of the same name: set
@@ -66,13 +66,13 @@ pub struct VirtualMachine {
     pub status: VmStatus,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct RestoreRequest {
     pub snapshot: String,
     pub requested_at: Millis,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmSpec {
     pub cpus: u32,
     pub memory_mib: u64,
@@ -81,6 +81,7 @@ pub struct VmSpec {
     #[serde(default)]
     pub boot: BootSpec,
     #[serde(default)]
+    #[schema(inline)]
     pub run_policy: RunPolicy,
     /// The power state the user last asked for. Every policy but AlwaysOn
     /// and AlwaysOff follows it (`RunPolicy::follows_power`).
@@ -142,7 +143,7 @@ fn default_grace() -> u64 {
     DEFAULT_STOP_GRACE_PERIOD_S
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DiskSpec {
     pub name: String,
     pub size_mib: u64,
@@ -163,7 +164,7 @@ pub const ROOT_DISK: &str = "root";
 /// `firmware`, boots through firmware from its first disk; any other VM
 /// boots the node's default (test) guest kernel. A VM with a `cdrom`
 /// boots through firmware too ([`crate::cdrom`]).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct BootSpec {
     /// The name of an image of kind `iso`, attached as a read-only CD-ROM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -182,12 +183,16 @@ pub struct BootSpec {
     pub initrd: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cmdline: Option<String>,
-    /// `None`: SeaBIOS (QEMU's default BIOS).
+    // `None`: SeaBIOS (QEMU's default BIOS). Not a doc comment: utoipa
+    // would wrap the inlined enum with it in an `allOf` that says object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(inline, nullable = false)]
     pub firmware: Option<Firmware>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Firmware {
     /// SeaBIOS, which ships with QEMU.
@@ -264,7 +269,9 @@ pub struct ImageUse {
     pub kind: crate::ImageKind,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum RunPolicy {
     /// Running whatever happens; a user stop is refused.
     AlwaysOn,
@@ -333,7 +340,9 @@ impl std::str::FromStr for RunPolicy {
     }
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum PowerState {
     #[default]
     Running,
@@ -345,7 +354,7 @@ pub enum PowerState {
 /// window starts; converted into `spec.power` and cleared exactly once,
 /// after the replacement instance has booted (or, for `Stopped`, at once);
 /// dropped earlier by a user's power request that says otherwise.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct PowerIntent {
     pub power: PowerState,
     /// Why it was recorded, e.g. `restore snapshot nightly`.
@@ -353,7 +362,9 @@ pub struct PowerIntent {
     pub recorded_at: Millis,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema,
+)]
 pub enum Phase {
     #[default]
     Pending,
@@ -366,7 +377,7 @@ pub enum Phase {
     Deleting,
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmStatus {
     #[serde(default)]
     pub phase: Phase,
@@ -479,7 +490,7 @@ impl VmStatus {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum EvictionPhase {
     /// A migration is being set up (target chosen, incoming instance started).
     Submitting,
@@ -492,7 +503,7 @@ pub enum EvictionPhase {
 /// Progress of moving one VM off a draining node. The deadlines are stored
 /// so a controller restart resumes the same windows instead of opening new
 /// ones; a missing or impossible deadline counts as expired.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Eviction {
     /// The drain (its `requested_at`) this eviction serves: a marker left by
     /// an earlier drain is stale and starts a new attempt.
@@ -568,7 +579,7 @@ impl Eviction {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Instance {
     pub id: String,
     pub node: String,
@@ -742,7 +753,7 @@ impl DiskHome {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum StopReason {
     User,
     Restart,
@@ -755,7 +766,7 @@ pub enum StopReason {
 /// A stop in progress: graceful power-down, re-checked with exponential
 /// backoff until the grace period ends, then forced. Stored so a controller
 /// restart continues the same schedule instead of starting over.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct StopProgress {
     pub reason: StopReason,
     pub requested_at: Millis,
@@ -770,7 +781,7 @@ pub struct StopProgress {
     pub agent_shutdown_at: Option<Millis>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 pub enum ExitKind {
     /// The guest powered itself off (or answered our power-down).
     GuestPoweroff,
@@ -781,7 +792,7 @@ pub enum ExitKind {
     Vanished,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExitRecord {
     pub instance: String,
     pub at: Millis,

@@ -40,7 +40,7 @@ pub fn disk_file(disk: &str) -> String {
     format!("{disk}.qcow2")
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExportedFile {
     pub name: String,
     pub bytes: u64,
@@ -48,7 +48,7 @@ pub struct ExportedFile {
     pub sha256: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ExportManifest {
     pub format: String,
     pub format_version: u32,

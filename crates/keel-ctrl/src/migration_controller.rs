@@ -192,7 +192,7 @@ impl MigrationController {
                         self.write(&key, &m, entry.revision, now).await
                     }
                     Err(err) => {
-                        let why = format!("target could not start: {err}");
+                        let why = format!("target could not start: {}", crate::error_chain(&err));
                         self.fail(&key, m, entry.revision, &why, now).await
                     }
                 }
@@ -237,7 +237,10 @@ impl MigrationController {
                         .migrate_tuned(&m.source_instance, &uri, &params)
                         .await
                     {
-                        let why = format!("could not start sending to {uri}: {err}");
+                        let why = format!(
+                            "could not start sending to {uri}: {}",
+                            crate::error_chain(&err)
+                        );
                         return self.fail(&key, m, entry.revision, &why, now).await;
                     }
                 }
@@ -259,7 +262,7 @@ impl MigrationController {
                     // runs only after a recorded success, and the source
                     // stays the VM's one instance.
                     if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
-                        tracing::warn!(vm = vm_name, migration = id, %err, "cancel failed");
+                        tracing::warn!(vm = vm_name, migration = id, err = %crate::error_chain(&err), "cancel failed");
                     }
                     return self.fail(&key, m, entry.revision, &why, now).await;
                 }
@@ -284,7 +287,7 @@ impl MigrationController {
                         let check = check_progress(&m, memory_mib, transferred_bytes, now);
                         if !wanted || check.is_err() {
                             if let Err(err) = self.hv.cancel_migration(&m.source_instance).await {
-                                tracing::warn!(vm = vm_name, migration = id, %err, "cancel failed");
+                                tracing::warn!(vm = vm_name, migration = id, err = %crate::error_chain(&err), "cancel failed");
                             }
                         }
                         // Recorded, so the reason outlives this controller;
@@ -328,7 +331,7 @@ impl MigrationController {
                             .await
                     }
                     Err(err) => {
-                        tracing::warn!(vm = vm_name, migration = id, %err, "migration status unknown");
+                        tracing::warn!(vm = vm_name, migration = id, err = %crate::error_chain(&err), "migration status unknown");
                         let retry = now + self.cfg.retry_ms;
                         Ok(Some(retry.min(m.running_deadline(memory_mib).max(now + 1))))
                     }
@@ -389,7 +392,7 @@ impl MigrationController {
                             Ok(()) => {}
                             Err(err) if err.is_not_found() => {}
                             Err(err) => {
-                                tracing::warn!(vm = vm_name, migration = id, %err, "cannot end the waiting target");
+                                tracing::warn!(vm = vm_name, migration = id, err = %crate::error_chain(&err), "cannot end the waiting target");
                                 return Ok(Some(now + self.cfg.retry_ms));
                             }
                         }
@@ -486,7 +489,7 @@ impl MigrationController {
                         None
                     }
                     Err(err) => {
-                        tracing::warn!(vm = %m.vm, migration = %m.id, %err, "resuming the target failed");
+                        tracing::warn!(vm = %m.vm, migration = %m.id, err = %crate::error_chain(&err), "resuming the target failed");
                         Some(now + self.cfg.retry_ms)
                     }
                 }
@@ -564,14 +567,16 @@ pub(crate) fn overdue(
     };
     let deadline = m.running_deadline(memory_mib);
     let started = m.status.started_at.unwrap_or(m.created_at);
-    let last_word = unanswered.map_or_else(String::new, |err| format!("; the source: {err}"));
+    let last_word = unanswered.map_or_else(String::new, |err| {
+        format!("; the source: {}", crate::error_chain(err))
+    });
     if now >= deadline {
         return Some(format!(
             "not finished by its deadline ({}s after it began sending){last_word}",
             deadline.saturating_sub(started) / 1000
         ));
     }
-    let err = unanswered?;
+    let err = crate::error_chain(unanswered?);
     if !wanted {
         return Some(format!(
             "no longer wanted, and the source does not answer to cancel it: {err}"

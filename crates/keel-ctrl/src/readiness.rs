@@ -112,13 +112,17 @@ impl GuestProbes {
                 // The console first: reading a log is quick, asking a
                 // silent agent is not.
                 let console = match &text {
-                    Some(t) => Some(hv.console_contains(&id, t).await.map_err(|e| e.to_string())),
+                    Some(t) => Some(
+                        hv.console_contains(&id, t)
+                            .await
+                            .map_err(|e| crate::error_chain(&e)),
+                    ),
                     None => None,
                 };
                 let agent = if text.is_some() && !ready {
                     Err(AGENT_NOT_ASKED.to_string())
                 } else {
-                    hv.guest_info(&id).await.map_err(|e| e.to_string())
+                    hv.guest_info(&id).await.map_err(|e| crate::error_chain(&e))
                 };
                 let at = if console.is_some() {
                     begun

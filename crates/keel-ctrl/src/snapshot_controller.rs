@@ -100,7 +100,7 @@ impl SnapshotController {
                     .delete_snapshot(vm_name, &snap.spec.disks, name)
                     .await
                 {
-                    tracing::warn!(vm = vm_name, snapshot = name, %e, "delete failed");
+                    tracing::warn!(vm = vm_name, snapshot = name, err = %crate::error_chain(&e), "delete failed");
                     return Ok(Some(retry));
                 }
             }
@@ -180,13 +180,13 @@ impl SnapshotController {
             }
             Err(e @ HvError::Storage { .. }) => {
                 snap.status.phase = SnapshotPhase::Failed;
-                snap.status.message = Some(e.to_string());
+                snap.status.message = Some(crate::error_chain(&e));
             }
             Err(e) => {
                 // Written only when it changes: the write wakes this
                 // snapshot again through the watch, and an unchanged
                 // rewrite would retry at once instead of after `retry`.
-                let message = e.to_string();
+                let message = crate::error_chain(&e);
                 if snap.status.message.as_deref() != Some(message.as_str()) {
                     snap.status.message = Some(message);
                     let _ = self.store.update(&key, &snap, entry.revision).await;
@@ -212,14 +212,14 @@ impl SnapshotController {
                     Access::Live(inst.id.clone())
                 }
                 Ok(info) => Access::NotNow(format!("instance {} is {:?}", inst.id, info.state)),
-                Err(e) => Access::NotNow(e.to_string()),
+                Err(e) => Access::NotNow(crate::error_chain(&e)),
             },
             None => match self.hv.domains_of(&vm.name).await {
                 Ok(domains) if !domains.is_empty() => {
                     Access::NotNow(format!("VM {} has an instance being cleaned up", vm.name))
                 }
                 Ok(_) => Access::Offline,
-                Err(e) => Access::NotNow(e.to_string()),
+                Err(e) => Access::NotNow(crate::error_chain(&e)),
             },
         }
     }
@@ -275,7 +275,7 @@ async fn quiesced_snapshot(
                     break;
                 }
                 Err(e) => {
-                    thaw_error = Some(e.to_string());
+                    thaw_error = Some(crate::error_chain(&e));
                     if frozen.is_err() {
                         // Nothing was frozen by us as far as we know; one
                         // try is enough.
@@ -299,7 +299,7 @@ async fn quiesced_snapshot(
             }
             (Err(e), _) => Quiesce {
                 quiesced: false,
-                note: Some(format!("not quiesced: {e}")),
+                note: Some(format!("not quiesced: {}", crate::error_chain(e))),
             },
         };
         (taken, quiesce)
@@ -307,11 +307,12 @@ async fn quiesced_snapshot(
     match task.await {
         Ok(done) => done,
         Err(e) => (
-            Err(HvError::Failed {
-                instance: String::new(),
-                op: "snapshot",
-                reason: format!("snapshot task failed: {e}"),
-            }),
+            Err(HvError::failed_by(
+                String::new(),
+                "snapshot",
+                "snapshot task failed",
+                e,
+            )),
             Quiesce::default(),
         ),
     }

@@ -464,14 +464,14 @@ impl VmController {
             Some(inst) => match self.hv.info(&inst.id).await {
                 Ok(info) => (Observed::Instance(info.state), Some(info.resets)),
                 Err(HvError::NotFound { .. }) => (Observed::InstanceAbsent, None),
-                Err(err) => (Observed::Unknown(err.to_string()), None),
+                Err(err) => (Observed::Unknown(error_chain(&err)), None),
             },
             None => {
                 // This VM's domains only: another VM's hung domain neither
                 // delays nor blocks this one's start.
                 let domains = match self.hv.domains_of(&vm.name).await {
                     Ok(domains) => domains,
-                    Err(err) => return (Observed::Unknown(err.to_string()), None),
+                    Err(err) => return (Observed::Unknown(error_chain(&err)), None),
                 };
                 if let Some(why) = self.unhanded_target(vm, &domains).await {
                     return (Observed::Unknown(why), None);
@@ -580,7 +580,7 @@ impl VmController {
             HvAction::GuestShutdown(id) => Ok(absent_is_ok(self.hv.guest_shutdown(id).await)?),
             HvAction::GuestReboot(id) => match self.hv.guest_reboot(id).await {
                 Err(err) if !err.is_not_found() => {
-                    tracing::info!(vm = %vm.name, instance = id, %err,
+                    tracing::info!(vm = %vm.name, instance = id, err = %crate::error_chain(&err),
                         "reboot: the guest agent cannot be asked; resetting through the hypervisor");
                     Ok(absent_is_ok(self.hv.reset(id).await)?)
                 }

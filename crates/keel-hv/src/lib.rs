@@ -13,6 +13,7 @@
 // compile this crate with cfg(test)), `expect` states an invariant.
 #![cfg_attr(not(test), deny(clippy::unwrap_used))]
 
+pub mod cause;
 pub mod disk_creation;
 pub mod domain_event;
 pub mod free_space;
@@ -31,6 +32,7 @@ pub mod tpm_use;
 pub mod unprivileged;
 pub mod vm_stats;
 
+pub use cause::Cause;
 pub use disk_creation::DiskCreation;
 pub use domain_event::{DomainEvent, DomainEventKind};
 pub use guest_info::{AgentState, ConsoleStream, GuestInfo, GuestIp, QuiesceOutcome};
@@ -304,6 +306,7 @@ pub fn check_instance_name(spec: &DomainSpec, op: &'static str) -> Result<(), Hv
                 spec.vm,
                 instance_prefix(&spec.vm)
             ),
+            source: None,
         }),
     }
 }
@@ -391,16 +394,25 @@ pub enum MigrationProgress {
     },
 }
 
-/// Every variant names the domain (instance id) it is about.
+/// Every variant names the domain (instance id) it is about. `reason`
+/// says what the cause does not (which file, which command), or is the
+/// whole of it where the cause is only text; `source` is the error that
+/// made it fail, when there is one: print the chain
+/// (`keel_ctrl::error_chain`) to read all of it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum HvError {
     #[error("domain {instance} not found")]
     NotFound { instance: String },
-    #[error("domain {instance}: hypervisor unavailable during {op}: {reason}")]
+    #[error(
+        "domain {instance}: hypervisor unavailable during {op}{}",
+        then(reason)
+    )]
     Unavailable {
         instance: String,
         op: &'static str,
         reason: String,
+        #[source]
+        source: Option<Cause>,
     },
     #[error("domain {instance} already exists")]
     AlreadyExists { instance: String },
@@ -409,24 +421,87 @@ pub enum HvError {
         instance: String,
         state: DomainState,
     },
-    #[error("VM {vm}: {op} failed: {reason}")]
+    #[error("VM {vm}: {op} failed{}", then(reason))]
     Storage {
         vm: String,
         op: &'static str,
         reason: String,
+        #[source]
+        source: Option<Cause>,
     },
-    #[error("domain {instance}: {op} failed: {reason}")]
+    #[error("domain {instance}: {op} failed{}", then(reason))]
     Failed {
         instance: String,
         op: &'static str,
         reason: String,
+        #[source]
+        source: Option<Cause>,
     },
     /// The node's local fence lease could not be renewed.
-    #[error("fence lease: {reason}")]
-    Fence { reason: String },
+    #[error("fence lease{}", then(reason))]
+    Fence {
+        reason: String,
+        #[source]
+        source: Option<Cause>,
+    },
+}
+
+/// `": reason"`, or nothing when the cause says it all.
+fn then(reason: &str) -> String {
+    if reason.is_empty() {
+        String::new()
+    } else {
+        format!(": {reason}")
+    }
 }
 
 impl HvError {
+    /// `op` on `instance` failed because of `cause`; `context` says what
+    /// the cause does not (which file, which process), or is empty.
+    pub fn failed_by(
+        instance: impl Into<String>,
+        op: &'static str,
+        context: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        HvError::Failed {
+            instance: instance.into(),
+            op,
+            reason: context.into(),
+            source: Some(Cause::new(cause)),
+        }
+    }
+
+    /// The hypervisor could not be asked about `instance` because of `cause`.
+    pub fn unavailable_by(
+        instance: impl Into<String>,
+        op: &'static str,
+        context: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        HvError::Unavailable {
+            instance: instance.into(),
+            op,
+            reason: context.into(),
+            source: Some(Cause::new(cause)),
+        }
+    }
+
+    /// `op` on the disks of `vm` failed because of `cause`.
+    pub fn storage_by(
+        vm: impl Into<String>,
+        op: &'static str,
+        context: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        HvError::Storage {
+            vm: vm.into(),
+            op,
+            reason: context.into(),
+            source: Some(Cause::new(cause)),
+        }
+    }
+
     pub fn is_not_found(&self) -> bool {
         matches!(self, HvError::NotFound { .. })
     }
@@ -721,6 +796,7 @@ pub trait Hypervisor: Send + Sync + 'static {
             vm: vm.to_string(),
             op: "import",
             reason: "not supported by this driver".into(),
+            source: None,
         })
     }
 
@@ -750,6 +826,7 @@ fn unsupported_migration(instance: &str, op: &'static str) -> HvError {
         instance: instance.to_string(),
         op,
         reason: "live migration not supported by this driver".into(),
+        source: None,
     }
 }
 
@@ -758,6 +835,7 @@ fn unsupported_guest(instance: &str, op: &'static str) -> HvError {
         instance: instance.to_string(),
         op,
         reason: "not supported by this driver".into(),
+        source: None,
     }
 }
 
@@ -766,11 +844,42 @@ fn unsupported(vm: &str, op: &'static str, snapshot: &str) -> HvError {
         vm: vm.to_string(),
         op,
         reason: format!("snapshot {snapshot}: not supported by this driver"),
+        source: None,
     }
 }
 
 #[cfg(test)]
 mod tests {
+    /// The cause stays an error of its own: the message names what it
+    /// lacks, the chain carries the whole of it, and a caller can still
+    /// tell what it was.
+    #[test]
+    fn a_failure_keeps_its_cause_as_its_source() {
+        let gone = std::io::Error::from_raw_os_error(libc::ESRCH);
+        let err = HvError::failed_by("web-1", "kill", "SIGKILL pid 7", gone);
+        assert_eq!(err.to_string(), "domain web-1: kill failed: SIGKILL pid 7");
+        let source = std::error::Error::source(&err).expect("a source");
+        let io = source.downcast_ref::<crate::Cause>().map(|c| c.get());
+        let io = io.and_then(|e| e.downcast_ref::<std::io::Error>());
+        assert_eq!(io.and_then(|e| e.raw_os_error()), Some(libc::ESRCH));
+        let text = crate::cause::with_causes(&err);
+        assert!(
+            text.starts_with("domain web-1: kill failed: SIGKILL pid 7: No such process"),
+            "{text}"
+        );
+        // Text alone reads as before.
+        let plain = HvError::Failed {
+            instance: "web-1".into(),
+            op: "start",
+            reason: "no disks".into(),
+            source: None,
+        };
+        assert_eq!(
+            crate::cause::with_causes(&plain),
+            "domain web-1: start failed: no disks"
+        );
+    }
+
     use super::*;
 
     fn domain(vm: &str, instance: &str, state: DomainState) -> DomainInfo {
@@ -794,6 +903,7 @@ mod tests {
                 instance: instance.into(),
                 op: "list",
                 reason: "QMP timed out".into(),
+                source: None,
             },
         }
     }

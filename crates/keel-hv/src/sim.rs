@@ -668,6 +668,7 @@ fn sim_failed(instance: &str, op: &'static str, reason: impl Into<String>) -> Hv
         instance: instance.to_string(),
         op,
         reason: reason.into(),
+        source: None,
     }
 }
 
@@ -871,6 +872,7 @@ impl SimState {
                 ));
                 Err(HvError::Fence {
                     reason: "the node's fence lease has lapsed; not starting".into(),
+                    source: None,
                 })
             }
             _ => Ok(()),
@@ -891,6 +893,7 @@ impl SimState {
                 instance: instance.to_string(),
                 op,
                 reason: "QEMU is alive but QMP is not answered (process stopped)".into(),
+                source: None,
             });
         }
         Ok(())
@@ -908,6 +911,7 @@ impl SimState {
                 instance: instance.to_string(),
                 op,
                 reason: "injected fault".into(),
+                source: None,
             });
         }
         Ok(())
@@ -1004,6 +1008,7 @@ impl Hypervisor for SimHypervisor {
                          blank one is made in its place",
                         disk.name, spec.vm, self.node
                     ),
+                    source: None,
                 });
             }
             // A clone's disks to make are copies of its source's at the
@@ -1027,6 +1032,7 @@ impl Hypervisor for SimHypervisor {
                                 "the disks of VM {} are copies of VM {}'s at snapshot {},                                  which is missing on node {}: no blank disk is made in                                  their place",
                                 spec.vm, c.vm, c.snapshot, self.node
                             ),
+                            source: None,
                         });
                     }
                 },
@@ -1044,6 +1050,7 @@ impl Hypervisor for SimHypervisor {
                     instance: spec.instance.clone(),
                     op: "start",
                     reason: reason.clone(),
+                    source: None,
                 });
             }
         }
@@ -1153,6 +1160,7 @@ impl Hypervisor for SimHypervisor {
                         instance: instance.clone(),
                         op: "list",
                         reason: "calls to this domain hang".into(),
+                        source: None,
                     },
                 });
             } else {
@@ -1295,12 +1303,14 @@ impl Hypervisor for SimHypervisor {
                 instance: instance.to_string(),
                 op: "migrate",
                 reason: format!("nothing listens at {uri}"),
+                source: None,
             })?;
         if Arc::ptr_eq(&target_state, &self.state) {
             return Err(HvError::Failed {
                 instance: instance.to_string(),
                 op: "migrate",
                 reason: "source and target are the same node".into(),
+                source: None,
             });
         }
         let target_instance = uri.rsplit('/').next().unwrap_or_default().to_string();
@@ -1319,6 +1329,7 @@ impl Hypervisor for SimHypervisor {
                     admits.unwrap_or_default(),
                     self.node
                 ),
+                source: None,
             });
         }
         let (completes_at, fails, abort) = {
@@ -1342,6 +1353,7 @@ impl Hypervisor for SimHypervisor {
                     instance: instance.to_string(),
                     op: "migrate",
                     reason: format!("source is {:?}", d.state),
+                    source: None,
                 });
             }
             if d.outgoing
@@ -1382,6 +1394,7 @@ impl Hypervisor for SimHypervisor {
                 instance: instance.to_string(),
                 op: "migrate",
                 reason: format!("target {target_instance} is not waiting for a migration"),
+                source: None,
             }),
         }
     }
@@ -1463,6 +1476,7 @@ impl Hypervisor for SimHypervisor {
                     instance: instance.to_string(),
                     op: "resume incoming",
                     reason: format!("not an arrived incoming instance ({state:?})"),
+                    source: None,
                 })
             }
         }
@@ -1709,6 +1723,7 @@ impl Hypervisor for SimHypervisor {
                 vm: vm.to_string(),
                 op: "restore",
                 reason: format!("snapshot {name} not found"),
+                source: None,
             })?;
         disks.records = records;
         Ok(())

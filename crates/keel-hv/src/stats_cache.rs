@@ -64,7 +64,7 @@ impl StatsCache {
                 domains,
                 stale_reason: None,
             },
-            Ok(Err(err)) => self.stale(last.as_ref(), err.to_string()),
+            Ok(Err(err)) => self.stale(last.as_ref(), crate::cause::with_causes(&err)),
             Err(_) => self.stale(
                 last.as_ref(),
                 format!("reading the guests' figures took over {:?}", self.bound),

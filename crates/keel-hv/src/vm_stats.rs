@@ -27,7 +27,7 @@ pub struct DomainStats {
 /// What the guest's kernel says of its memory (virtio-balloon statistics).
 /// Each figure is one the guest's driver reports; older drivers report
 /// fewer (no `available_bytes` before Linux 4.6).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct GuestMemory {
     /// Memory the guest's kernel manages (MemTotal).
     pub total_bytes: Option<u64>,
@@ -43,7 +43,7 @@ pub struct GuestMemory {
 }
 
 /// A disk's counters since the instance started (`query-blockstats`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct DiskStats {
     /// The disk's name in the VM's spec.
     pub disk: String,
@@ -58,7 +58,7 @@ pub struct DiskStats {
 }
 
 /// A NIC's counters, from the guest's side: what it received and sent.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NicStats {
     pub nic: String,
     pub receive_bytes: u64,

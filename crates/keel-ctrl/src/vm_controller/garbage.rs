@@ -75,7 +75,7 @@ impl VmController {
         let listing = match self.hv.list().await {
             Ok(listing) => listing,
             Err(err) => {
-                tracing::debug!(%err, "garbage collection: cannot list domains");
+                tracing::debug!(err = %crate::error_chain(&err), "garbage collection: cannot list domains");
                 return Ok(());
             }
         };
@@ -162,7 +162,7 @@ impl VmController {
             };
             if let Err(err) = result {
                 if !err.is_not_found() {
-                    tracing::warn!(vm = %d.vm, instance = %d.instance, %err, "garbage collection");
+                    tracing::warn!(vm = %d.vm, instance = %d.instance, err = %crate::error_chain(&err), "garbage collection");
                 }
             }
         }

@@ -213,7 +213,7 @@ impl VmController {
         {
             // The guests will be fenced when the lease lapses: loud, but
             // nothing else to do than try again at the next heartbeat.
-            tracing::error!(node = %self.cfg.node, %err, "cannot renew the local fence lease");
+            tracing::error!(node = %self.cfg.node, err = %crate::error_chain(&err), "cannot renew the local fence lease");
             return Ok(());
         }
         if let Some(key) = plan.clear_freeze {
@@ -262,7 +262,7 @@ impl VmController {
         let listing = match self.hv.list().await {
             Ok(listing) => listing,
             Err(err) => {
-                tracing::error!(node = %self.cfg.node, %err, "self-fence: cannot list domains");
+                tracing::error!(node = %self.cfg.node, err = %crate::error_chain(&err), "self-fence: cannot list domains");
                 return;
             }
         };
@@ -275,7 +275,7 @@ impl VmController {
             let (hv, instance) = (self.hv.clone(), instance.to_string());
             kills.spawn(async move {
                 if let Err(err) = hv.kill(&instance).await {
-                    tracing::error!(instance, %err, "self-fence: kill failed");
+                    tracing::error!(instance, err = %crate::error_chain(&err), "self-fence: kill failed");
                 }
             });
         }

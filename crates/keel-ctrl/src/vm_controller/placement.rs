@@ -137,7 +137,7 @@ impl VmController {
         let domains = match listing {
             Ok(domains) => domains,
             Err(err) => {
-                tracing::debug!(vm = %vm.name, %err, "no domain listing for the room check");
+                tracing::debug!(vm = %vm.name, err = %crate::error_chain(&err), "no domain listing for the room check");
                 Vec::new()
             }
         };

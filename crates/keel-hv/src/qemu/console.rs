@@ -28,6 +28,7 @@ fn failed(instance: &str, op: &'static str, reason: impl std::fmt::Display) -> H
         instance: instance.to_string(),
         op,
         reason: reason.to_string(),
+        source: None,
     }
 }
 
@@ -137,11 +138,8 @@ impl QemuDriver {
             )
         })?
         .map_err(|e| {
-            failed(
-                instance,
-                op,
-                format!("{}: {e}", domain.paths.console_sock.display()),
-            )
+            let context = domain.paths.console_sock.display().to_string();
+            HvError::failed_by(instance, op, context, e)
         })?;
         Ok(ConsoleStream::new(Box::new(stream), Some(Box::new(claim))))
     }

@@ -329,11 +329,7 @@ impl QemuDriver {
             Ok(checked.iter().map(|p| p.is_file()).collect::<Vec<bool>>())
         })
         .await
-        .map_err(|e| HvError::Failed {
-            instance: spec.instance.clone(),
-            op: "prepare incoming migration",
-            reason: e.to_string(),
-        })?;
+        .map_err(|e| HvError::failed_by(&spec.instance, "prepare incoming migration", "", e))?;
         spec.disks
             .iter()
             .zip(paths.into_iter().zip(present))
@@ -351,6 +347,7 @@ impl QemuDriver {
                             spec.vm,
                             path.display()
                         ),
+                        source: None,
                     })
                 }
             })

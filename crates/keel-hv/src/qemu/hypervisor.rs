@@ -41,7 +41,8 @@ impl Hypervisor for QemuDriver {
             .lease
             .renew(valid_for)
             .map_err(|e| HvError::Fence {
-                reason: format!("renew {}: {e}", self.inner.lease.path().display()),
+                reason: format!("renew {}", self.inner.lease.path().display()),
+                source: Some(crate::Cause::new(e)),
             })
     }
 
@@ -63,6 +64,7 @@ impl Hypervisor for QemuDriver {
             instance: spec.instance.clone(),
             op: "prepare incoming migration",
             reason: "no listening URI was set up".into(),
+            source: None,
         })
     }
 
@@ -248,10 +250,8 @@ impl Hypervisor for QemuDriver {
         domain.note_kill_requested();
         let signalled: Result<(), HvError> = match PidFd::open_verified(pid, &domain.marker) {
             Ok(fd) => {
-                let sent = fd.signal(libc::SIGKILL).map_err(|e| HvError::Failed {
-                    instance: instance.to_string(),
-                    op: "kill",
-                    reason: format!("SIGKILL pid {pid}: {e}"),
+                let sent = fd.signal(libc::SIGKILL).map_err(|e| {
+                    HvError::failed_by(instance, "kill", format!("SIGKILL pid {pid}"), e)
                 });
                 if sent.is_ok() {
                     tracing::info!(instance, pid, "sent SIGKILL");
@@ -325,11 +325,7 @@ impl Hypervisor for QemuDriver {
         })
         .await;
         if let Err(e) = passt_gone {
-            return Err(HvError::Failed {
-                instance: instance.to_string(),
-                op: "cleanup",
-                reason: e.to_string(),
-            });
+            return Err(HvError::failed_by(instance, "cleanup", "", e));
         }
         // swtpm too: it holds the lock on the VM's TPM state, which the
         // next instance takes at once.
@@ -339,18 +335,10 @@ impl Hypervisor for QemuDriver {
         })
         .await;
         if let Err(e) = swtpm_gone {
-            return Err(HvError::Failed {
-                instance: instance.to_string(),
-                op: "cleanup",
-                reason: e.to_string(),
-            });
+            return Err(HvError::failed_by(instance, "cleanup", "", e));
         }
         if let Err(e) = network::release(instance) {
-            return Err(HvError::Failed {
-                instance: instance.to_string(),
-                op: "cleanup",
-                reason: e.to_string(),
-            });
+            return Err(HvError::failed_by(instance, "cleanup", "", e));
         }
         let paths = domain.paths.clone();
         let removed = blocking::unblocked("cleanup", move || {
@@ -362,11 +350,8 @@ impl Hypervisor for QemuDriver {
         })
         .await;
         if let Err(e) = removed {
-            return Err(HvError::Failed {
-                instance: instance.to_string(),
-                op: "cleanup",
-                reason: format!("remove {}: {e}", domain.paths.dir.display()),
-            });
+            let context = format!("remove {}", domain.paths.dir.display());
+            return Err(HvError::failed_by(instance, "cleanup", context, e));
         }
         self.lock().remove(instance);
         self.forget_guest(instance);
@@ -379,14 +364,17 @@ impl Hypervisor for QemuDriver {
             vm: vm.to_string(),
             op: "delete_disks",
             reason,
+            source: None,
         };
-        validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
+        validate_name("vm", vm).map_err(|e| HvError::storage_by(vm, "delete_disks", "", e))?;
         let _vm = self.lock_vm(vm).await;
         // Refuse rather than pull disks from under a running guest.
         let live: Vec<String> = self
             .domains_of(vm)
             .await
-            .map_err(|e| storage(format!("cannot prove no instance is live: {e}")))?
+            .map_err(|e| {
+                HvError::storage_by(vm, "delete_disks", "cannot prove no instance is live", e)
+            })?
             .into_iter()
             .filter(|d| !d.state.is_exited())
             .map(|d| d.instance)
@@ -408,10 +396,12 @@ impl Hypervisor for QemuDriver {
             ))
         })
         .await
-        .map_err(|e| storage(format!("look at {}: {e}", dir.display())))?;
-        blocking::remove_dir_all(dir.clone())
-            .await
-            .map_err(|e| storage(format!("remove {}: {e}", dir.display())))?;
+        .map_err(|e| {
+            HvError::storage_by(vm, "delete_disks", format!("look at {}", dir.display()), e)
+        })?;
+        blocking::remove_dir_all(dir.clone()).await.map_err(|e| {
+            HvError::storage_by(vm, "delete_disks", format!("remove {}", dir.display()), e)
+        })?;
         // Only once its overlays are gone: a linked clone's base no clone
         // notes any more goes with its last one.
         let released = vm.to_string();

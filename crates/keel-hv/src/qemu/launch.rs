@@ -31,11 +31,12 @@ impl QemuDriver {
             instance: spec.instance.clone(),
             op: "start",
             reason,
+            source: None,
         };
         let config = &self.inner.config;
         let nic = Some(
             network::NicPlan::new(&spec.vm, &spec.instance, &spec.network)
-                .map_err(|e| failed(e.to_string()))?,
+                .map_err(|e| HvError::failed_by(&spec.instance, "start", "", e))?,
         );
         let seed = spec
             .cloud_init
@@ -137,6 +138,7 @@ impl QemuDriver {
             instance: instance.clone(),
             op,
             reason,
+            source: None,
         };
         // Before anything is created: a missing or changed image fails the
         // start with the reason, and nothing else boots in its place.
@@ -213,7 +215,8 @@ impl QemuDriver {
             .cloud_init
             .as_ref()
             .map(|ci| cloud_init::Seed::render(&spec.vm, ci));
-        let record = layout::json_bytes(&record).map_err(|e| failed(e.to_string()))?;
+        let record = layout::json_bytes(&record)
+            .map_err(|e| HvError::failed_by(instance.clone(), op, "the launch record", e))?;
         let (dir, paths) = (staging.clone(), plan.paths.clone());
         let prepared = blocking::unblocked("prepare the instance dir", move || {
             let _ = std::fs::remove_dir_all(&dir);
@@ -233,7 +236,8 @@ impl QemuDriver {
         })
         .await;
         if let Err(e) = prepared {
-            return Err(failed(format!("{}: {e}", staging.display())));
+            let context = staging.display().to_string();
+            return Err(HvError::failed_by(instance.clone(), op, context, e));
         }
         let (dir, to, instances) = (
             staging.clone(),
@@ -257,7 +261,10 @@ impl QemuDriver {
                         instance: instance.clone(),
                     }
                 }
-                _ => failed(format!("{}: {e}", plan.paths.dir.display())),
+                _ => {
+                    let context = plan.paths.dir.display().to_string();
+                    HvError::failed_by(instance.clone(), op, context, e)
+                }
             });
         }
         crate::start_marks::mark(&spec.vm, "prepared");
@@ -280,7 +287,7 @@ impl QemuDriver {
         if let Some(nic) = &plan.nic {
             if let Err(e) = nic.prepare() {
                 let _ = remove_dir().await;
-                return Err(failed(e.to_string()));
+                return Err(HvError::failed_by(instance.clone(), op, "", e));
             }
         }
         // The TPM first: QEMU connects to it as it starts.
@@ -424,14 +431,15 @@ impl QemuDriver {
             instance: instance.clone(),
             op,
             reason,
+            source: None,
         };
-        validate_name("instance", instance).map_err(|e| invalid(e.to_string()))?;
-        validate_name("vm", &spec.vm).map_err(|e| invalid(e.to_string()))?;
+        let invalid_name = |e| HvError::failed_by(instance.clone(), op, "", e);
+        validate_name("instance", instance).map_err(invalid_name)?;
+        validate_name("vm", &spec.vm).map_err(invalid_name)?;
         // Its VM's domains are found by this name (see `listing`).
         crate::check_instance_name(spec, op)?;
         for (i, disk) in spec.disks.iter().enumerate() {
-            validate_name(&format!("disks[{i}].name"), &disk.name)
-                .map_err(|e| invalid(e.to_string()))?;
+            validate_name(&format!("disks[{i}].name"), &disk.name).map_err(invalid_name)?;
             if spec.disks[..i].iter().any(|d| d.name == disk.name) {
                 return Err(invalid(format!("disk {:?} listed twice", disk.name)));
             }
@@ -483,11 +491,12 @@ impl QemuDriver {
             result
         });
         task.await.unwrap_or_else(|e| {
-            Err(HvError::Failed {
-                instance: instance.clone(),
+            Err(HvError::failed_by(
+                instance.clone(),
                 op,
-                reason: format!("launch task failed: {e}"),
-            })
+                "launch task failed",
+                e,
+            ))
         })
     }
 

@@ -11,7 +11,7 @@ use futures_util::stream::{self, StreamExt};
 use keel_api::validate_name;
 
 use super::QemuDriver;
-use crate::{instance_prefix, DomainInfo, DomainListing, HvError, UnknownDomain};
+use crate::{instance_prefix, Cause, DomainInfo, DomainListing, HvError, UnknownDomain};
 
 /// How many domains' states are read at once: each read may wait for a
 /// QMP answer (up to the QMP timeout), so a hung one costs one slot, not
@@ -104,10 +104,11 @@ impl QemuDriver {
     /// this listing only.
     async fn instance_names(&self, prefix: Option<String>) -> Result<Vec<String>, HvError> {
         let dir = self.inner.layout.instances_dir();
-        let unavailable = |reason: String| HvError::Unavailable {
+        let unavailable = |reason: String, cause: Cause| HvError::Unavailable {
             instance: format!("{}*", prefix.as_deref().unwrap_or("")),
             op: "list",
             reason,
+            source: Some(cause),
         };
         let wanted = prefix.clone();
         let read = tokio::task::spawn_blocking(move || -> io::Result<Vec<String>> {
@@ -129,11 +130,11 @@ impl QemuDriver {
         let dir = self.inner.layout.instances_dir();
         match read {
             Ok(Ok(names)) => Ok(names),
-            Ok(Err(e)) => Err(unavailable(format!("{}: {e}", dir.display()))),
-            Err(e) => Err(unavailable(format!(
-                "{}: read task failed: {e}",
-                dir.display()
-            ))),
+            Ok(Err(e)) => Err(unavailable(dir.display().to_string(), Cause::new(e))),
+            Err(e) => Err(unavailable(
+                format!("{}: read task failed", dir.display()),
+                Cause::new(e),
+            )),
         }
     }
 }

@@ -26,13 +26,14 @@ impl LiveMonitor {
             instance: self.instance.clone(),
             op: self.op,
             reason,
+            source: None,
         }
     }
 
     fn qmp_error(&self, e: QmpError) -> HvError {
         match e {
-            QmpError::Command { .. } => self.failed(e.to_string()),
-            other => unavailable(&self.instance, self.op, other.to_string()),
+            QmpError::Command { .. } => HvError::failed_by(&self.instance, self.op, "", e),
+            other => HvError::unavailable_by(&self.instance, self.op, "", other),
         }
     }
 
@@ -70,7 +71,9 @@ impl LiveMonitor {
         arguments: Option<Value>,
     ) -> Result<T, HvError> {
         let value = self.execute(command, arguments).await?;
-        serde_json::from_value(value).map_err(|e| self.failed(format!("{command} result: {e}")))
+        serde_json::from_value(value).map_err(|e| {
+            HvError::failed_by(&self.instance, self.op, format!("{command} result"), e)
+        })
     }
 }
 
@@ -91,6 +94,7 @@ impl QemuDriver {
                     instance: instance.to_string(),
                     op,
                     reason: "the instance has exited".into(),
+                    source: None,
                 })
             }
         }

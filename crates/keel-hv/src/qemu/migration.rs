@@ -291,12 +291,8 @@ pub async fn query_migrate(client: &QmpClient) -> Result<MigrateInfo, QmpError> 
 /// answer, connection lost) says nothing about the instance: unavailable.
 fn qmp_error(instance: &str, op: &'static str, e: QmpError) -> HvError {
     match e {
-        QmpError::Command { .. } => HvError::Failed {
-            instance: instance.to_string(),
-            op,
-            reason: e.to_string(),
-        },
-        _ => unavailable(instance, op, e.to_string()),
+        QmpError::Command { .. } => HvError::failed_by(instance, op, "", e),
+        _ => HvError::unavailable_by(instance, op, "", e),
     }
 }
 
@@ -305,7 +301,7 @@ pub fn read_outgoing(
     instance: &str,
     op: &'static str,
 ) -> Result<Option<OutgoingMigration>, HvError> {
-    read_json(&paths.migration_out).map_err(|e| unavailable(instance, op, e.to_string()))
+    read_json(&paths.migration_out).map_err(|e| HvError::unavailable_by(instance, op, "", e))
 }
 
 impl QemuDriver {
@@ -431,6 +427,7 @@ impl QemuDriver {
             instance: instance.to_string(),
             op: OP,
             reason,
+            source: None,
         };
         validate_uri(uri).map_err(failed)?;
         let tls_dir = self.inner.config.migration_tls.as_deref();
@@ -516,7 +513,8 @@ impl QemuDriver {
         match &tls {
             Some((dir, peer)) => {
                 add_tls_creds(&client, dir, "client").await.map_err(|e| {
-                    failed(format!("migration TLS credentials {}: {e}", dir.display()))
+                    let context = format!("migration TLS credentials {}", dir.display());
+                    HvError::failed_by(instance, OP, context, e)
                 })?;
                 set.insert("tls-creds".into(), json!(TLS_CREDS_ID));
                 set.insert("tls-hostname".into(), json!(peer));
@@ -556,7 +554,7 @@ impl QemuDriver {
         // has its record, whatever happens to this call.
         blocking::write_json(&domain.paths.migration_out, &record)
             .await
-            .map_err(|e| unavailable(instance, OP, format!("write migration record: {e}")))?;
+            .map_err(|e| HvError::unavailable_by(instance, OP, "write migration record", e))?;
         if paused_source {
             tracing::info!(instance, ?qemu, "TCG dirty tracking loses writes before QEMU 9.0: pausing the source for the migration");
             if let Err(e) = client.execute("stop", None).await {
@@ -679,6 +677,7 @@ impl QemuDriver {
                 instance: instance.to_string(),
                 op: OP,
                 reason: "the instance is not running".into(),
+                source: None,
             });
         }
         let client = domain
@@ -698,6 +697,7 @@ impl QemuDriver {
                 instance: instance.to_string(),
                 op: OP,
                 reason: format!("not an arrived incoming instance (QEMU status {other})"),
+                source: None,
             }),
         }
     }

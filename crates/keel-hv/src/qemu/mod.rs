@@ -413,6 +413,7 @@ fn unavailable(instance: &str, op: &'static str, reason: String) -> HvError {
         instance: instance.to_string(),
         op,
         reason,
+        source: None,
     }
 }
 

@@ -216,6 +216,7 @@ impl Domain {
                 instance: self.instance.clone(),
                 op,
                 reason: format!("QEMU pid {pid} is alive but QMP is unreachable: {failure}"),
+                source: None,
             });
         }
         if let Some(rec) = self

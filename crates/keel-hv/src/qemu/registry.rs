@@ -102,11 +102,11 @@ impl QemuDriver {
                     format!("{} is missing", spec_path.display()),
                 ))
             }
-            Err(e) => return Err(unavailable(instance, op, e.to_string())),
+            Err(e) => return Err(HvError::unavailable_by(instance, op, "", e)),
         };
         let paths = self.inner.layout.launched(instance, &record);
         let exit = read_json::<ExitRecord>(&paths.exit)
-            .map_err(|e| unavailable(instance, op, e.to_string()))?;
+            .map_err(|e| HvError::unavailable_by(instance, op, "", e))?;
         let domain = Domain::new(
             instance.to_string(),
             &record.spec,
@@ -193,7 +193,10 @@ impl QemuDriver {
                     }
                 };
             }
-            Err(e) => return Err(unavailable(instance, op, format!("{}: {e}", dir.display()))),
+            Err(e) => {
+                let context = dir.display().to_string();
+                return Err(HvError::unavailable_by(instance, op, context, e));
+            }
         }
         self.domain(instance, op)
     }

@@ -28,6 +28,7 @@ impl QemuDriver {
                     instance: instance.to_string(),
                     op,
                     reason: "the instance has exited".into(),
+                    source: None,
                 })
             }
         };
@@ -46,6 +47,7 @@ impl QemuDriver {
                     instance: instance.to_string(),
                     op,
                     reason: format!("the instance exited before it was reset: {failure}"),
+                    source: None,
                 })
             })
     }

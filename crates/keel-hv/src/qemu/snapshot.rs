@@ -113,23 +113,21 @@ impl ImgError {
                 instance: vm.to_string(),
                 op,
                 reason: format!("VM {vm}: {what}: image in use by another process: {reason}"),
+                source: None,
             },
             ImgError::Other(reason) => HvError::Storage {
                 vm: vm.to_string(),
                 op,
                 reason: format!("{what}: {reason}"),
+                source: None,
             },
         }
     }
 }
 
 /// A step on snapshot `name`'s copy of `vm`'s UEFI variables failed.
-fn uefi_vars_failed(vm: &str, op: &'static str, name: &str, e: impl std::fmt::Display) -> HvError {
-    storage(
-        vm,
-        op,
-        format!("snapshot {name} of the UEFI variables: {e}"),
-    )
+fn uefi_vars_failed(vm: &str, op: &'static str, name: &str, e: std::io::Error) -> HvError {
+    HvError::storage_by(vm, op, format!("snapshot {name} of the UEFI variables"), e)
 }
 
 fn storage(vm: &str, op: &'static str, reason: String) -> HvError {
@@ -137,6 +135,7 @@ fn storage(vm: &str, op: &'static str, reason: String) -> HvError {
         vm: vm.to_string(),
         op,
         reason,
+        source: None,
     }
 }
 
@@ -144,13 +143,13 @@ fn storage(vm: &str, op: &'static str, reason: String) -> HvError {
 /// space, a corrupt image); no answer says nothing, so it is unavailable.
 fn qmp_failure(instance: &str, vm: &str, op: &'static str, what: String, e: QmpError) -> HvError {
     match e {
-        QmpError::Command { .. } => storage(vm, op, format!("{what}: {e}")),
-        _ => unavailable(instance, op, format!("VM {vm}: {what}: {e}")),
+        QmpError::Command { .. } => HvError::storage_by(vm, op, what, e),
+        _ => HvError::unavailable_by(instance, op, format!("VM {vm}: {what}"), e),
     }
 }
 
 fn validate(vm: &str, disks: &[DiskSpec], name: &str, op: &'static str) -> Result<(), HvError> {
-    let invalid = |e: keel_api::ValidationError| storage(vm, op, e.to_string());
+    let invalid = |e: keel_api::ValidationError| HvError::storage_by(vm, op, "", e);
     validate_name("vm", vm).map_err(invalid)?;
     // Also keeps the name from being read as an option by qemu-img.
     validate_name("snapshot", name).map_err(invalid)?;

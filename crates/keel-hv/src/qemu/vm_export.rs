@@ -45,6 +45,7 @@ impl QemuDriver {
             vm: vm.to_string(),
             op: "export",
             reason,
+            source: None,
         };
         validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
         validate_name("snapshot", snapshot).map_err(|e| storage(e.to_string()))?;
@@ -118,6 +119,7 @@ impl QemuDriver {
             vm: vm.to_string(),
             op: "import",
             reason,
+            source: None,
         };
         validate_name("vm", vm).map_err(|e| storage(e.to_string()))?;
         let _vm = self.lock_vm(vm).await;

@@ -37,6 +37,7 @@ impl QemuDriver {
             instance: instance.to_string(),
             op,
             reason,
+            source: None,
         };
         let socket = &domain.paths.vnc_sock;
         if !socket.exists() {
@@ -50,7 +51,7 @@ impl QemuDriver {
         let stream = tokio::time::timeout(timeout, tokio::net::UnixStream::connect(socket))
             .await
             .map_err(|_| failed(format!("VNC socket: no answer within {timeout:?}")))?
-            .map_err(|e| failed(format!("{}: {e}", socket.display())))?;
+            .map_err(|e| HvError::failed_by(instance, op, socket.display().to_string(), e))?;
         Ok(ConsoleStream::new(Box::new(stream), None))
     }
 }

@@ -27,6 +27,7 @@ fn storage(vm: &str, op: &'static str, reason: String) -> HvError {
         vm: vm.to_string(),
         op,
         reason,
+        source: None,
     }
 }
 

@@ -15,7 +15,7 @@ use super::extract::{JsonBody, NameParam, QueryParams};
 use super::vms::{self, new_vm_uid, vm_response};
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CloneVmRequest {
     /// The new VM's name.
@@ -125,14 +125,5 @@ pub fn describe(doc: &mut serde_json::Value) {
         "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}}],
         "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CloneVmRequest"}}}},
         "responses": responses
-    }});
-    doc["components"]["schemas"]["VmStatus"]["properties"]["clone_from"] = json!({"type": "object", "description": "The VM this one was cloned from: its disks (by name) are copies of that VM's at the snapshot, made by its first start", "properties": {
-        "vm": {"type": "string"}, "vm_uid": {"type": "string"}, "snapshot": {"type": "string"}, "disks": {"type": "array", "items": {"type": "string"}}, "linked": {"type": "boolean"}
-    }});
-    doc["components"]["schemas"]["CloneVmRequest"] = json!({"type": "object", "additionalProperties": false, "required": ["name", "snapshot"], "properties": {
-        "name": {"$ref": "#/components/schemas/Name"},
-        "snapshot": {"$ref": "#/components/schemas/Name"},
-        "start": {"type": "boolean", "description": "Run the clone (else it is created stopped)"},
-        "linked": {"type": "boolean", "description": "Make each disk a qcow2 overlay on a frozen copy of the source's at the snapshot (shared by the linked clones of that snapshot, kept while one uses it) instead of a full copy"}
     }});
 }

@@ -139,10 +139,11 @@ pub(super) fn hv_error(err: HvError) -> ApiError {
         HvError::NotFound { instance } => {
             ApiError::conflict("status.instance", format!("instance {instance} is gone"))
         }
-        HvError::Unavailable { .. } => {
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
-        }
-        other => ApiError::conflict("status.instance", other.to_string()),
+        HvError::Unavailable { .. } => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            keel_ctrl::error_chain(&err),
+        ),
+        other => ApiError::conflict("status.instance", keel_ctrl::error_chain(&other)),
     }
 }
 

@@ -20,7 +20,7 @@ use super::vms::{mutate, vm_response};
 use super::write::expected_revision;
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AddDiskRequest {
     pub name: String,
@@ -30,7 +30,7 @@ pub struct AddDiskRequest {
     pub revision: Option<Revision>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResizeDiskRequest {
     pub size_mib: u64,
@@ -185,24 +185,7 @@ pub fn describe(doc: &mut serde_json::Value) {
             "responses": with(vm_ok("200", "Resized in the spec"), &errs(&[("404", "No such VM, or no such disk (field disk)"), ("409", "A stale revision, or a restore or deletion is under way"), ("422", "Smaller than the disk, or out of range (field size)")]))
         }}
     });
-    let schemas = json!({
-        "AddDiskRequest": {"type": "object", "additionalProperties": false, "required": ["name", "size_mib"], "properties": {
-            "name": {"$ref": "#/components/schemas/Name"},
-            "size_mib": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_DISK_SIZE_MIB},
-            "revision": {"type": "integer", "minimum": 0}
-        }},
-        "ResizeDiskRequest": {"type": "object", "additionalProperties": false, "required": ["size_mib"], "properties": {
-            "size_mib": {"type": "integer", "minimum": 1, "maximum": keel_api::MAX_DISK_SIZE_MIB},
-            "revision": {"type": "integer", "minimum": 0}
-        }}
-    });
     if let (Some(t), Some(a)) = (doc["paths"].as_object_mut(), paths.as_object()) {
-        t.extend(a.clone());
-    }
-    if let (Some(t), Some(a)) = (
-        doc["components"]["schemas"].as_object_mut(),
-        schemas.as_object(),
-    ) {
         t.extend(a.clone());
     }
 }

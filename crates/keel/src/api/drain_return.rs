@@ -11,14 +11,14 @@ use serde::{Deserialize, Serialize};
 use super::{vms, ApiError, AppState};
 
 /// A VM a return did not ask back, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NotReturned {
     pub vm: String,
     pub reason: String,
 }
 
 /// What the return asked: the VMs migrating back, and those not.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReturnOutcome {
     pub returning: Vec<String>,
     pub not_returned: Vec<NotReturned>,
@@ -72,17 +72,4 @@ pub async fn return_drained(state: &AppState, node: &str) -> Result<ReturnOutcom
     }
     tracing::info!(node, returning = ?outcome.returning, not_returned = outcome.not_returned.len(), "return after drain");
     Ok(outcome)
-}
-
-pub fn describe(doc: &mut serde_json::Value) {
-    use serde_json::json;
-    let schemas = &mut doc["components"]["schemas"];
-    schemas["UncordonRequest"]["properties"]["return"] = json!({"type": "boolean", "default": false, "description": "Also ask the VMs this node's drains moved away to live-migrate back, each through the same bounded migration as a user's migrate; refused (409, field return) while the node stays cordoned"});
-    schemas["UncordonResponse"]["properties"]["return"] = json!({"type": "object", "description": "With return: the VMs asked back, and those that could not be, with the reason", "properties": {
-        "returning": {"type": "array", "items": {"type": "string"}},
-        "not_returned": {"type": "array", "items": {"type": "object", "properties": {"vm": {"type": "string"}, "reason": {"type": "string"}}}}
-    }});
-    schemas["VmStatus"]["properties"]["drained_from"] = json!({"type": "object", "description": "The node a drain last moved this VM away from, until uncordon with return asks it back", "properties": {
-        "node": {"type": "string"}, "drain_requested_at": {"type": "integer"}
-    }});
 }

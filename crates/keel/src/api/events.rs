@@ -22,7 +22,7 @@ use super::{ApiError, AppState};
 
 pub const NDJSON: &str = "application/x-ndjson";
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EventItem {
     /// Store revision at which the event was recorded; orders events.
     pub revision: Revision,
@@ -32,7 +32,7 @@ pub struct EventItem {
     pub audit: Option<Audit>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct EventList {
     pub revision: Revision,
     pub items: Vec<EventItem>,

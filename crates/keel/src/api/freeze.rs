@@ -16,7 +16,7 @@ use super::nodes::{mutate_node, node_response};
 use super::write::expected_revision;
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct FreezeRequest {
     /// How long, in seconds (1..=3600), counted by each observer from when

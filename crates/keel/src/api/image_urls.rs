@@ -48,7 +48,7 @@ const CHUNK_BYTES: usize = 1 << 20;
 const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The request body of `POST /api/v1/images/{name}/import-url`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ImportUrlRequest {
     pub url: String,
@@ -62,7 +62,7 @@ pub struct ImportUrlRequest {
     pub sha512: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ImportPhase {
     /// Connecting, following redirects, waiting for the answer's headers.
@@ -74,7 +74,7 @@ pub enum ImportPhase {
 }
 
 /// An import in progress, as `GET …/import-url` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ImportProgress {
     pub name: String,
     pub url: String,
@@ -404,20 +404,4 @@ pub fn describe(doc: &mut serde_json::Value) {
             }
         }
     });
-    if let Some(schemas) = doc["components"]["schemas"].as_object_mut() {
-        schemas.insert("ImportUrlRequest".into(), json!({"type": "object", "required": ["url"], "additionalProperties": false, "properties": {
-            "url": {"type": "string", "description": "http:// or https://"},
-            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd"], "default": "disk"},
-            "sha256": {"type": "string", "pattern": "^[0-9a-fA-F]{64}$"},
-            "sha512": {"type": "string", "pattern": "^[0-9a-fA-F]{128}$"}
-        }}));
-        schemas.insert("ImportProgress".into(), json!({"type": "object", "required": ["name", "url", "phase", "bytes_done", "started_at"], "properties": {
-            "name": {"$ref": "#/components/schemas/Name"},
-            "url": {"type": "string"},
-            "phase": {"type": "string", "enum": ["connecting", "downloading", "checking"]},
-            "bytes_done": {"type": "integer"},
-            "total_bytes": {"type": "integer", "description": "The announced Content-Length, if any"},
-            "started_at": {"type": "integer", "description": "Milliseconds since the Unix epoch"}
-        }}));
-    }
 }

@@ -27,13 +27,13 @@ use super::write::with_etag;
 use super::{ApiError, AppState};
 
 /// One image and the store revision of its record (also sent as `ETag`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ImageResponse {
     pub revision: Revision,
     pub image: Image,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ImageList {
     /// The store revision the list is consistent with.
     pub revision: Revision,
@@ -417,44 +417,7 @@ pub fn describe(doc: &mut serde_json::Value) {
             }
         }
     });
-    let schemas = json!({
-        "Image": {"type": "object", "required": ["name", "kind", "format", "size_bytes", "virtual_size_bytes", "sha256", "created_at"], "properties": {
-            "name": {"$ref": "#/components/schemas/Name"},
-            "kind": {"type": "string", "enum": ["disk", "kernel", "initrd", "iso"]},
-            "format": {"type": "string", "enum": ["qcow2", "raw"]},
-            "size_bytes": {"type": "integer"},
-            "virtual_size_bytes": {"type": "integer", "description": "The disk size a guest sees"},
-            "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-            "created_at": {"type": "integer", "description": "Milliseconds since the Unix epoch"}
-        }},
-        "ImageResponse": {"type": "object", "required": ["revision", "image"], "properties": {
-            "revision": {"type": "integer"},
-            "image": {"$ref": "#/components/schemas/Image"}
-        }},
-        "ImageList": {"type": "object", "required": ["revision", "items"], "properties": {
-            "revision": {"type": "integer"},
-            "items": {"type": "array", "items": {"$ref": "#/components/schemas/ImageResponse"}},
-            "continue": {"type": "string", "description": "Present when more items follow: the next page's ?continue="},
-        }}
-    });
-    // The CD-ROM names an image of kind iso.
-    let boot = &mut doc["components"]["schemas"]["BootSpec"]["properties"];
-    boot["cdrom"] = json!({"allOf": [{"$ref": "#/components/schemas/Name"}], "description": "An image of kind iso attached as a read-only CD-ROM (an OS installer); the VM boots through firmware. Not with kernel"});
-    boot["first"] = json!({"type": "string", "enum": ["cdrom", "disk"], "description": "What firmware tries first when there is a CD-ROM; default cdrom"});
-    for (section, add) in [
-        ("paths", paths),
-        ("components", json!({"schemas": schemas})),
-    ] {
-        let target = &mut doc[section];
-        if section == "components" {
-            if let (Some(t), Some(a)) = (
-                target["schemas"].as_object_mut(),
-                add["schemas"].as_object(),
-            ) {
-                t.extend(a.clone());
-            }
-        } else if let (Some(t), Some(a)) = (target.as_object_mut(), add.as_object()) {
-            t.extend(a.clone());
-        }
+    if let (Some(t), Some(a)) = (doc["paths"].as_object_mut(), paths.as_object()) {
+        t.extend(a.clone());
     }
 }

@@ -19,7 +19,7 @@ use super::vms::{self, vm_response};
 use super::write::expected_revision;
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MigrateVmRequest {
     /// The node to move to; absent: the scheduler's best candidate.

@@ -11,13 +11,13 @@ use serde::{Deserialize, Serialize};
 use super::extract::QueryParams;
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrationItem {
     pub revision: Revision,
     pub migration: Migration,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct MigrationList {
     /// The store revision the list is consistent with.
     pub revision: Revision,

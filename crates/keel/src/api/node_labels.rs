@@ -15,7 +15,7 @@ use super::nodes::{mutate_node, node_response};
 use super::write::expected_revision;
 use super::{ApiError, AppState};
 
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LabelRequest {
     /// Labels to set (a key already there takes the new value).
@@ -79,19 +79,5 @@ pub fn describe(doc: &mut serde_json::Value) {
         "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}}],
         "requestBody": {"required": true, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/LabelRequest"}}}},
         "responses": responses
-    }});
-    let labels = json!({"type": "object", "maxProperties": keel_api::placement::MAX_LABELS, "additionalProperties": {"type": "string", "maxLength": keel_api::placement::MAX_LABEL_LEN}});
-    doc["components"]["schemas"]["LabelRequest"] = json!({"type": "object", "additionalProperties": false, "properties": {
-        "set": labels,
-        "remove": {"type": "array", "items": {"type": "string"}}
-    }});
-    doc["components"]["schemas"]["Node"]["properties"]["labels"] = labels.clone();
-    doc["components"]["schemas"]["VmSpec"]["properties"]["placement"] = json!({"type": "object", "additionalProperties": false, "description": "Where the VM may go: nodes carrying every label of node_selector (required); members of anti_affinity.group on distinct nodes (required unless preferred); members of affinity together where they fit (preferred)", "properties": {
-        "node_selector": labels,
-        "anti_affinity": {"type": "object", "additionalProperties": false, "required": ["group"], "properties": {
-            "group": {"$ref": "#/components/schemas/Name"},
-            "preferred": {"type": "boolean"}
-        }},
-        "affinity": {"$ref": "#/components/schemas/Name"}
     }});
 }

@@ -23,7 +23,7 @@ pub const MIN_WINDOW_S: u64 = 1;
 pub const MAX_WINDOW_S: u64 = 86_400;
 
 /// `POST /api/v1/nodes/{name}/uncordon`; the body is optional.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UncordonRequest {
     /// Lift an operator's cordon too (without it only Keel's own cordon and
@@ -38,7 +38,7 @@ pub struct UncordonRequest {
 
 /// `POST /api/v1/nodes/{name}/drain`; the body is optional, each window
 /// defaults to [`keel_api::node::DEFAULT_EVICTION_WINDOW_MS`].
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DrainRequest {
     /// Seconds from the start of a VM's eviction until its migration is under way.
@@ -97,7 +97,7 @@ impl DrainRequest {
 }
 
 /// The node after an uncordon, and what it means.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct UncordonResponse {
     pub revision: Revision,
     pub node: Node,
@@ -110,7 +110,7 @@ pub struct UncordonResponse {
     pub returned: Option<super::drain_return::ReturnOutcome>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeResponse {
     pub revision: Revision,
     pub node: Node,
@@ -121,7 +121,7 @@ pub struct NodeResponse {
     pub allocated: Option<keel_api::Demand>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct NodeList {
     pub revision: Revision,
     pub items: Vec<NodeResponse>,

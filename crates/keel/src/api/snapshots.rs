@@ -22,14 +22,14 @@ use super::write::{self, expected_revision, with_etag};
 use super::{ApiError, AppState};
 
 /// `POST /api/v1/vms/{name}/snapshots`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSnapshotRequest {
     pub name: String,
 }
 
 /// `POST /api/v1/vms/{name}/restore`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RestoreVmRequest {
     pub snapshot: String,
@@ -39,13 +39,13 @@ pub struct RestoreVmRequest {
 }
 
 /// One snapshot and the store revision of its record (also sent as `ETag`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotResponse {
     pub revision: Revision,
     pub snapshot: Snapshot,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct SnapshotList {
     /// The store revision the list is consistent with.
     pub revision: Revision,

@@ -20,7 +20,8 @@ use super::{ApiError, AppState};
 use crate::token_book::{self, TokenBook};
 
 /// A token as the API shows it: the record without its hash.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[schema(as = Token)]
 pub struct TokenView {
     pub id: String,
     pub name: String,
@@ -53,18 +54,18 @@ impl TokenView {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenList {
     pub items: Vec<TokenView>,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct TokenResponse {
     pub token: TokenView,
 }
 
 /// The answer to a create: the only time the secret is shown.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct CreatedToken {
     pub token: TokenView,
     /// `keel_<id>_<secret>`, to send as `Authorization: Bearer <secret>`.
@@ -222,36 +223,7 @@ pub fn describe(doc: &mut serde_json::Value) {
             "responses": with(view("200", "Revoked"), &[common[0], common[1], common[2], ("404", "No such token"), common[3]])
         }}
     });
-    let schemas = json!({
-        "Role": {"type": "string", "enum": ["viewer", "operator", "admin"], "description": "viewer reads; operator also powers VMs, takes snapshots, migrates and attaches consoles; admin does everything"},
-        "Token": {"type": "object", "required": ["id", "name", "role", "created", "state"], "properties": {
-            "id": {"type": "string"},
-            "name": {"type": "string"},
-            "role": {"$ref": "#/components/schemas/Role"},
-            "created": {"type": "integer", "description": "Milliseconds since the Unix epoch"},
-            "expires": {"type": "integer", "description": "Milliseconds since the Unix epoch"},
-            "revoked": {"type": "integer", "description": "Milliseconds since the Unix epoch"},
-            "state": {"type": "string", "enum": ["live", "expired", "revoked"]}
-        }},
-        "TokenResponse": {"type": "object", "required": ["token"], "properties": {"token": {"$ref": "#/components/schemas/Token"}}},
-        "TokenList": {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {"$ref": "#/components/schemas/Token"}}}},
-        "CreatedToken": {"type": "object", "required": ["token", "secret"], "properties": {
-            "token": {"$ref": "#/components/schemas/Token"},
-            "secret": {"type": "string", "description": "keel_<id>_<secret>: send as Authorization: Bearer <secret>"}
-        }},
-        "CreateTokenRequest": {"type": "object", "additionalProperties": false, "required": ["name", "role"], "properties": {
-            "name": {"$ref": "#/components/schemas/Name"},
-            "role": {"$ref": "#/components/schemas/Role"},
-            "expires_in_s": {"type": "integer", "minimum": 1, "maximum": keel_api::api_token::MAX_TOKEN_LIFETIME_S}
-        }}
-    });
     if let (Some(t), Some(a)) = (doc["paths"].as_object_mut(), paths.as_object()) {
-        t.extend(a.clone());
-    }
-    if let (Some(t), Some(a)) = (
-        doc["components"]["schemas"].as_object_mut(),
-        schemas.as_object(),
-    ) {
         t.extend(a.clone());
     }
 }

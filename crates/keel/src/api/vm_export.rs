@@ -222,8 +222,9 @@ pub async fn export(
         .export_disks(&name, &snap.spec.disks, &snapshot, staging.path())
         .await
         .map_err(|e| {
-            tracing::warn!(vm = %name, %snapshot, error = %e, "export failed");
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            let why = keel_ctrl::error_chain(&e);
+            tracing::warn!(vm = %name, %snapshot, error = %why, "export failed");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, why)
         })?;
     let dir = staging.path().to_path_buf();
     let files = tokio::task::spawn_blocking(move || {

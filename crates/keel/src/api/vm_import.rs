@@ -197,7 +197,8 @@ async fn create(
         .import_disks(&name, &vm.spec.disks, staging.path())
         .await
         .map_err(|e| {
-            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()).with_field("file")
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, keel_ctrl::error_chain(&e))
+                .with_field("file")
         })?;
     match state.store.create(&vm_key(&name), &vm).await {
         Ok(revision) => {

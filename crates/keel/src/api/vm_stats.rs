@@ -51,37 +51,4 @@ pub fn describe(doc: &mut serde_json::Value) {
             "503": {"description": "Store unavailable or the record kept changing; retry", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
         }
     }});
-    let disk = json!({"type": "object", "properties": {
-        "disk": {"type": "string"}, "read_bytes": {"type": "integer"}, "write_bytes": {"type": "integer"},
-        "read_ops": {"type": "integer"}, "write_ops": {"type": "integer"},
-        "read_time_ns": {"type": "integer"}, "write_time_ns": {"type": "integer"}
-    }});
-    let nic = json!({"type": "object", "properties": {
-        "nic": {"type": "string"}, "receive_bytes": {"type": "integer"}, "transmit_bytes": {"type": "integer"},
-        "receive_packets": {"type": "integer"}, "transmit_packets": {"type": "integer"}
-    }});
-    let row = json!({"type": "object", "required": ["vm", "node", "instance", "cpus", "memory_configured_bytes", "ready", "restarts", "guest_resets", "disks", "nics"], "properties": {
-        "vm": {"type": "string"}, "node": {"type": "string"}, "instance": {"type": "string"},
-        "cpus": {"type": "integer"}, "memory_configured_bytes": {"type": "integer"},
-        "ready": {"type": "boolean"}, "uptime_seconds": {"type": ["number", "null"]},
-        "restarts": {"type": "integer"}, "guest_resets": {"type": "integer"},
-        "cpu_seconds": {"type": ["number", "null"], "description": "CPU time of the VM's QEMU process"},
-        "rss_bytes": {"type": ["integer", "null"], "description": "Resident memory of the VM's QEMU process"},
-        "disks": {"type": "array", "items": disk},
-        "nics": {"type": "array", "items": nic, "description": "Bridged NICs only: user-mode networking has no counters"},
-        "guest_memory": {"type": "object", "description": "The guest's own view of its memory, as its balloon driver reports it; absent without a balloon device or before the first report", "properties": {
-            "total_bytes": {"type": ["integer", "null"]}, "free_bytes": {"type": ["integer", "null"]},
-            "available_bytes": {"type": ["integer", "null"]},
-            "reported_at": {"type": "integer", "description": "When the guest sent the report (seconds since the epoch, the host's clock); asked every 10 s"}
-        }}
-    }});
-    doc["components"]["schemas"]["VmStatsPage"] = json!({"type": "object", "required": ["node", "sampled_at", "vms"], "properties": {
-        "node": {"type": ["string", "null"], "description": "The node whose VMs these are; null: this server runs no guests"},
-        "sampled_at": {"type": "integer", "description": "When the hypervisor's figures were read (ms since the epoch)"},
-        "stale_reason": {"type": "string", "description": "Why the figures are from an earlier read"},
-        "vms": {"type": "array", "items": row},
-        "agents": {"type": "array", "description": "With cluster=true: each agent node asked, and whether its rows are in vms", "items": {"type": "object", "required": ["node", "answered"], "properties": {
-            "node": {"type": "string"}, "answered": {"type": "boolean"}
-        }}}
-    }});
 }

@@ -15,7 +15,7 @@ use super::write::{self, expected_revision};
 use super::{parse_json, ApiError, AppState};
 
 /// `POST /api/v1/vms`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateVmRequest {
     pub name: String,
@@ -25,7 +25,7 @@ pub struct CreateVmRequest {
 }
 
 /// `PUT /api/v1/vms/{name}/spec`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReplaceSpecRequest {
     #[serde(deserialize_with = "super::strict::vm_spec")]
@@ -36,13 +36,13 @@ pub struct ReplaceSpecRequest {
 }
 
 /// One VM and the store revision of its record (also sent as `ETag`).
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmResponse {
     pub revision: Revision,
     pub vm: VirtualMachine,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmList {
     /// The store revision the list is consistent with.
     pub revision: Revision,

@@ -27,5 +27,4 @@ pub fn describe(doc: &mut serde_json::Value) {
         "parameters": [{"name": "name", "in": "path", "required": true, "schema": {"$ref": "#/components/schemas/Name"}}],
         "responses": responses
     }});
-    doc["components"]["schemas"]["BootSpec"]["properties"]["graphics"] = json!({"type": "string", "enum": ["vnc"], "description": "A graphical console: a VGA display whose VNC server (on a unix socket of the instance, never a TCP port) GET /api/v1/vms/{name}/vnc serves as a WebSocket"});
 }

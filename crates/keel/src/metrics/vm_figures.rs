@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::vm_records::RecordFacts;
 
 /// `GET /api/v1/vm-stats`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmStatsPage {
     /// The node whose VMs these are; `None`: this server runs no guests
     /// (a control plane without an agent), so it has none to report.
@@ -30,13 +30,13 @@ pub struct VmStatsPage {
 }
 
 /// Whether an agent node's rows are in a cluster-wide page.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct AgentAnswer {
     pub node: String,
     pub answered: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct VmFigures {
     pub vm: String,
     pub node: String,
