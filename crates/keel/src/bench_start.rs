@@ -8,7 +8,9 @@
 //! - bare: the argument vector Keel's driver recorded for the instance it
 //!   just ran (its launch record), spawned by hand ([`keel_hv::qemu::bare`]:
 //!   passt, QEMU, the QMP handshake, `cont` if paused) until the console
-//!   log it writes shows the same text (looked at every 10 ms), then killed.
+//!   log it writes shows the same text (found as Keel's driver finds it:
+//!   woken by each change to the log, [`bare::console_shows`]), then
+//!   killed.
 //!
 //! Keel/bare of the medians is what Keel adds. Each Keel start is also cut
 //! into its phases ([`phases`]) from the marks the server logs.
@@ -433,6 +435,11 @@ fn bare_round(
     std::fs::create_dir_all(dir)?;
     std::fs::DirBuilder::new().mode(0o700).create(sockets)?;
     let console = dir.join("console.log");
+    let mut changes = {
+        let _in_runtime = rt.enter();
+        keel_hv::qemu::console_watch::ConsoleChanges::watch(&console)
+            .context("watching the bare console log")?
+    };
     let started = Instant::now();
     let mut qemu = rt
         .block_on(bare::start(
@@ -445,21 +452,26 @@ fn bare_round(
         ))
         .map_err(|e| anyhow::anyhow!("{e}; qemu log: {}", qemu_log(dir)))?;
     let ran = cmdline(qemu.child.id().context("the bare QEMU's pid")?)?;
-    let ready = loop {
-        if std::fs::read(&console).is_ok_and(|text| {
-            text.windows(READY_TEXT.len())
-                .any(|w| w == READY_TEXT.as_bytes())
-        }) {
-            break started.elapsed();
+    let left = timeout.saturating_sub(started.elapsed());
+    let ready = rt.block_on(async {
+        tokio::select! {
+            shown = tokio::time::timeout(
+                left,
+                bare::console_shows(&mut changes, &console, READY_TEXT),
+            ) => match shown {
+                Ok(Ok(())) => Ok(started.elapsed()),
+                Ok(Err(e)) => Err(anyhow::anyhow!("watching the bare console log: {e}")),
+                Err(_) => Err(anyhow::anyhow!(
+                    "the bare guest printed no {READY_TEXT} within {timeout:?}"
+                )),
+            },
+            status = qemu.child.wait() => Err(anyhow::anyhow!(
+                "bare QEMU exited ({}): {}",
+                status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                qemu_log(dir)
+            )),
         }
-        if started.elapsed() > timeout {
-            bail!("the bare guest printed no {READY_TEXT} within {timeout:?}");
-        }
-        if let Ok(Some(status)) = qemu.child.try_wait() {
-            bail!("bare QEMU exited ({status}): {}", qemu_log(dir));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    })?;
     rt.block_on(async {
         let _ = qemu.child.start_kill();
         let _ = qemu.child.wait().await;
