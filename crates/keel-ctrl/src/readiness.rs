@@ -5,6 +5,12 @@
 //! controller's loop waits for one at most [`PROBE_BUDGET`] and otherwise
 //! takes its result at a later look, so a hung guest agent never holds up
 //! the other VMs (the driver bounds each agent call as well).
+//!
+//! A guest whose readiness is a console text is also watched by the driver
+//! (`Hypervisor::watch_console`): when the text shows, the driver marks the
+//! instance's slot as shown and announces it, and the look that follows
+//! probes at once instead of at the next interval. The probe stays the
+//! truth and the interval its safety net.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -38,6 +44,9 @@ pub struct Probe {
 struct Slot {
     in_flight: bool,
     started_at: Millis,
+    /// The driver saw the console show the readiness text since the last
+    /// probe began: the next look probes whatever the interval says.
+    shown: bool,
     last: Option<Probe>,
 }
 
@@ -82,19 +91,34 @@ impl GuestProbes {
             let slot = slots.entry(inst.id.clone()).or_default();
             // Once ready, a probe that left the agent out is followed by
             // one that asks it (its addresses) at once.
-            let due = slot.last.as_ref().is_none_or(|p| {
-                stale(inst, p)
-                    || now >= p.at.saturating_add(interval)
-                    || (ready && agent_not_asked(p))
-            });
+            let due = slot.shown
+                || slot.last.as_ref().is_none_or(|p| {
+                    stale(inst, p)
+                        || now >= p.at.saturating_add(interval)
+                        || (ready && agent_not_asked(p))
+                });
             if !slot.in_flight && due {
                 slot.in_flight = true;
                 slot.started_at = now;
+                slot.shown = false;
                 true
             } else {
                 false
             }
         };
+        if let (Readiness::Console(text), false) = (&vm.spec.readiness, ready) {
+            let slots = self.slots.clone();
+            let id = inst.id.clone();
+            self.hv.watch_console(
+                &inst.id,
+                text,
+                Box::new(move || {
+                    if let Some(slot) = slots.lock().expect("probe slots").get_mut(&id) {
+                        slot.shown = true;
+                    }
+                }),
+            );
+        }
         if start {
             let hv = self.hv.clone();
             let clock = self.clock.clone();

@@ -40,6 +40,9 @@ pub enum DomainEventKind {
     Migration { status: String },
     /// A device was removed from the guest (`DEVICE_DELETED`).
     DeviceDeleted { device: String },
+    /// The console showed a text that was watched for
+    /// (`Hypervisor::watch_console`; not a QMP event).
+    ConsoleShowed,
 }
 
 impl DomainEvent {

@@ -665,6 +665,19 @@ pub trait Hypervisor: Send + Sync + 'static {
         Err(unsupported_guest(instance, "scan console log"))
     }
 
+    /// Watches the console of `instance` for `text` in the guest's current
+    /// boot: once it shows, calls `shown` and then announces
+    /// [`DomainEventKind::ConsoleShowed`], so readiness by console is seen
+    /// at once rather than at the next probe. Returns at once; a second
+    /// call while a watch for the same text runs (or after it showed in
+    /// this boot) does nothing. A hint only, as every domain event: the
+    /// probe (`console_contains`) stays the truth. Drivers whose console
+    /// changes only when looked at (the sim's is a function of its clock)
+    /// keep this default, which watches nothing.
+    fn watch_console(&self, instance: &str, text: &str, shown: Box<dyn FnOnce() + Send>) {
+        let _ = (instance, text, shown);
+    }
+
     /// Attaches to the serial console: bytes written go to the guest's
     /// ttyS0, bytes read are what it prints. One session at a time: a
     /// second attach fails (`Failed`, naming the session in use) until the

@@ -21,7 +21,7 @@
 //! - single node: the server's idle CPU (% of one core) once every VM runs
 //!   and nothing changes ([`idle`]).
 
-mod idle;
+pub(crate) mod idle;
 mod scrape;
 
 use std::collections::BTreeMap;
@@ -811,6 +811,10 @@ impl Procs {
             .map_while(Result::ok)
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    pub(crate) fn pid(&self, index: usize) -> u32 {
+        self.children[index].1.id()
     }
 
     pub(crate) fn check_alive(&self, index: usize) -> anyhow::Result<()> {

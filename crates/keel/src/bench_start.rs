@@ -8,11 +8,17 @@
 //! - bare: the argument vector Keel's driver recorded for the instance it
 //!   just ran (its launch record), spawned by hand ([`keel_hv::qemu::bare`]:
 //!   passt, QEMU, the QMP handshake, `cont` if paused) until the console
-//!   log it writes shows the same text (looked at every 10 ms), then killed.
+//!   log it writes shows the same text (found as Keel's driver finds it:
+//!   woken by each change to the log, [`bare::console_shows`]), then
+//!   killed.
 //!
 //! Keel/bare of the medians is what Keel adds. Each Keel start is also cut
 //! into its phases ([`phases`]) from the marks the server logs.
+//!
+//! With `--idle-guests N`, the same server then runs N guests until all
+//! are ready and its own CPU is measured while they idle ([`idle_guests`]).
 
+mod idle_guests;
 mod phases;
 
 use std::path::{Path, PathBuf};
@@ -53,6 +59,18 @@ pub struct StartArgs {
     /// Longest wait for one start or stop, seconds.
     #[arg(long, default_value_t = 120)]
     pub timeout_s: u64,
+    /// After the rounds, run this many more guests of the test guest on
+    /// the same server until all are ready, and measure the server's own
+    /// CPU while they idle; 0 skips it.
+    #[arg(long, default_value_t = 0)]
+    pub idle_guests: usize,
+    /// Seconds the server is left alone once every idle guest is ready,
+    /// before its CPU is measured.
+    #[arg(long, default_value_t = 15)]
+    pub idle_settle_s: u64,
+    /// Seconds over which the idle server's CPU is measured.
+    #[arg(long, default_value_t = 30)]
+    pub idle_s: u64,
 }
 
 /// The run's figures (the last line of the output, as JSON).
@@ -77,6 +95,9 @@ pub struct StartReport {
     /// The directories bare's vector has in place of the instance's.
     pub moved_dirs: Vec<(String, String)>,
     pub phases: Vec<phases::PhaseFigure>,
+    /// The server's CPU with `--idle-guests` guests ready and idle.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_guests: Option<idle_guests::IdleGuestsFigures>,
 }
 
 pub fn main(args: StartArgs) -> anyhow::Result<()> {
@@ -137,11 +158,17 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
     };
     let mut procs = Procs::default();
     procs.log_filter = Some(phases::LOG_FILTER);
+    // The idle guests share the server's node with the bench's VM: room
+    // for them all on a small host (each takes 1 vCPU; the default
+    // offers a few per host CPU).
+    let cpu_overcommit = (args.idle_guests + 1).max(4).to_string();
     let serve = procs.spawn(
         "serve",
         &data.join("serve.log"),
         &[
             "serve",
+            "--cpu-overcommit",
+            &cpu_overcommit,
             "--hypervisor",
             "qemu",
             "--listen",
@@ -224,6 +251,22 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
         }
     }
     procs.check_alive(serve)?;
+    let idle_guests = if args.idle_guests > 0 {
+        let figures = idle_guests::run(
+            &cli,
+            &api,
+            procs.pid(serve),
+            args.idle_guests,
+            Duration::from_secs(args.idle_settle_s),
+            Duration::from_secs(args.idle_s),
+            timeout.max(Duration::from_secs(30 * args.idle_guests as u64)),
+        );
+        idle_guests::remove(&cli, args.idle_guests, timeout);
+        procs.check_alive(serve)?;
+        Some(figures?)
+    } else {
+        None
+    };
     let (launch, keel_argv, bare_argv) = compared.expect("at least one bare round ran");
     let keel_median_ms = median(&keel_start);
     let bare_median_ms = median(&bare_start);
@@ -257,6 +300,7 @@ fn run(root: &Path, guest: &Path, args: &StartArgs) -> anyhow::Result<StartRepor
                 bare_sockets.to_string_lossy().into_owned(),
             ),
         ],
+        idle_guests,
     })
 }
 
@@ -433,6 +477,11 @@ fn bare_round(
     std::fs::create_dir_all(dir)?;
     std::fs::DirBuilder::new().mode(0o700).create(sockets)?;
     let console = dir.join("console.log");
+    let mut changes = {
+        let _in_runtime = rt.enter();
+        keel_hv::qemu::console_watch::ConsoleChanges::watch(&console)
+            .context("watching the bare console log")?
+    };
     let started = Instant::now();
     let mut qemu = rt
         .block_on(bare::start(
@@ -445,21 +494,26 @@ fn bare_round(
         ))
         .map_err(|e| anyhow::anyhow!("{e}; qemu log: {}", qemu_log(dir)))?;
     let ran = cmdline(qemu.child.id().context("the bare QEMU's pid")?)?;
-    let ready = loop {
-        if std::fs::read(&console).is_ok_and(|text| {
-            text.windows(READY_TEXT.len())
-                .any(|w| w == READY_TEXT.as_bytes())
-        }) {
-            break started.elapsed();
+    let left = timeout.saturating_sub(started.elapsed());
+    let ready = rt.block_on(async {
+        tokio::select! {
+            shown = tokio::time::timeout(
+                left,
+                bare::console_shows(&mut changes, &console, READY_TEXT),
+            ) => match shown {
+                Ok(Ok(())) => Ok(started.elapsed()),
+                Ok(Err(e)) => Err(anyhow::anyhow!("watching the bare console log: {e}")),
+                Err(_) => Err(anyhow::anyhow!(
+                    "the bare guest printed no {READY_TEXT} within {timeout:?}"
+                )),
+            },
+            status = qemu.child.wait() => Err(anyhow::anyhow!(
+                "bare QEMU exited ({}): {}",
+                status.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string()),
+                qemu_log(dir)
+            )),
         }
-        if started.elapsed() > timeout {
-            bail!("the bare guest printed no {READY_TEXT} within {timeout:?}");
-        }
-        if let Ok(Some(status)) = qemu.child.try_wait() {
-            bail!("bare QEMU exited ({status}): {}", qemu_log(dir));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    })?;
     rt.block_on(async {
         let _ = qemu.child.start_kill();
         let _ = qemu.child.wait().await;
@@ -518,4 +572,16 @@ fn print_report(r: &StartReport) {
         median(&r.keel_stop_ms)
     );
     phases::print(&r.phases);
+    if let Some(g) = &r.idle_guests {
+        println!(
+            "  idle: keel serve used {cpu:.2}% of a core over {window:.0} s with {n} real guests \
+             ready and idle ({settle:.0} s after the last was ready, {ready:.0} s to get all ready; \
+             QEMU's own CPU not counted)",
+            cpu = g.idle.cpu_percent_of_core,
+            window = g.idle.window_s,
+            n = g.guests,
+            settle = g.idle.settle_s,
+            ready = g.all_ready_s,
+        );
+    }
 }

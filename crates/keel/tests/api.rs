@@ -1306,6 +1306,64 @@ fn a_refusal_before_the_body_is_read_says_the_connection_closes() {
     assert_eq!(r.header("connection"), None, "{:?}", r.headers);
 }
 
+/// `?watch=true&name=NAME` streams that one VM only (not those whose
+/// names start like it), and `--wait` follows it
+/// (`cli::wait::follow::states`): the VM as stored, each change, then its
+/// deletion; `name` without `watch` is refused naming `name`.
+#[test]
+fn one_vms_watch_carries_only_it_and_the_waits_follow_it() {
+    use keel::cli::wait::follow::{states, Seen};
+    let server = TestServer::start();
+    server.create_vm(
+        "web",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    server.create_vm(
+        "web2",
+        json!({"cpus": 1, "memory_mib": 64, "power": "Stopped"}),
+    );
+    let client = keel::cli::Client::new(&server.base, &server.token, server.trust.clone()).unwrap();
+    let seen = states(&client, "web");
+    let next = || {
+        seen.recv_timeout(common::DEADLINE)
+            .expect("the watch went on")
+    };
+    match next() {
+        Seen::Vm(resp) => assert_eq!(resp.vm.name, "web"),
+        other => panic!("first the VM as stored, not {other:?}"),
+    }
+    // A change of the other VM is not sent; this VM's start is.
+    assert_eq!(
+        server.send("POST", "/api/v1/vms/web2/start", "").status,
+        200
+    );
+    assert_eq!(server.send("POST", "/api/v1/vms/web/start", "").status, 200);
+    let running = loop {
+        match next() {
+            Seen::Vm(resp) if resp.vm.status.phase == keel_api::Phase::Running => break resp,
+            Seen::Vm(resp) => assert_eq!(resp.vm.name, "web"),
+            other => panic!("only the VM's changes, not {other:?}"),
+        }
+    };
+    assert_eq!(running.vm.name, "web");
+    assert_eq!(server.send("DELETE", "/api/v1/vms/web", "").status, 202);
+    loop {
+        match next() {
+            Seen::Gone => break,
+            Seen::Vm(resp) => assert_eq!(resp.vm.name, "web"),
+            Seen::Broke(why) => panic!("the watch broke: {why}"),
+        }
+    }
+    let missing = states(&client, "nothing");
+    assert!(matches!(
+        missing.recv_timeout(common::DEADLINE).unwrap(),
+        Seen::Gone
+    ));
+
+    let r = server.get("/api/v1/vms?name=web");
+    assert_eq!((r.status, r.json()["field"].clone()), (400, json!("name")));
+}
+
 /// `GET /api/v1/vms?watch=true` (the web console's live list): the VMs
 /// as listed, `synced`, then each change as the store's watch delivers
 /// it, `ready` as the server decides it, and the deletion; paging

@@ -115,6 +115,14 @@ fn the_start_bench_runs_keels_command_line_bare_and_cuts_the_phases() {
         .arg(&guest)
         .arg("--work-dir")
         .arg(work.path())
+        .args([
+            "--idle-guests",
+            "2",
+            "--idle-settle-s",
+            "0",
+            "--idle-s",
+            "2",
+        ])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -127,6 +135,11 @@ fn the_start_bench_runs_keels_command_line_bare_and_cuts_the_phases() {
         stdout.contains(" CPUs, "),
         "the machine is named:\n{stdout}"
     );
+    // The idle run: both guests ready, the server's CPU over the window.
+    assert!(
+        stdout.contains("with 2 real guests ready and idle"),
+        "{stdout}"
+    );
     assert!(stdout.contains("Keel/bare "), "{stdout}");
     let r: Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     assert_eq!(r["accelerator"], "tcg", "{r}");
@@ -136,6 +149,13 @@ fn the_start_bench_runs_keels_command_line_bare_and_cuts_the_phases() {
         assert!(samples[0].as_f64().unwrap() > 0.0, "{side}: {r}");
     }
     assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+    let idle = &r["idle_guests"];
+    assert_eq!(idle["guests"], 2, "{r}");
+    assert!(idle["idle"]["window_s"].as_f64().unwrap() >= 2.0, "{r}");
+    assert!(
+        idle["idle"]["cpu_percent_of_core"].as_f64().unwrap() >= 0.0,
+        "{r}"
+    );
 
     // Bare ran Keel's command line, as the two processes had it: the same
     // arguments in the same order, but for the instance's two directories,

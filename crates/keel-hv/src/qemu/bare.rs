@@ -6,12 +6,20 @@
 //! instance's two directories (its files and its sockets) are moved to
 //! private ones, so that Keel never takes the bare QEMU for an instance
 //! of its own (it finds instances by their directories).
+//!
+//! Readiness by console is found as Keel's driver finds it
+//! ([`console_shows`]): woken by each change to the log, scanning what was
+//! added.
 
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::console::MAX_LOG_READ;
+use super::console_log::ConsoleLog;
+use super::console_watch::ConsoleChanges;
 use super::layout::{InstancePaths, LaunchRecord};
 use super::passt;
 use super::qmp::QmpClient;
@@ -145,4 +153,22 @@ fn spawn(
     // Unlike Keel's own, a bare run ends with the bench.
     cmd.args(args).kill_on_drop(true);
     super::launch::spawn_in_own_session(cmd, dir, &dir.join("qemu.log"), net)
+}
+
+/// Waits until the console log at `log` shows `text`, the way the QEMU
+/// driver's console watch does: the same incremental scan, woken by the
+/// same changes (`changes`, taken on `log` before QEMU started).
+pub async fn console_shows(changes: &mut ConsoleChanges, log: &Path, text: &str) -> io::Result<()> {
+    let console = Arc::new(ConsoleLog::open(log.to_path_buf()));
+    let mut scan = crate::guest_info::LogScan::default();
+    loop {
+        let (console, needle) = (console.clone(), text.as_bytes().to_vec());
+        scan = tokio::task::spawn_blocking(move || console.scan(scan, &needle, MAX_LOG_READ))
+            .await
+            .map_err(io::Error::other)??;
+        if scan.found {
+            return Ok(());
+        }
+        changes.changed().await?;
+    }
 }

@@ -108,6 +108,11 @@ impl QemuDriver {
             .expect("console scans")
             .retain(|(i, _), _| i != instance);
         self.inner
+            .console_watches
+            .lock()
+            .expect("console watches")
+            .retain(|(i, _), _| i != instance);
+        self.inner
             .agent_locks
             .lock()
             .expect("agent locks")

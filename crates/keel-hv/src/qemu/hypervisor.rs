@@ -148,6 +148,10 @@ impl Hypervisor for QemuDriver {
         self.scan_console(instance, text).await
     }
 
+    fn watch_console(&self, instance: &str, text: &str, shown: Box<dyn FnOnce() + Send>) {
+        self.follow_console(instance, text, shown)
+    }
+
     async fn open_console(&self, instance: &str) -> Result<crate::ConsoleStream, HvError> {
         self.attach_console(instance).await
     }

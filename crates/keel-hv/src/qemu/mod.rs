@@ -32,6 +32,7 @@ pub mod cloud_init;
 mod config;
 mod console;
 pub mod console_log;
+pub mod console_watch;
 mod disks;
 pub mod guest_agent;
 mod hardware_catalog;
@@ -122,6 +123,8 @@ struct Inner {
     console_slots: crate::guest_info::ConsoleSlots,
     /// How far each readiness pattern has been looked for in each console log.
     console_scans: Mutex<BTreeMap<(String, String), crate::guest_info::LogScan>>,
+    /// The console watches (`console_watch`), per instance and text.
+    console_watches: Mutex<BTreeMap<(String, String), console_watch::WatchState>>,
     /// One guest-agent conversation at a time per instance.
     agent_locks: Mutex<BTreeMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Image files, checked against their records before use.
@@ -274,6 +277,7 @@ impl QemuDriver {
                 lease,
                 console_slots: Default::default(),
                 console_scans: Mutex::new(BTreeMap::new()),
+                console_watches: Mutex::new(BTreeMap::new()),
                 agent_locks: Mutex::new(BTreeMap::new()),
                 images,
             }),

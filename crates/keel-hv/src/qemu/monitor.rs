@@ -267,7 +267,7 @@ impl Domain {
 
     /// Announces `kind` for this instance. Nobody listening is fine: the
     /// events are hints, for latency only.
-    fn announce(&self, kind: DomainEventKind) {
+    pub(super) fn announce(&self, kind: DomainEventKind) {
         let _ = self
             .domain_events
             .send(DomainEvent::new(&self.vm, &self.instance, kind));

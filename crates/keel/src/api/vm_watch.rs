@@ -9,6 +9,9 @@
 //! (`VirtualMachine::ready_since`), so a client never re-implements the
 //! readiness rule. A broken watch ends the stream with an `error` line:
 //! list again to resume.
+//!
+//! `&name=NAME` narrows the stream to that one VM (`keel … --wait`
+//! follows it), so a client waiting on one VM is not sent every other.
 
 use std::convert::Infallible;
 
@@ -60,16 +63,23 @@ impl VmWatchLine {
 
 /// The streamed response; takes one of the follow slots (`--max-follows`)
 /// for as long as the client reads.
-pub async fn stream(state: AppState) -> Result<Response, ApiError> {
+pub async fn stream(state: AppState, only: Option<String>) -> Result<Response, ApiError> {
     let slot = state.follows.acquire(state.limits.max_follows)?;
-    let (entries, revision) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
+    // One VM's key is a prefix of its own and of every name that starts
+    // like it: those are left out here and in `follow`.
+    let prefix = match &only {
+        Some(name) => format!("{VMS_PREFIX}{name}"),
+        None => VMS_PREFIX.to_string(),
+    };
+    let (entries, revision) = state.store.list::<VirtualMachine>(&prefix).await?;
     let listed = entries
         .into_iter()
+        .filter(|(_, e)| only.as_ref().is_none_or(|n| *n == e.value.name))
         .map(|(_, e)| VmWatchLine::put(e.revision, e.value))
         .collect::<Vec<_>>();
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
-        follow(state, revision, listed, tx).await;
+        follow(state, &prefix, only.is_some(), revision, listed, tx).await;
         drop(slot);
     });
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -88,6 +98,8 @@ pub async fn stream(state: AppState) -> Result<Response, ApiError> {
 /// the watch breaks.
 async fn follow(
     state: AppState,
+    prefix: &str,
+    exact: bool,
     listed_at: Revision,
     listed: Vec<VmWatchLine>,
     tx: mpsc::Sender<Bytes>,
@@ -104,7 +116,7 @@ async fn follow(
         return;
     }
     let mut shutdown = state.shutdown.clone();
-    let mut watch = match state.store.raw().watch(VMS_PREFIX, listed_at + 1).await {
+    let mut watch = match state.store.raw().watch(prefix, listed_at + 1).await {
         Ok(w) => w,
         Err(err) => {
             let _ = tx.send(error_line(err.to_string())).await;
@@ -114,6 +126,8 @@ async fn follow(
     loop {
         let line = tokio::select! {
             ev = watch.next() => match ev {
+                Some(Ok(WatchEvent::Put(entry))) if exact && entry.key != prefix => continue,
+                Some(Ok(WatchEvent::Deleted { key, .. })) if exact && key != prefix => continue,
                 Some(Ok(WatchEvent::Put(entry))) => match decode(&entry) {
                     Some(vm) => VmWatchLine::put(entry.mod_revision, vm),
                     None => continue,
@@ -159,6 +173,11 @@ pub fn describe(doc: &mut serde_json::Value) {
             "name": "watch", "in": "query", "required": false,
             "description": "Stream instead of a page (application/x-ndjson): a {\"type\":\"put\",\"revision\",\"ready\",\"vm\"} line per VM, {\"type\":\"synced\",\"revision\"}, then a put line per change and {\"type\":\"deleted\",\"revision\",\"name\"} per removal; {\"type\":\"error\",\"error\"} ends a broken stream (list again). Not with limit or continue.",
             "schema": {"type": "boolean"}
+        }));
+        params.push(serde_json::json!({
+            "name": "name", "in": "query", "required": false,
+            "description": "With watch=true only: stream this one VM (its put lines, synced, its deletion).",
+            "schema": {"type": "string"}
         }));
     }
 }

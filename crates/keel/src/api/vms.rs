@@ -85,6 +85,7 @@ pub async fn list(
     mut query: QueryParams,
 ) -> Result<Response, ApiError> {
     let watch = query.take_bool("watch")?.unwrap_or(false);
+    let only = query.take_name("name")?;
     let page = PageRequest::take(&mut query)?;
     query.finish()?;
     if watch {
@@ -94,7 +95,13 @@ pub async fn list(
                 "limit and continue page a list; watch streams every VM, then each change",
             ));
         }
-        return super::vm_watch::stream(state).await;
+        return super::vm_watch::stream(state, only).await;
+    }
+    if only.is_some() {
+        return Err(ApiError::bad_request(
+            "name",
+            "name narrows a watch to one VM (watch=true); GET /api/v1/vms/NAME reads one",
+        ));
     }
     let (entries, revision) = state.store.list::<VirtualMachine>(VMS_PREFIX).await?;
     let items = entries

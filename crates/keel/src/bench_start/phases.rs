@@ -6,8 +6,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use keel_hv::qemu::bare;
+use keel_hv::qemu::console_watch::ConsoleChanges;
 pub use keel_hv::start_marks::now_us;
 
 /// The server's log filter: its usual lines and the start marks.
@@ -163,8 +165,8 @@ pub fn figures(
             };
             let at = match end {
                 // The first after the phase before; one logged before it
-                // (the API's write racing its watch, the 10 ms poll of the
-                // console) counts as taking no time.
+                // (the API's write racing its watch, the console observer
+                // a moment behind Keel) counts as taking no time.
                 End::Logged(name) => in_window(name)
                     .find(|at| *at >= prev)
                     .or_else(|| in_window(name).any(|at| at < prev).then_some(prev)),
@@ -174,7 +176,12 @@ pub fn figures(
                         .max()
                         .map(|at| at.max(prev))
                 }),
-                End::ConsoleReady => start.console_ready_us.filter(window),
+                // The observer can only be late: a text it saw after the
+                // CLI returned showed before (Keel had seen it).
+                End::ConsoleReady => start
+                    .console_ready_us
+                    .map(|at| at.min(until))
+                    .filter(window),
                 End::Returned => Some(start.returned_us),
                 End::NotTaken(_) => None,
             };
@@ -251,8 +258,11 @@ pub fn print(figures: &[PhaseFigure]) {
 }
 
 /// Watches for the next instance directory to appear under `instances`
-/// and for its console log to show `text`, every 10 ms, on a thread of
-/// its own: when the guest was ready, independently of when Keel noticed.
+/// (every 10 ms) and for its console log to show `text`, on a thread of its
+/// own: when the guest was ready, independently of when Keel noticed. The
+/// log is followed as the bare side follows its own
+/// (`bare::console_shows`, woken by each change): a poll of the log lagged
+/// Keel's own detection once that became immediate.
 pub struct ConsoleObserver {
     stop: Arc<AtomicBool>,
     thread: std::thread::JoinHandle<Option<u64>>,
@@ -261,39 +271,56 @@ pub struct ConsoleObserver {
 impl ConsoleObserver {
     pub fn watch(instances: &Path, text: &str) -> ConsoleObserver {
         let before: Vec<PathBuf> = dirs(instances);
-        let (instances, text) = (instances.to_path_buf(), text.as_bytes().to_vec());
+        let (instances, text) = (instances.to_path_buf(), text.to_string());
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut found: Option<PathBuf> = None;
-            while !stopped.load(Ordering::Relaxed) {
-                match &found {
-                    // Not the driver's staging directory, which becomes the
-                    // instance's by a rename.
-                    None => {
-                        found = dirs(&instances).into_iter().find(|d| {
-                            !before.contains(d)
-                                && d.file_name()
-                                    .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
-                        })
-                    }
-                    Some(dir) => {
-                        if std::fs::read(dir.join("console.log"))
-                            .is_ok_and(|log| log.windows(text.len()).any(|w| w == text))
-                        {
-                            return Some(now_us());
-                        }
-                    }
+            let dir = loop {
+                if stopped.load(Ordering::Relaxed) {
+                    return None;
+                }
+                // Not the driver's staging directory, which becomes the
+                // instance's by a rename.
+                let found = dirs(&instances).into_iter().find(|d| {
+                    !before.contains(d)
+                        && d.file_name()
+                            .is_some_and(|n| !n.to_string_lossy().starts_with('.'))
+                });
+                if let Some(dir) = found {
+                    break dir;
                 }
                 std::thread::sleep(Duration::from_millis(10));
-            }
-            None
+            };
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let log = dir.join("console.log");
+                let mut changes = ConsoleChanges::watch(&log).ok()?;
+                tokio::select! {
+                    shown = bare::console_shows(&mut changes, &log, &text) => {
+                        shown.ok().map(|()| now_us())
+                    }
+                    () = async {
+                        while !stopped.load(Ordering::Relaxed) {
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    } => None,
+                }
+            })
         });
         ConsoleObserver { stop, thread }
     }
 
-    /// When the text showed (`None`: not seen).
+    /// When the text showed (`None`: not seen). Called once Keel says the
+    /// guest is ready, so the text is in the log: the observer gets a
+    /// moment to finish its scan before it is stopped.
     pub fn finish(self) -> Option<u64> {
+        let grace = Instant::now() + Duration::from_secs(2);
+        while !self.thread.is_finished() && Instant::now() < grace {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().ok().flatten()
     }

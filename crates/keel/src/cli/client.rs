@@ -41,6 +41,8 @@ fn field_suffix(field: &Option<String>) -> String {
         .unwrap_or_default()
 }
 
+/// Cheap to clone: the agents share their connection pools.
+#[derive(Clone)]
 pub struct Client {
     agent: Agent,
     /// No overall timeout: `events --follow` streams indefinitely.

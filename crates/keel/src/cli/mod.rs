@@ -27,7 +27,7 @@ mod vm_firmware;
 mod vm_ha;
 mod vm_migrate;
 mod vm_top;
-mod wait;
+pub mod wait;
 
 pub use client::{encode, ApiFailure, Client};
 

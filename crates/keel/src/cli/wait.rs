@@ -1,6 +1,11 @@
-//! `--wait`: polls a VM until the requested change is done, printing a
-//! progress line on stderr whenever its phase or instance changes.
+//! `--wait`: follows a VM until the requested change is done, printing a
+//! progress line on stderr whenever its phase or instance changes. The
+//! VM's watch first ([`follow`]), the poll if that stream cannot be had or
+//! breaks.
 
+pub mod follow;
+
+use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -9,6 +14,7 @@ use keel_api::{Phase, PowerState, VirtualMachine};
 use super::{encode, Client};
 use crate::api::vms::VmResponse;
 
+/// Between two reads when the watch is not to be had.
 const POLL: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -102,47 +108,111 @@ pub fn until(
     goal: &Goal,
     timeout: Duration,
 ) -> anyhow::Result<Option<VmResponse>> {
-    let path = format!("/api/v1/vms/{}", encode(name));
     let deadline = Instant::now() + timeout;
-    let mut last_seen: Option<String> = None;
+    let mut waiter = Waiter {
+        name,
+        goal,
+        timeout,
+        last_seen: None,
+    };
+    let states = follow::states(client, name);
     loop {
-        let current = client.get_opt::<VmResponse>(&path)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let current = match states.recv_timeout(left) {
+            Ok(follow::Seen::Vm(resp)) => Some(*resp),
+            Ok(follow::Seen::Gone) => None,
+            Ok(follow::Seen::Broke(why)) => {
+                tracing::debug!("--wait: the watch of VM {name} broke ({why}); polling instead");
+                break;
+            }
+            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Timeout) => {
+                // One last read: the goal may hold just now, and the
+                // message says where the VM is.
+                let current = client.get_opt::<VmResponse>(&vm_path(name))?;
+                match waiter.see(current)? {
+                    Step::Done(done) => return Ok(done),
+                    Step::Pending(resp) => return Err(waiter.timed_out(&resp)),
+                }
+            }
+        };
+        if let Step::Done(done) = waiter.see(current)? {
+            return Ok(done);
+        }
+    }
+    loop {
+        let current = client.get_opt::<VmResponse>(&vm_path(name))?;
+        match waiter.see(current)? {
+            Step::Done(done) => return Ok(done),
+            Step::Pending(resp) if Instant::now() >= deadline => {
+                return Err(waiter.timed_out(&resp))
+            }
+            Step::Pending(_) => std::thread::sleep(POLL),
+        }
+    }
+}
+
+fn vm_path(name: &str) -> String {
+    format!("/api/v1/vms/{}", encode(name))
+}
+
+/// Where a wait is after one state of the VM.
+enum Step {
+    /// The goal holds: the VM (`None` once deleted, for [`Goal::Gone`]).
+    Done(Option<VmResponse>),
+    Pending(VmResponse),
+}
+
+/// One wait's goal and the progress it printed.
+struct Waiter<'a> {
+    name: &'a str,
+    goal: &'a Goal,
+    timeout: Duration,
+    last_seen: Option<String>,
+}
+
+impl Waiter<'_> {
+    /// Takes the VM's current state (`None`: there is none).
+    fn see(&mut self, current: Option<VmResponse>) -> anyhow::Result<Step> {
+        let name = self.name;
         let Some(resp) = current else {
-            if *goal == Goal::Gone {
+            if *self.goal == Goal::Gone {
                 eprintln!("{name}: deleted");
-                return Ok(None);
+                return Ok(Step::Done(None));
             }
             bail!(
                 "VM {name} was deleted while waiting for it to {}",
-                goal.describe()
+                self.goal.describe()
             );
         };
         let progress = progress_line(name, &resp.vm);
-        if last_seen.as_ref() != Some(&progress) {
+        if self.last_seen.as_ref() != Some(&progress) {
             eprintln!("{}", keel_api::untrusted::terminal_safe(&progress));
-            last_seen = Some(progress);
+            self.last_seen = Some(progress);
         }
-        if goal.reached(&resp.vm) {
-            return Ok(Some(resp));
+        if self.goal.reached(&resp.vm) {
+            return Ok(Step::Done(Some(resp)));
         }
-        if Instant::now() >= deadline {
-            let not_ready = resp
-                .vm
-                .status
-                .instance
-                .as_ref()
-                .and_then(|i| i.readiness.as_ref())
-                .and_then(|r| r.reason.as_ref())
-                .map(|r| format!("; not ready: {r}"))
-                .unwrap_or_default();
-            bail!(
-                "timed out after {}s waiting for VM {name} to {} (it is {:?}{not_ready})",
-                timeout.as_secs(),
-                goal.describe(),
-                resp.vm.status.phase
-            );
-        }
-        std::thread::sleep(POLL);
+        Ok(Step::Pending(resp))
+    }
+
+    fn timed_out(&self, resp: &VmResponse) -> anyhow::Error {
+        let not_ready = resp
+            .vm
+            .status
+            .instance
+            .as_ref()
+            .and_then(|i| i.readiness.as_ref())
+            .and_then(|r| r.reason.as_ref())
+            .map(|r| format!("; not ready: {r}"))
+            .unwrap_or_default();
+        anyhow::anyhow!(
+            "timed out after {}s waiting for VM {} to {} (it is {:?}{not_ready})",
+            self.timeout.as_secs(),
+            self.name,
+            self.goal.describe(),
+            resp.vm.status.phase
+        )
     }
 }
 
