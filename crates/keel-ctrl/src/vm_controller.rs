@@ -59,6 +59,10 @@ impl VmController {
         let mut probes = crate::readiness::GuestProbes::new(hv.clone(), clock.clone());
         probes.interval_ms = cfg.readiness_probe_ms;
         probes.ready_interval_ms = cfg.readiness_refresh_ms;
+        // Only its own VMs' changes wake this node (the per-node view).
+        let vm_index = Arc::new(ClusterReflector::judging(
+            crate::node_concern::NodeConcern::of_node(&cfg.node, cfg.cluster_duties),
+        ));
         Self {
             store,
             hv,
@@ -68,7 +72,7 @@ impl VmController {
             liveness: Default::default(),
             lease: Default::default(),
             probes,
-            vm_index: Default::default(),
+            vm_index,
             drain_wake: Default::default(),
         }
     }

@@ -20,6 +20,7 @@ use keel_api::{Millis, Node, VirtualMachine};
 use keel_store::{Entry, Revision, WatchEvent};
 
 use crate::keys::{name_of, NODES_PREFIX, VMS_PREFIX};
+use crate::node_concern::NodeConcern;
 use crate::schedule::NodeLoad;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -130,24 +131,49 @@ impl VmIndex {
     /// Applies one change from the watch on [`VMS_PREFIX`]. A record that
     /// does not decode leaves the index, as a list would skip it.
     pub fn apply(&mut self, event: &WatchEvent) {
+        self.apply_judged(event, |_| true);
+    }
+
+    /// [`Self::apply`], judging the change on the records it touches:
+    /// whether `concerns` holds for the record held before it or the one
+    /// it brings. The index holds every record that decodes, so none held
+    /// before means none existed (or none anyone could act on); a record
+    /// that does not decode cannot be judged and counts as concerning.
+    pub fn apply_judged(
+        &mut self,
+        event: &WatchEvent,
+        concerns: impl Fn(&VirtualMachine) -> bool,
+    ) -> bool {
         let Some(name) = name_of(VMS_PREFIX, event.key()) else {
-            return;
+            return true;
         };
-        match event {
+        let before = self.vms.get(name).is_some_and(|held| concerns(&held.vm));
+        let brought = match event {
             WatchEvent::Put(entry) => {
                 match serde_json::from_slice::<VirtualMachine>(&entry.value) {
-                    Ok(vm) if vm.name == name => self.upsert(vm, entry.mod_revision),
-                    _ => self.remove(name, entry.mod_revision),
+                    Ok(vm) if vm.name == name => {
+                        let judged = concerns(&vm);
+                        self.upsert(vm, entry.mod_revision);
+                        judged
+                    }
+                    _ => {
+                        self.remove(name, entry.mod_revision);
+                        true
+                    }
                 }
             }
-            WatchEvent::Deleted { revision, .. } => self.remove(name, *revision),
-        }
+            WatchEvent::Deleted { revision, .. } => {
+                self.remove(name, *revision);
+                false
+            }
+        };
         // The watch delivers in revision order: nothing older than this
         // event is still to come from it.
         if !self.tombstones.is_empty() {
             let delivered = event.revision();
             self.tombstones.retain(|_, deleted| *deleted > delivered);
         }
+        before || brought
     }
 
     pub fn get(&self, name: &str) -> Option<&IndexedVm> {
@@ -194,6 +220,9 @@ impl VmIndex {
 #[derive(Debug, Default)]
 pub struct ClusterReflector {
     state: Mutex<Option<Reflected>>,
+    /// Which VM changes are handed on to wake a reconcile (the per-node
+    /// view); every change is taken into the index whatever it says.
+    concern: NodeConcern,
 }
 
 #[derive(Debug)]
@@ -203,6 +232,15 @@ struct Reflected {
 }
 
 impl ClusterReflector {
+    /// An empty reflector whose changes wake reconciles only as `concern`
+    /// says.
+    pub fn judging(concern: NodeConcern) -> Self {
+        Self {
+            state: Mutex::default(),
+            concern,
+        }
+    }
+
     /// Starts over from a list of every VM record and every node record
     /// (undecodable ones are left out, as a typed list leaves them out).
     pub fn reset(&self, vms: &[Entry], nodes: &[Entry]) {
@@ -219,11 +257,16 @@ impl ClusterReflector {
         *self.lock() = Some(Reflected { vms, nodes });
     }
 
-    /// Takes in one change from the watch on VM or node records.
-    pub fn apply(&self, event: &WatchEvent) {
+    /// Takes in one change from the watch on VM or node records; whether
+    /// it is to be handed on to wake a reconcile. A VM's change is when
+    /// its record before or after it concerns this node
+    /// ([`NodeConcern::change_concerns`]); a node's change always is (its
+    /// own drain wakes its VMs), and so is any change while there is no
+    /// index to judge it by.
+    pub fn apply(&self, event: &WatchEvent) -> bool {
         let mut state = self.lock();
         let Some(state) = state.as_mut() else {
-            return;
+            return true;
         };
         if let Some(name) = name_of(NODES_PREFIX, event.key()) {
             let node = match event {
@@ -234,9 +277,27 @@ impl ClusterReflector {
                 Some(node) => state.nodes.insert(name.to_string(), node),
                 None => state.nodes.remove(name),
             };
+            true
         } else {
-            state.vms.apply(event);
+            state
+                .vms
+                .apply_judged(event, |vm| self.concern.concerns(vm))
         }
+    }
+
+    /// Whether the record at `key`, as listed into the index, is to be
+    /// looked at by this node: any record but a VM held here that does not
+    /// concern it (one that did not decode is looked at).
+    pub fn listed_concerns(&self, key: &str) -> bool {
+        let Some(name) = name_of(VMS_PREFIX, key) else {
+            return true;
+        };
+        self.read(|index| {
+            index
+                .get(name)
+                .is_none_or(|held| self.concern.concerns(&held.vm))
+        })
+        .unwrap_or(true)
     }
 
     /// This process's own write of `vm` at `revision`: taken in now, so
@@ -403,5 +464,57 @@ mod tests {
         }));
         assert!(index.get("a").is_none());
         assert_eq!(index.len(), 1);
+    }
+
+    /// n1's reflector takes in every change (its load counts the VMs of
+    /// n2 and n3 too) but hands on only those about VMs it acts on: its
+    /// own, and one leaving it, judged by the record it held before the
+    /// change, whether the VM goes to another node or is deleted.
+    #[test]
+    fn a_nodes_reflector_hands_on_only_changes_of_its_vms_and_those_leaving_it() {
+        let reflector = ClusterReflector::judging(NodeConcern::of_node("n1", false));
+        reflector.reset(&[], &[]);
+        let deleted = |name: &str, revision| WatchEvent::Deleted {
+            key: format!("{VMS_PREFIX}{name}"),
+            revision,
+        };
+        assert!(!reflector.apply(&put(&vm("a", Some("n2")), 1)));
+        assert!(!reflector.apply(&put(&vm("a", Some("n3")), 2)));
+        assert!(!reflector.apply(&deleted("a", 3)));
+        assert!(!reflector.apply(&put(&vm("b", None), 4)));
+        assert!(reflector.apply(&put(&vm("b", Some("n1")), 5)));
+        // Off n1: the record held before says it was n1's.
+        assert!(reflector.apply(&put(&vm("b", Some("n2")), 6)));
+        assert!(!reflector.apply(&put(&vm("b", Some("n3")), 7)));
+        assert!(reflector.apply(&put(&vm("c", Some("n1")), 8)));
+        assert!(reflector.apply(&deleted("c", 9)));
+        // A record that does not decode cannot be judged: handed on.
+        assert!(reflector.apply(&WatchEvent::Put(Entry {
+            key: format!("{VMS_PREFIX}d"),
+            value: b"not json".to_vec(),
+            create_revision: 10,
+            mod_revision: 10,
+        })));
+        let on = |node: &str| reflector.read(|i| i.owned_by(node).count()).unwrap();
+        assert_eq!((on("n1"), on("n3")), (0, 1));
+
+        // A list looks again only at what concerns n1.
+        let entry = |v: &VirtualMachine| Entry {
+            key: format!("{VMS_PREFIX}{}", v.name),
+            value: serde_json::to_vec(v).unwrap(),
+            create_revision: 1,
+            mod_revision: 11,
+        };
+        reflector.reset(
+            &[entry(&vm("e", Some("n1"))), entry(&vm("f", Some("n2")))],
+            &[],
+        );
+        assert!(reflector.listed_concerns(&format!("{VMS_PREFIX}e")));
+        assert!(!reflector.listed_concerns(&format!("{VMS_PREFIX}f")));
+        assert!(reflector.listed_concerns("/snapshots/f/s1"));
+
+        // Without an index (a broken watch) nothing can be judged.
+        reflector.lost();
+        assert!(reflector.apply(&put(&vm("f", Some("n3")), 12)));
     }
 }

@@ -1,8 +1,10 @@
-//! Every agent is woken by every change of every VM (one watch on all VM
+//! Every agent hears every change of every VM (one watch on all VM
 //! records), and looks at each of its own running VMs every couple of
 //! seconds. Neither may cost a store read of the record: with ten agents,
 //! that was ten reads for each write, and a read per VM per look. The
-//! agent's index, kept by the same watch, has the record.
+//! agent's index, kept by the same watch, has the record. And a change
+//! wakes only the agent it concerns (the per-node view): fifty nodes made
+//! fifty looks at each write.
 
 mod cluster;
 
@@ -50,4 +52,33 @@ async fn agents_read_no_vm_record_from_the_store_while_their_index_is_current() 
     let vm = c.vm("vm").await;
     assert_eq!(vm.owner_node(), Some("b"), "{}", c.explain("vm").await);
     assert_eq!(vm.status.phase, Phase::Running);
+}
+
+#[tokio::test]
+async fn a_vms_change_wakes_only_the_agent_it_concerns() {
+    let mut c = Cluster::vm_on_a_then_b(RunPolicy::AlwaysOn).await;
+    c.run(2_000).await;
+    assert_eq!(c.vm("vm").await.status.phase, Phase::Running);
+    let (a, b) = (c.agent_index("a"), c.agent_index("b"));
+    for round in 1..=3 {
+        c.update_vm("vm", |vm| vm.spec.stop_grace_period_s += 1)
+            .await;
+        let wanted = c.vm("vm").await.spec.stop_grace_period_s;
+        // At the same instant: nothing else is due on either.
+        let looks_on_b = c.agents[b].runtime.settle().await;
+        let looks_on_a = c.agents[a].runtime.settle().await;
+        let indexed = |i: usize| {
+            c.agents[i]
+                .vms
+                .reflector()
+                .read(|index| index.get("vm").unwrap().vm.spec.stop_grace_period_s)
+                .unwrap()
+        };
+        // b heard the change (its index holds it, for placement) …
+        assert_eq!(indexed(b), wanted, "round {round}: b's index missed it");
+        // … and was not woken for a VM that is a's before and after it.
+        assert_eq!(looks_on_b, 0, "round {round}: b looked at a's VM");
+        assert_eq!(indexed(a), wanted);
+        assert!(looks_on_a >= 1, "round {round}: a was not woken for its VM");
+    }
 }

@@ -175,6 +175,7 @@ impl Runtime {
     fn take(&mut self, incoming: Incoming) {
         match incoming {
             Incoming::Event(event) => self.runner.handle(&event),
+            Incoming::Elsewhere => {}
             Incoming::Broken(err) => {
                 match err {
                     Some(err) => tracing::warn!(%err, "controller watch broke; re-listing"),

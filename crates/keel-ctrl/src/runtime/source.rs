@@ -31,6 +31,10 @@ pub const WATCHED_PREFIXES: [&str; 4] = [
 #[derive(Debug)]
 pub enum Incoming {
     Event(Event),
+    /// A VM's change taken into the index that concerns no VM this node
+    /// acts on (the per-node view, [`ClusterReflector::apply`]): it wakes
+    /// nothing.
+    Elsewhere,
     /// A watch failed or ended; the watches are closed until the relist.
     Broken(Option<StoreError>),
 }
@@ -104,6 +108,7 @@ impl EventSource {
         // a watch behind it would silently fall behind.
         if let Some(vms) = &self.vms {
             vms.reset(&vm_records, &node_records);
+            events.retain(|event| event.key().is_none_or(|key| vms.listed_concerns(key)));
         }
         Ok(events)
     }
@@ -181,7 +186,9 @@ fn incoming(
     match item {
         Some(Ok(event)) => {
             if let Some(vms) = reflector {
-                vms.apply(&event);
+                if !vms.apply(&event) {
+                    return Incoming::Elsewhere;
+                }
             }
             Incoming::Event(Event::Changed {
                 key: event.key().to_string(),

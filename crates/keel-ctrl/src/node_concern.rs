@@ -1,0 +1,126 @@
+//! Which VM records a node's agent acts on: the per-node view's filter.
+//!
+//! Every agent watches every VM record (its index keeps the cluster's
+//! allocation for placement and the start guard), but a look at a VM that
+//! is another node's does nothing (`VmController::reconcile` returns at
+//! once). Waking every agent for every VM's change made 50 nodes do 50
+//! looks per write, each cloning the record. So a change wakes a node's
+//! VM controller only when the record, before *or* after the change,
+//! concerns the node: a VM leaving the node (migrated, handed back to the
+//! scheduler, deleted) still reaches it through its old record.
+
+use keel_api::VirtualMachine;
+
+/// The rule for one node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeConcern {
+    /// `None`: every record concerns it (a watcher that is no node's).
+    node: Option<String>,
+    /// Whether this node places VMs without a node (`cluster_duties`).
+    places_unplaced: bool,
+}
+
+impl Default for NodeConcern {
+    fn default() -> Self {
+        Self::everything()
+    }
+}
+
+impl NodeConcern {
+    /// The rule of `node`'s agent; `places_unplaced` when it places VMs
+    /// without a node itself.
+    pub fn of_node(node: &str, places_unplaced: bool) -> Self {
+        Self {
+            node: Some(node.to_string()),
+            places_unplaced,
+        }
+    }
+
+    /// Every record concerns the watcher.
+    pub fn everything() -> Self {
+        Self {
+            node: None,
+            places_unplaced: true,
+        }
+    }
+
+    /// Whether `vm`, as recorded, is this node's to act on: its instance
+    /// or its placement is here, a migration reserved here is coming in,
+    /// or it has no node and this node places such VMs.
+    pub fn concerns(&self, vm: &VirtualMachine) -> bool {
+        let Some(node) = self.node.as_deref() else {
+            return true;
+        };
+        match vm.owner_node() {
+            Some(owner) if owner == node => true,
+            Some(_) => vm.incoming_on() == Some(node),
+            None => self.places_unplaced || vm.incoming_on() == Some(node),
+        }
+    }
+
+    /// Whether a change from `before` to `after` (`None`: no record, or
+    /// none this watcher could read) concerns this node. A record it
+    /// cannot judge (neither side known) concerns it: a wake too many
+    /// costs one look, a wake too few could leave an instance unfenced.
+    pub fn change_concerns(
+        &self,
+        before: Option<&VirtualMachine>,
+        after: Option<&VirtualMachine>,
+    ) -> bool {
+        if before.is_none() && after.is_none() {
+            return true;
+        }
+        before.is_some_and(|vm| self.concerns(vm)) || after.is_some_and(|vm| self.concerns(vm))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::tests::vm;
+
+    #[test]
+    fn a_node_is_concerned_by_its_own_vms_and_those_leaving_or_coming() {
+        let n1 = NodeConcern::of_node("n1", false);
+        let here = vm("a", Some("n1"));
+        let there = vm("a", Some("n2"));
+        let unplaced = vm("a", None);
+        assert!(n1.concerns(&here));
+        assert!(!n1.concerns(&there));
+        assert!(!n1.concerns(&unplaced));
+        assert!(NodeConcern::of_node("n1", true).concerns(&unplaced));
+        assert!(NodeConcern::everything().concerns(&there));
+
+        // Moving off the node (to another, back to the scheduler, deleted)
+        // reaches it through the old record; moving between two others
+        // does not.
+        assert!(n1.change_concerns(Some(&here), Some(&there)));
+        assert!(n1.change_concerns(Some(&here), Some(&unplaced)));
+        assert!(n1.change_concerns(Some(&here), None));
+        assert!(n1.change_concerns(Some(&there), Some(&here)));
+        assert!(!n1.change_concerns(Some(&there), Some(&vm("a", Some("n3")))));
+        assert!(!n1.change_concerns(None, Some(&there)));
+        // Nothing known either side: looked at rather than risked.
+        assert!(n1.change_concerns(None, None));
+    }
+
+    /// The target of a migration reserved on n1 is woken by the source's
+    /// changes while the reservation holds.
+    #[test]
+    fn an_incoming_migration_concerns_its_target_node() {
+        let mut leaving = vm("a", Some("n2"));
+        leaving.status.eviction = Some(
+            serde_json::from_value(serde_json::json!({
+                "drain_requested_at": 1,
+                "phase": "Submitting",
+                "started_at": 1,
+                "migration": "m1",
+                "migration_target_node": "n1",
+            }))
+            .expect("an eviction"),
+        );
+        assert_eq!(leaving.incoming_on(), Some("n1"));
+        assert!(NodeConcern::of_node("n1", false).concerns(&leaving));
+        assert!(!NodeConcern::of_node("n3", false).concerns(&leaving));
+    }
+}
