@@ -26,6 +26,7 @@ pub mod images;
 mod joined_step;
 pub mod keys;
 pub mod migration_controller;
+mod migration_decide;
 pub mod node_lease;
 pub mod observe;
 pub mod online_resize;
