@@ -33,6 +33,7 @@ pub mod online_resize;
 pub mod placement_rules;
 pub mod readiness;
 pub mod reboot;
+pub mod requeue;
 pub mod restart_required;
 pub mod resync;
 pub mod runtime;

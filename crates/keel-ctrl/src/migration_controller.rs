@@ -27,6 +27,7 @@ use crate::keys::{migration_key, node_key, vm_key};
 use crate::migration_decide::{decide, failed, Look, MigrationStep, Seen};
 use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::observe::{LifecycleObserver, NoObserver};
+use crate::requeue::Requeue;
 
 pub struct MigrationController {
     store: TypedStore,
@@ -87,6 +88,15 @@ impl MigrationController {
     /// One look at one migration; when to look again (`None`: nothing left
     /// for this node to do).
     pub async fn reconcile(&self, vm_name: &str, id: &str) -> Result<Option<Millis>, StoreError> {
+        Ok(self.reconcile_why(vm_name, id).await?.map(|next| next.at))
+    }
+
+    /// As [`Self::reconcile`], with why it looks again.
+    pub async fn reconcile_why(
+        &self,
+        vm_name: &str,
+        id: &str,
+    ) -> Result<Option<Requeue>, StoreError> {
         let key = migration_key(vm_name, id);
         let Some(entry) = self.store.get::<Migration>(&key).await? else {
             return Ok(None);
@@ -113,7 +123,9 @@ impl MigrationController {
                         revision: entry.revision,
                         now,
                     };
-                    return self.take(step, &m, vm.as_ref(), wrote).await;
+                    let why = step.why();
+                    let next = self.take(step, &m, vm.as_ref(), wrote).await?;
+                    return Ok(next.map(|at| Requeue::at(at, why)));
                 }
             }
         }

@@ -94,6 +94,28 @@ pub(crate) enum MigrationStep {
     ResumeTarget { retry_at: Millis },
 }
 
+impl MigrationStep {
+    /// Why the look after this step's is wanted, for the runtime's span.
+    pub(crate) fn why(&self) -> String {
+        match self {
+            MigrationStep::Look(look) => format!("reading {look:?}"),
+            MigrationStep::Forget => "nothing left to do".into(),
+            MigrationStep::Wait { why, .. } | MigrationStep::Retry { why, .. } => why.clone(),
+            MigrationStep::Record { m, .. } => {
+                format!("recorded the migration {:?}", m.status.phase)
+            }
+            MigrationStep::Finish { m, why } => format!("recorded {:?}: {why}", m.status.phase),
+            MigrationStep::StartIncoming => "started the incoming instance".into(),
+            MigrationStep::Send { .. } => "sending".into(),
+            MigrationStep::CancelThen(then) => format!("cancel asked; {}", then.why()),
+            MigrationStep::EndTargetThen { then, .. } => {
+                format!("waiting target ended; {}", then.why())
+            }
+            MigrationStep::ResumeTarget { .. } => "resuming the target".into(),
+        }
+    }
+}
+
 /// The next step for migration `m` of `vm` on node `me`.
 pub(crate) fn decide(
     m: &Migration,

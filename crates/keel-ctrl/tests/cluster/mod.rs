@@ -23,6 +23,7 @@ use keel_api::{
     Clock, EvictionWindows, ManualClock, Migration, Millis, Node, RunPolicy, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
+use keel_ctrl::requeue::Requeue;
 use keel_ctrl::runtime::Event;
 use keel_ctrl::{
     LifecycleConfig, MigrationController, Reconciler, Runtime, RuntimeConfig, VmController,
@@ -562,9 +563,9 @@ impl<R: Reconciler> Reconciler for Stuckable<R> {
         self.inner.triggers(event)
     }
 
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, Self::Error> {
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, Self::Error> {
         if self.stuck.load(Ordering::SeqCst) {
-            return Ok(Some(self.clock.now_ms() + TICK_MS));
+            return Ok(Some(Requeue::at(self.clock.now_ms() + TICK_MS, "stuck")));
         }
         Reconciler::reconcile(&*self.inner, key).await
     }
