@@ -434,7 +434,6 @@ impl Bench {
         // As `keel serve` runs it: the default lifecycle tunables.
         let cfg = LifecycleConfig {
             node: "local".into(),
-            cluster_duties: false,
             ..Default::default()
         };
         let ctrl = Arc::new(VmController::new(

@@ -54,7 +54,6 @@ impl Node1 {
             // by default), which is what these tests are about.
             LifecycleConfig {
                 shared_disk_dir: Some("/sim-shared".into()),
-                cluster_duties: false,
                 ..Default::default()
             },
         ));

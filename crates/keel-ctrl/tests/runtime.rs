@@ -287,10 +287,7 @@ async fn the_production_driver_wakes_on_hints_and_relists() {
     let memory = MemoryStore::with_clock(clock.clone());
     let store = TypedStore::new(Arc::new(memory.clone()));
     let hv = keel_hv::sim::SimHypervisor::new(clock.clone(), 3, sim());
-    let cfg = keel_ctrl::LifecycleConfig {
-        cluster_duties: false,
-        ..Default::default()
-    };
+    let cfg = keel_ctrl::LifecycleConfig::default();
     let ctrl = Arc::new(keel_ctrl::VmController::new(
         store.clone(),
         Arc::new(hv.clone()),

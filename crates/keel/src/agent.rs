@@ -2,7 +2,8 @@
 //! this node's hypervisor driver and the controller runtime (VMs,
 //! snapshots, migrations, housekeeping with the heartbeat and self-fencing)
 //! for the VMs placed on this node, and leaves placement and the takeover
-//! of lost nodes' VMs to the control planes' leader (`cluster_duties` off).
+//! of lost nodes' VMs to the control planes' leader (no VM controller does
+//! either).
 //! It serves no API.
 
 use std::fs::File;
@@ -182,7 +183,7 @@ pub struct AgentConfig {
     /// The fence keeper QEMU runs under (`keel keeper`); `None` only in
     /// tests that have no keel binary.
     pub keeper: Option<KeeperCommand>,
-    /// Controller timings; `node` and `cluster_duties` are overwritten.
+    /// Controller timings; `node` is overwritten.
     pub lifecycle: LifecycleConfig,
     /// How long SIGTERM freezes the node for (0: no freeze).
     pub restart_freeze_ms: u64,

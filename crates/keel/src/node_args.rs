@@ -64,7 +64,7 @@ impl NodeArgs {
 /// timings and policy configured) for `node`, its disk dir recorded if
 /// shared, and the incarnation its name is claimed with (`None` on
 /// SQLite, where the locked data dir is the claim). Placement and the
-/// takeover of lost nodes' VMs are always the cluster controller's.
+/// takeover of lost nodes' VMs are the cluster controller's.
 pub fn node_lifecycle(
     base: &LifecycleConfig,
     node: &str,
@@ -73,7 +73,6 @@ pub fn node_lifecycle(
 ) -> anyhow::Result<LifecycleConfig> {
     Ok(LifecycleConfig {
         node: node.to_string(),
-        cluster_duties: false,
         shared_disk_dir: crate::hypervisor::shared_disk_dir(disk_dir)?,
         incarnation,
         ..base.clone()

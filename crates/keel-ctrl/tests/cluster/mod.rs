@@ -136,10 +136,7 @@ impl Cluster {
         let control = Arc::new(ClusterController::sole(
             TypedStore::new(raw.clone()),
             shared,
-            LifecycleConfig {
-                cluster_duties: false,
-                ..LifecycleConfig::default()
-            },
+            LifecycleConfig::default(),
         ));
         Self {
             clock,
@@ -231,7 +228,6 @@ impl Cluster {
         let store = TypedStore::new(Arc::new(faulty));
         let cfg = LifecycleConfig {
             node: name.to_string(),
-            cluster_duties: false,
             // One fabric: every node sees the same disks.
             shared_disk_dir: (!self.local_disks).then(|| "/sim-fabric".into()),
             ..Default::default()

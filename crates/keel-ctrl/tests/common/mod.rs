@@ -79,10 +79,7 @@ impl World {
         let raw: Arc<dyn Store> = Arc::new(memory.clone());
         let faulty = Arc::new(FaultyStore::new(raw.clone(), seed));
         let hv = SimHypervisor::new(shared.clone(), seed, sim);
-        let cfg = LifecycleConfig {
-            cluster_duties: false,
-            ..LifecycleConfig::default()
-        };
+        let cfg = LifecycleConfig::default();
         let runtime_cfg = RuntimeConfig::default();
         let (ctrl, snaps, runtime) = Self::node(&clock, &faulty, &hv, &cfg, &runtime_cfg);
         let cluster = Self::cluster_controller(&clock, &raw, &cfg);

@@ -182,7 +182,6 @@ impl Env {
     fn node_lifecycle(&self, name: &str) -> LifecycleConfig {
         (self.lifecycle)(LifecycleConfig {
             node: name.into(),
-            cluster_duties: false,
             poll_ms: 500,
             // The nodes share one disk dir, as nodes on shared storage.
             shared_disk_dir: Some("/shared-test-disks".into()),
