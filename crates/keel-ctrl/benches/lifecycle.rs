@@ -75,7 +75,9 @@ use keel_api::{
     Clock, Phase, RunPolicy, StopReason, SystemClock, ValidationError, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::vm_key;
-use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_ctrl::{
+    run_control_plane, run_vm_controller, ClusterController, LifecycleConfig, VmController,
+};
 use keel_hv::guest::READY_MARKER;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_store::sqlite::SqliteStore;
@@ -407,12 +409,14 @@ struct Bench {
     needle: String,
     stop: watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    control: tokio::task::JoinHandle<()>,
 }
 
 impl Drop for Bench {
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         self.task.abort();
+        self.control.abort();
     }
 }
 
@@ -436,12 +440,15 @@ impl Bench {
             store.clone(),
             Arc::new(driver.clone()),
             clock.clone(),
-            cfg,
+            cfg.clone(),
         ));
+        // As `keel serve` on SQLite: the sole cluster controller places.
+        let cluster = Arc::new(ClusterController::sole(store.clone(), clock.clone(), cfg));
         ctrl.heartbeat(None)
             .await
             .map_err(|e| format!("node heartbeat: {e}"))?;
         let (stop, stop_rx) = watch::channel(false);
+        let control = tokio::spawn(run_control_plane(cluster, stop_rx.clone()));
         let task = tokio::spawn(run_vm_controller(ctrl, clock, stop_rx));
         Ok(Bench {
             driver,
@@ -449,6 +456,7 @@ impl Bench {
             needle: data_dir.to_string_lossy().into_owned(),
             stop,
             task,
+            control,
         })
     }
 

@@ -4,8 +4,8 @@
 //! The decisions are pure (`schedule::placement`, `schedule::lost_nodes`,
 //! `vm_decide::take_over_from_lost_node`); this module reads the view and
 //! writes the outcome, either by compare-and-swap alone ([`Fence::Cas`]:
-//! a process alone on its store, [`ClusterController::sole`], and VM
-//! controllers with `cluster_duties`) or by compare-and-swap *and* the leader's guard
+//! a process alone on its store, [`ClusterController::sole`]) or by
+//! compare-and-swap *and* the leader's guard
 //! ([`Fence::Guard`]: the [`ClusterController`] of the elected control
 //! plane, whose writes stop applying the moment its leader key is gone).
 
@@ -96,38 +96,6 @@ impl ClusterState {
                     .is_none_or(|owner| self.lost.iter().any(|l| l == owner))
             }
         }
-    }
-}
-
-/// Chooses the node for `vm` (read at `revision`), which has none, and
-/// writes the choice, or why there is none. Returns when to look at the VM
-/// again: at once once placed (its agent takes it from there), later if no
-/// node could take it.
-pub(crate) async fn place(
-    store: &TypedStore,
-    state: &mut ClusterState,
-    vm: &VirtualMachine,
-    revision: Revision,
-    now: Millis,
-    cfg: &LifecycleConfig,
-    fence: Fence<'_>,
-) -> Result<Millis, StoreError> {
-    let Some(next) = choose(vm, state, state.vms.load(), cfg) else {
-        return Ok(now + cfg.retry_ms);
-    };
-    let again = if next.status.node.is_some() {
-        now
-    } else {
-        now + cfg.retry_ms
-    };
-    match write_placement(store, fence, &next, revision).await {
-        Ok(revision) => {
-            state.written(next, revision);
-            Ok(again)
-        }
-        // Someone wrote first; the VM is looked at again.
-        Err(StoreError::Conflict { .. }) => Ok(again),
-        Err(e) => Err(e),
     }
 }
 

@@ -42,14 +42,6 @@ pub struct LifecycleConfig {
     /// domain on its node, so they are gone before its lease runs out.
     /// Must be well below `node_lease_ms`.
     pub self_fence_ms: Millis,
-    /// Whether this VM controller also does the cluster-level work itself:
-    /// placing VMs that have no node and taking over the VMs of lost nodes
-    /// (every agent may, the compare-and-swap picks one writer). Keel's
-    /// processes set it false and run the `ClusterController` instead
-    /// (`ClusterController::sole` for `keel serve` on SQLite, elected on
-    /// etcd); the default stays true only for the simulation harnesses,
-    /// which drive VM controllers alone, until they run it too.
-    pub cluster_duties: bool,
     /// The directory this node keeps VM disks in, if other nodes share it
     /// (mounted at the same path); `None`: the disks are node-local.
     pub shared_disk_dir: Option<String>,
@@ -97,7 +89,6 @@ impl Default for LifecycleConfig {
             node_ready_ms: 15_000,
             node_lease_ms: 40_000,
             self_fence_ms: 20_000,
-            cluster_duties: true,
             shared_disk_dir: None,
             incarnation: None,
             readiness_probe_ms: 1_000,

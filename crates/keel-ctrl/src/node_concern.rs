@@ -16,8 +16,6 @@ use keel_api::VirtualMachine;
 pub struct NodeConcern {
     /// `None`: every record concerns it (a watcher that is no node's).
     node: Option<String>,
-    /// Whether this node places VMs without a node (`cluster_duties`).
-    places_unplaced: bool,
 }
 
 impl Default for NodeConcern {
@@ -27,34 +25,28 @@ impl Default for NodeConcern {
 }
 
 impl NodeConcern {
-    /// The rule of `node`'s agent; `places_unplaced` when it places VMs
-    /// without a node itself.
-    pub fn of_node(node: &str, places_unplaced: bool) -> Self {
+    /// The rule of `node`'s agent. A VM without a node is the cluster
+    /// controller's to place, so it concerns no node until placed.
+    pub fn of_node(node: &str) -> Self {
         Self {
             node: Some(node.to_string()),
-            places_unplaced,
         }
     }
 
     /// Every record concerns the watcher.
     pub fn everything() -> Self {
-        Self {
-            node: None,
-            places_unplaced: true,
-        }
+        Self { node: None }
     }
 
     /// Whether `vm`, as recorded, is this node's to act on: its instance
-    /// or its placement is here, a migration reserved here is coming in,
-    /// or it has no node and this node places such VMs.
+    /// or its placement is here, or a migration reserved here is coming in.
     pub fn concerns(&self, vm: &VirtualMachine) -> bool {
         let Some(node) = self.node.as_deref() else {
             return true;
         };
         match vm.owner_node() {
             Some(owner) if owner == node => true,
-            Some(_) => vm.incoming_on() == Some(node),
-            None => self.places_unplaced || vm.incoming_on() == Some(node),
+            Some(_) | None => vm.incoming_on() == Some(node),
         }
     }
 
@@ -81,14 +73,13 @@ mod tests {
 
     #[test]
     fn a_node_is_concerned_by_its_own_vms_and_those_leaving_or_coming() {
-        let n1 = NodeConcern::of_node("n1", false);
+        let n1 = NodeConcern::of_node("n1");
         let here = vm("a", Some("n1"));
         let there = vm("a", Some("n2"));
         let unplaced = vm("a", None);
         assert!(n1.concerns(&here));
         assert!(!n1.concerns(&there));
         assert!(!n1.concerns(&unplaced));
-        assert!(NodeConcern::of_node("n1", true).concerns(&unplaced));
         assert!(NodeConcern::everything().concerns(&there));
 
         // Moving off the node (to another, back to the scheduler, deleted)
@@ -120,7 +111,7 @@ mod tests {
             .expect("an eviction"),
         );
         assert_eq!(leaving.incoming_on(), Some("n1"));
-        assert!(NodeConcern::of_node("n1", false).concerns(&leaving));
-        assert!(!NodeConcern::of_node("n3", false).concerns(&leaving));
+        assert!(NodeConcern::of_node("n1").concerns(&leaving));
+        assert!(!NodeConcern::of_node("n3").concerns(&leaving));
     }
 }

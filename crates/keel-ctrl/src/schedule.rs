@@ -1,8 +1,8 @@
 //! Where a VM's next instance goes, and which nodes are lost. Pure
-//! decisions over the stored view: in single-process mode every node agent
-//! computes the same answer and the compare-and-swap on the VM record lets
-//! exactly one of them write it; with a control plane only the leader
-//! writes it, fenced by its leader key (see `cluster`).
+//! decisions over the stored view, written by the cluster controller: by
+//! compare-and-swap on the VM record when it is alone on its store
+//! (`keel serve` on SQLite), fenced by its leader key too when elected
+//! among control planes (see `cluster_controller`).
 
 use std::collections::HashMap;
 

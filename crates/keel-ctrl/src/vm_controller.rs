@@ -7,7 +7,6 @@ mod garbage;
 mod node_agent;
 mod placement;
 
-use crate::cluster_controller::ClusterState;
 use crate::config::LifecycleConfig;
 use crate::error_chain::error_chain;
 use crate::events::{put_event, record_event};
@@ -61,7 +60,7 @@ impl VmController {
         probes.ready_interval_ms = cfg.readiness_refresh_ms;
         // Only its own VMs' changes wake this node (the per-node view).
         let vm_index = Arc::new(ClusterReflector::judging(
-            crate::node_concern::NodeConcern::of_node(&cfg.node, cfg.cluster_duties),
+            crate::node_concern::NodeConcern::of_node(&cfg.node),
         ));
         Self {
             store,
@@ -100,17 +99,6 @@ impl VmController {
         let mut liveness = self.liveness.lock().expect("liveness lock");
         liveness.observe_with(nodes, |node| vms.newest_instance_on(node), now);
         liveness.clone()
-    }
-
-    /// Every node and VM as read now, taken into this agent's liveness
-    /// view at the clocks' reading from before the reads.
-    async fn read_cluster(&self) -> Result<ClusterState, StoreError> {
-        let looked = ClockReading::now(&*self.clock);
-        let nodes = ClusterState::read_nodes(&self.store).await?;
-        let mut state = ClusterState::read(&self.store, nodes, Liveness::default()).await?;
-        state.liveness = self.observe_nodes(&state.nodes, &state.vms, looked);
-        state.looked_at = looked;
-        Ok(state)
     }
 
     pub fn config(&self) -> &LifecycleConfig {
@@ -177,13 +165,8 @@ impl VmController {
         match vm.owner_node() {
             // Another node's agent looks after it; a change wakes us again.
             Some(node) if node != self.cfg.node => return Ok(None),
-            // The control plane's leader places it; a change wakes us again.
-            None if !self.cfg.cluster_duties => return Ok(None),
-            None => {
-                let placed = self.place(&vm, entry.revision).await.map_err(store_err);
-                keel_hv::start_marks::mark(name, "placed");
-                return placed;
-            }
+            // The cluster controller places it; a change wakes us again.
+            None => return Ok(None),
             Some(_) => {}
         }
         let cluster = self.cluster_view(&vm).await.map_err(store_err)?;

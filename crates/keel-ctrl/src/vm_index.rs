@@ -472,7 +472,7 @@ mod tests {
     /// change, whether the VM goes to another node or is deleted.
     #[test]
     fn a_nodes_reflector_hands_on_only_changes_of_its_vms_and_those_leaving_it() {
-        let reflector = ClusterReflector::judging(NodeConcern::of_node("n1", false));
+        let reflector = ClusterReflector::judging(NodeConcern::of_node("n1"));
         reflector.reset(&[], &[]);
         let deleted = |name: &str, revision| WatchEvent::Deleted {
             key: format!("{VMS_PREFIX}{name}"),

@@ -78,7 +78,6 @@ impl World {
         );
         let cfg = LifecycleConfig {
             node: node.into(),
-            cluster_duties: false,
             // One fabric: every node sees the same disks.
             shared_disk_dir: Some("/sim-fabric".into()),
             ..LifecycleConfig::default()

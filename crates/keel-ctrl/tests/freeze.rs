@@ -187,6 +187,8 @@ async fn an_agent_whose_lease_is_stale_starts_nothing() {
     c.update_vm("vm", |v| v.spec.power = PowerState::Stopped)
         .await;
     c.agents[0].vms.heartbeat(None).await.unwrap();
+    // The control plane places it on the only node.
+    c.control.reconcile().await.unwrap();
     for _ in 0..3 {
         c.agents[0].vms.reconcile("vm").await.unwrap();
     }

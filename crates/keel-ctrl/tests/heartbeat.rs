@@ -16,7 +16,9 @@ use common::tokio_clock::{until, TokioClock};
 use common::{spec, T0};
 use keel_api::{Clock, EvictionWindows, Node, PowerState, RunPolicy, VirtualMachine};
 use keel_ctrl::keys::{node_key, vm_key};
-use keel_ctrl::{LifecycleConfig, RunningControllers, RuntimeConfig, VmController};
+use keel_ctrl::{
+    ClusterController, LifecycleConfig, RunningControllers, RuntimeConfig, VmController,
+};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -78,11 +80,18 @@ impl Node1 {
     }
 
     /// Creates `name` running and waits (virtual time) until it runs;
-    /// its instance.
+    /// its instance. The control plane's passes (as `keel serve` on
+    /// SQLite makes them) place it once the node has registered.
     async fn running_vm(&self, name: &str) -> String {
         let vm = VirtualMachine::new(name, spec(RunPolicy::Manual, PowerState::Running, 60));
         self.store.create(&vm_key(name), &vm).await.unwrap();
+        let cluster = ClusterController::sole(
+            self.store.clone(),
+            self.clock.clone(),
+            self.ctrl.config().clone(),
+        );
         let ran = until(10_000, || async {
+            cluster.reconcile().await.unwrap();
             self.vm(name).await.status.instance.is_some()
                 && !self.hv.live_instances(name).is_empty()
         })

@@ -287,13 +287,21 @@ async fn the_production_driver_wakes_on_hints_and_relists() {
     let memory = MemoryStore::with_clock(clock.clone());
     let store = TypedStore::new(Arc::new(memory.clone()));
     let hv = keel_hv::sim::SimHypervisor::new(clock.clone(), 3, sim());
+    let cfg = keel_ctrl::LifecycleConfig::default();
     let ctrl = Arc::new(keel_ctrl::VmController::new(
         store.clone(),
         Arc::new(hv.clone()),
         clock.clone(),
-        Default::default(),
+        cfg.clone(),
+    ));
+    // As `keel serve` on SQLite: the sole cluster controller places.
+    let cluster = Arc::new(keel_ctrl::ClusterController::sole(
+        store.clone(),
+        clock.clone(),
+        cfg,
     ));
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let control = tokio::spawn(keel_ctrl::run_control_plane(cluster, stop_rx.clone()));
     let task = tokio::spawn(keel_ctrl::run_vm_controller(ctrl, clock.clone(), stop_rx));
     let get = |name: &'static str| {
         let store = store.clone();
@@ -342,6 +350,7 @@ async fn the_production_driver_wakes_on_hints_and_relists() {
 
     stop.send(true).unwrap();
     task.await.unwrap();
+    control.await.unwrap();
 }
 
 async fn store_request_start(store: &keel_store::TypedStore) {

@@ -63,9 +63,18 @@ async fn settle(
     nodes: &[&Node],
     done: impl Fn(&VirtualMachine) -> bool,
 ) {
+    // The control plane, as `keel serve` on SQLite runs it: it places.
+    let control = keel_ctrl::ClusterController::sole(
+        store.clone(),
+        Arc::new(clock.clone()),
+        LifecycleConfig::default(),
+    );
     for _ in 0..100 {
         for n in nodes {
             n.vms.heartbeat(None).await.unwrap();
+        }
+        control.reconcile().await.unwrap();
+        for n in nodes {
             let _ = n.vms.reconcile("vm").await;
         }
         if done(&vm(store).await) {

@@ -2,7 +2,8 @@
 //! this node's hypervisor driver and the controller runtime (VMs,
 //! snapshots, migrations, housekeeping with the heartbeat and self-fencing)
 //! for the VMs placed on this node, and leaves placement and the takeover
-//! of lost nodes' VMs to the control planes' leader (`cluster_duties` off).
+//! of lost nodes' VMs to the control planes' leader (no VM controller does
+//! either).
 //! It serves no API.
 
 use std::fs::File;
@@ -182,7 +183,7 @@ pub struct AgentConfig {
     /// The fence keeper QEMU runs under (`keel keeper`); `None` only in
     /// tests that have no keel binary.
     pub keeper: Option<KeeperCommand>,
-    /// Controller timings; `node` and `cluster_duties` are overwritten.
+    /// Controller timings; `node` is overwritten.
     pub lifecycle: LifecycleConfig,
     /// How long SIGTERM freezes the node for (0: no freeze).
     pub restart_freeze_ms: u64,
@@ -339,13 +340,12 @@ async fn start_locked(
         .expect("checked: an etcd store");
     let store = TypedStore::new(raw.clone());
     let incarnation = load_or_create_incarnation(&cfg.data_dir)?;
-    let lifecycle = LifecycleConfig {
-        node: cfg.node.clone(),
-        cluster_duties: false,
-        shared_disk_dir: hypervisor::shared_disk_dir(cfg.disk_dir.as_deref())?,
-        incarnation: Some(incarnation.clone()),
-        ..cfg.lifecycle.clone()
-    };
+    let lifecycle = crate::node_args::node_lifecycle(
+        &cfg.lifecycle,
+        &cfg.node,
+        cfg.disk_dir.as_deref(),
+        Some(incarnation.clone()),
+    )?;
     claim_node_name(&store, &cfg.node, &incarnation, lifecycle.node_lease_ms).await?;
     // A bare agent serves no metrics endpoint: nothing to report to.
     let agent = NodeAgent::spawn(
@@ -416,20 +416,20 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
     host::init_logging();
     host::private_umask();
     host::raise_descriptor_limit();
-    let node = match args.node {
-        Some(node) => node,
-        None => host::default_node_name()?,
-    };
+    let node = args.node.resolve()?;
     let store = args.store_access.resolve(args.store)?;
-    let mut cfg = AgentConfig::new(store, args.data_dir, node, args.hypervisor);
-    cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
-    cfg.accel = args.accel;
-    cfg.disk_dir = args.disk_dir;
-    cfg.runtime_dir = args.runtime_dir;
-    cfg.console_log_max_bytes = args.console_log_max_mib << 20;
-    cfg.min_free_disk_bytes = args.min_free_disk_mib << 20;
+    let mut cfg = AgentConfig::new(store, node.data_dir, node.node, node.hypervisor);
+    cfg.guest_dir = node.guest_dir;
+    cfg.accel = node.accel;
+    cfg.disk_dir = node.disk_dir;
+    cfg.runtime_dir = node.runtime_dir;
+    cfg.console_log_max_bytes = node.console_log_max_bytes;
+    cfg.min_free_disk_bytes = node.min_free_disk_bytes;
+    cfg.image_dir = node.image_dir;
+    cfg.runtime.max_concurrent_reconciles = node.max_concurrent_reconciles;
+    cfg.lifecycle = node.lifecycle;
+    cfg.sim = node.sim;
     cfg.restart_freeze_ms = args.restart_freeze * 1000;
-    cfg.image_dir = args.image_dir;
     cfg.migration = crate::migration_setup::settings(
         &cfg.data_dir,
         &cfg.store,
@@ -437,8 +437,6 @@ pub fn main(args: AgentArgs) -> anyhow::Result<()> {
         args.insecure_migration,
     )?;
     cfg.listen = args.console_listen;
-    cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
-    args.capacity.apply(&mut cfg.lifecycle, &mut cfg.sim)?;
     if cfg.hypervisor == HypervisorKind::Qemu {
         cfg.keeper = Some(KeeperCommand::this_binary("keeper").context("finding the keel binary")?);
     }

@@ -211,9 +211,9 @@ bearer token too), /healthz (no auth). Stopping the server (SIGINT/SIGTERM) leav
 running; they are re-adopted on the next start."
 )]
 pub struct ServeArgs {
-    /// Directory for the store (keel.db) and the API token (token).
-    #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
-    pub data_dir: PathBuf,
+    /// The node's own flags, shared with `keel agent`.
+    #[command(flatten)]
+    pub node: NodeArgs,
     /// The API token's file (default DATA_DIR/token, mode 0600). Elsewhere
     /// it may be shared with its group (mode 0640), e.g. /etc/keel/token
     /// for the members of group keel.
@@ -233,21 +233,6 @@ pub struct ServeArgs {
     /// unencrypted. Allowed only on a loopback --listen address.
     #[arg(long)]
     pub insecure_http: bool,
-    /// Hypervisor driver.
-    #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
-    pub hypervisor: HypervisorKind,
-    /// This node's name (default: the host name, lowercased, first label).
-    #[arg(long, env = "KEEL_NODE")]
-    pub node: Option<String>,
-    /// Directory with the default guest kernel and initrd (vmlinuz,
-    /// initramfs.cpio.gz) for VMs whose spec names none; default
-    /// ./target/guest when built by scripts/build-test-guest.
-    #[arg(long, env = "KEEL_GUEST_DIR")]
-    pub guest_dir: Option<PathBuf>,
-    /// Accelerator: auto probes KVM once (boots the guest to its ready
-    /// marker) and falls back to TCG.
-    #[arg(long, env = "KEEL_ACCEL", default_value = "auto")]
-    pub accel: keel_hv::qemu::AccelChoice,
     /// Create a demo VM (`demo`) if there is none.
     #[arg(long)]
     pub demo: bool,
@@ -260,8 +245,6 @@ pub struct ServeArgs {
     pub store: StoreSpec,
     #[command(flatten)]
     pub store_access: StoreAccessArgs,
-    #[command(flatten)]
-    pub capacity: CapacityArgs,
     /// With an etcd store: also run a node agent (--node) in this process.
     #[arg(long)]
     pub agent: bool,
@@ -275,37 +258,6 @@ pub struct ServeArgs {
     /// node on; default: each like --sim-host-cpus/--sim-host-memory.
     #[arg(long, value_name = "CPUS:SIZE", value_delimiter = ',', value_parser = parse_sim_host)]
     pub sim_node_hosts: Vec<keel_api::HostResources>,
-    /// Where VM disks live (default DATA_DIR/node/disks). Live migration
-    /// between nodes needs this on storage they share, at the same path.
-    #[arg(long, env = "KEEL_DISK_DIR")]
-    pub disk_dir: Option<PathBuf>,
-    /// The image store (default DATA_DIR/images). In a cluster, storage
-    /// the control planes (which import) and every node (which boot)
-    /// mount at the same path, like a shared --disk-dir.
-    #[arg(long, env = "KEEL_IMAGE_DIR")]
-    pub image_dir: Option<PathBuf>,
-    /// Where QEMU's sockets live, which need short paths (default
-    /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
-    #[arg(long, env = "KEEL_RUNTIME_DIR")]
-    pub runtime_dir: Option<PathBuf>,
-    /// The cap on each guest's console log, in MiB: past it the log is
-    /// rotated (its end kept in console.log.1), so a guest that prints
-    /// without end cannot fill the host's disk.
-    #[arg(long, env = "KEEL_CONSOLE_LOG_MAX_MIB", value_name = "MIB",
-          value_parser = parse_console_log_max_mib, default_value_t = 8)]
-    pub console_log_max_mib: u64,
-    /// How many reconciles (of distinct VMs, snapshots, migrations) this
-    /// node runs at once; one VM is never reconciled twice at once.
-    #[arg(long, env = "KEEL_MAX_CONCURRENT_RECONCILES", value_name = "N",
-          value_parser = parse_max_concurrent_reconciles,
-          default_value_t = keel_ctrl::DEFAULT_MAX_CONCURRENT_RECONCILES)]
-    pub max_concurrent_reconciles: usize,
-    /// The free-space floor, in MiB, of the filesystems of the disk dir
-    /// and the image store: below it no VM disk is created (the start
-    /// fails, saying so on the VM) and no image imported. 0: no floor.
-    #[arg(long, env = "KEEL_MIN_FREE_DISK_MIB", value_name = "MIB",
-          default_value_t = keel_hv::free_space::DEFAULT_MIN_FREE_DISK_MIB)]
-    pub min_free_disk_mib: u64,
     /// The most VMs the API lets exist; a create past it is refused (409).
     #[arg(long, env = "KEEL_MAX_VMS", value_name = "N", value_parser = parse_cap,
           default_value_t = crate::api::limits::DEFAULT_MAX_VMS)]
@@ -361,42 +313,9 @@ pub struct AgentArgs {
     pub store: StoreSpec,
     #[command(flatten)]
     pub store_access: StoreAccessArgs,
+    /// The node's own flags, shared with `keel serve`.
     #[command(flatten)]
-    pub capacity: CapacityArgs,
-    /// This node's name (default: the host name, lowercased, first label).
-    #[arg(long, env = "KEEL_NODE")]
-    pub node: Option<String>,
-    /// Directory for this node's instances (DATA_DIR/node) and lock.
-    #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
-    pub data_dir: PathBuf,
-    /// Hypervisor driver.
-    #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
-    pub hypervisor: HypervisorKind,
-    /// Directory with the default guest kernel and initrd (see `keel serve --help`).
-    #[arg(long, env = "KEEL_GUEST_DIR")]
-    pub guest_dir: Option<PathBuf>,
-    /// Accelerator: auto probes KVM once and falls back to TCG.
-    #[arg(long, env = "KEEL_ACCEL", default_value = "auto")]
-    pub accel: keel_hv::qemu::AccelChoice,
-    /// Where VM disks live (default DATA_DIR/node/disks). Live migration
-    /// between nodes needs this on storage they share, at the same path.
-    #[arg(long, env = "KEEL_DISK_DIR")]
-    pub disk_dir: Option<PathBuf>,
-    /// The image store (default DATA_DIR/images). In a cluster, storage
-    /// the control planes (which import) and every node (which boot)
-    /// mount at the same path, like a shared --disk-dir.
-    #[arg(long, env = "KEEL_IMAGE_DIR")]
-    pub image_dir: Option<PathBuf>,
-    /// Where QEMU's sockets live, which need short paths (default
-    /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
-    #[arg(long, env = "KEEL_RUNTIME_DIR")]
-    pub runtime_dir: Option<PathBuf>,
-    /// The cap on each guest's console log, in MiB: past it the log is
-    /// rotated (its end kept in console.log.1), so a guest that prints
-    /// without end cannot fill the host's disk.
-    #[arg(long, env = "KEEL_CONSOLE_LOG_MAX_MIB", value_name = "MIB",
-          value_parser = parse_console_log_max_mib, default_value_t = 8)]
-    pub console_log_max_mib: u64,
+    pub node: NodeArgs,
     /// On SIGTERM (a planned restart, an upgrade): freeze the node for this
     /// long and exit without stopping the guests. Nothing of the node is
     /// taken over meanwhile; an agent back within it re-adopts the guests,
@@ -423,6 +342,53 @@ pub struct AgentArgs {
     /// `keel serve` and `keel agent` on a host.)
     #[arg(long, env = "KEEL_CONSOLE_LISTEN")]
     pub console_listen: Option<std::net::SocketAddr>,
+}
+
+/// The flags of a node, shared by `keel serve` and `keel agent`: its
+/// name, directories, driver, capacity and controller limits
+/// (`node_args` turns them into the node's settings).
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// This node's name (default: the host name, lowercased, first label).
+    #[arg(id = "node", long = "node", env = "KEEL_NODE")]
+    pub name: Option<String>,
+    /// Directory for the store (keel.db, with `keel serve` on SQLite), the
+    /// API token (token), this node's instances (DATA_DIR/node) and lock.
+    #[arg(long, env = "KEEL_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+    /// Hypervisor driver.
+    #[arg(long, value_enum, default_value_t = HypervisorKind::Qemu)]
+    pub hypervisor: HypervisorKind,
+    /// Directory with the default guest kernel and initrd (vmlinuz,
+    /// initramfs.cpio.gz) for VMs whose spec names none; default
+    /// ./target/guest when built by scripts/build-test-guest.
+    #[arg(long, env = "KEEL_GUEST_DIR")]
+    pub guest_dir: Option<PathBuf>,
+    /// Accelerator: auto probes KVM once (boots the guest to its ready
+    /// marker) and falls back to TCG.
+    #[arg(long, env = "KEEL_ACCEL", default_value = "auto")]
+    pub accel: keel_hv::qemu::AccelChoice,
+    #[command(flatten)]
+    pub capacity: CapacityArgs,
+    /// Where VM disks live (default DATA_DIR/node/disks). Live migration
+    /// between nodes needs this on storage they share, at the same path.
+    #[arg(long, env = "KEEL_DISK_DIR")]
+    pub disk_dir: Option<PathBuf>,
+    /// The image store (default DATA_DIR/images). In a cluster, storage
+    /// the control planes (which import) and every node (which boot)
+    /// mount at the same path, like a shared --disk-dir.
+    #[arg(long, env = "KEEL_IMAGE_DIR")]
+    pub image_dir: Option<PathBuf>,
+    /// Where QEMU's sockets live, which need short paths (default
+    /// /run/keel as root, else $XDG_RUNTIME_DIR/keel or /tmp/keel-UID).
+    #[arg(long, env = "KEEL_RUNTIME_DIR")]
+    pub runtime_dir: Option<PathBuf>,
+    /// The cap on each guest's console log, in MiB: past it the log is
+    /// rotated (its end kept in console.log.1), so a guest that prints
+    /// without end cannot fill the host's disk.
+    #[arg(long, env = "KEEL_CONSOLE_LOG_MAX_MIB", value_name = "MIB",
+          value_parser = parse_console_log_max_mib, default_value_t = 8)]
+    pub console_log_max_mib: u64,
     /// How many reconciles (of distinct VMs, snapshots, migrations) this
     /// node runs at once; one VM is never reconciled twice at once.
     #[arg(long, env = "KEEL_MAX_CONCURRENT_RECONCILES", value_name = "N",
@@ -1362,7 +1328,7 @@ mod tests {
             let mut argv = vec!["keel", "serve"];
             argv.extend_from_slice(extra);
             match Cli::try_parse_from(argv).map(|c| c.command) {
-                Ok(Command::Serve(args)) => Ok(args.max_concurrent_reconciles),
+                Ok(Command::Serve(args)) => Ok(args.node.max_concurrent_reconciles),
                 Ok(_) => panic!("not serve"),
                 Err(e) => Err(e.to_string()),
             }
@@ -1374,13 +1340,64 @@ mod tests {
         assert!(serve(&["--max-concurrent-reconciles", "many"]).is_err());
     }
 
+    /// `keel serve` and `keel agent` take the node's flags alike, into
+    /// one `NodeArgs`.
+    #[test]
+    fn serve_and_agent_share_the_node_flags() {
+        let flags = [
+            "--node",
+            "n1",
+            "--data-dir",
+            "/d",
+            "--hypervisor",
+            "sim",
+            "--guest-dir",
+            "/g",
+            "--accel",
+            "tcg",
+            "--reserve-memory",
+            "2G",
+            "--cpu-overcommit",
+            "2",
+            "--disk-dir",
+            "/x",
+            "--image-dir",
+            "/i",
+            "--runtime-dir",
+            "/r",
+            "--console-log-max-mib",
+            "3",
+            "--max-concurrent-reconciles",
+            "2",
+            "--min-free-disk-mib",
+            "5",
+        ];
+        let node_args = |command: &[&str]| {
+            let mut argv = vec!["keel"];
+            argv.extend_from_slice(command);
+            argv.extend_from_slice(&flags);
+            match Cli::try_parse_from(argv).unwrap().command {
+                Command::Serve(args) => format!("{:?}", args.node),
+                Command::Agent(args) => format!("{:?}", args.node),
+                _ => panic!("neither serve nor agent"),
+            }
+        };
+        let served = node_args(&["serve"]);
+        assert!(served.contains(r#"name: Some("n1")"#), "{served}");
+        assert!(served.contains("max_concurrent_reconciles: 2"), "{served}");
+        assert_eq!(
+            served,
+            node_args(&["agent", "--store", "etcd://127.0.0.1:2379"])
+        );
+    }
+
     #[test]
     fn the_console_log_cap_defaults_to_8_mib_and_refuses_zero() {
         let serve = |extra: &[&str]| {
             let mut argv = vec!["keel", "serve"];
             argv.extend_from_slice(extra);
             match Cli::try_parse_from(argv).map(|c| c.command) {
-                Ok(Command::Serve(args)) => Ok(args.console_log_max_mib),
+                Ok(Command::Serve(args)) => Ok(args.node.console_log_max_mib),
                 Ok(_) => panic!("not serve"),
                 Err(e) => Err(e.to_string()),
             }

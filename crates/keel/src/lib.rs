@@ -27,6 +27,7 @@ pub mod http_listener;
 pub mod hypervisor;
 pub mod metrics;
 pub mod migration_setup;
+pub mod node_args;
 pub mod prefix_view;
 pub mod serve;
 pub mod sim_nodes;

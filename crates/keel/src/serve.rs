@@ -42,11 +42,11 @@ use crate::args::{HypervisorKind, ServeArgs};
 use crate::auth::{self, Token};
 use crate::distributed::StoreSpec;
 use crate::host::{
-    create_private_dir, default_node_name, init_logging, lock_data_dir, private_umask,
-    wait_for_signal,
+    create_private_dir, init_logging, lock_data_dir, private_umask, wait_for_signal,
 };
-use crate::hypervisor::{image_dir, make_hypervisor, shared_disk_dir, HypervisorOptions};
+use crate::hypervisor::{image_dir, make_hypervisor, HypervisorOptions};
 use crate::metrics::Metrics;
+use crate::node_args::node_lifecycle;
 use crate::token_book::{self, TokenBook};
 use keel_hv::stats_cache::StatsCache;
 
@@ -290,13 +290,13 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     tokens.spawn_reflector(stop_rx.clone());
     let door = api::Door::new(tokens, store.clone(), cfg.token_limits);
     let lifecycle = LifecycleConfig {
-        node: cfg.node.clone(),
-        // Placement and the takeover of lost nodes' VMs are the cluster
-        // controller's, as under a control plane.
-        cluster_duties: false,
-        shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
         default_machine: crate::agent::default_machine(&facts),
-        ..cfg.lifecycle.clone()
+        ..node_lifecycle(
+            &cfg.lifecycle,
+            &cfg.node,
+            cfg.disk_dir.as_deref(),
+            cfg.lifecycle.incarnation.clone(),
+        )?
     };
     // The same cluster controller as a control plane's, leading for good:
     // this process alone uses the store (the data dir is locked).
@@ -425,13 +425,12 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let addr = listener.local_addr()?;
     let identity = api_tls::load_identity(&cfg.tls, &cfg.data_dir, addr)?;
     let incarnation = crate::agent::load_or_create_incarnation(&cfg.data_dir)?;
-    let lifecycle = LifecycleConfig {
-        node: cfg.node.clone(),
-        cluster_duties: false,
-        shared_disk_dir: shared_disk_dir(cfg.disk_dir.as_deref())?,
-        incarnation: cfg.agent.then(|| incarnation.clone()),
-        ..cfg.lifecycle.clone()
-    };
+    let lifecycle = node_lifecycle(
+        &cfg.lifecycle,
+        &cfg.node,
+        cfg.disk_dir.as_deref(),
+        cfg.agent.then(|| incarnation.clone()),
+    )?;
     if cfg.agent {
         crate::agent::claim_node_name(&store, &cfg.node, &incarnation, lifecycle.node_lease_ms)
             .await?;
@@ -574,22 +573,22 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     init_logging();
     private_umask();
     crate::host::raise_descriptor_limit();
-    let node = match args.node {
-        Some(node) => node,
-        None => default_node_name()?,
-    };
-    let mut cfg = ServeConfig::new(args.data_dir, args.listen, args.hypervisor, node);
+    let node = args.node.resolve()?;
+    let mut cfg = ServeConfig::new(node.data_dir, args.listen, node.hypervisor, node.node);
+    cfg.guest_dir = node.guest_dir;
+    cfg.accel = node.accel;
+    cfg.disk_dir = node.disk_dir;
+    cfg.runtime_dir = node.runtime_dir;
+    cfg.console_log_max_bytes = node.console_log_max_bytes;
+    cfg.min_free_disk_bytes = node.min_free_disk_bytes;
+    cfg.image_dir = node.image_dir;
+    cfg.runtime.max_concurrent_reconciles = node.max_concurrent_reconciles;
+    cfg.lifecycle = node.lifecycle;
+    cfg.sim = node.sim;
     cfg.token_file = args.token_file;
-    cfg.guest_dir = crate::hypervisor::guest_dir_or_built(args.guest_dir);
-    cfg.accel = args.accel;
     cfg.demo = args.demo;
     cfg.store = args.store_access.resolve(args.store)?;
     cfg.agent = args.agent;
-    cfg.disk_dir = args.disk_dir;
-    cfg.runtime_dir = args.runtime_dir;
-    cfg.console_log_max_bytes = args.console_log_max_mib << 20;
-    cfg.min_free_disk_bytes = args.min_free_disk_mib << 20;
-    cfg.image_dir = args.image_dir;
     cfg.tls = match (args.tls_cert, args.tls_key, args.insecure_http) {
         (None, None, false) => ApiTls::SelfSigned,
         (None, None, true) => ApiTls::InsecureHttp,
@@ -600,7 +599,6 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         (Some(_), None, _) => bail!("--tls-cert: needs --tls-key (the certificate's private key)"),
         (None, Some(_), _) => bail!("--tls-key: needs --tls-cert (the certificate chain)"),
     };
-    cfg.runtime.max_concurrent_reconciles = args.max_concurrent_reconciles;
     cfg.api_limits = ApiLimits {
         max_vms: args.max_vms,
         max_snapshots_per_vm: args.max_snapshots_per_vm,
@@ -612,7 +610,6 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
         requests_per_second: args.max_requests_per_token,
         consoles_per_token: args.max_consoles_per_token,
     };
-    args.capacity.apply(&mut cfg.lifecycle, &mut cfg.sim)?;
     if let Some(first) = args.sim_node_hosts.first() {
         cfg.sim.host = Some(*first);
     }

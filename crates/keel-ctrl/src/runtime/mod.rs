@@ -10,6 +10,7 @@
 //! [`Runtime::settle`].
 
 pub mod event;
+pub mod reason;
 pub mod reconciler;
 pub mod runner;
 mod running;
@@ -127,7 +128,7 @@ impl Runtime {
             reconciler,
             name: name.to_string(),
         };
-        self.runner.schedule(key, at);
+        self.runner.schedule(key, at, reason::Reason::Asked);
         true
     }
 

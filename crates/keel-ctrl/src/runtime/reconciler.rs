@@ -8,6 +8,7 @@ use keel_store::StoreError;
 
 use super::event::Event;
 use crate::keys::{migration_of, name_of, snapshot_of, NODES_PREFIX, VMS_PREFIX};
+use crate::requeue::Requeue;
 use crate::{MigrationController, ReconcileError, SnapshotController, SnapshotError, VmController};
 
 #[async_trait]
@@ -21,9 +22,9 @@ pub trait Reconciler: Send + Sync + 'static {
     /// The keys `event` makes due now.
     fn triggers(&self, event: &Event) -> Vec<String>;
 
-    /// One look at `key`; when to look again (`None`: not unless an event
-    /// asks). An error means the step was not completed.
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, Self::Error>;
+    /// One look at `key`; when to look again and why (`None`: not unless
+    /// an event asks). An error means the step was not completed.
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, Self::Error>;
 
     /// How long after a failed look, the `attempts`-th in a row, to try
     /// again.
@@ -57,8 +58,9 @@ impl Reconciler for VmController {
         vm.map(str::to_string).into_iter().collect()
     }
 
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, ReconcileError> {
-        VmController::reconcile(self, key).await
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, ReconcileError> {
+        let next = VmController::reconcile(self, key).await?;
+        Ok(next.map(|at| Requeue::at(at, "the VM's next look")))
     }
 
     /// Flat, not growing: a store or hypervisor outage must not push a
@@ -86,11 +88,12 @@ impl Reconciler for SnapshotController {
             .collect()
     }
 
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, SnapshotError> {
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, SnapshotError> {
         let Some((vm, name)) = snapshot_of(key) else {
             return Ok(None);
         };
-        SnapshotController::reconcile(self, vm, name).await
+        let next = SnapshotController::reconcile(self, vm, name).await?;
+        Ok(next.map(|at| Requeue::at(at, "the snapshot's next look")))
     }
 
     fn error_policy(&self, _err: &SnapshotError, _attempts: u32) -> Millis {
@@ -116,11 +119,11 @@ impl Reconciler for MigrationController {
             .collect()
     }
 
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, StoreError> {
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, StoreError> {
         let Some((vm, id)) = migration_of(key) else {
             return Ok(None);
         };
-        MigrationController::reconcile(self, vm, id).await
+        MigrationController::reconcile_why(self, vm, id).await
     }
 
     /// Flat: a migration's windows are counted on the record, and a

@@ -2,6 +2,10 @@
 //! whose hypervisor call hangs holds up that VM only. After kube-rs'
 //! runner: a key that becomes due while its reconcile runs is run again
 //! once it has finished, at the earliest time asked for meanwhile.
+//!
+//! Each look runs in a `reconcile` span naming its kind, key and why it
+//! ran ([`Why`]): what made it due soonest, and how many other triggers
+//! coalesced into it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -9,10 +13,13 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use keel_api::{Clock, Millis};
 use tokio::task::{Id, JoinError, JoinSet};
+use tracing::Instrument;
 
 use super::event::Event;
+use super::reason::{Reason, Why};
 use super::reconciler::Reconciler;
 use super::scheduler::Scheduler;
+use crate::requeue::Requeue;
 use crate::LifecycleObserver;
 
 /// One reconciler's key: the reconciler by its place in the runner (so
@@ -25,14 +32,14 @@ pub struct Key {
 
 /// A finished reconcile: when to look again, or, after a failure, after
 /// how long to retry.
-type Outcome = Result<Option<Millis>, Millis>;
+type Outcome = Result<Option<Requeue>, Millis>;
 
 /// A reconciler with its error type erased, so one runner serves all.
 #[async_trait]
 trait AnyReconciler: Send + Sync {
     fn kind(&self) -> &'static str;
     fn triggers(&self, event: &Event) -> Vec<String>;
-    async fn run(&self, key: &str, attempts: u32) -> Outcome;
+    async fn run(&self, key: &str, attempts: u32, why: &Why) -> Outcome;
 }
 
 struct Erased<R> {
@@ -50,9 +57,10 @@ impl<R: Reconciler> AnyReconciler for Erased<R> {
         self.inner.triggers(event)
     }
 
-    async fn run(&self, key: &str, attempts: u32) -> Outcome {
+    async fn run(&self, key: &str, attempts: u32, why: &Why) -> Outcome {
         let kind = self.inner.kind();
-        match self.inner.reconcile(key).await {
+        let span = tracing::info_span!("reconcile", kind, key, why = %why);
+        match self.inner.reconcile(key).instrument(span).await {
             Ok(next) => Ok(next),
             Err(err) => {
                 tracing::warn!(kind, key, attempts, err = %crate::error_chain(&err), "reconcile failed");
@@ -68,9 +76,11 @@ pub struct Runner {
     observer: Arc<dyn LifecycleObserver>,
     reconcilers: Vec<Arc<dyn AnyReconciler>>,
     queue: Scheduler<Key>,
+    /// Why each queued key is due.
+    why: BTreeMap<Key, Why>,
     /// Keys whose reconcile is under way, with the earliest time each was
-    /// asked for again meanwhile.
-    running: BTreeMap<Key, Option<Millis>>,
+    /// asked for again meanwhile, and why.
+    running: BTreeMap<Key, Option<(Millis, Why)>>,
     /// Failed looks in a row, per key, for the error policy.
     failures: BTreeMap<Key, u32>,
     tasks: JoinSet<(Key, Outcome)>,
@@ -89,6 +99,7 @@ impl Runner {
             observer,
             reconcilers: Vec::new(),
             queue: Scheduler::default(),
+            why: BTreeMap::new(),
             running: BTreeMap::new(),
             failures: BTreeMap::new(),
             tasks: JoinSet::new(),
@@ -109,12 +120,32 @@ impl Runner {
         self.reconcilers.iter().position(|r| r.kind() == kind)
     }
 
-    /// Asks for `key` at `at` (earliest wins); if it runs now, it runs
-    /// again after.
-    pub fn schedule(&mut self, key: Key, at: Millis) {
-        match self.running.get_mut(&key) {
-            Some(again) => *again = Some(again.map_or(at, |t| t.min(at))),
-            None => self.queue.schedule(&key, at),
+    /// Asks for `key` at `at` (earliest wins) for `reason`; if it runs
+    /// now, it runs again after.
+    pub fn schedule(&mut self, key: Key, at: Millis, reason: Reason) {
+        self.enqueue(key, at, Why::new(reason));
+    }
+
+    fn enqueue(&mut self, key: Key, at: Millis, why: Why) {
+        if let Some(again) = self.running.get_mut(&key) {
+            match again {
+                Some((t, held)) => {
+                    held.merge(why, at < *t);
+                    *t = (*t).min(at);
+                }
+                None => *again = Some((at, why)),
+            }
+            return;
+        }
+        let sooner = self.queue.due_at(&key).is_none_or(|t| at < t);
+        self.queue.schedule(&key, at);
+        match self.why.entry(key) {
+            std::collections::btree_map::Entry::Occupied(mut held) => {
+                held.get_mut().merge(why, sooner)
+            }
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                slot.insert(why);
+            }
         }
     }
 
@@ -123,7 +154,7 @@ impl Runner {
         let now = self.clock.now_ms();
         for reconciler in 0..self.reconcilers.len() {
             for name in self.reconcilers[reconciler].triggers(event) {
-                self.schedule(Key { reconciler, name }, now);
+                self.schedule(Key { reconciler, name }, now, Reason::of(event));
             }
         }
     }
@@ -140,10 +171,14 @@ impl Runner {
             };
             let reconciler = self.reconcilers[key.reconciler].clone();
             let attempts = self.failures.get(&key).copied().unwrap_or(0) + 1;
+            let why = self
+                .why
+                .remove(&key)
+                .expect("every queued key has its reason");
             self.running.insert(key.clone(), None);
             let task_key = key.clone();
             let handle = self.tasks.spawn(async move {
-                let outcome = reconciler.run(&task_key.name, attempts).await;
+                let outcome = reconciler.run(&task_key.name, attempts, &why).await;
                 (task_key, outcome)
             });
             self.task_keys.insert(handle.id(), key);
@@ -199,17 +234,23 @@ impl Runner {
         match outcome {
             Ok(next) => {
                 self.failures.remove(&key);
-                if let Some(at) = next {
-                    self.queue.schedule(&key, at);
+                if let Some(Requeue { at, why }) = next {
+                    let after_ms = at.saturating_sub(now);
+                    self.schedule(key.clone(), at, Reason::Requeue { after_ms, why });
                 }
             }
             Err(retry_in) => {
-                *self.failures.entry(key.clone()).or_default() += 1;
-                self.queue.schedule(&key, now + retry_in);
+                let attempts = self.failures.entry(key.clone()).or_default();
+                *attempts += 1;
+                let reason = Reason::ErrorBackoff {
+                    after_ms: retry_in,
+                    attempts: *attempts,
+                };
+                self.schedule(key.clone(), now + retry_in, reason);
             }
         }
-        if let Some(at) = again {
-            self.queue.schedule(&key, at);
+        if let Some((at, why)) = again {
+            self.enqueue(key, at, why);
         }
     }
 
@@ -235,5 +276,163 @@ impl Runner {
     /// Whether `key`'s reconcile is under way.
     pub fn is_running(&self, key: &Key) -> bool {
         self.running.contains_key(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use keel_api::ManualClock;
+    use tracing::field::{Field, Visit};
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+    use tracing_subscriber::Layer;
+
+    use super::*;
+    use crate::NoObserver;
+
+    /// Looks at any key it is told of; "broken" fails, the rest ask to be
+    /// looked at again in 100 ms.
+    struct Asks {
+        clock: Arc<ManualClock>,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("it broke")]
+    struct Broke;
+
+    #[async_trait]
+    impl Reconciler for Asks {
+        type Error = Broke;
+
+        fn kind(&self) -> &'static str {
+            "asks"
+        }
+
+        fn triggers(&self, event: &Event) -> Vec<String> {
+            match event {
+                Event::Domain(event) => vec![event.vm.clone()],
+                Event::Changed { key } | Event::Listed { key } => vec![key.clone()],
+            }
+        }
+
+        async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, Broke> {
+            if key == "broken" {
+                return Err(Broke);
+            }
+            let at = self.clock.now_ms() + 100;
+            Ok(Some(Requeue::at(at, "the fake waits")))
+        }
+
+        fn error_policy(&self, _err: &Broke, attempts: u32) -> Millis {
+            250 * Millis::from(attempts)
+        }
+    }
+
+    /// Keeps the `why` of every `reconcile` span opened.
+    #[derive(Clone, Default)]
+    struct Spans(Arc<Mutex<Vec<String>>>);
+
+    impl<S: tracing::Subscriber> Layer<S> for Spans {
+        fn on_new_span(
+            &self,
+            attrs: &tracing::span::Attributes<'_>,
+            _: &tracing::span::Id,
+            _: Context<'_, S>,
+        ) {
+            struct Fields(Vec<String>);
+            impl Visit for Fields {
+                fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+                    self.0.push(format!("{}={value:?}", field.name()));
+                }
+                fn record_str(&mut self, field: &Field, value: &str) {
+                    self.0.push(format!("{}={value}", field.name()));
+                }
+            }
+            if attrs.metadata().name() == "reconcile" {
+                let mut fields = Fields(Vec::new());
+                attrs.record(&mut fields);
+                self.0.lock().unwrap().push(fields.0.join(" "));
+            }
+        }
+    }
+
+    impl Spans {
+        fn take(&self) -> Vec<String> {
+            std::mem::take(&mut self.0.lock().unwrap())
+        }
+    }
+
+    async fn run_due(runner: &mut Runner) {
+        runner.start_due();
+        runner.finish_all().await;
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_reconcile_span_names_why_it_ran() {
+        let spans = Spans::default();
+        let _guard =
+            tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+        let clock = Arc::new(ManualClock::new(1_000));
+        let mut runner = Runner::new(clock.clone(), Arc::new(NoObserver), 4);
+        runner.add(Arc::new(Asks {
+            clock: clock.clone(),
+        }));
+
+        // Three triggers before the look: the first is named, the rest
+        // counted.
+        runner.handle(&Event::Changed { key: "a".into() });
+        runner.handle(&Event::Listed { key: "a".into() });
+        runner.handle(&Event::Changed { key: "a".into() });
+        runner.handle(&Event::Listed { key: "b".into() });
+        run_due(&mut runner).await;
+        assert_eq!(
+            spans.take(),
+            [
+                "kind=asks key=a why=object changed: a (and 2 more)",
+                "kind=asks key=b why=listed: b",
+            ]
+        );
+
+        // The time the look asked for, and why.
+        clock.advance(100);
+        run_due(&mut runner).await;
+        assert_eq!(
+            spans.take(),
+            [
+                "kind=asks key=a why=requeue after 100 ms: the fake waits",
+                "kind=asks key=b why=requeue after 100 ms: the fake waits",
+            ]
+        );
+
+        // A domain event makes the key due sooner than its requeue: it is
+        // what is named.
+        runner.handle(&Event::Domain(keel_hv::DomainEvent {
+            vm: "a".into(),
+            instance: "a-1".into(),
+            kind: keel_hv::DomainEventKind::Exited,
+        }));
+        run_due(&mut runner).await;
+        assert_eq!(
+            spans.take(),
+            ["kind=asks key=a why=domain event Exited of a-1 (and 1 more)"]
+        );
+
+        // A failed look is retried by the error policy, and says so.
+        runner.handle(&Event::Changed {
+            key: "broken".into(),
+        });
+        run_due(&mut runner).await;
+        spans.take();
+        clock.advance(250);
+        run_due(&mut runner).await;
+        let spans = spans.take();
+        assert!(
+            spans.contains(
+                &"kind=asks key=broken why=error backoff after 250 ms (1 failed in a row)"
+                    .to_string()
+            ),
+            "{spans:?}"
+        );
     }
 }

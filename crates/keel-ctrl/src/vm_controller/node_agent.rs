@@ -1,9 +1,8 @@
 //! The node agent's own duties, beside reconciling VMs: the heartbeat
 //! (this node's record and its lease), the freeze of a planned restart,
-//! recording a drain complete, self-fencing when the lease cannot be
-//! renewed, and (single-process mode) taking over lost nodes' VMs.
+//! recording a drain complete, and self-fencing when the lease cannot be
+//! renewed. (Taking over lost nodes' VMs is the cluster controller's.)
 
-use crate::cluster_controller;
 use crate::error_chain::error_chain;
 use crate::events::report_undecodable;
 use crate::fence::Fence;
@@ -237,15 +236,9 @@ impl VmController {
             .self_fence_due(last_ok, self.clock.mono(), &self.cfg)
     }
 
-    /// Taking over the VMs of nodes whose lease ran out (with
-    /// `cluster_duties`), recording a drain of this node complete, ending
-    /// stray domains.
+    /// Recording a drain of this node complete, ending stray domains.
+    /// (Taking over the VMs of lost nodes is the cluster controller's.)
     pub async fn chores(&self) {
-        if self.cfg.cluster_duties {
-            if let Err(err) = self.take_over_lost_nodes().await {
-                tracing::warn!(err = %error_chain(&err), "taking over from lost nodes failed");
-            }
-        }
         if let Err(err) = self.complete_drain().await {
             tracing::warn!(node = %self.cfg.node, err = %error_chain(&err), "cannot check whether the drain is complete");
         }
@@ -280,22 +273,6 @@ impl VmController {
             });
         }
         kills.join_all().await;
-    }
-
-    /// VMs owned by a node whose lease has run out move back to the
-    /// scheduler. Never earlier: until then the node may still run them.
-    /// (Single-process mode; under a control plane its leader does this.)
-    pub async fn take_over_lost_nodes(&self) -> Result<(), StoreError> {
-        let mut state = self.read_cluster().await?;
-        let now = state.looked_at.wall;
-        let lost = state
-            .liveness
-            .lost(Some(&self.cfg.node), state.looked_at.mono, &self.cfg);
-        if lost.is_empty() {
-            return Ok(());
-        }
-        cluster_controller::take_over(&self.store, &mut state, &lost, now, Fence::Cas).await?;
-        Ok(())
     }
 }
 

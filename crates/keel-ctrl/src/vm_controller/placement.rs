@@ -1,43 +1,19 @@
-//! Where a VM goes, as this node's controller sees it (single-process
-//! mode places; every node checks there is room on it before a start):
-//! the cluster view a decision needs, and the room check.
+//! Where a VM goes, as this node's controller sees it (the cluster
+//! controller places; every node checks there is room on it before a
+//! start): the cluster view a decision needs, and the room check.
 
-use crate::cluster_controller::{self, ClusterState};
-use crate::fence::Fence;
+use crate::cluster_controller::ClusterState;
 use crate::keys::{migration_key, node_key, MIGRATIONS_PREFIX};
 use crate::node_lease::liveness::ClockReading;
 use crate::schedule::candidate_nodes;
 use crate::view::ClusterView;
 use crate::vm_index::VmIndex;
-use keel_api::{EvictionPhase, Migration, Millis, Node, VirtualMachine};
+use keel_api::{EvictionPhase, Migration, Node, VirtualMachine};
 use keel_store::StoreError;
 
 use super::VmController;
 
 impl VmController {
-    /// Chooses the node for a VM that has none (single-process mode).
-    /// Every agent computes the same choice; the compare-and-swap lets one
-    /// write it.
-    pub(super) async fn place(
-        &self,
-        vm: &VirtualMachine,
-        revision: u64,
-    ) -> Result<Option<Millis>, StoreError> {
-        let mut state = self.read_cluster().await?;
-        let now = state.looked_at.wall;
-        cluster_controller::place(
-            &self.store,
-            &mut state,
-            vm,
-            revision,
-            now,
-            &self.cfg,
-            Fence::Cas,
-        )
-        .await
-        .map(Some)
-    }
-
     /// This node's drain and, while draining, the VM's migration and the
     /// nodes it could move to.
     pub(super) async fn cluster_view(

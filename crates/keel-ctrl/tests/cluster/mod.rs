@@ -1,7 +1,9 @@
 //! Several simulated nodes sharing one store, one clock and shared storage.
 //! Each node runs the production runtime ([`Runtime`]): the cluster moves
 //! the clock a tick at a time and lets each running node do what its
-//! watches, exit hints and schedule make due.
+//! watches, exit hints and schedule make due. The control plane's
+//! cluster controller (alone on the store, as `keel serve` runs it on
+//! SQLite) places VMs and takes over lost nodes' VMs each tick.
 #![allow(dead_code)]
 
 #[path = "../support/cas.rs"]
@@ -23,9 +25,11 @@ use keel_api::{
     Clock, EvictionWindows, ManualClock, Migration, Millis, Node, RunPolicy, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
+use keel_ctrl::requeue::Requeue;
 use keel_ctrl::runtime::Event;
 use keel_ctrl::{
-    LifecycleConfig, MigrationController, Reconciler, Runtime, RuntimeConfig, VmController,
+    ClusterController, LifecycleConfig, MigrationController, Reconciler, Runtime, RuntimeConfig,
+    VmController,
 };
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
@@ -64,6 +68,9 @@ pub struct Cluster {
     pub store: TypedStore,
     pub fabric: SimFabric,
     pub agents: Vec<Agent>,
+    /// The control plane: on the true clock and the unfaulted store (a
+    /// partition cuts nodes off, not it).
+    pub control: Arc<ClusterController>,
     pub sim: SimConfig,
     /// Each node keeps its disks to itself (no shared storage).
     pub local_disks: bool,
@@ -124,11 +131,17 @@ impl Cluster {
     pub fn new(sim: SimConfig) -> Self {
         let clock = ManualClock::new(T0);
         let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-        let memory = MemoryStore::with_clock(shared);
+        let memory = MemoryStore::with_clock(shared.clone());
         let raw: Arc<dyn Store> = Arc::new(memory.clone());
+        let control = Arc::new(ClusterController::sole(
+            TypedStore::new(raw.clone()),
+            shared,
+            LifecycleConfig::default(),
+        ));
         Self {
             clock,
             memory,
+            control,
             store: TypedStore::new(raw),
             fabric: SimFabric::default(),
             agents: Vec::new(),
@@ -380,6 +393,9 @@ impl Cluster {
     /// housekeeping and lets its runtime do what is due.
     pub async fn tick(&mut self) {
         self.clock.advance(TICK_MS);
+        if let Err(err) = self.control.reconcile().await {
+            panic!("cluster pass on the unfaulted store: {err}");
+        }
         for a in self.agents.iter_mut().filter(|a| a.running) {
             a.house.run_due(&a.vms, &self.clock).await;
             a.stuck.store(a.migrations_stuck, Ordering::SeqCst);
@@ -562,9 +578,9 @@ impl<R: Reconciler> Reconciler for Stuckable<R> {
         self.inner.triggers(event)
     }
 
-    async fn reconcile(&self, key: &str) -> Result<Option<Millis>, Self::Error> {
+    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, Self::Error> {
         if self.stuck.load(Ordering::SeqCst) {
-            return Ok(Some(self.clock.now_ms() + TICK_MS));
+            return Ok(Some(Requeue::at(self.clock.now_ms() + TICK_MS, "stuck")));
         }
         Reconciler::reconcile(&*self.inner, key).await
     }

@@ -2,6 +2,8 @@
 //! store, the sim hypervisor and the node's production runtime
 //! ([`Runtime`]), which hears the store's watches and the driver's exit
 //! hints and decides what to reconcile; the world only moves the clock.
+//! Beside it, as `keel serve` on SQLite runs it, the sole cluster
+//! controller places VMs and takes over a lost node's.
 #![allow(dead_code)]
 
 #[path = "../support/cas.rs"]
@@ -26,7 +28,9 @@ use keel_api::{
 };
 use keel_ctrl::keys::snapshot_key;
 use keel_ctrl::keys::vm_key;
-use keel_ctrl::{LifecycleConfig, Runtime, RuntimeConfig, SnapshotController, VmController};
+use keel_ctrl::{
+    ClusterController, LifecycleConfig, Runtime, RuntimeConfig, SnapshotController, VmController,
+};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -55,6 +59,11 @@ pub struct World {
     pub cfg: LifecycleConfig,
     pub runtime_cfg: RuntimeConfig,
     pub runtime: Runtime,
+    /// The process's cluster controller, alone on its store; its passes
+    /// use the unfaulted store (its own retries are not under test here).
+    pub cluster: Arc<ClusterController>,
+    /// When the cluster controller asked to pass again at the latest.
+    cluster_next: Option<keel_api::Mono>,
     /// The agent process's heartbeat and chores; `None` until it has
     /// registered the node.
     house: Option<VirtualHousekeeping>,
@@ -73,6 +82,7 @@ impl World {
         let cfg = LifecycleConfig::default();
         let runtime_cfg = RuntimeConfig::default();
         let (ctrl, snaps, runtime) = Self::node(&clock, &faulty, &hv, &cfg, &runtime_cfg);
+        let cluster = Self::cluster_controller(&clock, &raw, &cfg);
         let history = raw
             .watch(keel_ctrl::keys::VMS_PREFIX, 1)
             .await
@@ -90,8 +100,22 @@ impl World {
             cfg,
             runtime_cfg,
             runtime,
+            cluster,
+            cluster_next: None,
             house: None,
         }
+    }
+
+    fn cluster_controller(
+        clock: &ManualClock,
+        raw: &Arc<dyn Store>,
+        cfg: &LifecycleConfig,
+    ) -> Arc<ClusterController> {
+        Arc::new(ClusterController::sole(
+            TypedStore::new(raw.clone()),
+            Arc::new(clock.clone()),
+            cfg.clone(),
+        ))
     }
 
     /// A node process: its controllers and the runtime that drives them.
@@ -135,6 +159,8 @@ impl World {
         self.ctrl = ctrl;
         self.snaps = snaps;
         self.runtime = runtime;
+        self.cluster = Self::cluster_controller(&self.clock, &self.raw, &self.cfg);
+        self.cluster_next = None;
     }
 
     /// Registers this node (as its agent does on start).
@@ -262,7 +288,18 @@ impl World {
     /// reconciles finished.
     pub async fn reconcile_due(&mut self) -> usize {
         self.housekeeping().await;
+        self.cluster_pass().await;
         self.runtime.settle().await
+    }
+
+    /// One pass of the cluster controller. Production's passes on every
+    /// change of a VM or node record and at the next node-lease deadline;
+    /// here on every step, which takes in every change made before it.
+    async fn cluster_pass(&mut self) {
+        match self.cluster.reconcile().await {
+            Ok(report) => self.cluster_next = report.map(|r| r.next_at),
+            Err(err) => panic!("cluster pass on the unfaulted store: {err}"),
+        }
     }
 
     /// When the node next has something to do: its runtime, or its
@@ -272,10 +309,14 @@ impl World {
             let now = self.clock.mono();
             self.now() + h.next_due().since(now)
         });
-        match (self.runtime.next_wake(), house) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        let cluster = self.cluster_next.map(|at| {
+            let now = self.clock.mono();
+            self.now() + at.since(now)
+        });
+        [self.runtime.next_wake(), house, cluster]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Asks the runtime for a look at VM `name` now (as a change would).

@@ -1,6 +1,7 @@
 //! Real QEMU under the real controller runtime: a temp data dir, the QEMU
 //! driver (TCG), an SQLite store, and `run_vm_controller` as `keel serve`
-//! runs it. Users act through compare-and-swap writes, as the API does.
+//! runs it, beside the sole cluster controller that places the VMs. Users
+//! act through compare-and-swap writes, as the API does.
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
@@ -14,7 +15,9 @@ use keel_api::{
     Clock, Phase, PowerState, RunPolicy, SystemClock, ValidationError, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::vm_key;
-use keel_ctrl::{run_vm_controller, LifecycleConfig, VmController};
+use keel_ctrl::{
+    run_control_plane, run_vm_controller, ClusterController, LifecycleConfig, VmController,
+};
 use keel_hv::guest::GuestChannel;
 use keel_hv::qemu::{AccelChoice, QemuConfig, QemuDriver};
 use keel_store::sqlite::SqliteStore;
@@ -48,11 +51,17 @@ pub struct Env {
     guest: PathBuf,
     /// Changes every node's lifecycle config (`Env::new_with_lifecycle`).
     lifecycle: fn(LifecycleConfig) -> LifecycleConfig,
+    /// The cluster controller's stop and task.
+    control: Option<(watch::Sender<bool>, tokio::task::JoinHandle<()>)>,
     _dir: tempfile::TempDir,
 }
 
 impl Drop for Env {
     fn drop(&mut self) {
+        if let Some((stop, task)) = self.control.take() {
+            let _ = stop.send(true);
+            task.abort();
+        }
         for node in &mut self.nodes {
             let _ = node.stop.send(true);
             if let Some(task) = node.task.take() {
@@ -100,8 +109,17 @@ impl Env {
             data_dir,
             guest,
             lifecycle,
+            control: None,
             _dir: dir,
         };
+        // As `keel serve` on SQLite: the one cluster controller places.
+        let cluster = Arc::new(ClusterController::sole(
+            env.store.clone(),
+            Arc::new(SystemClock),
+            env.node_lifecycle("control"),
+        ));
+        let (stop, stop_rx) = watch::channel(false);
+        env.control = Some((stop, tokio::spawn(run_control_plane(cluster, stop_rx))));
         let driver = env.driver.clone();
         env.start_agent("local", driver).await;
         Some(env)
@@ -141,13 +159,7 @@ impl Env {
 
     async fn start_agent(&mut self, name: &str, driver: QemuDriver) {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let cfg = (self.lifecycle)(LifecycleConfig {
-            node: name.into(),
-            poll_ms: 500,
-            // The nodes share one disk dir, as nodes on shared storage.
-            shared_disk_dir: Some("/shared-test-disks".into()),
-            ..Default::default()
-        });
+        let cfg = self.node_lifecycle(name);
         let ctrl = Arc::new(VmController::new(
             self.store.clone(),
             Arc::new(driver.clone()),
@@ -163,6 +175,18 @@ impl Env {
             stop,
             task: Some(task),
         });
+    }
+
+    /// Node `name`'s lifecycle config (the cluster controller's timings
+    /// too).
+    fn node_lifecycle(&self, name: &str) -> LifecycleConfig {
+        (self.lifecycle)(LifecycleConfig {
+            node: name.into(),
+            poll_ms: 500,
+            // The nodes share one disk dir, as nodes on shared storage.
+            shared_disk_dir: Some("/shared-test-disks".into()),
+            ..Default::default()
+        })
     }
 
     pub fn node_driver(&self, name: &str) -> &QemuDriver {
