@@ -59,8 +59,7 @@ impl Reconciler for VmController {
     }
 
     async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, ReconcileError> {
-        let next = VmController::reconcile(self, key).await?;
-        Ok(next.map(|at| Requeue::at(at, "the VM's next look")))
+        VmController::look(self, key).await
     }
 
     /// Flat, not growing: a store or hypervisor outage must not push a
