@@ -91,8 +91,7 @@ impl Reconciler for SnapshotController {
         let Some((vm, name)) = snapshot_of(key) else {
             return Ok(None);
         };
-        let next = SnapshotController::reconcile(self, vm, name).await?;
-        Ok(next.map(|at| Requeue::at(at, "the snapshot's next look")))
+        SnapshotController::look(self, vm, name).await
     }
 
     fn error_policy(&self, _err: &SnapshotError, _attempts: u32) -> Millis {

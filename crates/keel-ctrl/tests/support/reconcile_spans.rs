@@ -35,6 +35,18 @@ impl<S: tracing::Subscriber> Layer<S> for ReconcileSpans {
 }
 
 impl ReconcileSpans {
+    /// Forgets what was kept and makes sure the `reconcile` span is kept
+    /// from now on, on a thread where this layer is the default. Call it
+    /// once the span has run at least once (its callsite registered):
+    /// tracing caches whether anyone wants a callsite when it is first
+    /// hit, and a test on another thread (no subscriber) hitting it first
+    /// while this is the only scoped subscriber caches "nobody" for good.
+    /// Recomputing the cache here asks this thread's subscriber again.
+    pub fn arm(&self) {
+        tracing::callsite::rebuild_interest_cache();
+        self.0.lock().unwrap().clear();
+    }
+
     /// The `why` of every look at `key` by the reconciler of `kind` since
     /// the last call, oldest first (the rest is dropped).
     pub fn take_whys(&self, kind: &str, key: &str) -> Vec<String> {
