@@ -49,6 +49,7 @@ pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;
 pub mod vm_index;
+pub mod vm_next_look;
 
 pub use cluster_controller::{run_control_plane, ClusterController, PassReport};
 pub use config::LifecycleConfig;

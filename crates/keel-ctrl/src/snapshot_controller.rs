@@ -15,6 +15,7 @@ use keel_store::{StoreError, TypedStore};
 
 use crate::config::LifecycleConfig;
 use crate::keys::{snapshot_key, vm_key};
+use crate::requeue::Requeue;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SnapshotError {
@@ -67,6 +68,12 @@ impl SnapshotController {
         vm_name: &str,
         name: &str,
     ) -> Result<Option<Millis>, SnapshotError> {
+        Ok(self.look(vm_name, name).await?.map(|next| next.at))
+    }
+
+    /// [`Self::reconcile`], with why the snapshot is looked at again
+    /// (named in the runtime's span of that look).
+    pub async fn look(&self, vm_name: &str, name: &str) -> Result<Option<Requeue>, SnapshotError> {
         let key = snapshot_key(vm_name, name);
         let err = |source| SnapshotError::Store {
             vm: vm_name.to_string(),
@@ -93,7 +100,10 @@ impl SnapshotController {
             // Without a VM record its disks, and the snapshot in them, are gone.
             if vm.is_some() {
                 if !mine {
-                    return Ok(Some(retry));
+                    return Ok(Some(Requeue::at(
+                        retry,
+                        "deleting: the VM is another node's, waiting for it",
+                    )));
                 }
                 if let Err(e) = self
                     .hv
@@ -101,11 +111,16 @@ impl SnapshotController {
                     .await
                 {
                     tracing::warn!(vm = vm_name, snapshot = name, err = %crate::error_chain(&e), "delete failed");
-                    return Ok(Some(retry));
+                    return Ok(Some(Requeue::at(
+                        retry,
+                        "deleting: retry after a failed delete",
+                    )));
                 }
             }
             return match self.store.delete(&key, entry.revision).await {
-                Ok(_) | Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+                Ok(_) | Err(StoreError::Conflict { .. }) => {
+                    Ok(Some(Requeue::at(now, "deleted or changed: read it again")))
+                }
                 Err(source) => Err(err(source)),
             };
         }
@@ -121,17 +136,21 @@ impl SnapshotController {
                 .map_err(err);
         };
         if !mine {
-            return Ok(Some(retry));
+            return Ok(Some(Requeue::at(
+                retry,
+                "pending: the VM is another node's, waiting for it",
+            )));
         }
         let instance = match self.access(&vm).await {
             Access::Live(id) => Some(id),
             Access::Offline => None,
             Access::NotNow(why) => {
+                let next = Requeue::at(retry, format!("pending: {why}"));
                 if snap.status.message.as_deref() != Some(why.as_str()) {
                     snap.status.message = Some(why);
                     let _ = self.store.update(&key, &snap, entry.revision).await;
                 }
-                return Ok(Some(retry));
+                return Ok(Some(next));
             }
         };
         let (taken, quiesce) = match &instance {
@@ -191,7 +210,10 @@ impl SnapshotController {
                     snap.status.message = Some(message);
                     let _ = self.store.update(&key, &snap, entry.revision).await;
                 }
-                return Ok(Some(retry));
+                return Ok(Some(Requeue::at(
+                    retry,
+                    "pending: retry after a failed snapshot",
+                )));
             }
         }
         self.write(&key, &snap, entry.revision, now)
@@ -230,10 +252,13 @@ impl SnapshotController {
         snap: &Snapshot,
         revision: u64,
         now: Millis,
-    ) -> Result<Option<Millis>, StoreError> {
+    ) -> Result<Option<Requeue>, StoreError> {
         match self.store.update(key, snap, revision).await {
             Ok(_) => Ok(None),
-            Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+            Err(StoreError::Conflict { .. }) => Ok(Some(Requeue::at(
+                now,
+                "the record changed meanwhile: read it again",
+            ))),
             Err(e) => Err(e),
         }
     }

@@ -15,17 +15,23 @@ use crate::keys::{migration_key, migrations_of_prefix, snapshot_key, snapshots_o
 use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::node_lease::NodeLease;
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
+use crate::requeue::Requeue;
 use crate::step::{HvAction, Step};
 use crate::transitions;
 use crate::view::{Observed, RestoreSource};
 use crate::vm_decide::decide;
 use crate::vm_index::{ClusterReflector, VmIndex};
+use crate::vm_next_look::why_next_look;
 use keel_api::{
     Clock, Event, Migration, MigrationPhase, Millis, Node, Phase, Snapshot, VirtualMachine,
 };
 use keel_hv::{DiskDetach, HvError, Hypervisor};
 use keel_store::{StoreError, TypedEntry, TypedStore};
 use std::sync::Arc;
+
+/// Why a VM whose record changed under its look (a compare-and-swap
+/// refused) is looked at again at once.
+const WRITE_CONFLICT: &str = "the record changed meanwhile: read it again";
 
 pub use crate::error::{ActError, HeartbeatError, ReconcileError};
 
@@ -152,6 +158,12 @@ impl VmController {
     /// One look at one VM. Returns when to look again (`None`: the record
     /// is gone). An error means the step was not completed; retry later.
     pub async fn reconcile(&self, name: &str) -> Result<Option<Millis>, ReconcileError> {
+        Ok(self.look(name).await?.map(|next| next.at))
+    }
+
+    /// [`Self::reconcile`], with why the VM is looked at again (named in
+    /// the runtime's span of that look).
+    pub async fn look(&self, name: &str) -> Result<Option<Requeue>, ReconcileError> {
         let key = vm_key(name);
         let store_err = |source| ReconcileError::Store {
             vm: name.to_string(),
@@ -185,7 +197,10 @@ impl VmController {
             transitions::check(&vm, next)?;
         }
         match step {
-            Step::Wait { requeue_at } => Ok(Some(requeue_at)),
+            Step::Wait { requeue_at } => Ok(Some(Requeue::at(
+                requeue_at,
+                why_next_look(&vm, requeue_at, now, &self.cfg),
+            ))),
             Step::Persist {
                 then: Some(HvAction::Start),
                 ..
@@ -194,7 +209,10 @@ impl VmController {
                 // may be about to start this node's VMs elsewhere.
                 tracing::warn!(vm = name, node = %self.cfg.node,
                     "not starting: this node's lease is stale (no heartbeat got through within it)");
-                Ok(Some(now + self.cfg.retry_ms))
+                Ok(Some(Requeue::at(
+                    now + self.cfg.retry_ms,
+                    "not starting: this node's lease is stale",
+                )))
             }
             Step::Persist {
                 vm: next,
@@ -202,7 +220,7 @@ impl VmController {
                 requeue_at,
             } => {
                 let Some(revision) = self.write(&key, &next, entry.revision).await? else {
-                    return Ok(Some(now));
+                    return Ok(Some(Requeue::at(now, WRITE_CONFLICT)));
                 };
                 if then == Some(HvAction::Start) {
                     keel_hv::start_marks::mark(name, "instance_recorded");
@@ -227,7 +245,10 @@ impl VmController {
                         return Err(err.for_vm(name));
                     }
                 }
-                Ok(Some(requeue_at))
+                Ok(Some(Requeue::at(
+                    requeue_at,
+                    why_next_look(&next, requeue_at, now, &self.cfg),
+                )))
             }
             Step::ActThenPersist {
                 action,
@@ -245,7 +266,10 @@ impl VmController {
                     // to store, the record already says what it waits for.
                     // An unplug under way keeps the fast look (besides the
                     // DEVICE_DELETED event): a guest may never answer.
-                    return Ok(Some(now + self.cfg.poll_ms));
+                    return Ok(Some(Requeue::at(
+                        now + self.cfg.poll_ms,
+                        "disk unplug under way",
+                    )));
                 }
                 if let Err(err) = acted {
                     // The step is retried; its reason is on the record
@@ -262,9 +286,12 @@ impl VmController {
                 match self.write(&key, &next, entry.revision).await? {
                     Some(revision) => {
                         self.record_event(&vm, &next, revision, now).await;
-                        Ok(Some(requeue_at))
+                        Ok(Some(Requeue::at(
+                            requeue_at,
+                            why_next_look(&next, requeue_at, now, &self.cfg),
+                        )))
                     }
-                    None => Ok(Some(now)),
+                    None => Ok(Some(Requeue::at(now, WRITE_CONFLICT))),
                 }
             }
             Step::DeleteRecord => {
@@ -311,7 +338,7 @@ impl VmController {
                         self.put_event(&event, revision).await;
                         Ok(None)
                     }
-                    Err(StoreError::Conflict { .. }) => Ok(Some(now)),
+                    Err(StoreError::Conflict { .. }) => Ok(Some(Requeue::at(now, WRITE_CONFLICT))),
                     Err(source) => Err(store_err(source)),
                 }
             }

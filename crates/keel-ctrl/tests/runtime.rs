@@ -3,12 +3,16 @@
 //! and that one VM's hung hypervisor call holds up that VM only.
 
 mod common;
+#[path = "support/reconcile_spans.rs"]
+mod reconcile_spans;
 
 use common::{spec, World};
 use keel_api::{ExitKind, Phase, PowerState, RunPolicy, VirtualMachine};
 use keel_ctrl::RuntimeConfig;
 use keel_hv::sim::{SimConfig, SimFaults};
 use keel_hv::Hypervisor;
+use reconcile_spans::ReconcileSpans;
+use tracing_subscriber::layer::SubscriberExt;
 
 fn sim() -> SimConfig {
     SimConfig {
@@ -361,4 +365,73 @@ async fn store_request_start(store: &keel_store::TypedStore) {
     )
     .await
     .unwrap();
+}
+
+/// A guest that ignores the power button is looked at again on the stop's
+/// backoff, and the span of each such look says so (not only when): the
+/// VM controller's step carries why it asks to look again.
+#[tokio::test(flavor = "current_thread")]
+async fn a_look_on_the_stop_backoff_names_it() {
+    let spans = ReconcileSpans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let mut w = World::new(3, sim()).await;
+    let inst = running_vm(&mut w, "web").await;
+    w.hv.ignore_acpi(&inst);
+    w.run_for(1_000).await;
+    spans.arm();
+    w.user_op("web", VirtualMachine::request_stop)
+        .await
+        .unwrap();
+    // Within the first half of the 60 s grace period: only the power
+    // button, pressed again on its backoff.
+    w.run_for(20_000).await;
+    let whys = spans.take_whys("vm", "web");
+    let on_backoff: Vec<&String> = whys
+        .iter()
+        .filter(|why| why.contains("stopping: re-check ACPI shutdown (backoff "))
+        .collect();
+    assert!(on_backoff.len() >= 2, "{whys:#?}");
+    assert!(
+        on_backoff
+            .iter()
+            .all(|why| why.starts_with("requeue after ")),
+        "{whys:#?}"
+    );
+    assert_eq!(w.hv.live_instances("web"), vec![inst]);
+}
+
+/// A snapshot asked for while its VM stops is looked at again on the
+/// retry interval, and the span of each such look says what it waits
+/// for (the snapshot controller's own reason, not a fixed text).
+#[tokio::test(flavor = "current_thread")]
+async fn a_snapshot_waiting_for_a_stopping_vm_names_it() {
+    let spans = ReconcileSpans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let mut w = World::new(3, sim()).await;
+    let inst = running_vm(&mut w, "web").await;
+    spans.arm();
+    w.hv.ignore_acpi(&inst);
+    w.user_op("web", VirtualMachine::request_stop)
+        .await
+        .unwrap();
+    w.run_for(1_000).await;
+    let snap = keel_api::Snapshot {
+        vm: "web".into(),
+        name: "s1".into(),
+        spec: w.get("web").await.unwrap().spec,
+        requested_at: w.now(),
+        deletion_requested_at: None,
+        status: Default::default(),
+    };
+    let key = keel_ctrl::keys::snapshot_key("web", "s1");
+    w.user.create(&key, &snap).await.unwrap();
+    w.run_for(3 * w.cfg.retry_ms).await;
+    let whys = spans.take_whys("snapshot", &key);
+    let waiting = format!(
+        "requeue after {} ms: pending: VM web is stopping",
+        w.cfg.retry_ms
+    );
+    assert!(whys.contains(&waiting), "{whys:#?}");
 }

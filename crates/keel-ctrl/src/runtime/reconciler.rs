@@ -59,8 +59,7 @@ impl Reconciler for VmController {
     }
 
     async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, ReconcileError> {
-        let next = VmController::reconcile(self, key).await?;
-        Ok(next.map(|at| Requeue::at(at, "the VM's next look")))
+        VmController::look(self, key).await
     }
 
     /// Flat, not growing: a store or hypervisor outage must not push a
@@ -92,8 +91,7 @@ impl Reconciler for SnapshotController {
         let Some((vm, name)) = snapshot_of(key) else {
             return Ok(None);
         };
-        let next = SnapshotController::reconcile(self, vm, name).await?;
-        Ok(next.map(|at| Requeue::at(at, "the snapshot's next look")))
+        SnapshotController::look(self, vm, name).await
     }
 
     fn error_policy(&self, _err: &SnapshotError, _attempts: u32) -> Millis {

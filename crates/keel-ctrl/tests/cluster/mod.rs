@@ -14,23 +14,19 @@ mod faulty_store;
 mod housekeeping;
 use faulty_store::FaultyStore;
 use housekeeping::VirtualHousekeeping;
+#[path = "../support/sim_node.rs"]
+mod sim_node;
+use sim_node::{sim_host, NodeWiring, SimNode};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use async_trait::async_trait;
-
 use keel_api::{
     Clock, EvictionWindows, ManualClock, Migration, Millis, Node, RunPolicy, VirtualMachine, VmSpec,
 };
 use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
-use keel_ctrl::requeue::Requeue;
-use keel_ctrl::runtime::Event;
-use keel_ctrl::{
-    ClusterController, LifecycleConfig, MigrationController, Reconciler, Runtime, RuntimeConfig,
-    VmController,
-};
+use keel_ctrl::{ClusterController, LifecycleConfig, MigrationController, Runtime, VmController};
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
 use keel_store::{Store, TypedStore};
@@ -46,20 +42,31 @@ pub struct Agent {
     /// The node's runtime, driving `vms`, its snapshot controller and
     /// `migrations`.
     pub runtime: Runtime,
-    stuck: Arc<AtomicBool>,
+    /// What its process is made of, kept across restarts; its stuck
+    /// switches follow `migrations_stuck` and `vms_stuck` each tick.
+    wiring: NodeWiring,
     /// A stopped agent does nothing: no heartbeat, no reconciles.
     pub running: bool,
     /// The agent heartbeats but its migration controller is stuck.
     pub migrations_stuck: bool,
     /// The agent heartbeats but its VM controller is stuck.
     pub vms_stuck: bool,
-    vms_stuck_flag: Arc<AtomicBool>,
     /// The agent runs but cannot reach the store.
     pub partitioned: Arc<AtomicBool>,
     /// VM records the agent read from the store.
     pub vm_reads: Arc<std::sync::atomic::AtomicU64>,
     /// Its heartbeat and chores, on production's schedule.
     pub house: VirtualHousekeeping,
+}
+
+impl Agent {
+    /// A new process of this agent on the same wiring (`support/sim_node.rs`).
+    fn restart_process(&mut self) {
+        let node = SimNode::start(&self.wiring);
+        self.vms = node.vms;
+        self.migrations = node.migrations;
+        self.runtime = node.runtime;
+    }
 }
 
 pub struct Cluster {
@@ -178,88 +185,52 @@ impl Cluster {
     }
 
     pub fn make_agent(&self, name: &str, seed: u64) -> Agent {
-        let shared: Arc<dyn Clock> = Arc::new(self.clock.clone());
         let own = SimFabric::default();
         let fabric = if self.local_disks { &own } else { &self.fabric };
-        let hv = SimHypervisor::join(shared.clone(), seed, self.sim.clone(), fabric, name);
-        let partitioned = Arc::new(AtomicBool::new(false));
-        let stuck = Arc::new(AtomicBool::new(false));
-        let vms_stuck_flag = Arc::new(AtomicBool::new(false));
-        let vm_reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (vms, migrations, runtime) =
-            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck_flag, &vm_reads);
-        Agent {
-            vm_reads,
-            name: name.to_string(),
-            hv,
-            vms,
-            migrations,
-            runtime,
-            stuck,
-            vms_stuck: false,
-            vms_stuck_flag,
-            running: true,
-            migrations_stuck: false,
-            partitioned,
-            house: VirtualHousekeeping::new(self.clock.mono()),
-        }
-    }
-
-    fn controllers(
-        &self,
-        name: &str,
-        hv: &SimHypervisor,
-        partitioned: &Arc<AtomicBool>,
-        stuck: &Arc<AtomicBool>,
-        vms_stuck: &Arc<AtomicBool>,
-        vm_reads: &Arc<std::sync::atomic::AtomicU64>,
-    ) -> (Arc<VmController>, Arc<MigrationController>, Runtime) {
+        let hv = sim_host(
+            Arc::new(self.clock.clone()),
+            seed,
+            self.sim.clone(),
+            Some((fabric, name)),
+        );
         let offset_ms = self
             .wall_offsets
             .get(name)
             .cloned()
             .unwrap_or_else(|| Arc::new(self.skew_ms.get(name).copied().unwrap_or(0).into()));
-        let shared: Arc<dyn Clock> = Arc::new(SkewedClock {
+        let clock = Arc::new(SkewedClock {
             base: self.clock.clone(),
             offset_ms,
         });
+        let partitioned = Arc::new(AtomicBool::new(false));
+        let vm_reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut faulty = FaultyStore::partitionable(self.store.raw().clone(), partitioned.clone());
         faulty.vm_reads = vm_reads.clone();
-        let store = TypedStore::new(Arc::new(faulty));
-        let cfg = LifecycleConfig {
-            node: name.to_string(),
-            // One fabric: every node sees the same disks.
-            shared_disk_dir: (!self.local_disks).then(|| "/sim-fabric".into()),
-            ..Default::default()
+        let wiring = NodeWiring {
+            cfg: LifecycleConfig {
+                node: name.to_string(),
+                // One fabric: every node sees the same disks.
+                shared_disk_dir: (!self.local_disks).then(|| "/sim-fabric".into()),
+                ..Default::default()
+            },
+            stuck_requeue_ms: TICK_MS,
+            ..NodeWiring::new(clock, Arc::new(faulty), hv.clone())
         };
-        let vms = Arc::new(VmController::new(
-            store,
-            Arc::new(hv.clone()),
-            shared.clone(),
-            cfg,
-        ));
-        let migrations = Arc::new(vms.migration_controller());
-        let mut runtime = Runtime::new(
-            vms.store().raw().clone(),
-            vms.domain_events(),
-            shared.clone(),
-            vms.observer().clone(),
-            vms.config().retry_ms,
-            &RuntimeConfig::default(),
-        );
-        runtime.reflect(vms.reflector().clone());
-        runtime.add(Arc::new(Stuckable {
-            inner: vms.clone(),
-            stuck: vms_stuck.clone(),
-            clock: shared.clone(),
-        }));
-        runtime.add(Arc::new(vms.snapshot_controller()));
-        runtime.add(Arc::new(Stuckable {
-            inner: migrations.clone(),
-            stuck: stuck.clone(),
-            clock: shared,
-        }));
-        (vms, migrations, runtime)
+        let node = SimNode::start(&wiring);
+        Agent {
+            vm_reads,
+            name: name.to_string(),
+            hv,
+            vms: node.vms,
+            migrations: node.migrations,
+            runtime: node.runtime,
+            wiring,
+            vms_stuck: false,
+            running: true,
+            migrations_stuck: false,
+            partitioned,
+            house: VirtualHousekeeping::new(self.clock.mono()),
+        }
     }
 
     pub async fn add_node(&mut self, name: &str) {
@@ -284,20 +255,8 @@ impl Cluster {
 
     /// Every agent process restarts: new controllers, same store and nodes.
     pub fn restart_controllers(&mut self) {
-        for i in 0..self.agents.len() {
-            let a = &self.agents[i];
-            let (vms, migrations, runtime) = self.controllers(
-                &a.name.clone(),
-                &a.hv.clone(),
-                &a.partitioned,
-                &a.stuck,
-                &a.vms_stuck_flag,
-                &a.vm_reads,
-            );
-            let a = &mut self.agents[i];
-            a.vms = vms;
-            a.migrations = migrations;
-            a.runtime = runtime;
+        for a in &mut self.agents {
+            a.restart_process();
         }
     }
 
@@ -305,21 +264,11 @@ impl Cluster {
     /// new controllers, nothing carried over in memory.
     pub fn restart_agent(&mut self, name: &str) {
         let i = self.agents.iter().position(|a| a.name == name).unwrap();
-        let (hv, partitioned) = (
-            self.agents[i].hv.clone(),
-            self.agents[i].partitioned.clone(),
-        );
-        let stuck = self.agents[i].stuck.clone();
-        let vms_stuck = self.agents[i].vms_stuck_flag.clone();
-        let vm_reads = self.agents[i].vm_reads.clone();
-        let (vms, migrations, runtime) =
-            self.controllers(name, &hv, &partitioned, &stuck, &vms_stuck, &vm_reads);
+        let mono = self.clock.mono();
         let a = &mut self.agents[i];
-        a.vms = vms;
-        a.migrations = migrations;
-        a.runtime = runtime;
+        a.restart_process();
         a.running = true;
-        a.house = VirtualHousekeeping::new(self.clock.mono());
+        a.house = VirtualHousekeeping::new(mono);
     }
 
     pub fn agent_index(&self, name: &str) -> usize {
@@ -398,8 +347,10 @@ impl Cluster {
         }
         for a in self.agents.iter_mut().filter(|a| a.running) {
             a.house.run_due(&a.vms, &self.clock).await;
-            a.stuck.store(a.migrations_stuck, Ordering::SeqCst);
-            a.vms_stuck_flag.store(a.vms_stuck, Ordering::SeqCst);
+            a.wiring
+                .migrations_stuck
+                .store(a.migrations_stuck, Ordering::SeqCst);
+            a.wiring.vms_stuck.store(a.vms_stuck, Ordering::SeqCst);
             a.runtime.settle().await;
         }
         self.check_invariants().await;
@@ -554,38 +505,5 @@ pub fn sim() -> SimConfig {
         faults: SimFaults::default(),
         agent_answers: None,
         host: None,
-    }
-}
-
-/// A node's controller that can be stuck (`Agent::migrations_stuck`,
-/// `Agent::vms_stuck`): while it is, each look does nothing and asks to be
-/// looked at next tick.
-struct Stuckable<R> {
-    inner: Arc<R>,
-    stuck: Arc<AtomicBool>,
-    clock: Arc<dyn Clock>,
-}
-
-#[async_trait]
-impl<R: Reconciler> Reconciler for Stuckable<R> {
-    type Error = R::Error;
-
-    fn kind(&self) -> &'static str {
-        self.inner.kind()
-    }
-
-    fn triggers(&self, event: &Event) -> Vec<String> {
-        self.inner.triggers(event)
-    }
-
-    async fn reconcile(&self, key: &str) -> Result<Option<Requeue>, Self::Error> {
-        if self.stuck.load(Ordering::SeqCst) {
-            return Ok(Some(Requeue::at(self.clock.now_ms() + TICK_MS, "stuck")));
-        }
-        Reconciler::reconcile(&*self.inner, key).await
-    }
-
-    fn error_policy(&self, err: &Self::Error, attempts: u32) -> Millis {
-        self.inner.error_policy(err, attempts)
     }
 }

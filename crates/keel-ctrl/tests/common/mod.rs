@@ -14,6 +14,9 @@ mod faulty_store;
 mod housekeeping;
 pub use faulty_store::FaultyStore;
 use housekeeping::VirtualHousekeeping;
+#[path = "../support/sim_node.rs"]
+pub mod sim_node;
+use sim_node::{sim_host, NodeWiring, SimNode};
 #[path = "../support/slow_store.rs"]
 pub mod slow_store;
 #[path = "../support/tokio_clock.rs"]
@@ -78,10 +81,10 @@ impl World {
         let memory = MemoryStore::with_clock(shared.clone());
         let raw: Arc<dyn Store> = Arc::new(memory.clone());
         let faulty = Arc::new(FaultyStore::new(raw.clone(), seed));
-        let hv = SimHypervisor::new(shared.clone(), seed, sim);
+        let hv = sim_host(shared.clone(), seed, sim, None);
         let cfg = LifecycleConfig::default();
         let runtime_cfg = RuntimeConfig::default();
-        let (ctrl, snaps, runtime) = Self::node(&clock, &faulty, &hv, &cfg, &runtime_cfg);
+        let node = SimNode::start(&Self::wiring(&clock, &faulty, &hv, &cfg, &runtime_cfg));
         let cluster = Self::cluster_controller(&clock, &raw, &cfg);
         let history = raw
             .watch(keel_ctrl::keys::VMS_PREFIX, 1)
@@ -89,17 +92,17 @@ impl World {
             .expect("watch on the memory store");
         Self {
             history,
-            snaps,
+            snaps: node.snapshots,
             clock,
             memory,
             user: TypedStore::new(raw.clone()),
             raw,
             faulty,
             hv,
-            ctrl,
+            ctrl: node.vms,
             cfg,
             runtime_cfg,
-            runtime,
+            runtime: node.runtime,
             cluster,
             cluster_next: None,
             house: None,
@@ -118,26 +121,20 @@ impl World {
         ))
     }
 
-    /// A node process: its controllers and the runtime that drives them.
-    fn node(
+    /// What the node process is made of (`support/sim_node.rs`): this
+    /// world's clock, faulty store, host and configurations.
+    fn wiring(
         clock: &ManualClock,
         faulty: &Arc<FaultyStore>,
         hv: &SimHypervisor,
         cfg: &LifecycleConfig,
         runtime_cfg: &RuntimeConfig,
-    ) -> (Arc<VmController>, Arc<SnapshotController>, Runtime) {
-        let shared: Arc<dyn Clock> = Arc::new(clock.clone());
-        let ctrl = Arc::new(VmController::new(
-            TypedStore::new(faulty.clone()),
-            Arc::new(hv.clone()),
-            shared.clone(),
-            cfg.clone(),
-        ));
-        let snaps = Arc::new(ctrl.snapshot_controller());
-        let migrations = Arc::new(ctrl.migration_controller());
-        let runtime =
-            Runtime::for_node(ctrl.clone(), snaps.clone(), migrations, shared, runtime_cfg);
-        (ctrl, snaps, runtime)
+    ) -> NodeWiring {
+        NodeWiring {
+            cfg: cfg.clone(),
+            runtime_cfg: runtime_cfg.clone(),
+            ..NodeWiring::new(Arc::new(clock.clone()), faulty.clone(), hv.clone())
+        }
     }
 
     /// The same world with a runtime bound to `runtime_cfg` (set before
@@ -149,16 +146,16 @@ impl World {
     }
 
     fn restart_node_process(&mut self) {
-        let (ctrl, snaps, runtime) = Self::node(
+        let node = SimNode::start(&Self::wiring(
             &self.clock,
             &self.faulty,
             &self.hv,
             &self.cfg,
             &self.runtime_cfg,
-        );
-        self.ctrl = ctrl;
-        self.snaps = snaps;
-        self.runtime = runtime;
+        ));
+        self.ctrl = node.vms;
+        self.snaps = node.snapshots;
+        self.runtime = node.runtime;
         self.cluster = Self::cluster_controller(&self.clock, &self.raw, &self.cfg);
         self.cluster_next = None;
     }
