@@ -1,10 +1,11 @@
 //! Readiness of a running instance's guest: probed on the instance's node,
 //! decided by a pure function.
 //!
-//! Probes (the guest agent, the console log) run in tasks of their own: the
-//! controller's loop waits for one at most [`PROBE_BUDGET`] and otherwise
-//! takes its result at a later look, so a hung guest agent never holds up
-//! the other VMs (the driver bounds each agent call as well).
+//! Probes (the guest agent, the console log) run inside the look that
+//! starts them for at most [`PROBE_BUDGET`]; one still waiting then moves
+//! to a task of its own and its result is taken at a later look, so a hung
+//! guest agent never holds up the other VMs (the driver bounds each agent
+//! call as well).
 //!
 //! A guest whose readiness is a console text is also watched by the driver
 //! (`Hypervisor::watch_console`): when the text shows, the driver marks the
@@ -128,7 +129,7 @@ impl GuestProbes {
                 Readiness::Console(text) => Some(text.clone()),
                 _ => None,
             };
-            let task = tokio::spawn(async move {
+            let mut probe = Box::pin(async move {
                 // A console read tells of the log as it was when the look
                 // began: a probe that began before a reset is stale
                 // however long the agent then takes to answer.
@@ -159,7 +160,19 @@ impl GuestProbes {
                 slot.in_flight = false;
                 slot.last = Some(probe);
             });
-            let _ = tokio::time::timeout(PROBE_BUDGET, task).await;
+            // The probe runs inline first: most answer at once (the sim
+            // always, QEMU's console read and a live agent within
+            // milliseconds), and a task of their own cost every look a
+            // hand-off to another thread and back, the bulk of an idle
+            // node's CPU. Only a probe still waiting after the budget is
+            // moved to a task of its own, to finish without holding up the
+            // look.
+            if tokio::time::timeout(PROBE_BUDGET, &mut probe)
+                .await
+                .is_err()
+            {
+                tokio::spawn(probe);
+            }
         }
         self.slots
             .lock()
@@ -482,5 +495,24 @@ mod tests {
         probes.latest(&v, &inst).await;
         assert!(probes.slots.lock().unwrap()["web-1"].in_flight);
         hv.release_calls("web-1");
+        // The probe left its look past the budget and goes on in a task
+        // of its own: once the agent answers, its result is there for the
+        // next look.
+        tokio::time::timeout(Duration::from_secs(60), async {
+            loop {
+                let in_flight = probes.slots.lock().unwrap()["web-1"].in_flight;
+                if !in_flight {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the probe finishes once the agent answers");
+        let last = probes.slots.lock().unwrap()["web-1"].last.clone();
+        assert!(
+            last.as_ref().is_some_and(|p| !agent_not_asked(p)),
+            "{last:?}"
+        );
     }
 }
