@@ -400,7 +400,9 @@ fn bridge_child() {
             bridge: Some("kbr-nope".into()),
             publish: vec![],
         };
-        let err = hv.start(&missing).await.unwrap_err().to_string();
+        // The cause (the missing bridge) is the error's source, as a user
+        // reads it through the chain.
+        let err = keel_hv::cause::with_causes(&hv.start(&missing).await.unwrap_err());
         assert!(err.contains("bridge kbr-nope not found"), "{err}");
         assert!(!network::tap_exists("br-vm-1"));
         assert!(hv.info("br-vm-1").await.unwrap_err().is_not_found());
