@@ -26,7 +26,7 @@ impl Cause {
 }
 
 /// `err` and its causes, outermost first, as one line: for the driver's
-/// own reports (keel-ctrl's `error_chain` does the same above it).
+/// own reports, and keel-ctrl's `error_chain` above it.
 pub fn with_causes(err: &(dyn Error + 'static)) -> String {
     let mut text = err.to_string();
     let mut next = err.source();

@@ -95,7 +95,7 @@ impl AccelVerdict {
             },
             Err(why) => AccelVerdict {
                 accelerator: Accelerator::Tcg,
-                note: format!("{}; using tcg", with_sources(why)),
+                note: format!("{}; using tcg", crate::cause::with_causes(why)),
             },
         }
     }
@@ -316,18 +316,6 @@ fn memchr_str(haystack: &[u8], needle: &str) -> bool {
         .any(|w| w == needle.as_bytes())
 }
 
-/// `err: its source: its source's source`, for notes that are one line.
-fn with_sources(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(e) = source {
-        text.push_str(": ");
-        text.push_str(&e.to_string());
-        source = e.source();
-    }
-    text
-}
-
 /// `1ms`, `20s`, `1.5s`: for notes humans read.
 pub fn fmt_duration(d: Duration) -> String {
     if d < Duration::from_secs(1) {
@@ -395,7 +383,7 @@ mod tests {
         );
         assert!(matches!(err, KvmUnavailable::Silent { .. }), "{err:?}");
         assert_eq!(
-            format!("{}; using tcg", with_sources(&err)),
+            format!("{}; using tcg", crate::cause::with_causes(&err)),
             "kvm probe: the kernel printed nothing within 300ms under KVM (nested \
              virtualisation without working acceleration?); using tcg"
         );
