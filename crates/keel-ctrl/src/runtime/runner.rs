@@ -279,14 +279,16 @@ impl Runner {
     }
 }
 
+// The integration tests' span capture, so both read spans alike.
+#[cfg(test)]
+#[path = "../../tests/support/reconcile_spans.rs"]
+mod reconcile_spans;
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
 
     use keel_api::ManualClock;
-    use tracing::field::{Field, Visit};
-    use tracing_subscriber::layer::{Context, SubscriberExt};
-    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
 
     use super::*;
     use crate::NoObserver;
@@ -329,39 +331,7 @@ mod tests {
         }
     }
 
-    /// Keeps the `why` of every `reconcile` span opened.
-    #[derive(Clone, Default)]
-    struct Spans(Arc<Mutex<Vec<String>>>);
-
-    impl<S: tracing::Subscriber> Layer<S> for Spans {
-        fn on_new_span(
-            &self,
-            attrs: &tracing::span::Attributes<'_>,
-            _: &tracing::span::Id,
-            _: Context<'_, S>,
-        ) {
-            struct Fields(Vec<String>);
-            impl Visit for Fields {
-                fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-                    self.0.push(format!("{}={value:?}", field.name()));
-                }
-                fn record_str(&mut self, field: &Field, value: &str) {
-                    self.0.push(format!("{}={value}", field.name()));
-                }
-            }
-            if attrs.metadata().name() == "reconcile" {
-                let mut fields = Fields(Vec::new());
-                attrs.record(&mut fields);
-                self.0.lock().unwrap().push(fields.0.join(" "));
-            }
-        }
-    }
-
-    impl Spans {
-        fn take(&self) -> Vec<String> {
-            std::mem::take(&mut self.0.lock().unwrap())
-        }
-    }
+    use super::reconcile_spans::ReconcileSpans as Spans;
 
     async fn run_due(runner: &mut Runner) {
         runner.start_due();
@@ -373,6 +343,8 @@ mod tests {
         let spans = Spans::default();
         let _guard =
             tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+        // Another test's thread may have met the span with no subscriber.
+        spans.arm();
         let clock = Arc::new(ManualClock::new(1_000));
         let mut runner = Runner::new(clock.clone(), Arc::new(NoObserver), 4);
         runner.add(Arc::new(Asks {

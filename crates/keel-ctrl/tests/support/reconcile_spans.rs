@@ -2,6 +2,9 @@
 //! why), so a test can tell why a look ran. The layer is set as the
 //! thread's default subscriber; the simulations run on one thread.
 
+// The runtime's unit test and the integration tests each use a part.
+#![allow(dead_code)]
+
 use std::sync::{Arc, Mutex};
 
 use tracing::field::{Field, Visit};
@@ -51,9 +54,15 @@ impl ReconcileSpans {
     /// the last call, oldest first (the rest is dropped).
     pub fn take_whys(&self, kind: &str, key: &str) -> Vec<String> {
         let prefix = format!("kind={kind} key={key} why=");
-        std::mem::take(&mut *self.0.lock().unwrap())
+        self.take()
             .into_iter()
             .filter_map(|s| s.strip_prefix(&prefix).map(str::to_string))
             .collect()
+    }
+
+    /// Every span kept since the last call, as `kind=… key=… why=…`,
+    /// oldest first.
+    pub fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.0.lock().unwrap())
     }
 }
