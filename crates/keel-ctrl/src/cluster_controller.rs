@@ -27,6 +27,7 @@ use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::schedule::{placement, NodeLoad};
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
+use crate::vm_decodes::VmDecoder;
 use crate::vm_index::VmIndex;
 
 /// Longest a leader goes without a pass. Passes are driven by changes and
@@ -76,7 +77,7 @@ impl ClusterState {
 
     /// Keeps the view current after this writer's own write.
     fn written(&mut self, vm: VirtualMachine, revision: Revision) {
-        self.vms.upsert(vm, revision);
+        self.vms.written(vm, revision);
     }
 
     /// Whether a change (already applied) calls for a pass now: a VM
@@ -217,7 +218,7 @@ pub(crate) async fn take_over(
     let owned: Vec<(VirtualMachine, Revision)> = lost
         .iter()
         .flat_map(|node| state.vms.owned_by(node))
-        .map(|v| (v.vm.clone(), v.revision))
+        .map(|v| (VirtualMachine::clone(&v.vm), v.revision))
         .collect();
     for (vm, read_at) in owned {
         let vm = &vm;
@@ -300,6 +301,8 @@ pub struct ClusterController {
     liveness: std::sync::Mutex<Liveness>,
     /// When this controller last pruned the event history.
     pruned_at: std::sync::Mutex<Option<Millis>>,
+    /// How the VM watch's records are decoded.
+    decoder: VmDecoder,
 }
 
 impl ClusterController {
@@ -317,6 +320,7 @@ impl ClusterController {
             leadership: Leadership::Elected(election),
             liveness: Default::default(),
             pruned_at: Default::default(),
+            decoder: VmDecoder::default(),
         }
     }
 
@@ -330,7 +334,15 @@ impl ClusterController {
             leadership: Leadership::Sole,
             liveness: Default::default(),
             pruned_at: Default::default(),
+            decoder: VmDecoder::default(),
         }
+    }
+
+    /// This controller decodes VM records with `decoder` (shared with the
+    /// nodes of its store in this process, [`crate::vm_decodes`]).
+    pub fn decoding_with(mut self, decoder: VmDecoder) -> Self {
+        self.decoder = decoder;
+        self
     }
 
     /// The election this controller follows; `None` for a sole one.
@@ -492,7 +504,7 @@ impl ClusterController {
         let mut node_watch = raw.watch(NODES_PREFIX, revision + 1).await?;
         let mut state = ClusterState {
             nodes: Vec::new(),
-            vms,
+            vms: vms.decoding_with(self.decoder.clone()),
             liveness: Liveness::default(),
             looked_at: ClockReading::default(),
             lost: Vec::new(),

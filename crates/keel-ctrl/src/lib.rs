@@ -48,6 +48,7 @@ mod user_migrate_decide;
 pub mod view;
 pub mod vm_controller;
 pub mod vm_decide;
+pub mod vm_decodes;
 pub mod vm_index;
 pub mod vm_next_look;
 

@@ -176,7 +176,7 @@ impl MigrationController {
             index
                 .read(|vms| {
                     let extra = crate::schedule::unaccounted(&domains, me, |name| {
-                        vms.get(name).map(|v| &v.vm)
+                        vms.get(name).map(|v| &*v.vm)
                     });
                     crate::schedule::room_on(vm, &node, vms.load(), &extra).err()
                 })

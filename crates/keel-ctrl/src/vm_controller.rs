@@ -82,6 +82,17 @@ impl VmController {
         }
     }
 
+    /// This node decodes VM records with `decoder`, shared with the other
+    /// readers of its store in this process ([`crate::vm_decodes`]). Set
+    /// before the reflector is handed to a runtime: it starts a new one.
+    pub fn decoding_with(mut self, decoder: crate::vm_decodes::VmDecoder) -> Self {
+        self.vm_index = Arc::new(
+            ClusterReflector::judging(crate::node_concern::NodeConcern::of_node(&self.cfg.node))
+                .decoding_with(decoder),
+        );
+        self
+    }
+
     /// The VMs a change of this node's record (just taken into the
     /// index) wakes: all it owns when its drain began or ended, else none.
     pub fn woken_by_own_node_change(&self) -> Vec<String> {
@@ -360,7 +371,7 @@ impl VmController {
     ) -> Result<Option<TypedEntry<VirtualMachine>>, StoreError> {
         let indexed = self.vm_index.read(|index| {
             index.get(name).map(|v| TypedEntry {
-                value: v.vm.clone(),
+                value: VirtualMachine::clone(&v.vm),
                 revision: v.revision,
             })
         });

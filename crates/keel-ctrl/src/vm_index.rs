@@ -14,7 +14,7 @@
 //! is looked at again once its newer record arrives.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use keel_api::{Millis, Node, VirtualMachine};
 use keel_store::{Entry, Revision, WatchEvent};
@@ -22,10 +22,13 @@ use keel_store::{Entry, Revision, WatchEvent};
 use crate::keys::{name_of, NODES_PREFIX, VMS_PREFIX};
 use crate::node_concern::NodeConcern;
 use crate::schedule::NodeLoad;
+use crate::vm_decodes::VmDecoder;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct IndexedVm {
-    pub vm: VirtualMachine,
+    /// Shared with the other indexes of this store in this process (see
+    /// [`crate::vm_decodes`]), and cheap to move when the index grows.
+    pub vm: Arc<VirtualMachine>,
     /// The record's `mod_revision`: the token its next write is made under.
     pub revision: Revision,
 }
@@ -48,21 +51,32 @@ pub struct VmIndex {
     /// deletion, disks first, runs again, perhaps under a VM created
     /// since with that name.
     tombstones: HashMap<String, Revision>,
+    /// How the records the watch brings are decoded.
+    decoder: VmDecoder,
 }
 
 impl VmIndex {
     pub fn of(entries: impl IntoIterator<Item = (VirtualMachine, Revision)>) -> Self {
+        let entries = entries.into_iter();
         let mut index = Self::default();
+        index.vms.reserve(entries.size_hint().0);
         for (vm, revision) in entries {
             index.upsert(vm, revision);
         }
         index
     }
 
+    /// This index decodes the watch's records with `decoder`.
+    pub fn decoding_with(mut self, decoder: VmDecoder) -> Self {
+        self.decoder = decoder;
+        self
+    }
+
     /// Takes in `vm` as written at `revision`, unless a newer record of it
     /// is already here (an event for a write this process already took in
     /// arrives after it).
-    pub fn upsert(&mut self, vm: VirtualMachine, revision: Revision) {
+    pub fn upsert(&mut self, vm: impl Into<Arc<VirtualMachine>>, revision: Revision) {
+        let vm = vm.into();
         if let Some(old) = self.vms.get(&vm.name) {
             if old.revision > revision {
                 return;
@@ -77,11 +91,28 @@ impl VmIndex {
             }
             None => {}
         }
-        self.forget(&vm.name);
         if let Some(inst) = &vm.status.instance {
-            let newest = self.newest_instance.entry(inst.node.clone()).or_default();
-            *newest = (*newest).max(inst.created_at);
+            match self.newest_instance.get_mut(&inst.node) {
+                Some(newest) => *newest = (*newest).max(inst.created_at),
+                None => {
+                    self.newest_instance
+                        .insert(inst.node.clone(), inst.created_at);
+                }
+            }
         }
+        if let Some(held) = self.vms.get_mut(&vm.name) {
+            // Most changes are a VM's status on the node it stays on: its
+            // place in the name-ordered sets stands, and every node's
+            // index takes every change, so moving it out and back in was
+            // most of what a change cost (50 nodes in one process).
+            if held.vm.owner_node() == vm.owner_node() {
+                self.load.remove(&held.vm);
+                self.load.add(&vm);
+                *held = IndexedVm { vm, revision };
+                return;
+            }
+        }
+        self.forget(&vm.name);
         match vm.owner_node() {
             Some(node) => {
                 self.by_owner
@@ -95,6 +126,15 @@ impl VmIndex {
         }
         self.load.add(&vm);
         self.vms.insert(vm.name.clone(), IndexedVm { vm, revision });
+    }
+
+    /// This process's own write of `vm` at `revision`: taken in, and handed
+    /// to the readers sharing its decodes, which will find it when the
+    /// watch echoes the write.
+    pub fn written(&mut self, vm: VirtualMachine, revision: Revision) {
+        let vm = Arc::new(vm);
+        self.decoder.written(&vm, revision);
+        self.upsert(vm, revision);
     }
 
     /// The VM named `name` is gone as of `revision` (deleted, or its record
@@ -150,19 +190,20 @@ impl VmIndex {
         let before = self.vms.get(name).is_some_and(|held| concerns(&held.vm));
         let brought = match event {
             WatchEvent::Put(entry) => {
-                match serde_json::from_slice::<VirtualMachine>(&entry.value) {
-                    Ok(vm) if vm.name == name => {
+                match self.decoder.decode(name, entry.mod_revision, &entry.value) {
+                    Some(vm) => {
                         let judged = concerns(&vm);
                         self.upsert(vm, entry.mod_revision);
                         judged
                     }
-                    _ => {
+                    None => {
                         self.remove(name, entry.mod_revision);
                         true
                     }
                 }
             }
             WatchEvent::Deleted { revision, .. } => {
+                self.decoder.deleted(name, *revision);
                 self.remove(name, *revision);
                 false
             }
@@ -223,6 +264,7 @@ pub struct ClusterReflector {
     /// Which VM changes are handed on to wake a reconcile (the per-node
     /// view); every change is taken into the index whatever it says.
     concern: NodeConcern,
+    decoder: VmDecoder,
 }
 
 #[derive(Debug)]
@@ -238,17 +280,31 @@ impl ClusterReflector {
         Self {
             state: Mutex::default(),
             concern,
+            decoder: VmDecoder::default(),
         }
+    }
+
+    /// This reflector decodes records with `decoder` (shared with the
+    /// other readers of its store in this process).
+    pub fn decoding_with(mut self, decoder: VmDecoder) -> Self {
+        self.decoder = decoder;
+        self
     }
 
     /// Starts over from a list of every VM record and every node record
     /// (undecodable ones are left out, as a typed list leaves them out).
     pub fn reset(&self, vms: &[Entry], nodes: &[Entry]) {
-        let vms = VmIndex::of(vms.iter().filter_map(|e| {
-            let name = name_of(VMS_PREFIX, &e.key)?;
-            let vm: VirtualMachine = serde_json::from_slice(&e.value).ok()?;
-            (vm.name == name).then_some((vm, e.mod_revision))
-        }));
+        let mut index = VmIndex::default().decoding_with(self.decoder.clone());
+        index.vms.reserve(vms.len());
+        for e in vms {
+            let Some(name) = name_of(VMS_PREFIX, &e.key) else {
+                continue;
+            };
+            if let Some(vm) = self.decoder.decode(name, e.mod_revision, &e.value) {
+                index.upsert(vm, e.mod_revision);
+            }
+        }
+        let vms = index;
         let nodes = nodes
             .iter()
             .filter_map(|e| decoded_node(&e.key, &e.value))
@@ -303,13 +359,16 @@ impl ClusterReflector {
     /// This process's own write of `vm` at `revision`: taken in now, so
     /// its next look does not wait for the watch to bring it back.
     pub fn written(&self, vm: &VirtualMachine, revision: Revision) {
+        let vm = Arc::new(vm.clone());
+        self.decoder.written(&vm, revision);
         if let Some(state) = self.lock().as_mut() {
-            state.vms.upsert(vm.clone(), revision);
+            state.vms.upsert(vm, revision);
         }
     }
 
     /// This process deleted `name`'s record at `revision`.
     pub fn deleted(&self, name: &str, revision: Revision) {
+        self.decoder.deleted(name, revision);
         if let Some(state) = self.lock().as_mut() {
             state.vms.remove(name, revision);
         }
@@ -406,6 +465,12 @@ mod tests {
     /// Whatever order writes arrive in, the index equals one built from
     /// scratch out of the newest record of each VM: unplaced set, owners,
     /// and load all agree with a recount.
+    fn bigger(mut v: VirtualMachine) -> VirtualMachine {
+        v.spec.cpus += 3;
+        v.spec.memory_mib *= 4;
+        v
+    }
+
     #[test]
     fn the_index_always_equals_a_rebuild_from_the_newest_records() {
         let mut index = VmIndex::default();
@@ -418,6 +483,8 @@ mod tests {
             (vm("a", None), 3),
             (vm("c", Some("n1")), 5),
             (vm("b", None), 6),
+            // A change on the node it stays on, of what it takes there.
+            (bigger(vm("c", Some("n1"))), 7),
         ];
         for (v, rev) in steps {
             index.apply(&put(&v, rev));
@@ -440,16 +507,20 @@ mod tests {
         }
         assert_eq!(index.unplaced().collect::<Vec<_>>(), ["b"]);
         assert_eq!(index.get("a").unwrap().revision, 4);
+        assert_eq!(
+            index.get("c").unwrap().vm.spec.cpus,
+            bigger(vm("c", None)).spec.cpus
+        );
 
         // A deletion older than the record it would remove is ignored.
         index.apply(&WatchEvent::Deleted {
             key: format!("{VMS_PREFIX}c"),
-            revision: 4,
+            revision: 6,
         });
         assert!(index.get("c").is_some());
         index.apply(&WatchEvent::Deleted {
             key: format!("{VMS_PREFIX}c"),
-            revision: 7,
+            revision: 8,
         });
         assert!(index.get("c").is_none());
         assert_eq!(index.owned_by("n1").count(), 0);
@@ -460,10 +531,34 @@ mod tests {
             key: format!("{VMS_PREFIX}a"),
             value: b"not json".to_vec(),
             create_revision: 1,
-            mod_revision: 8,
+            mod_revision: 9,
         }));
         assert!(index.get("a").is_none());
         assert_eq!(index.len(), 1);
+    }
+
+    /// Two nodes of one process on one store: one decoding of a change,
+    /// one copy of the record, in both indexes; so is this process's own
+    /// write, which its watch echoes.
+    #[test]
+    fn reflectors_sharing_decodes_hold_one_copy_of_each_record() {
+        let decoder = VmDecoder::sharing(Arc::default());
+        let (n1, n2) = (
+            ClusterReflector::judging(NodeConcern::of_node("n1")).decoding_with(decoder.clone()),
+            ClusterReflector::judging(NodeConcern::of_node("n2")).decoding_with(decoder),
+        );
+        n1.reset(&[], &[]);
+        n2.reset(&[], &[]);
+        let held = |r: &ClusterReflector| r.read(|i| i.get("a").unwrap().vm.clone()).unwrap();
+        let change = put(&vm("a", Some("n1")), 3);
+        assert!(n1.apply(&change));
+        assert!(!n2.apply(&change));
+        assert!(Arc::ptr_eq(&held(&n1), &held(&n2)));
+
+        n2.written(&vm("a", Some("n2")), 4);
+        n1.apply(&put(&vm("a", Some("n2")), 4));
+        assert!(Arc::ptr_eq(&held(&n1), &held(&n2)));
+        assert_eq!(held(&n1).owner_node(), Some("n2"));
     }
 
     /// n1's reflector takes in every change (its load counts the VMs of

@@ -36,7 +36,7 @@ async fn running_vm(w: &mut World, name: &str) -> String {
 fn indexed(w: &World, name: &str) -> Option<Option<VirtualMachine>> {
     w.ctrl
         .reflector()
-        .read(|index| index.get(name).map(|v| v.vm.clone()))
+        .read(|index| index.get(name).map(|v| VirtualMachine::clone(&v.vm)))
 }
 
 /// For each seed: a guest's own power-off is noticed at the instant the

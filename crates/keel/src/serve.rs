@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use keel_api::{validate_name, Clock, SystemClock};
+use keel_ctrl::vm_decodes::{VmDecoder, VmDecodes};
 use keel_ctrl::{
     run_control_plane, run_vm_controller_with, ClusterController, ElectionConfig, LeaderElection,
     LifecycleConfig, VmController,
@@ -298,13 +299,15 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
             cfg.lifecycle.incarnation.clone(),
         )?
     };
+    // Every reader of the store here (the cluster controller, this node,
+    // the simulated nodes) decodes each VM record once between them.
+    let decoder = VmDecoder::sharing(Arc::new(VmDecodes::default()));
     // The same cluster controller as a control plane's, leading for good:
     // this process alone uses the store (the data dir is locked).
-    let cluster = Arc::new(ClusterController::sole(
-        store.clone(),
-        clock.clone(),
-        lifecycle.clone(),
-    ));
+    let cluster = Arc::new(
+        ClusterController::sole(store.clone(), clock.clone(), lifecycle.clone())
+            .decoding_with(decoder.clone()),
+    );
     let metrics = Arc::new(Metrics::new());
     metrics.count_from(store.raw().clone(), stop_rx.clone());
     metrics.report_vms_of(
@@ -314,6 +317,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
     );
     let ctrl = Arc::new(
         VmController::new(store.clone(), hv.clone(), clock.clone(), lifecycle.clone())
+            .decoding_with(decoder.clone())
             .with_observer(metrics.clone()),
     );
     // Register the node (with the hypervisor's facts) before serving; the
@@ -328,6 +332,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<RunningServer> {
         sim: &cfg.sim,
         runtime: &cfg.runtime,
         metrics: &metrics,
+        decoder: &decoder,
     };
     let sim_nodes = crate::sim_nodes::start(&cfg.sim_nodes, shared, &stop_rx).await?;
     let controller = tokio::spawn({

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use keel_api::{Clock, HostResources};
+use keel_ctrl::vm_decodes::VmDecoder;
 use keel_ctrl::{run_vm_controller_with, LifecycleConfig, RuntimeConfig, VmController};
 use keel_hv::sim::{SimConfig, SimHypervisor};
 use keel_hv::Hypervisor;
@@ -59,6 +60,8 @@ pub struct Shared<'a> {
     pub sim: &'a SimConfig,
     pub runtime: &'a RuntimeConfig,
     pub metrics: &'a Arc<Metrics>,
+    /// One decoding of each VM record for every node here.
+    pub decoder: &'a VmDecoder,
 }
 
 /// Registers each node (so placement sees it at once) and returns the
@@ -75,6 +78,7 @@ pub async fn start(
         sim,
         runtime,
         metrics,
+        decoder,
     } = shared;
     let mut runs = Vec::with_capacity(nodes.len());
     for (i, node) in nodes.iter().enumerate() {
@@ -90,6 +94,7 @@ pub async fn start(
         };
         let ctrl = Arc::new(
             VmController::new(store.clone(), hv, clock.clone(), lifecycle)
+                .decoding_with(decoder.clone())
                 .with_observer(metrics.clone()),
         );
         ctrl.heartbeat_and_renew(Some(&facts))

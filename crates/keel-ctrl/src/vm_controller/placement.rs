@@ -120,7 +120,7 @@ impl VmController {
         self.vm_index
             .read(|vms| {
                 let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
-                    vms.get(name).map(|v| &v.vm)
+                    vms.get(name).map(|v| &*v.vm)
                 });
                 crate::schedule::room_on(vm, me, vms.load(), &extra)
             })
