@@ -76,6 +76,12 @@ impl Watch {
     pub async fn next(&mut self) -> Option<Result<WatchEvent, StoreError>> {
         self.rx.recv().await
     }
+
+    /// The next change if it has already arrived; `None` if none has
+    /// (or the store is closed: `next` then says so).
+    pub fn try_next(&mut self) -> Option<Result<WatchEvent, StoreError>> {
+        self.rx.try_recv().ok()
+    }
 }
 
 pub type LeaseId = i64;

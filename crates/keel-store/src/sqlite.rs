@@ -19,6 +19,7 @@
 //! Only writes made through this process's handle reach its watches; one
 //! Keel process should own a database file.
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,10 @@ use async_trait::async_trait;
 use keel_api::{Clock, Millis, SystemClock};
 use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
 use tokio::sync::{broadcast, mpsc, oneshot};
+
+mod live_feed;
+
+use live_feed::{Feed, LiveFeed};
 
 use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
 
@@ -80,6 +85,8 @@ const REQUEST_QUEUE: usize = 1024;
 /// the store thread long nor buffers the whole history in memory.
 const REPLAY_PAGE: usize = 512;
 const WATCH_CHANNEL: usize = 256;
+/// How far apart [`Worker::mark`]s its revisions.
+const MARK_EVERY_MS: Millis = 1_000;
 /// TTLs are stored as SQLite integers; clamping keeps `now + ttl` in range.
 const MAX_TTL_MS: u64 = 100 * 365 * 24 * 3600 * 1000;
 
@@ -92,6 +99,11 @@ pub struct SqliteOptions {
     /// Revisions of history kept for `watch(.., from)`; older starting
     /// points get `Compacted`.
     pub history_limit: u64,
+    /// History younger than this is kept beyond `history_limit`: a watcher
+    /// that fell behind by less (many nodes in one process under a burst
+    /// of writes) catches up from history instead of listing everything
+    /// again, which only put it further behind. Judged on `clock`.
+    pub history_min_age_ms: Millis,
     /// How long to wait for another connection's lock before failing.
     pub busy_timeout: Duration,
     /// Live events buffered per watch before it falls back to re-reading
@@ -104,6 +116,7 @@ impl Default for SqliteOptions {
         Self {
             clock: Arc::new(SystemClock),
             history_limit: 10_000,
+            history_min_age_ms: 60_000,
             busy_timeout: Duration::from_secs(5),
             watch_buffer: 4096,
         }
@@ -187,13 +200,14 @@ impl SqliteStore {
 
     fn start(conn: Connection, path: String, options: SqliteOptions) -> Result<Self, String> {
         let (requests, rx) = mpsc::channel(REQUEST_QUEUE);
-        let (bus, _) = broadcast::channel(options.watch_buffer.max(1));
         let path: Arc<str> = path.into();
         let worker = Worker {
             conn,
             clock: options.clock,
-            bus,
+            feed: LiveFeed::new(options.watch_buffer),
             history_limit: options.history_limit.max(1),
+            history_min_age_ms: options.history_min_age_ms,
+            marks: VecDeque::new(),
             path: path.clone(),
         };
         std::thread::Builder::new()
@@ -585,18 +599,51 @@ struct Replay {
     next: Revision,
     /// Set on the last page: the live feed, and the revision this page is
     /// consistent with (live events at or below it were already replayed).
-    live: Option<(broadcast::Receiver<Arc<WatchEvent>>, Revision)>,
+    live: Option<(Feed, Revision)>,
 }
 
 struct Worker {
     conn: Connection,
     clock: Arc<dyn Clock>,
-    bus: broadcast::Sender<Arc<WatchEvent>>,
+    feed: LiveFeed,
     history_limit: u64,
+    history_min_age_ms: Millis,
+    /// The revision reached at moments about a second apart, oldest
+    /// first, back to `history_min_age_ms` ago: how far back that reaches.
+    marks: VecDeque<(Millis, Revision)>,
     path: Arc<str>,
 }
 
 impl Worker {
+    /// The oldest revision compaction must keep: the one reached
+    /// `history_min_age_ms` ago (nothing is that old yet: keep all).
+    fn kept_from(&self, now: Millis) -> Revision {
+        if self.history_min_age_ms == 0 {
+            return Revision::MAX;
+        }
+        let cutoff = now.saturating_sub(self.history_min_age_ms);
+        self.marks
+            .iter()
+            .take_while(|(at, _)| *at <= cutoff)
+            .last()
+            .map_or(0, |(_, revision)| *revision)
+    }
+
+    fn mark(&mut self, now: Millis, revision: Revision) {
+        if self
+            .marks
+            .back()
+            .is_none_or(|(at, _)| now >= at.saturating_add(MARK_EVERY_MS))
+        {
+            self.marks.push_back((now, revision));
+        }
+        let cutoff = now.saturating_sub(self.history_min_age_ms);
+        // One mark at or before the cutoff is all `kept_from` needs.
+        while self.marks.get(1).is_some_and(|(at, _)| *at <= cutoff) {
+            self.marks.pop_front();
+        }
+    }
+
     fn run(mut self, mut rx: mpsc::Receiver<Request>) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
         while rx.blocking_recv_many(&mut batch, MAX_BATCH) > 0 {
@@ -609,10 +656,14 @@ impl Worker {
         let now = self.clock.now_ms();
         let mut events = Vec::new();
         let mut outcomes = Vec::with_capacity(batch.len());
+        let kept_from = self.kept_from(now);
         let applied = apply(
             &mut self.conn,
-            &self.bus,
-            self.history_limit,
+            &mut self.feed,
+            History {
+                limit: self.history_limit,
+                kept_from,
+            },
             now,
             batch,
             &mut events,
@@ -620,10 +671,13 @@ impl Worker {
         );
         match applied {
             Ok(()) => {
+                if let Some(last) = events.last() {
+                    self.mark(now, last.revision());
+                }
                 // Live events strictly before replies: a caller that saw
                 // its write acknowledged can rely on watches having it.
                 for event in events {
-                    let _ = self.bus.send(Arc::new(event));
+                    self.feed.send(event);
                 }
                 for (request, outcome) in batch.drain(..).zip(outcomes) {
                     let _ = request.reply.send(outcome);
@@ -649,10 +703,18 @@ type Sql<T> = rusqlite::Result<T>;
 /// request failed on its own (conflict, missing lease), nothing was changed.
 type Applied<T> = Sql<Result<T, StoreError>>;
 
+/// What compaction keeps: the newest `limit` revisions, and every one
+/// from `kept_from` on.
+#[derive(Debug, Clone, Copy)]
+struct History {
+    limit: u64,
+    kept_from: Revision,
+}
+
 fn apply(
     conn: &mut Connection,
-    bus: &broadcast::Sender<Arc<WatchEvent>>,
-    history_limit: u64,
+    feed: &mut LiveFeed,
+    history: History,
     now: Millis,
     batch: &mut [Request],
     events: &mut Vec<WatchEvent>,
@@ -690,7 +752,7 @@ fn apply(
             },
             Op::List { prefix } => list(&tx, prefix),
             Op::Count { prefix } => count(&tx, prefix),
-            Op::Replay { prefix, from } => replay_page(&tx, prefix, *from, bus),
+            Op::Replay { prefix, from } => replay_page(&tx, prefix, *from, feed),
             Op::Grant { ttl_ms } => grant(&tx, now, *ttl_ms),
             Op::KeepAlive { lease } => keep_alive(&tx, now, *lease),
             Op::Revoke { lease } => revoke(&tx, *lease, events),
@@ -700,7 +762,7 @@ fn apply(
         outcomes.push(outcome);
     }
     if !events.is_empty() {
-        compact(&tx, history_limit)?;
+        compact(&tx, history)?;
     }
     tx.commit()
 }
@@ -906,7 +968,7 @@ fn replay_page(
     tx: &Transaction<'_>,
     prefix: &str,
     from: Revision,
-    bus: &broadcast::Sender<Arc<WatchEvent>>,
+    feed: &mut LiveFeed,
 ) -> Applied<Outcome> {
     let (revision, compacted) = meta(tx)?;
     let start = from.max(1);
@@ -968,7 +1030,7 @@ fn replay_page(
     // Subscribing here, inside the batch, is what closes the gap between
     // history and live: this batch's own events are broadcast after commit
     // and are filtered against `consistent_at` by the pump.
-    let live = exhausted.then(|| (bus.subscribe(), revision.max(start - 1)));
+    let live = exhausted.then(|| (feed.subscribe(prefix), revision.max(start - 1)));
     Ok(Ok(Outcome::Replay(Replay { events, next, live })))
 }
 
@@ -1024,10 +1086,12 @@ fn expire_due(tx: &Transaction<'_>, now: Millis, events: &mut Vec<WatchEvent>) -
     Ok(due.len())
 }
 
-fn compact(tx: &Transaction<'_>, history_limit: u64) -> Sql<()> {
+fn compact(tx: &Transaction<'_>, history: History) -> Sql<()> {
     let (revision, compacted) = meta(tx)?;
-    if revision.saturating_sub(compacted) > history_limit {
-        let upto = revision - history_limit;
+    let upto = revision
+        .saturating_sub(history.limit)
+        .min(history.kept_from.saturating_sub(1));
+    if upto > compacted {
         tx.prepare_cached("DELETE FROM history WHERE rev <= ?1")?
             .execute([upto])?;
         tx.prepare_cached("UPDATE meta SET compacted = ?1 WHERE id = 0")?

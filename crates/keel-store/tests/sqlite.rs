@@ -185,6 +185,7 @@ async fn uses_wal_and_compacts_history_on_disk() {
         &path,
         SqliteOptions {
             history_limit: 10,
+            history_min_age_ms: 0,
             ..SqliteOptions::default()
         },
     )
@@ -217,6 +218,54 @@ async fn uses_wal_and_compacts_history_on_disk() {
     }
     let mut w = s.watch("/", rev - 9).await.unwrap();
     assert_eq!(next(&mut w).await.revision(), rev - 9);
+}
+
+/// A watcher that fell behind by less than a minute catches up from
+/// history even past the revision limit (a burst of writes under 50
+/// nodes made them list everything again instead); history older than a
+/// minute goes as before, down to the limit.
+#[tokio::test]
+async fn history_younger_than_a_minute_outlives_the_limit() {
+    let clock = ManualClock::new(T0);
+    let s = SqliteStore::open_in_memory_with(SqliteOptions {
+        history_limit: 10,
+        history_min_age_ms: 60_000,
+        ..options(&clock)
+    })
+    .unwrap();
+    let first = s
+        .put("/k", b"0".to_vec(), Precondition::Absent)
+        .await
+        .unwrap();
+    let mut rev = first;
+    let write = async |rev: &mut u64, n: u8| {
+        for i in 0..n {
+            *rev = s
+                .put("/k", vec![i], Precondition::Revision(*rev))
+                .await
+                .unwrap();
+        }
+    };
+    write(&mut rev, 30).await;
+    clock.advance(30_000);
+    write(&mut rev, 30).await;
+    let mut w = s.watch("/", first).await.expect("half a minute old");
+    assert_eq!(next(&mut w).await.revision(), first);
+    drop(w);
+
+    // A minute on, what was written before it may go (the limit still
+    // keeps the newest 10), and what was written since stays.
+    let a_minute_ago = rev;
+    clock.advance(60_000);
+    write(&mut rev, 1).await;
+    match s.watch("/", first).await {
+        Err(StoreError::Compacted { compacted, .. }) => {
+            assert!(compacted < a_minute_ago, "compacted {compacted}")
+        }
+        other => panic!("expected Compacted, got {:?}", other.map(|_| "a watch")),
+    }
+    let mut w = s.watch("/", a_minute_ago).await.expect("kept");
+    assert_eq!(next(&mut w).await.revision(), a_minute_ago);
 }
 
 fn assert_open_fails(path: &Path, needle: &str) -> String {
