@@ -33,6 +33,8 @@ use crate::vm_index::VmIndex;
 /// Longest a leader goes without a pass. Passes are driven by changes and
 /// by the next node-lease deadline; this is only a backstop.
 const MAX_IDLE_MS: Millis = 10_000;
+/// Most VM changes taken in before a pass may run.
+const ARRIVED_AT_ONCE: usize = 4_096;
 
 /// Every node, every VM (indexed, with the revision it was read at), and
 /// the reader's view of which nodes are alive.
@@ -530,9 +532,21 @@ impl ClusterController {
                 _ = tokio::time::sleep(Duration::from_millis(wait)) => {}
                 event = vm_watch.next() => match event {
                     Some(Ok(event)) => {
-                        state.vms.apply(&event);
-                        if state.needs_pass(&event) {
-                            due = self.clock.mono();
+                        // With what has arrived meanwhile: a pass after
+                        // each event of a burst of creates placed them one
+                        // by one, and fell behind the store for good.
+                        let mut next = Some(Ok(event));
+                        let mut taken = 0;
+                        while let Some(event) = next {
+                            let event = event?;
+                            state.vms.apply(&event);
+                            if state.needs_pass(&event) {
+                                due = self.clock.mono();
+                            }
+                            taken += 1;
+                            next = (taken < ARRIVED_AT_ONCE)
+                                .then(|| vm_watch.try_next())
+                                .flatten();
                         }
                     }
                     Some(Err(err)) => return Err(err),

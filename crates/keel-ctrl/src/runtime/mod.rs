@@ -43,6 +43,9 @@ const IDLE_WAKE_MS: Millis = 60_000;
 /// Rounds [`Runtime::settle`] takes at most at one instant: a bound, so a
 /// reconciler that keeps asking for "now" cannot hang a simulation.
 const SETTLE_ROUNDS: usize = 10_000;
+/// Most events taken in at once, after the one waited for, before the
+/// loop looks at its other duties again.
+const ARRIVED_AT_ONCE: usize = 1_024;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuntimeConfig {
@@ -187,6 +190,26 @@ impl Runtime {
         }
     }
 
+    /// Takes in the events that have already arrived too: one event per
+    /// turn of the loop (with a timer set and dropped each turn) made a
+    /// node that fell behind a burst of writes stay behind, until its
+    /// store's history no longer reached back to it and it listed
+    /// everything again. The reconciles they wake start together after.
+    fn take_arrived(&mut self) {
+        for _ in 0..ARRIVED_AT_ONCE {
+            match self.source.try_next() {
+                Some(incoming) => {
+                    let broken = matches!(incoming, Incoming::Broken(_));
+                    self.take(incoming);
+                    if broken {
+                        return;
+                    }
+                }
+                None => return,
+            }
+        }
+    }
+
     /// Production: runs until `stop` turns true, waiting on tokio for the
     /// next due time, the next event or the next finished reconcile. On
     /// stop, waits for the reconciles under way.
@@ -202,7 +225,10 @@ impl Runtime {
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_millis(wait_ms)) => {}
                 () = self.runner.finish_next() => {}
-                incoming = self.source.next() => self.take(incoming),
+                incoming = self.source.next() => {
+                    self.take(incoming);
+                    self.take_arrived();
+                }
                 _ = stop.changed() => {}
             }
         }
