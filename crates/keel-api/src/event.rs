@@ -3,7 +3,9 @@ use serde::{Deserialize, Serialize};
 use crate::{Millis, Phase};
 
 /// A recorded state change of a VM, kept in the store under
-/// `/events/<vm>/<revision, zero-padded>` so they list in order.
+/// `/events/<vm>/<revision written from, zero-padded>-<n>` (the `n`th
+/// event of that write) so they list in order; an event about an
+/// undecodable record under `/events/<vm>/<its revision>`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Event {
     pub at: Millis,

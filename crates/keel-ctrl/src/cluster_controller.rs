@@ -20,10 +20,11 @@ use tokio::sync::watch;
 use crate::config::LifecycleConfig;
 use crate::election::LeaderElection;
 use crate::event_retention::{prune_events, PRUNE_INTERVAL_MS};
-use crate::events::{record_event, report_undecodable};
+use crate::events::{phase_event, report_undecodable};
 use crate::fence::Fence;
 use crate::keys::{migrations_of_prefix, name_of, vm_key, NODES_PREFIX, VMS_PREFIX};
 use crate::node_lease::liveness::{ClockReading, Liveness};
+use crate::recorded_write::{write_with_events, RecordChange};
 use crate::schedule::{placement, NodeLoad};
 use crate::transitions;
 use crate::vm_decide::take_over_from_lost_node;
@@ -249,7 +250,17 @@ pub(crate) async fn take_over(
         if transitions::check(vm, &next).is_err() {
             continue;
         }
-        match fence.update(store, &vm_key(&vm.name), &next, read_at).await {
+        let events: Vec<_> = phase_event(vm, &next, now).into_iter().collect();
+        let written = write_with_events(
+            store,
+            &vm_key(&vm.name),
+            RecordChange::Update(&next),
+            read_at,
+            &events,
+            fence,
+        )
+        .await;
+        match written {
             Ok(revision) => {
                 let kept = next.status.instance.is_some() && vm.status.instance.is_some();
                 if kept {
@@ -258,7 +269,6 @@ pub(crate) async fn take_over(
                     tracing::warn!(vm = %next.name, node = %owner, "node lease expired; VM taken over");
                     taken += 1;
                 }
-                record_event(store, vm, &next, revision, now, fence).await;
                 state.written(next, revision);
             }
             Err(StoreError::Conflict { .. }) => {}

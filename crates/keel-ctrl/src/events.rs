@@ -7,18 +7,16 @@ use keel_store::{StoreError, TypedStore};
 use crate::fence::Fence;
 use crate::keys::{event_key, event_subject};
 
-/// Keeps an operator-readable trail of phase changes. Best effort: the
-/// VM record is the truth, an event lost to a store hiccup is only logged.
-pub(crate) async fn record_event(
-    store: &TypedStore,
+/// The event of a phase change, if `new` changes `old`'s phase: kept as
+/// an operator-readable trail, written along with the VM record
+/// ([`crate::recorded_write`]). Best effort: the VM record is the truth.
+pub(crate) fn phase_event(
     old: &VirtualMachine,
     new: &VirtualMachine,
-    revision: u64,
     now: Millis,
-    fence: Fence<'_>,
-) {
+) -> Option<Event> {
     if old.status.phase == new.status.phase {
-        return;
+        return None;
     }
     let event = Event {
         at: now,
@@ -29,14 +27,7 @@ pub(crate) async fn record_event(
         key: None,
     };
     tracing::info!(vm = %new.name, from = ?event.from, to = ?event.to, reason = %event.reason, "phase change");
-    put_event(store, &event, revision, fence).await;
-}
-
-pub(crate) async fn put_event(store: &TypedStore, event: &Event, revision: u64, fence: Fence<'_>) {
-    let key = event_key(&event.vm, revision);
-    if let Err(err) = fence.create(store, &key, event).await {
-        tracing::warn!(vm = %event.vm, %err, "could not record event");
-    }
+    Some(event)
 }
 
 /// Records each record newly found undecodable as an event of the VM it

@@ -13,7 +13,15 @@ pub enum Fence<'a> {
     Guard(&'a Guard),
 }
 
-impl Fence<'_> {
+impl<'a> Fence<'a> {
+    /// The guard a write under this fence is made under, if any.
+    pub fn guard(self) -> Option<&'a Guard> {
+        match self {
+            Fence::Cas => None,
+            Fence::Guard(guard) => Some(guard),
+        }
+    }
+
     pub async fn update<T: Serialize>(
         self,
         store: &TypedStore,

@@ -67,9 +67,21 @@ pub fn event_subject(key: &str) -> &str {
     STORE_EVENTS
 }
 
-/// Events of one VM sort by the store revision of the change they record.
+/// Events about the record at a store revision (one found undecodable
+/// at it, say; before atomic writes, also the phase change written at it)
+/// sort by that revision.
 pub fn event_key(vm: &str, revision: u64) -> String {
     format!("{EVENTS_PREFIX}{vm}/{revision:020}")
+}
+
+/// The `index`th event of a change to a VM's record written *from*
+/// `revision` (its compare-and-swap precondition) in the same store write:
+/// known before the commit and unique, as a write succeeds from a revision
+/// at most once. It sorts after [`event_key`] at that revision (what
+/// happened at `from`) and before anything at a later one, so a VM's
+/// events stay in the order they happened.
+pub fn change_event_key(vm: &str, from: u64, index: usize) -> String {
+    format!("{EVENTS_PREFIX}{vm}/{from:020}-{index:02}")
 }
 
 pub fn snapshot_key(vm: &str, name: &str) -> String {

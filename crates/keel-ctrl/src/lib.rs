@@ -34,6 +34,7 @@ pub mod online_resize;
 pub mod placement_rules;
 pub mod readiness;
 pub mod reboot;
+mod recorded_write;
 pub mod requeue;
 pub mod restart_required;
 pub mod resync;

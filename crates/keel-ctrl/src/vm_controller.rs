@@ -9,12 +9,13 @@ mod placement;
 
 use crate::config::LifecycleConfig;
 use crate::error_chain::error_chain;
-use crate::events::{put_event, record_event};
+use crate::events::phase_event;
 use crate::fence::Fence;
 use crate::keys::{migration_key, migrations_of_prefix, snapshot_key, snapshots_of_prefix, vm_key};
 use crate::node_lease::liveness::{ClockReading, Liveness};
 use crate::node_lease::NodeLease;
 use crate::observe::{report_transition, LifecycleObserver, NoObserver};
+use crate::recorded_write::{write_with_events, RecordChange};
 use crate::requeue::Requeue;
 use crate::step::{HvAction, Step};
 use crate::transitions;
@@ -230,7 +231,10 @@ impl VmController {
                 then,
                 requeue_at,
             } => {
-                let Some(revision) = self.write(&key, &next, entry.revision).await? else {
+                let Some(revision) = self
+                    .write_recorded(&key, &vm, &next, entry.revision, now)
+                    .await?
+                else {
                     return Ok(Some(Requeue::at(now, WRITE_CONFLICT)));
                 };
                 if then == Some(HvAction::Start) {
@@ -239,7 +243,6 @@ impl VmController {
                 if vm.ready_since().is_none() && next.ready_since().is_some() {
                     keel_hv::start_marks::mark(name, "ready_written");
                 }
-                self.record_event(&vm, &next, revision, now).await;
                 if let Some(action) = then {
                     if let Err(err) = self.act(&next, &action).await {
                         let why = error_chain(&err);
@@ -294,14 +297,14 @@ impl VmController {
                     }
                     return Err(err.for_vm(name));
                 }
-                match self.write(&key, &next, entry.revision).await? {
-                    Some(revision) => {
-                        self.record_event(&vm, &next, revision, now).await;
-                        Ok(Some(Requeue::at(
-                            requeue_at,
-                            why_next_look(&next, requeue_at, now, &self.cfg),
-                        )))
-                    }
+                match self
+                    .write_recorded(&key, &vm, &next, entry.revision, now)
+                    .await?
+                {
+                    Some(_) => Ok(Some(Requeue::at(
+                        requeue_at,
+                        why_next_look(&next, requeue_at, now, &self.cfg),
+                    ))),
                     None => Ok(Some(Requeue::at(now, WRITE_CONFLICT))),
                 }
             }
@@ -334,19 +337,27 @@ impl VmController {
                         Err(source) => return Err(store_err(source)),
                     }
                 }
-                match self.store.delete(&key, entry.revision).await {
+                let event = Event {
+                    at: now,
+                    vm: name.to_string(),
+                    from: vm.status.phase,
+                    to: Phase::Deleting,
+                    reason: "record deleted: instance gone, disks removed".into(),
+                    key: None,
+                };
+                let deleted = write_with_events(
+                    &self.store,
+                    &key,
+                    RecordChange::<VirtualMachine>::Delete,
+                    entry.revision,
+                    &[event],
+                    Fence::Cas,
+                )
+                .await;
+                match deleted {
                     Ok(revision) => {
                         self.vm_index.deleted(name, revision);
                         tracing::info!(vm = name, "deleted");
-                        let event = Event {
-                            at: now,
-                            vm: name.to_string(),
-                            from: vm.status.phase,
-                            to: Phase::Deleting,
-                            reason: "record deleted: instance gone, disks removed".into(),
-                            key: None,
-                        };
-                        self.put_event(&event, revision).await;
                         Ok(None)
                     }
                     Err(StoreError::Conflict { .. }) => Ok(Some(Requeue::at(now, WRITE_CONFLICT))),
@@ -451,35 +462,28 @@ impl VmController {
         .unless_unchanged(vm)
     }
 
-    async fn record_event(
-        &self,
-        old: &VirtualMachine,
-        new: &VirtualMachine,
-        revision: u64,
-        now: Millis,
-    ) {
-        report_transition(self.observer.as_ref(), old, new);
+    /// The events `new` makes of `old`, in the order they are recorded:
+    /// a guest reset, disks plugged, unplugged or grown, the phase change.
+    fn change_events(&self, old: &VirtualMachine, new: &VirtualMachine, now: Millis) -> Vec<Event> {
+        let mut events = Vec::new();
         if let Some(event) = crate::reboot::reset_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "guest reset");
-            self.put_event(&event, revision).await;
+            events.push(event);
         }
         if let Some(event) = crate::hotplug::plugged_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk plugged in");
-            self.put_event(&event, revision).await;
+            events.push(event);
         }
         if let Some(event) = crate::hot_unplug::unplugged_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk unplugged");
-            self.put_event(&event, revision).await;
+            events.push(event);
         }
         if let Some(event) = crate::online_resize::grown_event(old, new, now) {
             tracing::info!(vm = %new.name, reason = %event.reason, "disk grown online");
-            self.put_event(&event, revision).await;
+            events.push(event);
         }
-        record_event(&self.store, old, new, revision, now, Fence::Cas).await
-    }
-
-    async fn put_event(&self, event: &Event, revision: u64) {
-        put_event(&self.store, event, revision, Fence::Cas).await
+        events.extend(phase_event(old, new, now));
+        events
     }
 
     /// What the node says, and the guest resets the driver counted in the
@@ -666,6 +670,40 @@ impl VmController {
 
     /// Compare-and-swap write. `Ok(None)` on conflict: someone wrote first,
     /// so the step is void and the VM must be looked at again.
+    /// [`Self::write`] of a step's record, with the events it makes of
+    /// `old` in the same store write.
+    async fn write_recorded(
+        &self,
+        key: &str,
+        old: &VirtualMachine,
+        vm: &VirtualMachine,
+        revision: u64,
+        now: Millis,
+    ) -> Result<Option<u64>, ReconcileError> {
+        let events = self.change_events(old, vm, now);
+        let written = write_with_events(
+            &self.store,
+            key,
+            RecordChange::Update(vm),
+            revision,
+            &events,
+            Fence::Cas,
+        )
+        .await;
+        match written {
+            Ok(rev) => {
+                self.vm_index.written(vm, rev);
+                report_transition(self.observer.as_ref(), old, vm);
+                Ok(Some(rev))
+            }
+            Err(StoreError::Conflict { .. }) => Ok(None),
+            Err(source) => Err(ReconcileError::Store {
+                vm: vm.name.clone(),
+                source,
+            }),
+        }
+    }
+
     async fn write(
         &self,
         key: &str,

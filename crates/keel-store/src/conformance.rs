@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use keel_api::ManualClock;
 
-use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{
+    Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent, Write,
+};
 
 /// How long a check waits for an expected watch event before failing.
 const EVENT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -117,6 +119,11 @@ where
     guarded_writes_fail_once_guard_deleted(make().await).await;
     guarded_writes_fail_once_guard_recreated(make().await).await;
     guarded_writes_fail_once_guard_lease_expired(make().await).await;
+    atomic_write_applies_all_at_one_revision(make().await).await;
+    atomic_write_conflict_writes_nothing(make().await).await;
+    atomic_write_refuses_malformed_batches(make().await).await;
+    atomic_write_guarded(make().await).await;
+    atomic_writes_replay_whole(make().await).await;
 }
 
 /// One `#[tokio::test]` per conformance check, so a failure names the
@@ -149,6 +156,11 @@ macro_rules! conformance_tests {
             guarded_writes_fail_once_guard_deleted,
             guarded_writes_fail_once_guard_recreated,
             guarded_writes_fail_once_guard_lease_expired,
+            atomic_write_applies_all_at_one_revision,
+            atomic_write_conflict_writes_nothing,
+            atomic_write_refuses_malformed_batches,
+            atomic_write_guarded,
+            atomic_writes_replay_whole,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
@@ -1093,4 +1105,284 @@ pub async fn guarded_writes_fail_once_guard_lease_expired(f: Fixture) {
     wait_until_absent(&f, GUARD_KEY).await;
     expect_guard_lost(s, &guard, "/g/a", r).await;
     assert_eq!(must_get(s, "/g/a").await.value, b"1");
+}
+
+// ---- atomic writes of several keys --------------------------------------------
+
+fn put_write(key: &str, value: &str, precondition: Precondition) -> Write {
+    Write::Put {
+        key: key.to_string(),
+        value: value.as_bytes().to_vec(),
+        precondition,
+    }
+}
+
+fn delete_write(key: &str, revision: Revision) -> Write {
+    Write::Delete {
+        key: key.to_string(),
+        revision,
+    }
+}
+
+pub async fn atomic_write_applies_all_at_one_revision(f: Fixture) {
+    let s = &*f.store;
+    let ra = create(s, "/t/a", "a1").await;
+    let rc = create(s, "/t/c", "c1").await;
+    let (_, listed) = s.list("/t/").await.expect("list before");
+    let mut w = open_watch(s, "/t/", listed + 1).await;
+    let mut only_b = open_watch(s, "/t/b", listed + 1).await;
+    let r = s
+        .write_all(
+            vec![
+                put_write("/t/a", "a2", Precondition::Revision(ra)),
+                put_write("/t/b", "b1", Precondition::Absent),
+                delete_write("/t/c", rc),
+            ],
+            None,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("atomic write whose preconditions hold: {e}"));
+    assert!(r > rc, "the atomic write's revision {r} must exceed {rc}");
+    let a = must_get(s, "/t/a").await;
+    assert_eq!(
+        (a.value, a.create_revision, a.mod_revision),
+        (b"a2".to_vec(), ra, r)
+    );
+    let b = must_get(s, "/t/b").await;
+    assert_eq!(
+        (b.value, b.create_revision, b.mod_revision),
+        (b"b1".to_vec(), r, r),
+        "a key created by an atomic write has its revision as create and mod revision"
+    );
+    must_be_absent(s, "/t/c").await;
+    let (_, after) = s.list("/t/").await.expect("list after");
+    assert!(
+        after >= r,
+        "list revision {after} must include the write at {r}"
+    );
+    expect_exactly(
+        s,
+        &mut w,
+        "watch across an atomic write",
+        &[
+            put_ev(r, "/t/a", "a2"),
+            put_ev(r, "/t/b", "b1"),
+            del_ev(r, "/t/c"),
+        ],
+        "/t/z-sentinel",
+    )
+    .await;
+    assert_eq!(
+        summary(&next_event(&mut only_b, "watch of one key of an atomic write").await),
+        put_ev(r, "/t/b", "b1"),
+        "a watch on one key sees that key's event of the atomic write"
+    );
+    // Replayed from history, the write's events come back whole and in order.
+    let mut replay = open_watch(s, "/t/", r).await;
+    expect_exactly(
+        s,
+        &mut replay,
+        "replay of an atomic write",
+        &[
+            put_ev(r, "/t/a", "a2"),
+            put_ev(r, "/t/b", "b1"),
+            del_ev(r, "/t/c"),
+            put_ev(r + 1, "/t/z-sentinel", "sentinel"),
+        ],
+        "/t/z-sentinel2",
+    )
+    .await;
+}
+
+pub async fn atomic_write_conflict_writes_nothing(f: Fixture) {
+    let s = &*f.store;
+    let ra = create(s, "/t/a", "a1").await;
+    let rb = create(s, "/t/b", "b1").await;
+    let rb2 = update(s, "/t/b", "b2", rb).await;
+    let (before, _) = s.list("").await.expect("list before");
+    // The second write's precondition is stale: the first must not apply.
+    assert_conflict(
+        s.write_all(
+            vec![
+                put_write("/t/a", "a2", Precondition::Revision(ra)),
+                put_write("/t/b", "stale", Precondition::Revision(rb)),
+                put_write("/t/new", "n", Precondition::Absent),
+            ],
+            None,
+        )
+        .await,
+        "atomic write with a stale revision on its second key",
+        "/t/b",
+        Some(rb),
+        Some(rb2),
+    );
+    assert_conflict(
+        s.write_all(
+            vec![
+                put_write("/t/new", "n", Precondition::Absent),
+                put_write("/t/a", "again", Precondition::Absent),
+            ],
+            None,
+        )
+        .await,
+        "atomic write creating an existing key",
+        "/t/a",
+        None,
+        Some(ra),
+    );
+    assert_conflict(
+        s.write_all(
+            vec![
+                put_write("/t/a", "a2", Precondition::Revision(ra)),
+                delete_write("/t/missing", ra),
+            ],
+            None,
+        )
+        .await,
+        "atomic write deleting a missing key",
+        "/t/missing",
+        Some(ra),
+        None,
+    );
+    let (after, _) = s.list("").await.expect("list after");
+    assert_eq!(before, after, "a refused atomic write must change nothing");
+    // The first failing write is named, in the order given.
+    assert_conflict(
+        s.write_all(
+            vec![
+                put_write("/t/a", "x", Precondition::Revision(ra + 1000)),
+                put_write("/t/b", "x", Precondition::Revision(rb)),
+            ],
+            None,
+        )
+        .await,
+        "atomic write with two stale keys",
+        "/t/a",
+        Some(ra + 1000),
+        Some(ra),
+    );
+}
+
+pub async fn atomic_write_refuses_malformed_batches(f: Fixture) {
+    let s = &*f.store;
+    let ra = create(s, "/t/a", "a1").await;
+    let (before, _) = s.list("").await.expect("list before");
+    match s.write_all(Vec::new(), None).await {
+        Err(StoreError::InvalidWrite { .. }) => {}
+        other => panic!("an empty atomic write must be InvalidWrite, got {other:?}"),
+    }
+    match s
+        .write_all(
+            vec![
+                put_write("/t/a", "a2", Precondition::Revision(ra)),
+                put_write("/t/b", "b", Precondition::Absent),
+                delete_write("/t/a", ra),
+            ],
+            None,
+        )
+        .await
+    {
+        Err(StoreError::InvalidWrite { key, .. }) => {
+            assert_eq!(key, "/t/a", "InvalidWrite must name the key written twice")
+        }
+        other => panic!("an atomic write naming a key twice must be InvalidWrite, got {other:?}"),
+    }
+    let (after, _) = s.list("").await.expect("list after");
+    assert_eq!(
+        before, after,
+        "a malformed atomic write must change nothing"
+    );
+}
+
+pub async fn atomic_write_guarded(f: Fixture) {
+    let s = &*f.store;
+    let (_lease, guard) = take_guard(s, f.lease_ttl_ms * 100).await;
+    let ra = put_guarded(s, "/g/a", "1", Precondition::Absent, &guard).await;
+    let r = s
+        .write_all(
+            vec![
+                put_write("/g/a", "2", Precondition::Revision(ra)),
+                put_write("/g/b", "1", Precondition::Absent),
+            ],
+            Some(&guard),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("atomic write under a held guard: {e}"));
+    assert_eq!(must_get(s, "/g/b").await.mod_revision, r);
+    // A held guard does not lift a precondition.
+    assert_conflict(
+        s.write_all(
+            vec![
+                put_write("/g/c", "1", Precondition::Absent),
+                put_write("/g/a", "3", Precondition::Revision(ra)),
+            ],
+            Some(&guard),
+        )
+        .await,
+        "guarded atomic write with a stale revision",
+        "/g/a",
+        Some(ra),
+        Some(r),
+    );
+    let held = must_get(s, GUARD_KEY).await;
+    remove(s, GUARD_KEY, held.mod_revision).await;
+    let (before, _) = s.list("").await.expect("list before");
+    for (what, precondition) in [
+        (
+            "guarded atomic write after the guard is gone",
+            Precondition::Revision(r),
+        ),
+        (
+            "guarded atomic write after the guard is gone, its precondition stale too",
+            Precondition::Revision(ra),
+        ),
+    ] {
+        assert_guard_lost(
+            s.write_all(
+                vec![
+                    put_write("/g/c", "1", Precondition::Absent),
+                    put_write("/g/a", "3", precondition),
+                ],
+                Some(&guard),
+            )
+            .await,
+            what,
+            &guard,
+        );
+    }
+    let (after, _) = s.list("").await.expect("list after");
+    assert_eq!(
+        before, after,
+        "an atomic write under a lost guard must change nothing"
+    );
+}
+
+/// Enough atomic writes that a replay from the start spans several pages
+/// of every store's history reads: each write's events still come back
+/// together, in order, and none is lost or repeated.
+pub async fn atomic_writes_replay_whole(f: Fixture) {
+    const WRITES: usize = 150;
+    const KEYS: usize = 5;
+    let s = &*f.store;
+    let (_, start) = s.list("/r/").await.expect("list before");
+    let mut expected = Vec::new();
+    for i in 0..WRITES {
+        let writes = (0..KEYS)
+            .map(|k| put_write(&format!("/r/{k}/{i:04}"), "v", Precondition::Absent))
+            .collect();
+        let r = s
+            .write_all(writes, None)
+            .await
+            .unwrap_or_else(|e| panic!("atomic write {i}: {e}"));
+        expected.extend((0..KEYS).map(|k| put_ev(r, &format!("/r/{k}/{i:04}"), "v")));
+    }
+    let mut w = open_watch(s, "/r/", start + 1).await;
+    expect_exactly(
+        s,
+        &mut w,
+        "replay of many atomic writes",
+        &expected,
+        "/r/sentinel",
+    )
+    .await;
 }

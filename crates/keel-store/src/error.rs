@@ -28,6 +28,10 @@ pub enum StoreError {
         "guard {guard} lost: the key is gone or was re-created by another writer; nothing written"
     )]
     GuardLost { guard: String },
+    /// An atomic write was malformed (empty, or a key named twice); a
+    /// caller's mistake, nothing was written.
+    #[error("invalid atomic write at {key}: {reason}")]
+    InvalidWrite { key: String, reason: String },
     #[error("stored value at {key} is corrupt: {reason}")]
     Corrupt { key: String, reason: String },
 }

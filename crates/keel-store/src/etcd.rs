@@ -38,6 +38,11 @@
 //!   A guarded write adds one compare (the guard key's `create_revision`)
 //!   to the same transaction and reads the guard key in the else-branch
 //!   too, so `GuardLost` and `Conflict` are told apart atomically.
+//! * An atomic write of several keys ([`Store::write_all`]) is one
+//!   transaction too: all compares, then all puts and deletes at one etcd
+//!   revision, or else a read of every key (and the guard key) to say
+//!   which precondition failed. Its events share that revision and arrive
+//!   in one watch response, like a lease's deletions (below).
 //! * Keys are stored under the namespace given to [`EtcdStore::connect`],
 //!   normalised to end in `/`: namespace `/keel` stores `/vms/a` as etcd key
 //!   `/keel//vms/a`. The separator is what keeps namespaces apart: with
@@ -82,7 +87,10 @@ use etcd_client::{
 };
 use tokio::sync::mpsc;
 
-use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{
+    check_batch, Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch,
+    WatchEvent, Write,
+};
 
 /// Keys per range request when listing: keeps each response well below the
 /// gRPC message limit and etcd's per-request memory, however big a prefix.
@@ -464,6 +472,88 @@ impl EtcdStore {
         self.written(key, Some(revision), guard, response)
     }
 
+    /// [`Store::write_all`] as one transaction: every write's compares
+    /// (and the guard's) together, then all the puts and deletes, which
+    /// etcd applies at one revision; or else a keys-only read of every key
+    /// (and the guard key), from which the failure is told atomically.
+    async fn write_all_inner(
+        &self,
+        mut writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        check_batch(&writes)?;
+        check_guard_revision(guard)?;
+        let first = writes[0].key().to_string();
+        let mut compares = Vec::with_capacity(writes.len() * 2 + 1);
+        let mut then = Vec::with_capacity(writes.len());
+        let mut reads = Vec::with_capacity(writes.len() + 1);
+        for write in &mut writes {
+            let k = self.etcd_key(write.key());
+            match write {
+                Write::Put {
+                    value,
+                    precondition,
+                    ..
+                } => {
+                    match precondition {
+                        Precondition::Absent => {
+                            compares.push(Compare::create_revision(k.clone(), CompareOp::Equal, 0))
+                        }
+                        Precondition::Revision(r) => compares.extend(exists_at(&k, *r)),
+                    }
+                    // Lease 0, as a plain put: detaches a leased key.
+                    let options = PutOptions::new().with_lease(0);
+                    then.push(TxnOp::put(k.clone(), std::mem::take(value), Some(options)));
+                }
+                Write::Delete { revision, .. } => {
+                    compares.extend(exists_at(&k, *revision));
+                    then.push(TxnOp::delete(k.clone(), None));
+                }
+            }
+            reads.push(read_revision(&k));
+        }
+        if let Some(guard) = guard {
+            let g = self.etcd_key(&guard.key);
+            compares.push(guard_holds(&g, guard));
+            reads.push(read_revision(&g));
+        }
+        let txn = Txn::new().when(compares).and_then(then).or_else(reads);
+        let mut kv = self.client.kv_client();
+        let response = self
+            .call(kv.txn(txn))
+            .await
+            .map_err(|f| unavailable(&first, &f, true))?;
+        if response.succeeded() {
+            return response
+                .header()
+                .map(|h| from_etcd(h.revision()))
+                .ok_or_else(|| StoreError::Unavailable {
+                    key: first,
+                    reason: "etcd answered a write without a response header".into(),
+                });
+        }
+        let read = read_revisions(&response);
+        if let Some(guard) = guard {
+            let guard_read = read.get(writes.len()).copied().flatten();
+            if guard_read.map(|(_, c)| c) != Some(guard.create_revision) {
+                return Err(guard.lost());
+            }
+        }
+        for (i, write) in writes.iter().enumerate() {
+            let Some(current) = read.get(i) else {
+                break;
+            };
+            if let Some(conflict) = write.conflict(current.map(|(m, _)| m)) {
+                return Err(conflict);
+            }
+        }
+        Err(StoreError::Unavailable {
+            key: first,
+            reason: "etcd refused an atomic write, yet its reads show every precondition holding"
+                .into(),
+        })
+    }
+
     /// The revision of a successful write transaction, or what its
     /// else-branch read: `GuardLost` if the guard key (read second) is not
     /// the guard's incarnation, else the `Conflict` on the key (read first).
@@ -571,6 +661,24 @@ impl EtcdStore {
             }
         }
     }
+}
+
+/// `(mod_revision, create_revision)` of each key a failed transaction's
+/// else-branch read, in request order; `None` for a key that is absent.
+fn read_revisions(response: &TxnResponse) -> Vec<Option<(Revision, Revision)>> {
+    response
+        .op_responses()
+        .into_iter()
+        .filter_map(|op| match op {
+            TxnOpResponse::Get(get) => Some(get.kvs().first().map(|kv| {
+                (
+                    from_etcd(kv.mod_revision()),
+                    from_etcd(kv.create_revision()),
+                )
+            })),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Compares that hold iff the key exists with `mod_revision == revision`.
@@ -711,6 +819,14 @@ impl Store for EtcdStore {
         guard: &Guard,
     ) -> Result<Revision, StoreError> {
         self.delete_inner(key, revision, Some(guard)).await
+    }
+
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        self.write_all_inner(writes, guard).await
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {

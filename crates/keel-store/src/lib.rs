@@ -15,7 +15,7 @@ pub mod sqlite;
 mod typed;
 
 pub use error::StoreError;
-pub use typed::{Listing, TypedEntry, TypedStore, Undecodable, UndecodableLog};
+pub use typed::{Batch, Listing, TypedEntry, TypedStore, Undecodable, UndecodableLog};
 
 use async_trait::async_trait;
 
@@ -39,6 +39,73 @@ pub enum Precondition {
     Absent,
     /// The key must exist with exactly this `mod_revision`.
     Revision(Revision),
+}
+
+/// One write of an atomic batch (see [`Store::write_all`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Write {
+    /// Writes `value` at `key` if `precondition` holds. The key is not
+    /// attached to a lease (a leased key is detached, as by `put`).
+    Put {
+        key: String,
+        value: Vec<u8>,
+        precondition: Precondition,
+    },
+    /// Deletes `key` if its `mod_revision` is `revision`.
+    Delete { key: String, revision: Revision },
+}
+
+impl Write {
+    pub fn key(&self) -> &str {
+        match self {
+            Write::Put { key, .. } | Write::Delete { key, .. } => key,
+        }
+    }
+
+    /// The `Conflict` this write's precondition gives against the key's
+    /// current `mod_revision` (`None`: absent), or `None` if it holds.
+    pub fn conflict(&self, actual: Option<Revision>) -> Option<StoreError> {
+        let (holds, expected) = match self {
+            Write::Put {
+                precondition: Precondition::Absent,
+                ..
+            } => (actual.is_none(), None),
+            Write::Put {
+                precondition: Precondition::Revision(r),
+                ..
+            }
+            | Write::Delete { revision: r, .. } => (actual == Some(*r), Some(*r)),
+        };
+        (!holds).then(|| StoreError::Conflict {
+            key: self.key().to_string(),
+            expected,
+            actual,
+        })
+    }
+}
+
+/// Refuses a batch [`Store::write_all`] cannot apply as asked: empty, or
+/// naming a key twice (which write would win is not defined).
+pub fn check_batch(writes: &[Write]) -> Result<(), StoreError> {
+    let Some(first) = writes.first() else {
+        return Err(StoreError::InvalidWrite {
+            key: String::new(),
+            reason: "an atomic write needs at least one key".into(),
+        });
+    };
+    let mut seen = std::collections::HashSet::with_capacity(writes.len());
+    for write in writes {
+        if !seen.insert(write.key()) {
+            return Err(StoreError::InvalidWrite {
+                key: write.key().to_string(),
+                reason: format!(
+                    "the key is written twice in one atomic write (first key {})",
+                    first.key()
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -159,6 +226,33 @@ pub trait Store: Send + Sync + 'static {
         revision: Revision,
         guard: &Guard,
     ) -> Result<Revision, StoreError>;
+
+    /// Applies every write in `writes` or none, as one new revision that
+    /// all of them share: each written key's `mod_revision` (and a created
+    /// key's `create_revision`) is the returned revision, and watchers see
+    /// one event per key at that revision, in the order given. Every
+    /// precondition (and `guard`, if given, as in `put_guarded`) is checked
+    /// atomically with all the writes; if one fails nothing is written and
+    /// the error is the `Conflict` of the first failing write, naming its
+    /// key (`GuardLost` wins over a conflict). An empty batch, or one that
+    /// names a key twice, is `InvalidWrite`.
+    ///
+    /// The default refuses every batch (fail closed), so a wrapper store
+    /// that does not forward it can never write half of one.
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        let _ = guard;
+        Err(StoreError::Unavailable {
+            key: writes
+                .first()
+                .map(|w| w.key().to_string())
+                .unwrap_or_default(),
+            reason: "this store does not implement atomic writes of several keys".into(),
+        })
+    }
 
     /// All keys under `prefix` in key order, and the store revision the list
     /// is consistent with (the revision to watch from, plus one).

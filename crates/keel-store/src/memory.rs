@@ -20,7 +20,10 @@ use async_trait::async_trait;
 use keel_api::{Clock, Millis, SystemClock};
 use tokio::sync::{mpsc, watch};
 
-use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{
+    check_batch, Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch,
+    WatchEvent, Write,
+};
 
 /// How many revisions of history are kept for `watch(.., from)` by default.
 pub const DEFAULT_HISTORY_LIMIT: usize = 10_000;
@@ -140,9 +143,11 @@ impl Faults {
 struct State {
     kv: BTreeMap<String, Slot>,
     revision: Revision,
-    /// One event per revision: `history[i]` is revision `compacted + 1 + i`.
-    /// Every change bumps the revision exactly once, which is what makes
-    /// this indexing (and gap-free watches) work.
+    /// Every change after `compacted`, in revision order: one event per
+    /// revision, except an atomic write ([`Store::write_all`]), which has
+    /// one per key at its one revision. Every revision has at least one
+    /// event, so watches are gap-free; history is kept and dropped in whole
+    /// revisions, so nobody sees half of an atomic write.
     history: VecDeque<WatchEvent>,
     compacted: Revision,
     history_limit: usize,
@@ -160,10 +165,23 @@ struct State {
 impl State {
     fn record(&mut self, event: WatchEvent) {
         self.history.push_back(event);
-        while self.history.len() > self.history_limit {
-            if let Some(old) = self.history.pop_front() {
-                self.compacted = old.revision();
+        self.trim_history();
+    }
+
+    /// Drops the oldest revisions (all their events) while more than
+    /// `history_limit` revisions are kept; never the newest revision.
+    fn trim_history(&mut self) {
+        while self.revision - self.compacted > self.history_limit as Revision {
+            let Some(oldest) = self.history.front().map(WatchEvent::revision) else {
+                break;
+            };
+            if oldest >= self.revision {
+                break;
             }
+            while self.history.front().is_some_and(|e| e.revision() == oldest) {
+                self.history.pop_front();
+            }
+            self.compacted = oldest;
         }
     }
 
@@ -209,9 +227,42 @@ impl State {
                 return Err(StoreError::LeaseNotFound { lease: l });
             }
         }
-        let old_lease = existing.and_then(|s| s.lease);
         let revision = self.revision + 1;
         self.revision = revision;
+        self.apply_put(key, value, lease, revision);
+        Ok(revision)
+    }
+
+    /// Every write of `writes` at one new revision, or none (see
+    /// [`Store::write_all`]).
+    fn write_all(
+        &mut self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        check_batch(&writes)?;
+        self.check_guard(guard)?;
+        for write in &writes {
+            let actual = self.kv.get(write.key()).map(|s| s.mod_revision);
+            if let Some(conflict) = write.conflict(actual) {
+                return Err(conflict);
+            }
+        }
+        let revision = self.revision + 1;
+        self.revision = revision;
+        for write in writes {
+            match write {
+                Write::Put { key, value, .. } => self.apply_put(&key, value, None, revision),
+                Write::Delete { key, .. } => self.apply_remove(&key, revision),
+            }
+        }
+        Ok(revision)
+    }
+
+    /// Writes the key at `revision`, already checked and claimed.
+    fn apply_put(&mut self, key: &str, value: Vec<u8>, lease: Option<LeaseId>, revision: Revision) {
+        let existing = self.kv.get(key);
+        let old_lease = existing.and_then(|s| s.lease);
         let create_revision = existing.map_or(revision, |s| s.create_revision);
         if old_lease != lease {
             if let Some(old) = old_lease.and_then(|l| self.leases.get_mut(&l)) {
@@ -246,7 +297,6 @@ impl State {
             }
         }
         self.record(WatchEvent::Put(entry));
-        Ok(revision)
     }
 
     fn delete(
@@ -269,17 +319,22 @@ impl State {
 
     /// Removes an existing key unconditionally, as one revision.
     fn remove(&mut self, key: &str) -> Revision {
+        let revision = self.revision + 1;
+        self.revision = revision;
+        self.apply_remove(key, revision);
+        revision
+    }
+
+    /// Removes an existing key at `revision`, already claimed.
+    fn apply_remove(&mut self, key: &str, revision: Revision) {
         let lease = self.kv.remove(key).and_then(|s| s.lease);
         if let Some(l) = lease.and_then(|l| self.leases.get_mut(&l)) {
             l.keys.remove(key);
         }
-        let revision = self.revision + 1;
-        self.revision = revision;
         self.record(WatchEvent::Deleted {
             key: key.to_string(),
             revision,
         });
-        revision
     }
 
     /// Drops a lease and deletes its keys in key order, one revision each,
@@ -318,15 +373,10 @@ impl State {
 
     fn compact(&mut self, revision: Revision) {
         let upto = revision.min(self.revision);
-        while self.compacted < upto {
-            match self.history.pop_front() {
-                Some(e) => self.compacted = e.revision(),
-                None => {
-                    self.compacted = upto;
-                    break;
-                }
-            }
+        while self.history.front().is_some_and(|e| e.revision() <= upto) {
+            self.history.pop_front();
         }
+        self.compacted = self.compacted.max(upto);
     }
 }
 
@@ -394,9 +444,7 @@ impl MemoryStore {
         {
             let mut st = self.inner.lock();
             st.history_limit = limit.max(1);
-            let excess = st.history.len().saturating_sub(st.history_limit);
-            let upto = st.compacted + excess as Revision;
-            st.compact(upto);
+            st.trim_history();
         }
         self
     }
@@ -484,19 +532,32 @@ impl MemoryStore {
         lease: Option<LeaseId>,
         f: impl FnOnce(&mut State, Millis) -> Result<T, StoreError>,
     ) -> Result<(usize, T), StoreError> {
+        self.run_ops(&[Op { kind, key, lease }], f)
+    }
+
+    /// [`Self::run`] for an operation made of several (an atomic write):
+    /// the fault hook is asked about each in turn, as if they were made one
+    /// after the other, and the first fault it injects is the whole
+    /// operation's.
+    fn run_ops<T>(
+        &self,
+        ops: &[Op<'_>],
+        f: impl FnOnce(&mut State, Millis) -> Result<T, StoreError>,
+    ) -> Result<(usize, T), StoreError> {
         let now = self.inner.clock.now_ms();
         let mut st = self.inner.lock();
         let before = st.revision;
         let expired = st.expire(now);
-        let op = Op { kind, key, lease };
-        let fault = st.faults.check(&op);
+        let fault = ops
+            .iter()
+            .find_map(|op| st.faults.check(op).map(|fault| (op, fault)));
         let result = match fault {
-            Some(Fault::Unavailable(reason)) => Err(StoreError::Unavailable {
+            Some((op, Fault::Unavailable(reason))) => Err(StoreError::Unavailable {
                 key: op.subject(),
                 reason,
             }),
-            Some(Fault::AppliedThenUnavailable(reason)) => {
-                if kind.is_write() {
+            Some((op, Fault::AppliedThenUnavailable(reason))) => {
+                if op.kind.is_write() {
                     // The outcome is deliberately discarded: the caller
                     // only learns that the reply was lost.
                     let _ = f(&mut st, now);
@@ -590,6 +651,30 @@ impl Store for MemoryStore {
         self.op(OpKind::Delete, key, None, |st, _| {
             st.delete(key, revision, Some(guard))
         })
+    }
+
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        let keys: Vec<(OpKind, String)> = writes
+            .iter()
+            .map(|w| match w {
+                Write::Put { key, .. } => (OpKind::Put, key.clone()),
+                Write::Delete { key, .. } => (OpKind::Delete, key.clone()),
+            })
+            .collect();
+        let ops: Vec<Op<'_>> = keys
+            .iter()
+            .map(|(kind, key)| Op {
+                kind: *kind,
+                key,
+                lease: None,
+            })
+            .collect();
+        self.run_ops(&ops, |st, _| st.write_all(writes, guard))
+            .map(|(_, revision)| revision)
     }
 
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
@@ -730,21 +815,26 @@ async fn pump(
             } else if cursor > st.revision {
                 true
             } else {
-                let start = (cursor - st.compacted - 1) as usize;
-                let mut scanned = 0;
-                for event in st.history.range(start..) {
-                    scanned += 1;
-                    if event.key().starts_with(prefix.as_str()) {
-                        batch.push(Ok(event.clone()));
-                        if batch.len() == WATCH_BATCH {
+                let start = st.history.partition_point(|e| e.revision() < cursor);
+                let mut current = None;
+                let mut next = st.revision + 1;
+                for (scanned, event) in st.history.range(start..).enumerate() {
+                    let revision = event.revision();
+                    // Stop only between revisions: the next pass (or a
+                    // failure reported before it) never splits the events
+                    // of one atomic write.
+                    if current != Some(revision) {
+                        if batch.len() >= WATCH_BATCH || scanned >= WATCH_SCAN {
+                            next = revision;
                             break;
                         }
+                        current = Some(revision);
                     }
-                    if scanned == WATCH_SCAN {
-                        break;
+                    if event.key().starts_with(prefix.as_str()) {
+                        batch.push(Ok(event.clone()));
                     }
                 }
-                cursor += scanned as Revision;
+                cursor = next;
                 cursor > st.revision
             }
         };

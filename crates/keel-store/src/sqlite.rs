@@ -16,6 +16,13 @@
 //! roll back. If anything in a batch fails at the SQLite level, the whole
 //! batch rolls back and every request in it gets `Unavailable`.
 //!
+//! An atomic write of several keys ([`Store::write_all`]) is one request:
+//! it checks every precondition first and then writes all its keys at one
+//! revision, so a conflict on any key leaves the rest of the batch (and
+//! the other requests in it) untouched. Its history rows share that
+//! revision, told apart by `seq` in the order given, and its watch events
+//! go out as one group, so a watcher never sees half of it.
+//!
 //! Only writes made through this process's handle reach its watches; one
 //! Keel process should own a database file.
 
@@ -33,13 +40,18 @@ mod live_feed;
 
 use live_feed::{Feed, LiveFeed};
 
-use crate::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use crate::{
+    check_batch, Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch,
+    WatchEvent, Write,
+};
 
 /// `PRAGMA application_id` of a Keel store ("KEEL"), so a database that
 /// belongs to something else is refused instead of written into.
 const APPLICATION_ID: i64 = 0x4B45_454C;
 /// `PRAGMA user_version`; bump with a migration when the schema changes.
-const SCHEMA_VERSION: i64 = 1;
+/// Version 2: history rows are keyed by `(rev, seq)`, as an atomic write
+/// has one row per key at its one revision (version 1 had one per `rev`).
+const SCHEMA_VERSION: i64 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE meta (
@@ -56,13 +68,16 @@ CREATE TABLE kv (
     lease INTEGER
 ) WITHOUT ROWID;
 CREATE INDEX kv_by_lease ON kv (lease) WHERE lease IS NOT NULL;
--- One row per revision; kind 0 = put (value, create_rev set), 1 = delete.
+-- One row per key written; kind 0 = put (value, create_rev set), 1 = delete.
+-- Rows of one revision (an atomic write) are ordered by seq.
 CREATE TABLE history (
-    rev INTEGER PRIMARY KEY,
+    rev INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
     key TEXT NOT NULL,
     kind INTEGER NOT NULL,
     value BLOB,
-    create_rev INTEGER
+    create_rev INTEGER,
+    PRIMARY KEY (rev, seq)
 );
 -- AUTOINCREMENT so a revoked lease id is never handed out again: a stale
 -- holder must not keep a new owner's lease alive.
@@ -72,6 +87,24 @@ CREATE TABLE leases (
     expires_at INTEGER NOT NULL
 );
 CREATE INDEX leases_by_expiry ON leases (expires_at);
+";
+
+/// Schema version 1's one-row-per-revision history becomes version 2's,
+/// each old row the only one (`seq` 0) of its revision.
+const MIGRATE_1_TO_2: &str = "
+CREATE TABLE history_v2 (
+    rev INTEGER NOT NULL,
+    seq INTEGER NOT NULL,
+    key TEXT NOT NULL,
+    kind INTEGER NOT NULL,
+    value BLOB,
+    create_rev INTEGER,
+    PRIMARY KEY (rev, seq)
+);
+INSERT INTO history_v2 (rev, seq, key, kind, value, create_rev)
+    SELECT rev, 0, key, kind, value, create_rev FROM history ORDER BY rev;
+DROP TABLE history;
+ALTER TABLE history_v2 RENAME TO history;
 ";
 
 const KIND_PUT: i64 = 0;
@@ -372,6 +405,23 @@ impl Store for SqliteStore {
         }
     }
 
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        check_batch(&writes)?;
+        let key = writes[0].key().to_string();
+        let op = Op::WriteAll {
+            writes,
+            guard: guard.cloned(),
+        };
+        match self.call(op).await? {
+            Outcome::Revision(r) => Ok(r),
+            other => Err(unexpected(&key, &other)),
+        }
+    }
+
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
         match self
             .call(Op::List {
@@ -472,16 +522,20 @@ async fn pump(
                     r = live.recv() => r,
                 };
                 match received {
-                    Ok(event) => {
-                        let revision = event.revision();
+                    Ok(group) => {
+                        let Some(revision) = group.first().map(WatchEvent::revision) else {
+                            continue;
+                        };
                         if revision <= last {
                             continue;
                         }
                         last = revision;
-                        if event.key().starts_with(prefix.as_str())
-                            && out.send(Ok(WatchEvent::clone(&event))).await.is_err()
-                        {
-                            return;
+                        for event in group.iter() {
+                            if event.key().starts_with(prefix.as_str())
+                                && out.send(Ok(event.clone())).await.is_err()
+                            {
+                                return;
+                            }
                         }
                     }
                     Err(broadcast::error::RecvError::Lagged(_)) => break last + 1,
@@ -525,6 +579,11 @@ enum Op {
         revision: Revision,
         guard: Option<Guard>,
     },
+    /// Never empty, no key twice: checked before it is sent.
+    WriteAll {
+        writes: Vec<Write>,
+        guard: Option<Guard>,
+    },
     List {
         prefix: String,
     },
@@ -553,6 +612,10 @@ impl Op {
     fn subject(&self) -> String {
         match self {
             Op::Get { key } | Op::Put { key, .. } | Op::Delete { key, .. } => key.clone(),
+            Op::WriteAll { writes, .. } => writes
+                .first()
+                .map(|w| w.key().to_string())
+                .unwrap_or_default(),
             Op::List { prefix } | Op::Count { prefix } | Op::Replay { prefix, .. } => {
                 prefix.clone()
             }
@@ -605,6 +668,9 @@ struct Replay {
 struct Worker {
     conn: Connection,
     clock: Arc<dyn Clock>,
+    /// One message per revision and segment: the events of an atomic
+    /// write travel together, so a lagging watcher resumes between
+    /// revisions.
     feed: LiveFeed,
     history_limit: u64,
     history_min_age_ms: Millis,
@@ -676,8 +742,8 @@ impl Worker {
                 }
                 // Live events strictly before replies: a caller that saw
                 // its write acknowledged can rely on watches having it.
-                for event in events {
-                    self.feed.send(event);
+                for group in events.chunk_by(|a, b| a.revision() == b.revision()) {
+                    self.feed.send(group);
                 }
                 for (request, outcome) in batch.drain(..).zip(outcomes) {
                     let _ = request.reply.send(outcome);
@@ -749,6 +815,10 @@ fn apply(
             } => match check_guard(&tx, guard.as_ref())? {
                 Err(lost) => Ok(Err(lost)),
                 Ok(()) => delete(&tx, key, *revision, events),
+            },
+            Op::WriteAll { writes, guard } => match check_guard(&tx, guard.as_ref())? {
+                Err(lost) => Ok(Err(lost)),
+                Ok(()) => write_all(&tx, std::mem::take(writes), events),
             },
             Op::List { prefix } => list(&tx, prefix),
             Op::Count { prefix } => count(&tx, prefix),
@@ -854,21 +924,75 @@ fn put(
     }
     let revision = bump_revision(tx)?;
     let create_revision = current.map_or(revision, |(c, _)| c);
+    write_key(
+        tx,
+        key,
+        value,
+        create_revision,
+        lease,
+        (revision, 0),
+        events,
+    )?;
+    Ok(Ok(Outcome::Revision(revision)))
+}
+
+/// Every write or none, at one revision: all preconditions are checked
+/// before anything is written (see [`Store::write_all`]).
+fn write_all(
+    tx: &Transaction<'_>,
+    writes: Vec<Write>,
+    events: &mut Vec<WatchEvent>,
+) -> Applied<Outcome> {
+    let mut create_revisions = Vec::with_capacity(writes.len());
+    for write in &writes {
+        let current: Option<(Revision, Revision)> = tx
+            .prepare_cached("SELECT create_rev, mod_rev FROM kv WHERE key = ?1")?
+            .query_row([write.key()], |row| Ok((row.get(0)?, row.get(1)?)))
+            .optional()?;
+        if let Some(conflict) = write.conflict(current.map(|(_, m)| m)) {
+            return Ok(Err(conflict));
+        }
+        create_revisions.push(current.map(|(c, _)| c));
+    }
+    let revision = bump_revision(tx)?;
+    for (seq, (write, created)) in writes.into_iter().zip(create_revisions).enumerate() {
+        let at = (revision, seq as i64);
+        match write {
+            Write::Put { key, value, .. } => {
+                let create_revision = created.unwrap_or(revision);
+                write_key(tx, &key, value, create_revision, None, at, events)?;
+            }
+            Write::Delete { key, .. } => remove_key(tx, &key, at, events)?,
+        }
+    }
+    Ok(Ok(Outcome::Revision(revision)))
+}
+
+/// Writes a key at `(revision, seq)`, already checked and claimed.
+fn write_key(
+    tx: &Transaction<'_>,
+    key: &str,
+    value: Vec<u8>,
+    create_revision: Revision,
+    lease: Option<LeaseId>,
+    (revision, seq): (Revision, i64),
+    events: &mut Vec<WatchEvent>,
+) -> Sql<()> {
     tx.prepare_cached(
         "INSERT OR REPLACE INTO kv (key, value, create_rev, mod_rev, lease) VALUES (?1, ?2, ?3, ?4, ?5)",
     )?
     .execute(params![key, value, create_revision, revision, lease])?;
     tx.prepare_cached(
-        "INSERT INTO history (rev, key, kind, value, create_rev) VALUES (?1, ?2, ?3, ?4, ?5)",
+        "INSERT INTO history (rev, seq, key, kind, value, create_rev) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
     )?
-    .execute(params![revision, key, KIND_PUT, value, create_revision])?;
+    .execute(params![revision, seq, key, KIND_PUT, value, create_revision])?;
     events.push(WatchEvent::Put(Entry {
         key: key.to_string(),
         value,
         create_revision,
         mod_revision: revision,
     }));
-    Ok(Ok(Outcome::Revision(revision)))
+    Ok(())
 }
 
 fn delete(
@@ -893,16 +1017,27 @@ fn delete(
 
 /// Deletes an existing key unconditionally, as one revision.
 fn remove(tx: &Transaction<'_>, key: &str, events: &mut Vec<WatchEvent>) -> Sql<Revision> {
+    let revision = bump_revision(tx)?;
+    remove_key(tx, key, (revision, 0), events)?;
+    Ok(revision)
+}
+
+/// Deletes a key at `(revision, seq)`, already checked and claimed.
+fn remove_key(
+    tx: &Transaction<'_>,
+    key: &str,
+    (revision, seq): (Revision, i64),
+    events: &mut Vec<WatchEvent>,
+) -> Sql<()> {
     tx.prepare_cached("DELETE FROM kv WHERE key = ?1")?
         .execute([key])?;
-    let revision = bump_revision(tx)?;
-    tx.prepare_cached("INSERT INTO history (rev, key, kind) VALUES (?1, ?2, ?3)")?
-        .execute(params![revision, key, KIND_DELETE])?;
+    tx.prepare_cached("INSERT INTO history (rev, seq, key, kind) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![revision, seq, key, KIND_DELETE])?;
     events.push(WatchEvent::Deleted {
         key: key.to_string(),
         revision,
     });
-    Ok(revision)
+    Ok(())
 }
 
 fn list(tx: &Transaction<'_>, prefix: &str) -> Applied<Outcome> {
@@ -980,7 +1115,7 @@ fn replay_page(
         }));
     }
     let mut stmt = tx.prepare_cached(
-        "SELECT rev, key, kind, value, create_rev FROM history WHERE rev >= ?1 ORDER BY rev",
+        "SELECT rev, key, kind, value, create_rev FROM history WHERE rev >= ?1 ORDER BY rev, seq",
     )?;
     let mut rows = stmt.query([start])?;
     let mut events = Vec::new();
@@ -988,6 +1123,12 @@ fn replay_page(
     let mut exhausted = true;
     while let Some(row) = rows.next()? {
         let rev: Revision = row.get(0)?;
+        // A page ends only between revisions, so a watch never stops in
+        // the middle of an atomic write's events.
+        if rev >= next && events.len() >= REPLAY_PAGE {
+            exhausted = false;
+            break;
+        }
         let key: String = row.get(1)?;
         next = rev + 1;
         if !key.starts_with(prefix) {
@@ -1022,10 +1163,6 @@ fn replay_page(
             }
         };
         events.push(event);
-        if events.len() == REPLAY_PAGE {
-            exhausted = false;
-            break;
-        }
     }
     // Subscribing here, inside the batch, is what closes the gap between
     // history and live: this batch's own events are broadcast after commit
@@ -1159,6 +1296,11 @@ fn check_schema(conn: &Connection) -> Result<(), String> {
             .and_then(|()| conn.pragma_update(None, "user_version", SCHEMA_VERSION))
             .map_err(|e| format!("creating the schema: {}", describe(&e)))?;
         return Ok(());
+    }
+    if application_id == APPLICATION_ID && version == 1 {
+        conn.execute_batch(MIGRATE_1_TO_2)
+            .and_then(|()| conn.pragma_update(None, "user_version", SCHEMA_VERSION))
+            .map_err(|e| format!("migrating the schema from version 1: {}", describe(&e)))?;
     }
     if application_id != APPLICATION_ID {
         return Err(format!(

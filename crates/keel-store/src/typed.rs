@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use crate::{Guard, Precondition, Revision, Store, StoreError};
+use crate::{Guard, Precondition, Revision, Store, StoreError, Write};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct TypedEntry<T> {
@@ -285,4 +285,69 @@ fn encode<T: Serialize>(value: &T) -> Vec<u8> {
 
 fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, String> {
     serde_json::from_slice(bytes).map_err(|e| e.to_string())
+}
+
+/// Typed writes gathered for one [`Store::write_all`]: every record or
+/// none, at one revision. Records are encoded as [`TypedStore::create`]
+/// and [`TypedStore::update`] encode them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Batch {
+    writes: Vec<Write>,
+}
+
+impl Batch {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Creates `key`, which must be absent.
+    pub fn create<T: Serialize>(mut self, key: &str, value: &T) -> Self {
+        self.writes.push(Write::Put {
+            key: key.to_string(),
+            value: encode(value),
+            precondition: Precondition::Absent,
+        });
+        self
+    }
+
+    /// Writes `key`, which must still be at `revision`.
+    pub fn update<T: Serialize>(mut self, key: &str, value: &T, revision: Revision) -> Self {
+        self.writes.push(Write::Put {
+            key: key.to_string(),
+            value: encode(value),
+            precondition: Precondition::Revision(revision),
+        });
+        self
+    }
+
+    /// Deletes `key`, which must still be at `revision`.
+    pub fn delete(mut self, key: &str, revision: Revision) -> Self {
+        self.writes.push(Write::Delete {
+            key: key.to_string(),
+            revision,
+        });
+        self
+    }
+
+    /// The batch without its writes to keys for which `drop` says so.
+    pub fn without(mut self, drop: impl Fn(&str) -> bool) -> Self {
+        self.writes.retain(|w| !drop(w.key()));
+        self
+    }
+
+    pub fn writes(&self) -> &[Write] {
+        &self.writes
+    }
+}
+
+impl TypedStore {
+    /// Applies `batch` as one atomic write (see [`Store::write_all`]),
+    /// only while `guard` holds if one is given.
+    pub async fn write_all(
+        &self,
+        batch: Batch,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        self.inner.write_all(batch.writes, guard).await
+    }
 }

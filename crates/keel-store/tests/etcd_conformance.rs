@@ -140,6 +140,11 @@ etcd_checks!(
     guarded_writes_fail_once_guard_deleted,
     guarded_writes_fail_once_guard_recreated,
     guarded_writes_fail_once_guard_lease_expired,
+    atomic_write_applies_all_at_one_revision,
+    atomic_write_conflict_writes_nothing,
+    atomic_write_refuses_malformed_batches,
+    atomic_write_guarded,
+    atomic_writes_replay_whole,
 );
 
 /// The list above is spelled out (the suite's macro cannot skip or lock);

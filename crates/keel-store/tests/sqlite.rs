@@ -326,6 +326,83 @@ fn newer_schema_is_refused() {
     assert_open_fails(&path, "newer");
 }
 
+/// A store written by a Keel whose history had one row per revision
+/// (schema version 1) opens migrated: its history replays as before, and
+/// an atomic write's rows, several at one revision, fit next to it.
+#[tokio::test]
+async fn version_1_history_is_migrated() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).unwrap();
+    let r1 = store
+        .put("/a", b"1".to_vec(), Precondition::Absent)
+        .await
+        .unwrap();
+    let r2 = store
+        .put("/b", b"2".to_vec(), Precondition::Absent)
+        .await
+        .unwrap();
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch(
+        "BEGIN;
+         CREATE TABLE history_v1 (rev INTEGER PRIMARY KEY, key TEXT NOT NULL,
+             kind INTEGER NOT NULL, value BLOB, create_rev INTEGER);
+         INSERT INTO history_v1 SELECT rev, key, kind, value, create_rev FROM history;
+         DROP TABLE history;
+         ALTER TABLE history_v1 RENAME TO history;
+         PRAGMA user_version = 1;
+         COMMIT;",
+    )
+    .unwrap();
+    drop(conn);
+
+    let store = SqliteStore::open(&path).unwrap();
+    let r3 = store
+        .write_all(
+            vec![
+                keel_store::Write::Put {
+                    key: "/a".into(),
+                    value: b"3".to_vec(),
+                    precondition: Precondition::Revision(r1),
+                },
+                keel_store::Write::Delete {
+                    key: "/b".into(),
+                    revision: r2,
+                },
+            ],
+            None,
+        )
+        .await
+        .unwrap();
+    let mut w = store.watch("/", 1).await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let ev = next(&mut w).await;
+        seen.push((ev.revision(), ev.key().to_string()));
+    }
+    assert_eq!(
+        seen,
+        [
+            (r1, "/a".into()),
+            (r2, "/b".into()),
+            (r3, "/a".into()),
+            (r3, "/b".into())
+        ],
+        "the migrated history and the atomic write replay in order"
+    );
+    drop(w);
+    drop(store);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(
+        version, 2,
+        "the schema version is raised with the migration"
+    );
+}
+
 #[test]
 fn missing_directory_names_the_path() {
     let dir = tempfile::tempdir().unwrap();

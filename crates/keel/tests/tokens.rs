@@ -104,6 +104,44 @@ fn roles_gate_every_mutating_route_and_each_request_is_audited() {
     assert!(!bobs["items"].as_array().unwrap().is_empty());
 }
 
+/// A VM's create and its audit event are one store write: the event is
+/// at the VM's revision, says 201, and is the request's only one; a
+/// refused create is still audited by the door, with its status.
+#[test]
+fn a_vm_create_and_its_audit_event_are_one_write() {
+    let server = TestServer::start();
+    let (_, admin) = create_token(&server, "carol", "admin");
+    let body = json!({"name": "web", "spec": common::small_spec()}).to_string();
+    let create = || {
+        server.request(
+            "POST",
+            "/api/v1/vms",
+            Some(&admin),
+            Some(body.as_bytes()),
+            &[],
+        )
+    };
+    let r = create();
+    assert_eq!(r.status, 201, "{}", r.text);
+    let revision = r.json()["revision"].as_u64().unwrap();
+    let again = create();
+    assert_eq!(again.status, 409, "{}", again.text);
+    let trail = server.get("/api/v1/events?actor=carol").json();
+    let creates: Vec<&Value> = trail["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["audit"]["path"] == "/api/v1/vms")
+        .collect();
+    assert_eq!(creates.len(), 2, "one audit event per request: {trail}");
+    assert_eq!(creates[0]["audit"]["status"], 201, "{trail}");
+    assert_eq!(
+        creates[0]["revision"], revision,
+        "the audit event is written with the VM: {trail}"
+    );
+    assert_eq!(creates[1]["audit"]["status"], 409, "{trail}");
+}
+
 /// A revoked token is refused at once; an expired one with "token
 /// expired"; the token file (an old data dir's only token) is an admin
 /// token; the store holds no secret.

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch};
+use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, Write};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -100,6 +100,15 @@ impl Store for FaultyStore {
     ) -> Result<Revision, StoreError> {
         self.fault(key)?;
         self.inner.delete_guarded(key, revision, guard).await
+    }
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        // One call, one chance to fail, as for any other write.
+        self.fault(writes.first().map_or("", |w| w.key()))?;
+        self.inner.write_all(writes, guard).await
     }
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
         self.fault(key)?;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch};
+use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, Write};
 
 #[derive(Clone)]
 pub struct SlowListStore {
@@ -84,6 +84,13 @@ impl Store for SlowListStore {
         guard: &Guard,
     ) -> Result<Revision, StoreError> {
         self.inner.delete_guarded(key, revision, guard).await
+    }
+    async fn write_all(
+        &self,
+        writes: Vec<Write>,
+        guard: Option<&Guard>,
+    ) -> Result<Revision, StoreError> {
+        self.inner.write_all(writes, guard).await
     }
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
         self.inner.delete(key, revision).await

@@ -8,6 +8,9 @@
 //! woke them all. A watch whose prefix holds a whole first segment now
 //! wakes only for changes under that segment; any other prefix (`""`,
 //! `/v`) still hears every change.
+//!
+//! A message is one revision's changes (an atomic write's keys travel
+//! together); a segment's feed gets those of its segment.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,14 +19,14 @@ use tokio::sync::broadcast;
 
 use crate::WatchEvent;
 
-pub(super) type Feed = broadcast::Receiver<Arc<WatchEvent>>;
+pub(super) type Feed = broadcast::Receiver<Arc<[WatchEvent]>>;
 
 pub(super) struct LiveFeed {
     /// Changes buffered per watch before it falls back to history.
     capacity: usize,
-    by_segment: HashMap<String, broadcast::Sender<Arc<WatchEvent>>>,
+    by_segment: HashMap<String, broadcast::Sender<Arc<[WatchEvent]>>>,
     /// For prefixes that name no whole segment: every change.
-    every: broadcast::Sender<Arc<WatchEvent>>,
+    every: broadcast::Sender<Arc<[WatchEvent]>>,
 }
 
 impl LiveFeed {
@@ -50,15 +53,23 @@ impl LiveFeed {
         }
     }
 
-    pub(super) fn send(&self, event: WatchEvent) {
-        let event = Arc::new(event);
-        if let Some(bus) = first_segment(event.key()).and_then(|s| self.by_segment.get(s)) {
-            if bus.receiver_count() > 0 {
-                let _ = bus.send(event.clone());
+    /// Sends the changes of one revision.
+    pub(super) fn send(&self, revision: &[WatchEvent]) {
+        for (segment, bus) in &self.by_segment {
+            if bus.receiver_count() == 0 {
+                continue;
+            }
+            let under: Vec<WatchEvent> = revision
+                .iter()
+                .filter(|e| first_segment(e.key()) == Some(segment.as_str()))
+                .cloned()
+                .collect();
+            if !under.is_empty() {
+                let _ = bus.send(under.into());
             }
         }
         if self.every.receiver_count() > 0 {
-            let _ = self.every.send(event);
+            let _ = self.every.send(revision.into());
         }
     }
 }
@@ -98,19 +109,34 @@ mod tests {
         let mut one_vm = feed.subscribe("/vms/a");
         let mut all = feed.subscribe("");
         let mut vm_ish = feed.subscribe("/vm");
-        feed.send(put("/events/a/1", 1));
-        feed.send(put("/vms/a", 2));
-        feed.send(put("/nodes/n1", 3));
+        feed.send(&[put("/events/a/1", 1)]);
+        feed.send(&[put("/vms/a", 2)]);
+        feed.send(&[put("/nodes/n1", 3)]);
+        // One atomic write: each feed gets its own keys of it, together.
+        feed.send(&[put("/vms/b", 4), put("/events/b/1", 4), put("/vms/c", 4)]);
         let heard = |feed: &mut Feed| {
-            let mut revisions = Vec::new();
-            while let Ok(event) = feed.try_recv() {
-                revisions.push(event.revision());
+            let mut messages = Vec::new();
+            while let Ok(group) = feed.try_recv() {
+                messages.push(
+                    group
+                        .iter()
+                        .map(|e| e.key().to_string())
+                        .collect::<Vec<_>>(),
+                );
             }
-            revisions
+            messages
         };
-        assert_eq!(heard(&mut vms), [2]);
-        assert_eq!(heard(&mut one_vm), [2]);
-        assert_eq!(heard(&mut all), [1, 2, 3]);
-        assert_eq!(heard(&mut vm_ish), [1, 2, 3]);
+        assert_eq!(heard(&mut vms), [vec!["/vms/a"], vec!["/vms/b", "/vms/c"]]);
+        assert_eq!(heard(&mut one_vm).len(), 2);
+        assert_eq!(
+            heard(&mut all),
+            [
+                vec!["/events/a/1"],
+                vec!["/vms/a"],
+                vec!["/nodes/n1"],
+                vec!["/vms/b", "/events/b/1", "/vms/c"]
+            ]
+        );
+        assert_eq!(heard(&mut vm_ish).len(), 4);
     }
 }

@@ -50,6 +50,21 @@ pub async fn record(
     remote: &str,
     status: StatusCode,
 ) {
+    let (key, event) = audit_event(at, caller, method, path, remote, status);
+    if let Err(err) = store.create(&key, &event).await {
+        tracing::warn!(actor = %caller.name, %method, path, %err, "could not record the audit event");
+    }
+}
+
+/// The audit event of one request and the key it is kept under.
+pub fn audit_event(
+    at: Millis,
+    caller: &Caller,
+    method: &Method,
+    path: &str,
+    remote: &str,
+    status: StatusCode,
+) -> (String, AuditEvent) {
     let resource = resource_of(path);
     let vm = match resource.split_once('/') {
         Some(("vm" | "snapshot", rest)) => rest.split('/').next().unwrap_or(rest).to_string(),
@@ -77,9 +92,7 @@ pub async fn record(
             status: status.as_u16(),
         },
     };
-    if let Err(err) = store.create(&audit_key(at), &event).await {
-        tracing::warn!(actor = %caller.name, %method, path, %err, "could not record the audit event");
-    }
+    (audit_key(at), event)
 }
 
 #[cfg(test)]

@@ -97,7 +97,9 @@ impl From<StoreError> for ApiError {
                 tracing::warn!(%err, "store unavailable");
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, err.to_string())
             }
-            StoreError::Corrupt { .. } | StoreError::LeaseNotFound { .. } => {
+            StoreError::Corrupt { .. }
+            | StoreError::LeaseNotFound { .. }
+            | StoreError::InvalidWrite { .. } => {
                 tracing::error!(%err, "store error");
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
             }

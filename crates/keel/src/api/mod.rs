@@ -7,6 +7,7 @@
 
 pub mod agent_figures;
 pub mod audit;
+pub mod audited_write;
 pub mod clone;
 pub mod console;
 pub mod console_proxy;

@@ -86,7 +86,10 @@ impl PageRequest {
     }
 
     /// The page of `items` (any order) after `self.after` by `key`, and
-    /// the token of the next page if there is one.
+    /// the token of the next page if there is one. Items with equal keys
+    /// are never split across pages (the page grows past the limit
+    /// instead): events of one atomic write share their revision, and
+    /// the next page starts after it.
     pub fn page<T, K: Ord>(
         &self,
         items: Vec<T>,
@@ -100,8 +103,12 @@ impl PageRequest {
             .filter(|(k, _)| after.as_ref().is_none_or(|a| k > a))
             .collect();
         items.sort_by(|a, b| a.0.cmp(&b.0));
-        let next = (items.len() > self.limit).then(|| token(&items[self.limit - 1].0));
-        items.truncate(self.limit);
+        let mut end = self.limit.min(items.len());
+        while end > 0 && end < items.len() && items[end].0 == items[end - 1].0 {
+            end += 1;
+        }
+        let next = (items.len() > end).then(|| token(&items[end - 1].0));
+        items.truncate(end);
         (items.into_iter().map(|(_, t)| t).collect(), next)
     }
 
@@ -157,5 +164,26 @@ mod tests {
         assert_eq!((second, next.as_deref()), (vec!["c", "d"], Some("d")));
         let (last, next) = req(2, next.as_deref()).page_by_name(names, |n| n);
         assert_eq!((last, next), (vec!["e"], None));
+    }
+
+    /// Events of one atomic write share a revision: a page that would end
+    /// among them takes them all, so the next page (after that revision)
+    /// loses none.
+    #[test]
+    fn items_with_one_key_stay_on_one_page() {
+        let events = vec![(5, "a"), (7, "b"), (7, "c"), (7, "d"), (9, "e")];
+        let page = |after: Option<u64>| {
+            req(2, after.map(|a| a.to_string()).as_deref()).page(
+                events.clone(),
+                |e| e.0,
+                after,
+                u64::to_string,
+            )
+        };
+        let (first, next) = page(None);
+        assert_eq!(first, [(5, "a"), (7, "b"), (7, "c"), (7, "d")]);
+        assert_eq!(next.as_deref(), Some("7"));
+        let (second, next) = page(Some(7));
+        assert_eq!((second, next), (vec![(9, "e")], None));
     }
 }

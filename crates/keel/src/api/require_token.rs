@@ -15,6 +15,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use keel_store::TypedStore;
 
+use super::audited_write::{self, AuditedRequest};
 use super::roles::{self, Access};
 use super::token_limits::{ConsoleSession, TokenLimits, TokenMeters};
 use crate::api::ApiError;
@@ -135,7 +136,23 @@ pub async fn require_token(State(door): State<Door>, mut req: Request, next: Nex
             }
             req.extensions_mut().insert(caller.clone());
             req.extensions_mut().insert(door.book.clone());
-            next.run(req).await
+            if roles::is_mutating(&method) {
+                let request = Arc::new(AuditedRequest::new(
+                    caller.clone(),
+                    method.clone(),
+                    path.clone(),
+                    remote.clone(),
+                    door.book.clock().clone(),
+                ));
+                let resp = audited_write::scope(request.clone(), next.run(req)).await;
+                if request.recorded() {
+                    // The handler's write carried the audit event.
+                    return resp;
+                }
+                resp
+            } else {
+                next.run(req).await
+            }
         }
     };
     if roles::is_mutating(&method) {

@@ -136,7 +136,7 @@ pub async fn create(
         .take_place(state.store.raw().as_ref(), &vm.name, state.limits.max_vms)
         .await?;
     let key = vm_key(&vm.name);
-    match state.store.create(&key, &vm).await {
+    match super::audited_write::create(&state.store, &key, &vm, StatusCode::CREATED).await {
         Ok(revision) => {
             place.created();
             tracing::info!(vm = %vm.name, revision, "VM created");
