@@ -115,6 +115,7 @@ where
     lease_unknown_rejected(make().await).await;
     put_without_lease_detaches(make().await).await;
     concurrent_cas_increments(make().await).await;
+    concurrent_writes_get_their_own_answers(make().await).await;
     guarded_writes_apply_while_guard_held(make().await).await;
     guarded_writes_fail_once_guard_deleted(make().await).await;
     guarded_writes_fail_once_guard_recreated(make().await).await;
@@ -152,6 +153,7 @@ macro_rules! conformance_tests {
             lease_unknown_rejected,
             put_without_lease_detaches,
             concurrent_cas_increments,
+            concurrent_writes_get_their_own_answers,
             guarded_writes_apply_while_guard_held,
             guarded_writes_fail_once_guard_deleted,
             guarded_writes_fail_once_guard_recreated,
@@ -912,6 +914,228 @@ pub async fn concurrent_cas_increments(f: Fixture) {
         (TASKS * PER_TASK).to_string(),
         "lost update: {TASKS} tasks x {PER_TASK} increments"
     );
+}
+
+/// What one of [`concurrent_writes_get_their_own_answers`]'s writes must get.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Expected {
+    /// Applied: the key holds this value afterwards (`None`: deleted).
+    Written(Option<&'static str>),
+    Conflict {
+        expected: Option<Revision>,
+        actual: Option<Revision>,
+    },
+    GuardLost(String),
+    LeaseNotFound(LeaseId),
+}
+
+/// One write of the mix, asked from a task of its own.
+#[derive(Clone)]
+enum MixedWrite {
+    Put(Precondition, &'static str),
+    PutLeased(Precondition, &'static str, LeaseId),
+    PutGuarded(Precondition, &'static str, Guard),
+    Delete(Revision),
+    DeleteGuarded(Revision, Guard),
+}
+
+impl MixedWrite {
+    async fn apply(self, store: &dyn Store, key: &str) -> Result<Revision, StoreError> {
+        let bytes = |v: &str| v.as_bytes().to_vec();
+        match self {
+            MixedWrite::Put(p, v) => store.put(key, bytes(v), p).await,
+            MixedWrite::PutLeased(p, v, lease) => {
+                store.put_with_lease(key, bytes(v), p, lease).await
+            }
+            MixedWrite::PutGuarded(p, v, g) => store.put_guarded(key, bytes(v), p, &g).await,
+            MixedWrite::Delete(r) => store.delete(key, r).await,
+            MixedWrite::DeleteGuarded(r, g) => store.delete_guarded(key, r, &g).await,
+        }
+    }
+}
+
+/// Many conditional writes at once on distinct keys, some of which must
+/// fail (stale revisions, creates over existing keys, a lost guard, with a
+/// stale revision too, a gone lease): a store that applies concurrent
+/// writes together (a group commit) must still give each writer exactly
+/// its own answer, write exactly the writes that succeed, and never fail
+/// a write because a neighbour failed.
+pub async fn concurrent_writes_get_their_own_answers(f: Fixture) {
+    const KEYS: usize = 48;
+    let s = &*f.store;
+    let (_guard_lease, held) = take_guard(s, f.lease_ttl_ms * 100).await;
+    let gone = create(s, "/gone-leader", "gone").await;
+    remove(s, "/gone-leader", gone).await;
+    let lost = Guard {
+        key: "/gone-leader".into(),
+        create_revision: gone,
+    };
+    let lease = s.grant_lease(f.lease_ttl_ms * 100).await.expect("grant");
+    let gone_lease = s.grant_lease(f.lease_ttl_ms * 100).await.expect("grant");
+    s.revoke_lease(gone_lease).await.expect("revoke");
+    let mut revisions = Vec::new();
+    for i in 0..KEYS {
+        revisions.push(create(s, &format!("/w/k{i:02}"), "old").await);
+    }
+    let last_create = *revisions.last().expect("keys created");
+    let mut writes: Vec<(String, MixedWrite, Expected)> = Vec::new();
+    for (i, &rev) in revisions.iter().enumerate() {
+        let key = format!("/w/k{i:02}");
+        // A revision this key never had (its create was its only write).
+        let stale = rev - 1;
+        let conflict = |expected| Expected::Conflict {
+            expected,
+            actual: Some(rev),
+        };
+        let (write, expected) = match i % 8 {
+            0 => (
+                MixedWrite::Put(Precondition::Revision(rev), "new"),
+                Expected::Written(Some("new")),
+            ),
+            1 => (
+                MixedWrite::Put(Precondition::Revision(stale), "new"),
+                conflict(Some(stale)),
+            ),
+            2 => (MixedWrite::Put(Precondition::Absent, "new"), conflict(None)),
+            3 => (
+                MixedWrite::PutGuarded(Precondition::Revision(rev), "new", held.clone()),
+                Expected::Written(Some("new")),
+            ),
+            4 => (
+                MixedWrite::PutGuarded(Precondition::Revision(rev), "new", lost.clone()),
+                Expected::GuardLost(lost.key.clone()),
+            ),
+            // The lost guard wins over the conflict.
+            5 => (
+                MixedWrite::PutGuarded(Precondition::Revision(stale), "new", lost.clone()),
+                Expected::GuardLost(lost.key.clone()),
+            ),
+            6 => (MixedWrite::Delete(rev), Expected::Written(None)),
+            _ => (
+                MixedWrite::DeleteGuarded(stale, held.clone()),
+                conflict(Some(stale)),
+            ),
+        };
+        writes.push((key, write, expected));
+        match i % 8 {
+            0 => writes.push((
+                format!("/w/new{i:02}"),
+                MixedWrite::Put(Precondition::Absent, "created"),
+                Expected::Written(Some("created")),
+            )),
+            3 => writes.push((
+                format!("/w/leased{i:02}"),
+                MixedWrite::PutLeased(Precondition::Absent, "leased", lease),
+                Expected::Written(Some("leased")),
+            )),
+            5 => writes.push((
+                format!("/w/gone-lease{i:02}"),
+                MixedWrite::PutLeased(Precondition::Absent, "never", gone_lease),
+                Expected::LeaseNotFound(gone_lease),
+            )),
+            _ => {}
+        }
+    }
+    // Every writer asks at the same moment, so that writes that must fail
+    // and writes that must not are in flight together.
+    let start = Arc::new(tokio::sync::Barrier::new(writes.len()));
+    let mut tasks = Vec::new();
+    for (key, write, _) in &writes {
+        let (store, start, key, write) =
+            (f.store.clone(), start.clone(), key.clone(), write.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            write.apply(&*store, &key).await
+        }));
+    }
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("writer task panicked"));
+    }
+    let mut want_listed = Vec::new();
+    let mut written_at = std::collections::BTreeMap::new();
+    for ((key, _, expected), answer) in writes.iter().zip(answers) {
+        match (expected, answer) {
+            (Expected::Written(value), Ok(revision)) => {
+                assert!(
+                    revision > last_create,
+                    "{key}: written at revision {revision}, not after the setup's {last_create}"
+                );
+                written_at.insert(key.clone(), revision);
+                if let Some(value) = value {
+                    want_listed.push((key.clone(), value.to_string(), Some(revision)));
+                }
+            }
+            (
+                Expected::Conflict {
+                    expected: e,
+                    actual: a,
+                },
+                Err(StoreError::Conflict {
+                    key: k,
+                    expected,
+                    actual,
+                }),
+            ) => {
+                assert_eq!(
+                    (&k, expected, actual),
+                    (key, *e, *a),
+                    "{key}: the conflict names the key, what it expected and what it found"
+                );
+            }
+            (Expected::GuardLost(guard), Err(StoreError::GuardLost { guard: g })) => {
+                assert_eq!(&g, guard, "{key}: GuardLost names the guard key");
+            }
+            (Expected::LeaseNotFound(lease), Err(StoreError::LeaseNotFound { lease: l })) => {
+                assert_eq!(l, *lease, "{key}: LeaseNotFound names the lease");
+            }
+            (expected, answer) => {
+                panic!("{key}: expected {expected:?}, got {answer:?}")
+            }
+        }
+        if !matches!(expected, Expected::Written(_)) && key.starts_with("/w/k") {
+            want_listed.push((key.clone(), "old".into(), None));
+        }
+    }
+    let (entries, _) = s.list("/w/").await.expect("list /w/");
+    let mut listed: Vec<(String, String, Option<Revision>)> = Vec::new();
+    for e in &entries {
+        let value = String::from_utf8_lossy(&e.value).into_owned();
+        let revision = match written_at.get(&e.key) {
+            Some(&revision) => {
+                assert_eq!(
+                    e.mod_revision, revision,
+                    "{}: a written key's mod_revision is the revision its writer got",
+                    e.key
+                );
+                Some(revision)
+            }
+            None => {
+                let i: usize = e.key["/w/k".len()..].parse().unwrap_or_else(|_| {
+                    panic!("{}: a key nobody wrote to, or whose write failed", e.key)
+                });
+                assert_eq!(
+                    e.mod_revision, revisions[i],
+                    "{}: a failed write changes nothing",
+                    e.key
+                );
+                None
+            }
+        };
+        listed.push((e.key.clone(), value, revision));
+    }
+    want_listed.sort();
+    assert_eq!(
+        listed, want_listed,
+        "exactly the writes that succeeded are applied, each once"
+    );
+    // The leased creates carry their lease.
+    s.revoke_lease(lease).await.expect("revoke");
+    for (key, write, _) in &writes {
+        if matches!(write, MixedWrite::PutLeased(_, _, l) if *l == lease) {
+            must_be_absent(s, key).await;
+        }
+    }
 }
 
 // ---- guarded writes -------------------------------------------------------------
