@@ -11,7 +11,8 @@
 //!   latency for those creates, while the controllers place and start the
 //!   VMs meanwhile;
 //! - all Running: from just before the first create until the store holds
-//!   every VM Running (read from `/metrics`, i.e. from the store itself);
+//!   every VM Running (counted from the VM watch stream, i.e. from the
+//!   store itself: `phase_watch`);
 //! - restart all: from just before the first restart request until every
 //!   VM runs a new instance for it (`observed_restart_generation`);
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
