@@ -573,20 +573,7 @@ impl EtcdStore {
                     reason: "etcd answered a write without a response header".into(),
                 });
         }
-        // (mod_revision, create_revision) of each key read, in request order.
-        let reads: Vec<Option<(Revision, Revision)>> = response
-            .op_responses()
-            .into_iter()
-            .filter_map(|op| match op {
-                TxnOpResponse::Get(get) => Some(get.kvs().first().map(|kv| {
-                    (
-                        from_etcd(kv.mod_revision()),
-                        from_etcd(kv.create_revision()),
-                    )
-                })),
-                _ => None,
-            })
-            .collect();
+        let reads = read_revisions(&response);
         if let Some(guard) = guard {
             match reads.get(1) {
                 Some(read) if read.map(|(_, c)| c) == Some(guard.create_revision) => {}

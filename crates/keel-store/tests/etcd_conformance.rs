@@ -136,6 +136,7 @@ etcd_checks!(
     lease_unknown_rejected,
     put_without_lease_detaches,
     concurrent_cas_increments,
+    concurrent_writes_get_their_own_answers,
     guarded_writes_apply_while_guard_held,
     guarded_writes_fail_once_guard_deleted,
     guarded_writes_fail_once_guard_recreated,
