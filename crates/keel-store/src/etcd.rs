@@ -418,13 +418,8 @@ impl EtcdStore {
     ) -> Result<Revision, StoreError> {
         check_guard_revision(guard)?;
         let k = self.etcd_key(key);
-        let (mut compares, expected) = match precondition {
-            Precondition::Absent => (
-                vec![Compare::create_revision(k.clone(), CompareOp::Equal, 0)],
-                None,
-            ),
-            Precondition::Revision(r) => (exists_at(&k, r), Some(r)),
-        };
+        let mut compares = holds(&k, precondition);
+        let expected = precondition.expected();
         // No lease (0) on a plain put is what detaches a key from its lease.
         let options = PutOptions::new().with_lease(lease.unwrap_or(0));
         let mut reads = vec![read_revision(&k)];
@@ -495,12 +490,7 @@ impl EtcdStore {
                     precondition,
                     ..
                 } => {
-                    match precondition {
-                        Precondition::Absent => {
-                            compares.push(Compare::create_revision(k.clone(), CompareOp::Equal, 0))
-                        }
-                        Precondition::Revision(r) => compares.extend(exists_at(&k, *r)),
-                    }
+                    compares.extend(holds(&k, *precondition));
                     // Lease 0, as a plain put: detaches a leased key.
                     let options = PutOptions::new().with_lease(0);
                     then.push(TxnOp::put(k.clone(), std::mem::take(value), Some(options)));
@@ -666,6 +656,14 @@ fn read_revisions(response: &TxnResponse) -> Vec<Option<(Revision, Revision)>> {
             _ => None,
         })
         .collect()
+}
+
+/// Compares that hold iff `precondition` holds for the key.
+fn holds(key: &[u8], precondition: Precondition) -> Vec<Compare> {
+    match precondition {
+        Precondition::Absent => vec![Compare::create_revision(key.to_vec(), CompareOp::Equal, 0)],
+        Precondition::Revision(r) => exists_at(key, r),
+    }
 }
 
 /// Compares that hold iff the key exists with `mod_revision == revision`.

@@ -41,6 +41,28 @@ pub enum Precondition {
     Revision(Revision),
 }
 
+impl Precondition {
+    /// The `mod_revision` it expects (`None`: the key absent).
+    pub fn expected(self) -> Option<Revision> {
+        match self {
+            Precondition::Absent => None,
+            Precondition::Revision(r) => Some(r),
+        }
+    }
+
+    /// The `Conflict` a write of `key` under this precondition gives
+    /// against the key's current `mod_revision` (`None`: absent), or
+    /// `None` if it holds.
+    pub fn conflict(self, key: &str, actual: Option<Revision>) -> Option<StoreError> {
+        let expected = self.expected();
+        (actual != expected).then(|| StoreError::Conflict {
+            key: key.to_string(),
+            expected,
+            actual,
+        })
+    }
+}
+
 /// One write of an atomic batch (see [`Store::write_all`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Write {
@@ -65,22 +87,11 @@ impl Write {
     /// The `Conflict` this write's precondition gives against the key's
     /// current `mod_revision` (`None`: absent), or `None` if it holds.
     pub fn conflict(&self, actual: Option<Revision>) -> Option<StoreError> {
-        let (holds, expected) = match self {
-            Write::Put {
-                precondition: Precondition::Absent,
-                ..
-            } => (actual.is_none(), None),
-            Write::Put {
-                precondition: Precondition::Revision(r),
-                ..
-            }
-            | Write::Delete { revision: r, .. } => (actual == Some(*r), Some(*r)),
+        let precondition = match self {
+            Write::Put { precondition, .. } => *precondition,
+            Write::Delete { revision, .. } => Precondition::Revision(*revision),
         };
-        (!holds).then(|| StoreError::Conflict {
-            key: self.key().to_string(),
-            expected,
-            actual,
-        })
+        precondition.conflict(self.key(), actual)
     }
 }
 

@@ -206,21 +206,9 @@ impl State {
         guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
         self.check_guard(guard)?;
-        let existing = self.kv.get(key);
-        let actual = existing.map(|s| s.mod_revision);
-        let ok = match precondition {
-            Precondition::Absent => actual.is_none(),
-            Precondition::Revision(r) => actual == Some(r),
-        };
-        if !ok {
-            return Err(StoreError::Conflict {
-                key: key.to_string(),
-                expected: match precondition {
-                    Precondition::Absent => None,
-                    Precondition::Revision(r) => Some(r),
-                },
-                actual,
-            });
+        let actual = self.kv.get(key).map(|s| s.mod_revision);
+        if let Some(conflict) = precondition.conflict(key, actual) {
+            return Err(conflict);
         }
         if let Some(l) = lease {
             if !self.leases.contains_key(&l) {
@@ -307,12 +295,8 @@ impl State {
     ) -> Result<Revision, StoreError> {
         self.check_guard(guard)?;
         let actual = self.kv.get(key).map(|s| s.mod_revision);
-        if actual != Some(expected) {
-            return Err(StoreError::Conflict {
-                key: key.to_string(),
-                expected: Some(expected),
-                actual,
-            });
+        if let Some(conflict) = Precondition::Revision(expected).conflict(key, actual) {
+            return Err(conflict);
         }
         Ok(self.remove(key))
     }

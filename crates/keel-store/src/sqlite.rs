@@ -885,6 +885,13 @@ fn check_guard(tx: &Transaction<'_>, guard: Option<&Guard>) -> Applied<()> {
     }
 }
 
+/// `(create_rev, mod_rev)` of `key`, if it exists.
+fn revisions_of(tx: &Transaction<'_>, key: &str) -> Sql<Option<(Revision, Revision)>> {
+    tx.prepare_cached("SELECT create_rev, mod_rev FROM kv WHERE key = ?1")?
+        .query_row([key], |row| Ok((row.get(0)?, row.get(1)?)))
+        .optional()
+}
+
 fn bump_revision(tx: &Transaction<'_>) -> Sql<Revision> {
     tx.prepare_cached("UPDATE meta SET revision = revision + 1 WHERE id = 0 RETURNING revision")?
         .query_row([], |row| row.get(0))
@@ -898,21 +905,9 @@ fn put(
     lease: Option<LeaseId>,
     events: &mut Vec<WatchEvent>,
 ) -> Applied<Outcome> {
-    let current: Option<(Revision, Revision)> = tx
-        .prepare_cached("SELECT create_rev, mod_rev FROM kv WHERE key = ?1")?
-        .query_row([key], |row| Ok((row.get(0)?, row.get(1)?)))
-        .optional()?;
-    let actual = current.map(|(_, m)| m);
-    let (ok, expected) = match precondition {
-        Precondition::Absent => (actual.is_none(), None),
-        Precondition::Revision(r) => (actual == Some(r), Some(r)),
-    };
-    if !ok {
-        return Ok(Err(StoreError::Conflict {
-            key: key.to_string(),
-            expected,
-            actual,
-        }));
+    let current = revisions_of(tx, key)?;
+    if let Some(conflict) = precondition.conflict(key, current.map(|(_, m)| m)) {
+        return Ok(Err(conflict));
     }
     if let Some(l) = lease {
         let exists = tx
@@ -945,10 +940,7 @@ fn write_all(
 ) -> Applied<Outcome> {
     let mut create_revisions = Vec::with_capacity(writes.len());
     for write in &writes {
-        let current: Option<(Revision, Revision)> = tx
-            .prepare_cached("SELECT create_rev, mod_rev FROM kv WHERE key = ?1")?
-            .query_row([write.key()], |row| Ok((row.get(0)?, row.get(1)?)))
-            .optional()?;
+        let current = revisions_of(tx, write.key())?;
         if let Some(conflict) = write.conflict(current.map(|(_, m)| m)) {
             return Ok(Err(conflict));
         }
@@ -1001,16 +993,9 @@ fn delete(
     expected: Revision,
     events: &mut Vec<WatchEvent>,
 ) -> Applied<Outcome> {
-    let actual: Option<Revision> = tx
-        .prepare_cached("SELECT mod_rev FROM kv WHERE key = ?1")?
-        .query_row([key], |row| row.get(0))
-        .optional()?;
-    if actual != Some(expected) {
-        return Ok(Err(StoreError::Conflict {
-            key: key.to_string(),
-            expected: Some(expected),
-            actual,
-        }));
+    let actual = revisions_of(tx, key)?.map(|(_, m)| m);
+    if let Some(conflict) = Precondition::Revision(expected).conflict(key, actual) {
+        return Ok(Err(conflict));
     }
     Ok(Ok(Outcome::Revision(remove(tx, key, events)?)))
 }
