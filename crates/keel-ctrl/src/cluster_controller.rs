@@ -555,7 +555,8 @@ impl ClusterController {
                             }
                             taken += 1;
                             next = (taken < ARRIVED_AT_ONCE)
-                                .then(|| vm_watch.try_next())
+                                .then(|| vm_watch.next_now())
+                                .flatten()
                                 .flatten();
                         }
                     }

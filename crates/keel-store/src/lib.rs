@@ -155,10 +155,14 @@ impl Watch {
         self.rx.recv().await
     }
 
-    /// The next change if it has already arrived; `None` if none has
-    /// (or the store is closed: `next` then says so).
-    pub fn try_next(&mut self) -> Option<Result<WatchEvent, StoreError>> {
-        self.rx.try_recv().ok()
+    /// What [`Self::next`] gives, if it need not wait: `None` while no
+    /// change has arrived (and the store is open).
+    pub fn next_now(&mut self) -> Option<Option<Result<WatchEvent, StoreError>>> {
+        match self.rx.try_recv() {
+            Ok(item) => Some(Some(item)),
+            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => Some(None),
+            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => None,
+        }
     }
 }
 

@@ -4,9 +4,7 @@
 //! breaks ends all of them; after `retry_ms` everything is listed again,
 //! as changes made meanwhile were never delivered.
 
-use std::future::Future;
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
 
 use keel_api::Millis;
 use keel_hv::DomainEvent;
@@ -130,12 +128,8 @@ impl EventSource {
             return Some(Incoming::Event(Event::Domain(event)));
         }
         let watches = self.watches.as_mut()?;
-        let mut cx = Context::from_waker(Waker::noop());
         for (i, watch) in watches.iter_mut().enumerate() {
-            // Polled once and dropped: a watch's `next` is a channel
-            // receive, which loses nothing when cancelled.
-            let next = std::pin::pin!(watch.next());
-            if let Poll::Ready(item) = next.poll(&mut cx) {
+            if let Some(item) = watch.next_now() {
                 let reflected = i == 0 || WATCHED_PREFIXES[i] == NODES_PREFIX;
                 let vms = reflected.then_some(self.vms.as_deref()).flatten();
                 return Some(incoming(item, vms));
