@@ -668,8 +668,6 @@ impl VmController {
         }
     }
 
-    /// Compare-and-swap write. `Ok(None)` on conflict: someone wrote first,
-    /// so the step is void and the VM must be looked at again.
     /// [`Self::write`] of a step's record, with the events it makes of
     /// `old` in the same store write.
     async fn write_recorded(
@@ -690,27 +688,33 @@ impl VmController {
             Fence::Cas,
         )
         .await;
-        match written {
-            Ok(rev) => {
-                self.vm_index.written(vm, rev);
-                report_transition(self.observer.as_ref(), old, vm);
-                Ok(Some(rev))
-            }
-            Err(StoreError::Conflict { .. }) => Ok(None),
-            Err(source) => Err(ReconcileError::Store {
-                vm: vm.name.clone(),
-                source,
-            }),
+        let revision = self.taken_in(vm, written)?;
+        if revision.is_some() {
+            report_transition(self.observer.as_ref(), old, vm);
         }
+        Ok(revision)
     }
 
+    /// Compare-and-swap write. `Ok(None)` on conflict: someone wrote first,
+    /// so the step is void and the VM must be looked at again.
     async fn write(
         &self,
         key: &str,
         vm: &VirtualMachine,
         revision: u64,
     ) -> Result<Option<u64>, ReconcileError> {
-        match self.store.update(key, vm, revision).await {
+        let written = self.store.update(key, vm, revision).await;
+        self.taken_in(vm, written)
+    }
+
+    /// A write of `vm` as a step takes it: into the index once made,
+    /// `None` on conflict.
+    fn taken_in(
+        &self,
+        vm: &VirtualMachine,
+        written: Result<u64, StoreError>,
+    ) -> Result<Option<u64>, ReconcileError> {
+        match written {
             Ok(rev) => {
                 self.vm_index.written(vm, rev);
                 Ok(Some(rev))

@@ -462,15 +462,15 @@ mod tests {
         assert!(index.tombstones.is_empty());
     }
 
-    /// Whatever order writes arrive in, the index equals one built from
-    /// scratch out of the newest record of each VM: unplaced set, owners,
-    /// and load all agree with a recount.
     fn bigger(mut v: VirtualMachine) -> VirtualMachine {
         v.spec.cpus += 3;
         v.spec.memory_mib *= 4;
         v
     }
 
+    /// Whatever order writes arrive in, the index equals one built from
+    /// scratch out of the newest record of each VM: unplaced set, owners,
+    /// and load all agree with a recount.
     #[test]
     fn the_index_always_equals_a_rebuild_from_the_newest_records() {
         let mut index = VmIndex::default();

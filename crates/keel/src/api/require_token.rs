@@ -118,8 +118,9 @@ pub async fn require_token(State(door): State<Door>, mut req: Request, next: Nex
     } else {
         door.meters.admit(&caller.id).err()
     };
-    let resp = match refused {
-        Some(err) => err.into_response(),
+    // Whether the handler's own write carried the request's audit event.
+    let (resp, audited) = match refused {
+        Some(err) => (err.into_response(), false),
         None => {
             // The graphical console is a console session too.
             if method == Method::GET
@@ -145,17 +146,13 @@ pub async fn require_token(State(door): State<Door>, mut req: Request, next: Nex
                     door.book.clock().clone(),
                 ));
                 let resp = audited_write::scope(request.clone(), next.run(req)).await;
-                if request.recorded() {
-                    // The handler's write carried the audit event.
-                    return resp;
-                }
-                resp
+                (resp, request.recorded())
             } else {
-                next.run(req).await
+                (next.run(req).await, false)
             }
         }
     };
-    if roles::is_mutating(&method) {
+    if roles::is_mutating(&method) && !audited {
         let at = door.book.clock().now_ms();
         super::audit::record(
             &door.store,

@@ -138,7 +138,7 @@ fn count(stream: impl BufRead, counts: &Counts) -> anyhow::Result<()> {
         let line = line.context("reading")?;
         let line: Line = serde_json::from_str(&line).context("a line that is not a watch line")?;
         match (line.kind.as_str(), line.vm, line.name) {
-            ("put", Some(vm), _) => tally(&vm.name.clone(), Seen::of(&vm), &mut seen),
+            ("put", Some(vm), _) => tally(&vm.name, Seen::of(&vm), &mut seen),
             ("deleted", _, Some(name)) => tally(&name, Seen::default(), &mut seen),
             ("synced", _, _) => {}
             ("error", _, _) => anyhow::bail!("{}", line.error.unwrap_or_default()),
