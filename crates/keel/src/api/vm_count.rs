@@ -3,29 +3,43 @@
 //!
 //! Counting the store's VM keys at each create cost a read of the whole
 //! VM table on SQLite (its pages carry the records): with 10,000 VMs that
-//! count was most of a create. Here the names of the stored VMs are kept
-//! by a watch (listed once, then followed; listed again if the watch
-//! breaks), and each create first takes a place: the count a create is
-//! admitted against is the stored VMs plus the places held by creates not
-//! yet seen stored, taken under one lock, so creates racing each other
-//! cannot pass the cap together. A place is given back if its create
-//! fails, and is let go once the watch (or a new list) shows its VM.
+//! count was most of a create. Following every VM change with a watch
+//! instead cost more on etcd: each control plane received and decoded
+//! every VM's every write only to learn its name. So the store is counted
+//! now and then, by one task: within a second of a create of this
+//! server's, else every ten seconds (deletes and other control planes'
+//! creates show then). Each create first takes a place, and the count a
+//! create is admitted against is the last count plus the places held,
+//! taken under one lock, so creates racing each other cannot pass the cap
+//! together. A place is given back if its create fails; once its VM is
+//! stored it is held until a count begun after the write has been taken,
+//! which includes it.
 //!
-//! Until the first list has arrived, a create counts the store instead
-//! (with the places held on top). With several control planes, each keeps
-//! its own places: a create on another control plane counts here once the
-//! watch delivers it, so creates racing on different control planes within
-//! that lag can pass the cap by as many as race.
+//! Until the first count, a create counts the store itself. With several
+//! control planes, each keeps its own places: a create on another control
+//! plane counts here from the next count, so creates racing on different
+//! control planes within that lag can pass the cap by as many as race. A
+//! create refused at the cap is told so only if its name is not stored
+//! already: a create of a stored name fails as a name taken, as it would
+//! under the cap.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use keel_ctrl::keys::{name_of, VMS_PREFIX};
-use keel_store::{Entry, Store, WatchEvent};
-use tokio::sync::watch;
+use keel_ctrl::keys::{vm_key, VMS_PREFIX};
+use keel_store::Store;
+use tokio::sync::{watch, Notify};
 
 use super::limits::check_cap;
 use super::ApiError;
+
+/// How soon after a create of this server's the store is counted again.
+const RECOUNT_AFTER_CREATE: Duration = Duration::from_secs(1);
+/// How often the store is counted otherwise.
+const RECOUNT_IDLE: Duration = Duration::from_secs(10);
+/// The pause before counting again after a failed count.
+const RETRY: Duration = Duration::from_secs(1);
 
 /// The VM count one server admits creates against; cloning shares it.
 #[derive(Clone, Default)]
@@ -36,33 +50,61 @@ pub struct VmCount {
 #[derive(Default)]
 struct Inner {
     state: Mutex<Counted>,
+    /// Woken by a create that stored its VM: count again soon.
+    stored_one: Notify,
 }
 
 #[derive(Default)]
 struct Counted {
-    /// The names of the stored VMs, once listed (`None` before).
-    stored: Option<HashSet<String>>,
-    /// Places held by creates whose VM is not (yet) seen stored, by name,
-    /// with how many creates of that name hold one: a VM counts once
-    /// whichever of them makes it.
-    places: HashMap<String, usize>,
+    /// The VMs stored as last counted (`None` before the first count).
+    stored: Option<u64>,
+    /// The counts begun so far: a count includes every create that was
+    /// stored before it began.
+    counts_begun: u64,
+    /// Places held, by VM name: a name counts once whichever of its
+    /// creates makes it.
+    places: HashMap<String, Held>,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    /// Creates of this name in progress.
+    creating: usize,
+    /// The VM was stored while `counts_begun` was this: only a count
+    /// begun later is sure to include it.
+    stored_at: Option<u64>,
+}
+
+impl Held {
+    fn unused(&self) -> bool {
+        self.creating == 0 && self.stored_at.is_none()
+    }
 }
 
 impl Counted {
-    fn seen_stored(&mut self, name: &str) {
-        self.places.remove(name);
-        if let Some(stored) = &mut self.stored {
-            stored.insert(name.to_string());
+    fn end_create(&mut self, name: &str, stored: bool) {
+        let counts_begun = self.counts_begun;
+        let Some(held) = self.places.get_mut(name) else {
+            return;
+        };
+        held.creating = held.creating.saturating_sub(1);
+        if stored {
+            held.stored_at = Some(counts_begun);
+        }
+        if held.unused() {
+            self.places.remove(name);
         }
     }
 
-    fn give_back(&mut self, name: &str) {
-        if let Some(held) = self.places.get_mut(name) {
-            *held -= 1;
-            if *held == 0 {
-                self.places.remove(name);
+    /// A count begun as count `begun` found `n` VMs stored.
+    fn counted(&mut self, begun: u64, n: u64) {
+        self.stored = Some(n);
+        self.places.retain(|_, held| {
+            if held.stored_at.is_some_and(|at| at < begun) {
+                held.stored_at = None;
             }
-        }
+            !held.unused()
+        });
     }
 }
 
@@ -77,16 +119,19 @@ pub struct Place {
 }
 
 impl Place {
-    /// The VM is stored: the place stays held until the watch shows it.
+    /// The VM is stored: the place stays held until a count includes it.
     pub fn created(mut self) {
-        self.name = None;
+        if let Some(name) = self.name.take() {
+            self.inner.lock().end_create(&name, true);
+            self.inner.stored_one.notify_one();
+        }
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
         if let Some(name) = self.name.take() {
-            self.inner.lock().give_back(&name);
+            self.inner.lock().end_create(&name, false);
         }
     }
 }
@@ -98,7 +143,7 @@ impl Inner {
 }
 
 impl VmCount {
-    /// A count kept by `store`'s watch until `stop` turns true.
+    /// A count kept by counting `store` until `stop` turns true.
     pub fn kept(store: Arc<dyn Store>, stop: watch::Receiver<bool>) -> Self {
         let count = Self::default();
         tokio::spawn(count.clone().keep(store, stop));
@@ -113,85 +158,96 @@ impl VmCount {
         name: &str,
         cap: usize,
     ) -> Result<Place, ApiError> {
-        let listed = self.inner.lock().stored.is_some();
-        // Before the first list, the store is counted (outside the lock).
-        let counted_store = if listed {
+        let counted_before = self.inner.lock().stored.is_some();
+        // Before the first count, the store is counted (outside the lock).
+        let counted_now = if counted_before {
             None
         } else {
             Some(store.count(VMS_PREFIX).await?)
         };
-        let mut counted = self.inner.lock();
-        let (already_stored, stored) = match (&counted.stored, counted_store) {
-            (Some(stored), _) => (stored.contains(name), stored.len() as u64),
-            // A create admitted meanwhile holds its place until the first
-            // list shows it, so counting it twice errs on the safe side.
-            (None, Some(n)) => (false, n),
-            (None, None) => unreachable!("the store is counted when nothing was listed"),
+        let refused = {
+            let mut counted = self.inner.lock();
+            // A create admitted meanwhile holds its place until a count
+            // includes it, so counting it twice errs on the safe side.
+            let stored = counted.stored.or(counted_now).unwrap_or_default();
+            // A name whose create is already in progress counts once, so a
+            // second create of it is not refused for the cap (one of the
+            // two will find the name taken).
+            let refused = if counted.places.contains_key(name) {
+                None
+            } else {
+                check_cap(
+                    stored + counted.places.len() as u64,
+                    cap,
+                    "VMs",
+                    "--max-vms",
+                )
+                .err()
+            };
+            if refused.is_none() {
+                counted.places.entry(name.to_string()).or_default().creating += 1;
+            }
+            refused
         };
-        if already_stored {
-            return Ok(Place {
+        match refused {
+            None => Ok(Place {
                 inner: self.inner.clone(),
-                name: None,
-            });
+                name: Some(name.to_string()),
+            }),
+            // At the cap, a name already stored takes no place: its create
+            // fails as a name taken, as it would under the cap.
+            Some(refused) => match store.get(&vm_key(name)).await? {
+                Some(_) => Ok(Place {
+                    inner: self.inner.clone(),
+                    name: None,
+                }),
+                None => Err(refused),
+            },
         }
-        // A name whose create is already in progress counts once, so a
-        // second create of it is not refused for the cap (one of the two
-        // will find the name taken).
-        if !counted.places.contains_key(name) {
-            check_cap(
-                stored + counted.places.len() as u64,
-                cap,
-                "VMs",
-                "--max-vms",
-            )?;
-        }
-        *counted.places.entry(name.to_string()).or_default() += 1;
-        Ok(Place {
-            inner: self.inner.clone(),
-            name: Some(name.to_string()),
-        })
     }
 
-    /// The VMs counted now (stored and creates in progress), if listed.
+    /// The VMs counted now (stored and creates in progress), once counted.
     pub fn current(&self) -> Option<u64> {
         let counted = self.inner.lock();
-        let stored = counted.stored.as_ref()?.len();
-        Some((stored + counted.places.len()) as u64)
+        Some(counted.stored? + counted.places.len() as u64)
     }
 
-    /// Keeps the stored names current with the store's watch until
-    /// `stop` turns true. Between a break and the next list the names kept
-    /// stay: a deletion missed meanwhile only refuses a create early, and
-    /// this server's own creates hold their places until a list or the
-    /// watch shows them.
-    async fn keep(self, store: Arc<dyn Store>, stop: watch::Receiver<bool>) {
-        crate::prefix_view::keep(&self, &*store, VMS_PREFIX, stop).await
-    }
-}
-
-impl crate::prefix_view::PrefixView for VmCount {
-    fn reset(&self, entries: &[Entry]) {
-        let stored: HashSet<String> = entries
-            .iter()
-            .filter_map(|e| name_of(VMS_PREFIX, &e.key))
-            .map(str::to_string)
-            .collect();
-        let mut counted = self.inner.lock();
-        counted.places.retain(|name, _| !stored.contains(name));
-        counted.stored = Some(stored);
-    }
-
-    fn apply(&self, event: &WatchEvent) {
-        let Some(name) = name_of(VMS_PREFIX, event.key()) else {
-            return;
-        };
-        let mut counted = self.inner.lock();
-        match event {
-            WatchEvent::Put(_) => counted.seen_stored(name),
-            WatchEvent::Deleted { .. } => {
-                if let Some(stored) = &mut counted.stored {
-                    stored.remove(name);
+    /// Counts the store now, then again within [`RECOUNT_AFTER_CREATE`] of
+    /// a create that stored its VM and at least every [`RECOUNT_IDLE`],
+    /// until `stop` turns true.
+    async fn keep(self, store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
+        while !*stop.borrow() {
+            let begun = {
+                let mut counted = self.inner.lock();
+                counted.counts_begun += 1;
+                counted.counts_begun
+            };
+            let pause = match store.count(VMS_PREFIX).await {
+                Ok(n) => {
+                    self.inner.lock().counted(begun, n);
+                    None
                 }
+                Err(err) => {
+                    tracing::debug!(%err, "VM count: counting again shortly");
+                    Some(RETRY)
+                }
+            };
+            let wait = async {
+                match pause {
+                    Some(pause) => tokio::time::sleep(pause).await,
+                    None => {
+                        tokio::select! {
+                            _ = self.inner.stored_one.notified() => {
+                                tokio::time::sleep(RECOUNT_AFTER_CREATE).await
+                            }
+                            _ = tokio::time::sleep(RECOUNT_IDLE) => {}
+                        }
+                    }
+                }
+            };
+            tokio::select! {
+                _ = wait => {}
+                _ = stop.changed() => {}
             }
         }
     }
@@ -201,7 +257,6 @@ impl crate::prefix_view::PrefixView for VmCount {
 mod tests {
     use super::*;
     use axum::http::StatusCode;
-    use keel_ctrl::keys::vm_key;
     use keel_store::memory::MemoryStore;
     use keel_store::Precondition;
     use keel_store::StoreError;
@@ -212,20 +267,21 @@ mod tests {
             .await
     }
 
-    /// Waits (yielding, no sleep) until the kept count reads `want`.
+    /// Waits until the kept count reads `want`, on the test's paused
+    /// clock: the counts are a clock's seconds apart, taken at once here.
     async fn counted(count: &VmCount, want: u64) {
-        for _ in 0..10_000 {
+        for _ in 0..100 {
             if count.current() == Some(want) {
                 return;
             }
-            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
         panic!("counted {:?}, want {want}", count.current());
     }
 
     /// Twenty creates at once under a cap of five: five are admitted,
     /// the rest refused with the `--max-vms` 409, and five VMs are stored.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn racing_creates_never_pass_the_cap() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let (_stop, stop_rx) = watch::channel(false);
@@ -260,7 +316,7 @@ mod tests {
 
     /// The count starts from what is stored, follows creates and deletes,
     /// and a failed create gives its place back.
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn the_count_follows_the_store() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         create(store.as_ref(), "a").await.unwrap();
@@ -294,7 +350,26 @@ mod tests {
         assert_eq!(count.current(), Some(2));
     }
 
-    /// Before any list, a create counts the store.
+    /// A stored VM's place is held until a count begun after its write:
+    /// a count already under way when the write ended may have missed it.
+    #[test]
+    fn a_stored_place_waits_for_a_count_begun_after_it() {
+        let mut counted = Counted::default();
+        counted.counts_begun = 1; // count 1 is under way
+        counted.places.entry("a".into()).or_default().creating += 1;
+        counted.end_create("a", true);
+        counted.counted(1, 0);
+        assert_eq!(counted.places.len(), 1, "count 1 may have missed a");
+        counted.counts_begun = 2;
+        counted.counted(2, 1);
+        assert!(
+            counted.places.is_empty(),
+            "count 2 began after a was stored"
+        );
+        assert_eq!(counted.stored, Some(1));
+    }
+
+    /// Before any count, a create counts the store.
     #[tokio::test]
     async fn unlisted_counts_the_store() {
         let store = MemoryStore::new();
