@@ -174,7 +174,7 @@ impl MigrationController {
         let domains = self.hv.list().await.map(|l| l.domains).unwrap_or_default();
         let no_room = index.node(me).flatten().and_then(|node| {
             index
-                .read(|vms| {
+                .read_settled(domains.iter().map(|d| d.vm.as_str()), |vms| {
                     let extra = crate::schedule::unaccounted(&domains, me, |name| {
                         vms.get(name).map(|v| &*v.vm)
                     });

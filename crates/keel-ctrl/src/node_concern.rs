@@ -38,6 +38,11 @@ impl NodeConcern {
         Self { node: None }
     }
 
+    /// The node judged for, if any.
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref()
+    }
+
     /// Whether `vm`, as recorded, is this node's to act on: its instance
     /// or its placement is here, or a migration reserved here is coming in.
     pub fn concerns(&self, vm: &VirtualMachine) -> bool {

@@ -70,7 +70,7 @@ impl VmController {
         // The index the runtime keeps; listed here only without one (no
         // runtime behind this controller, or its watch broke).
         let around = |vms: &VmIndex| self.look_around(vm, &nodes, vms, now);
-        let (targets, no_target, drain_evictions_waiting) = match self.vm_index.read(around) {
+        let (targets, no_target, drain_evictions_waiting) = match self.vm_index.read_whole(around) {
             Some(found) => found,
             None => around(&ClusterState::read_vms(&self.store).await?.0),
         };
@@ -118,7 +118,7 @@ impl VmController {
             }
         };
         self.vm_index
-            .read(|vms| {
+            .read_settled(domains.iter().map(|d| d.vm.as_str()), |vms| {
                 let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
                     vms.get(name).map(|v| &*v.vm)
                 });
