@@ -354,8 +354,11 @@ mod tests {
     /// a count already under way when the write ended may have missed it.
     #[test]
     fn a_stored_place_waits_for_a_count_begun_after_it() {
-        let mut counted = Counted::default();
-        counted.counts_begun = 1; // count 1 is under way
+        // Count 1 is under way.
+        let mut counted = Counted {
+            counts_begun: 1,
+            ..Counted::default()
+        };
         counted.places.entry("a".into()).or_default().creating += 1;
         counted.end_create("a", true);
         counted.counted(1, 0);
