@@ -19,7 +19,8 @@
 //! control planes, each keeps its own places: a create on another control
 //! plane counts here from the next count, so creates racing on different
 //! control planes within that lag can pass the cap by as many as race. A
-//! create refused at the cap is told so only if its name is not stored
+//! create at the cap counts the store afresh first (a VM deleted a moment
+//! ago makes room at once), and is refused only if its name is not stored
 //! already: a create of a stored name fails as a name taken, as it would
 //! under the cap.
 
@@ -28,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use keel_ctrl::keys::{vm_key, VMS_PREFIX};
-use keel_store::Store;
+use keel_store::{Store, StoreError};
 use tokio::sync::{watch, Notify};
 
 use super::limits::check_cap;
@@ -61,6 +62,9 @@ struct Counted {
     /// The counts begun so far: a count includes every create that was
     /// stored before it began.
     counts_begun: u64,
+    /// The newest count taken in: an older one ending after it (counts
+    /// overlap when a create at the cap counts afresh) is stale.
+    count_taken: u64,
     /// Places held, by VM name: a name counts once whichever of its
     /// creates makes it.
     places: HashMap<String, Held>,
@@ -96,8 +100,18 @@ impl Counted {
         }
     }
 
+    /// A count begins: its number.
+    fn begin_count(&mut self) -> u64 {
+        self.counts_begun += 1;
+        self.counts_begun
+    }
+
     /// A count begun as count `begun` found `n` VMs stored.
     fn counted(&mut self, begun: u64, n: u64) {
+        if begun <= self.count_taken {
+            return;
+        }
+        self.count_taken = begun;
         self.stored = Some(n);
         self.places.retain(|_, held| {
             if held.stored_at.is_some_and(|at| at < begun) {
@@ -158,52 +172,60 @@ impl VmCount {
         name: &str,
         cap: usize,
     ) -> Result<Place, ApiError> {
-        let counted_before = self.inner.lock().stored.is_some();
-        // Before the first count, the store is counted (outside the lock).
-        let counted_now = if counted_before {
-            None
-        } else {
-            Some(store.count(VMS_PREFIX).await?)
+        if self.inner.lock().stored.is_none() {
+            self.count_now(store).await?;
+        }
+        let refused = match self.try_take(name, cap) {
+            Ok(place) => return Ok(place),
+            Err(refused) => refused,
         };
-        let refused = {
-            let mut counted = self.inner.lock();
+        // At the cap as last counted: VMs deleted since make room now, not
+        // at the next count.
+        self.count_now(store).await?;
+        if let Ok(place) = self.try_take(name, cap) {
+            return Ok(place);
+        }
+        // A name already stored takes no place: its create fails as a name
+        // taken, as it would under the cap.
+        match store.get(&vm_key(name)).await? {
+            Some(_) => Ok(Place {
+                inner: self.inner.clone(),
+                name: None,
+            }),
+            None => Err(refused),
+        }
+    }
+
+    /// A place for `name` under `cap` as counted, or the cap's refusal.
+    fn try_take(&self, name: &str, cap: usize) -> Result<Place, ApiError> {
+        let mut counted = self.inner.lock();
+        // A name whose create is already in progress counts once, so a
+        // second create of it is not refused for the cap (one of the two
+        // will find the name taken).
+        if !counted.places.contains_key(name) {
             // A create admitted meanwhile holds its place until a count
             // includes it, so counting it twice errs on the safe side.
-            let stored = counted.stored.or(counted_now).unwrap_or_default();
-            // A name whose create is already in progress counts once, so a
-            // second create of it is not refused for the cap (one of the
-            // two will find the name taken).
-            let refused = if counted.places.contains_key(name) {
-                None
-            } else {
-                check_cap(
-                    stored + counted.places.len() as u64,
-                    cap,
-                    "VMs",
-                    "--max-vms",
-                )
-                .err()
-            };
-            if refused.is_none() {
-                counted.places.entry(name.to_string()).or_default().creating += 1;
-            }
-            refused
-        };
-        match refused {
-            None => Ok(Place {
-                inner: self.inner.clone(),
-                name: Some(name.to_string()),
-            }),
-            // At the cap, a name already stored takes no place: its create
-            // fails as a name taken, as it would under the cap.
-            Some(refused) => match store.get(&vm_key(name)).await? {
-                Some(_) => Ok(Place {
-                    inner: self.inner.clone(),
-                    name: None,
-                }),
-                None => Err(refused),
-            },
+            let stored = counted.stored.unwrap_or_default();
+            check_cap(
+                stored + counted.places.len() as u64,
+                cap,
+                "VMs",
+                "--max-vms",
+            )?;
         }
+        counted.places.entry(name.to_string()).or_default().creating += 1;
+        Ok(Place {
+            inner: self.inner.clone(),
+            name: Some(name.to_string()),
+        })
+    }
+
+    /// Counts the store now and takes the count in.
+    async fn count_now(&self, store: &dyn Store) -> Result<(), StoreError> {
+        let begun = self.inner.lock().begin_count();
+        let n = store.count(VMS_PREFIX).await?;
+        self.inner.lock().counted(begun, n);
+        Ok(())
     }
 
     /// The VMs counted now (stored and creates in progress), once counted.
@@ -217,11 +239,7 @@ impl VmCount {
     /// until `stop` turns true.
     async fn keep(self, store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
         while !*stop.borrow() {
-            let begun = {
-                let mut counted = self.inner.lock();
-                counted.counts_begun += 1;
-                counted.counts_begun
-            };
+            let begun = self.inner.lock().begin_count();
             let pause = match store.count(VMS_PREFIX).await {
                 Ok(n) => {
                     self.inner.lock().counted(begun, n);
@@ -259,7 +277,6 @@ mod tests {
     use axum::http::StatusCode;
     use keel_store::memory::MemoryStore;
     use keel_store::Precondition;
-    use keel_store::StoreError;
 
     async fn create(store: &dyn Store, name: &str) -> Result<u64, StoreError> {
         store
@@ -370,6 +387,23 @@ mod tests {
             "count 2 began after a was stored"
         );
         assert_eq!(counted.stored, Some(1));
+    }
+
+    /// At the cap, a VM deleted since the last count makes room at once,
+    /// not at the next count.
+    #[tokio::test]
+    async fn a_deletion_at_the_cap_makes_room_at_once() {
+        let store = MemoryStore::new();
+        let count = VmCount::default();
+        let mut revisions = Vec::new();
+        for name in ["a", "b"] {
+            let place = count.take_place(&store, name, 2).await.unwrap();
+            revisions.push(create(&store, name).await.unwrap());
+            place.created();
+        }
+        store.delete(&vm_key("a"), revisions[0]).await.unwrap();
+        let place = count.take_place(&store, "c", 2).await.expect("a made room");
+        drop(place);
     }
 
     /// Before any count, a create counts the store.
