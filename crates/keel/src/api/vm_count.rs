@@ -19,16 +19,17 @@
 //! control planes, each keeps its own places: a create on another control
 //! plane counts here from the next count, so creates racing on different
 //! control planes within that lag can pass the cap by as many as race. A
-//! create at the cap counts the store afresh first (a VM deleted a moment
-//! ago makes room at once), and is refused only if its name is not stored
-//! already: a create of a stored name fails as a name taken, as it would
-//! under the cap.
+//! count cannot tell which creates under way it already includes, so near
+//! the cap it may count one twice: a create at the cap as counted lists
+//! the stored names instead and counts each name once, stored or held (a
+//! VM deleted a moment ago makes room at once). A create of a stored name
+//! takes no place and fails as a name taken, as it would under the cap.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use keel_ctrl::keys::{vm_key, VMS_PREFIX};
+use keel_ctrl::keys::{name_of, VMS_PREFIX};
 use keel_store::{Store, StoreError};
 use tokio::sync::{watch, Notify};
 
@@ -175,25 +176,58 @@ impl VmCount {
         if self.inner.lock().stored.is_none() {
             self.count_now(store).await?;
         }
-        let refused = match self.try_take(name, cap) {
-            Ok(place) => return Ok(place),
-            Err(refused) => refused,
-        };
-        // At the cap as last counted: VMs deleted since make room now, not
-        // at the next count.
-        self.count_now(store).await?;
-        if let Ok(place) = self.try_take(name, cap) {
-            return Ok(place);
+        match self.try_take(name, cap) {
+            Ok(place) => Ok(place),
+            // At the cap as last counted. That count is a little old, and
+            // a create stored while it was under way may be counted twice
+            // (in it and by its place): the names stored now settle it.
+            Err(_) => self.take_by_names(store, name, cap).await,
         }
-        // A name already stored takes no place: its create fails as a name
-        // taken, as it would under the cap.
-        match store.get(&vm_key(name)).await? {
-            Some(_) => Ok(Place {
+    }
+
+    /// [`Self::take_place`] at the cap: the names stored now and the
+    /// places held, each name once (a VM deleted a moment ago makes room,
+    /// a create stored meanwhile counts once). A name already stored
+    /// takes no place: its create fails as a name taken, as it would
+    /// under the cap.
+    async fn take_by_names(
+        &self,
+        store: &dyn Store,
+        name: &str,
+        cap: usize,
+    ) -> Result<Place, ApiError> {
+        let begun = self.inner.lock().begin_count();
+        let (entries, _) = store.list(VMS_PREFIX).await?;
+        let stored: HashSet<&str> = entries
+            .iter()
+            .filter_map(|e| name_of(VMS_PREFIX, &e.key))
+            .collect();
+        let mut counted = self.inner.lock();
+        counted.counted(begun, stored.len() as u64);
+        if stored.contains(name) {
+            return Ok(Place {
                 inner: self.inner.clone(),
                 name: None,
-            }),
-            None => Err(refused),
+            });
         }
+        if !counted.places.contains_key(name) {
+            let held_elsewhere = counted
+                .places
+                .keys()
+                .filter(|held| !stored.contains(held.as_str()))
+                .count();
+            check_cap(
+                (stored.len() + held_elsewhere) as u64,
+                cap,
+                "VMs",
+                "--max-vms",
+            )?;
+        }
+        counted.places.entry(name.to_string()).or_default().creating += 1;
+        Ok(Place {
+            inner: self.inner.clone(),
+            name: Some(name.to_string()),
+        })
     }
 
     /// A place for `name` under `cap` as counted, or the cap's refusal.
@@ -275,6 +309,7 @@ impl VmCount {
 mod tests {
     use super::*;
     use axum::http::StatusCode;
+    use keel_ctrl::keys::vm_key;
     use keel_store::memory::MemoryStore;
     use keel_store::Precondition;
 
@@ -404,6 +439,31 @@ mod tests {
         store.delete(&vm_key("a"), revisions[0]).await.unwrap();
         let place = count.take_place(&store, "c", 2).await.expect("a made room");
         drop(place);
+    }
+
+    /// A create whose VM is stored but whose request has not yet let go
+    /// of its place counts once, not as a stored VM and a place (the
+    /// last creates of a burst up to the cap were refused so).
+    #[tokio::test]
+    async fn a_create_stored_but_not_yet_done_counts_once_at_the_cap() {
+        let store = MemoryStore::new();
+        let count = VmCount::default();
+        let a = count.take_place(&store, "a", 2).await.unwrap();
+        create(&store, "a").await.unwrap();
+        // A count that sees a stored while its request still holds a place.
+        count.count_now(&store).await.unwrap();
+        let b = count
+            .take_place(&store, "b", 2)
+            .await
+            .expect("one VM is stored, and a's create is that one");
+        a.created();
+        let err = count
+            .take_place(&store, "c", 2)
+            .await
+            .err()
+            .expect("a stored and b under way");
+        assert_eq!(err.field(), Some("max-vms"));
+        drop(b);
     }
 
     /// Before any count, a create counts the store.
