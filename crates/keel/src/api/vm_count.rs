@@ -210,42 +210,38 @@ impl VmCount {
                 name: None,
             });
         }
-        if !counted.places.contains_key(name) {
+        self.take_within(&mut counted, name, cap, |counted| {
             let held_elsewhere = counted
                 .places
                 .keys()
                 .filter(|held| !stored.contains(held.as_str()))
                 .count();
-            check_cap(
-                (stored.len() + held_elsewhere) as u64,
-                cap,
-                "VMs",
-                "--max-vms",
-            )?;
-        }
-        counted.places.entry(name.to_string()).or_default().creating += 1;
-        Ok(Place {
-            inner: self.inner.clone(),
-            name: Some(name.to_string()),
+            stored.len() + held_elsewhere
         })
     }
 
     /// A place for `name` under `cap` as counted, or the cap's refusal.
     fn try_take(&self, name: &str, cap: usize) -> Result<Place, ApiError> {
-        let mut counted = self.inner.lock();
-        // A name whose create is already in progress counts once, so a
-        // second create of it is not refused for the cap (one of the two
-        // will find the name taken).
+        // A create admitted meanwhile holds its place until a count
+        // includes it, so counting it twice errs on the safe side.
+        self.take_within(&mut self.inner.lock(), name, cap, |counted| {
+            counted.stored.unwrap_or_default() as usize + counted.places.len()
+        })
+    }
+
+    /// A place for `name` if the VMs `taken` counts (stored or held)
+    /// leave room under `cap`, or the cap's refusal. A name whose create
+    /// is already in progress counts once, so a second create of it is
+    /// not refused for the cap (one of the two will find the name taken).
+    fn take_within(
+        &self,
+        counted: &mut Counted,
+        name: &str,
+        cap: usize,
+        taken: impl FnOnce(&Counted) -> usize,
+    ) -> Result<Place, ApiError> {
         if !counted.places.contains_key(name) {
-            // A create admitted meanwhile holds its place until a count
-            // includes it, so counting it twice errs on the safe side.
-            let stored = counted.stored.unwrap_or_default();
-            check_cap(
-                stored + counted.places.len() as u64,
-                cap,
-                "VMs",
-                "--max-vms",
-            )?;
+            check_cap(taken(counted) as u64, cap, "VMs", "--max-vms")?;
         }
         counted.places.entry(name.to_string()).or_default().creating += 1;
         Ok(Place {
