@@ -110,6 +110,21 @@ impl VmIndex {
         }
     }
 
+    /// Whether this index keeps `value` (a record as stored) undecoded:
+    /// it defers, and the record does not name its node.
+    fn cannot_concern(&self, value: &[u8]) -> bool {
+        self.deferred.as_ref().is_some_and(|d| !d.names_node(value))
+    }
+
+    /// Keeps `name`'s record at `revision` undecoded, in place of what
+    /// was held of it.
+    fn defer(&mut self, name: &str, revision: Revision, value: &[u8]) {
+        self.forget(name);
+        if let Some(deferred) = &mut self.deferred {
+            deferred.keep(name, revision, value);
+        }
+    }
+
     /// Whether `name`'s newest record is kept undecoded here.
     pub fn defers(&self, name: &str) -> bool {
         self.deferred.as_ref().is_some_and(|d| d.contains(name))
@@ -247,22 +262,13 @@ impl VmIndex {
             // Neither the record held nor the one brought concerns the
             // node: kept as written (unless this index already holds a
             // newer record of this process's own).
-            WatchEvent::Put(entry)
-                if !before
-                    && self
-                        .deferred
-                        .as_ref()
-                        .is_some_and(|d| !d.names_node(&entry.value)) =>
-            {
+            WatchEvent::Put(entry) if !before && self.cannot_concern(&entry.value) => {
                 let newer_held = self
                     .vms
                     .get(name)
                     .is_some_and(|held| held.revision > entry.mod_revision);
                 if !newer_held {
-                    self.forget(name);
-                    if let Some(deferred) = &mut self.deferred {
-                        deferred.keep(name, entry.mod_revision, &entry.value);
-                    }
+                    self.defer(name, entry.mod_revision, &entry.value);
                 }
                 false
             }
@@ -346,9 +352,9 @@ pub struct ClusterReflector {
     /// view); every change is taken into the index whatever it says.
     concern: NodeConcern,
     decoder: VmDecoder,
-    /// The node whose index keeps the records that cannot concern it
-    /// undecoded ([`crate::deferred_records`]), if it does.
-    deferring_for: Option<String>,
+    /// Whether its node's index keeps the records that cannot concern the
+    /// node undecoded ([`crate::deferred_records`]).
+    defers_others: bool,
 }
 
 #[derive(Debug)]
@@ -365,7 +371,7 @@ impl ClusterReflector {
             state: Mutex::default(),
             concern,
             decoder: VmDecoder::default(),
-            deferring_for: None,
+            defers_others: false,
         }
     }
 
@@ -374,7 +380,7 @@ impl ClusterReflector {
     /// decoder of its own: readers sharing one decode each record once
     /// for all, and deferring would copy it for each instead.
     pub fn deferring_others(mut self) -> Self {
-        self.deferring_for = self.concern.node().map(str::to_string);
+        self.defers_others = true;
         self
     }
 
@@ -389,18 +395,17 @@ impl ClusterReflector {
     /// (undecodable ones are left out, as a typed list leaves them out).
     pub fn reset(&self, vms: &[Entry], nodes: &[Entry]) {
         let mut index = VmIndex::default().decoding_with(self.decoder.clone());
-        if let Some(node) = &self.deferring_for {
-            index = index.deferring_for(node);
+        match self.concern.node().filter(|_| self.defers_others) {
+            Some(node) => index = index.deferring_for(node),
+            None => index.vms.reserve(vms.len()),
         }
         for e in vms {
             let Some(name) = name_of(VMS_PREFIX, &e.key) else {
                 continue;
             };
-            if let Some(deferred) = index.deferred.as_mut() {
-                if !deferred.names_node(&e.value) {
-                    deferred.keep(name, e.mod_revision, &e.value);
-                    continue;
-                }
+            if index.cannot_concern(&e.value) {
+                index.defer(name, e.mod_revision, &e.value);
+                continue;
             }
             if let Some(vm) = self.decoder.decode(name, e.mod_revision, &e.value) {
                 index.upsert(vm, e.mod_revision);
