@@ -32,6 +32,7 @@ pub mod node_concern;
 pub mod node_lease;
 pub mod observe;
 pub mod online_resize;
+mod own_records;
 pub mod placement_rules;
 pub mod readiness;
 pub mod reboot;

@@ -172,11 +172,22 @@ impl MigrationController {
         };
         let me = self.cfg.node.as_str();
         let domains = self.hv.list().await.map(|l| l.domains).unwrap_or_default();
+        let names: Vec<&str> = domains.iter().map(|d| d.vm.as_str()).collect();
+        let elsewhere = crate::own_records::records_elsewhere(index, &self.store, &names)
+            .await
+            .map_err(|err| {
+                format!(
+                    "cannot read the records of the live domains here: {}",
+                    crate::error_chain(&err)
+                )
+            })?;
         let no_room = index.node(me).flatten().and_then(|node| {
             index
-                .read_settled(domains.iter().map(|d| d.vm.as_str()), |vms| {
+                .read_settled(names.iter().copied(), |vms| {
                     let extra = crate::schedule::unaccounted(&domains, me, |name| {
-                        vms.get(name).map(|v| &*v.vm)
+                        vms.get(name)
+                            .map(|v| &*v.vm)
+                            .or_else(|| elsewhere.get(name))
                     });
                     crate::schedule::room_on(vm, &node, vms.load(), &extra).err()
                 })

@@ -9,7 +9,10 @@
 //! concerns the node: a VM leaving the node (migrated, handed back to the
 //! scheduler, deleted) still reaches it through its old record.
 
+use std::sync::Arc;
+
 use keel_api::VirtualMachine;
+use keel_store::node_shards::MembersOf;
 
 /// The rule for one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,6 +74,29 @@ impl NodeConcern {
     }
 }
 
+/// The nodes `vm`, as recorded, concerns ([`NodeConcern::concerns`]
+/// holds for exactly these): its owner, and a migration's target while
+/// reserved.
+pub fn nodes_of(vm: &VirtualMachine) -> Vec<String> {
+    vm.owner_node()
+        .into_iter()
+        .chain(vm.incoming_on())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The nodes a stored VM record concerns, for the store's per-node copies
+/// (`keel_store::node_shards`): a node's agent then watches only its own.
+/// A record that does not decode concerns none (a node it left still sees
+/// it leave; its reader reports it).
+pub fn record_nodes() -> MembersOf {
+    Arc::new(|bytes: &[u8]| {
+        serde_json::from_slice::<VirtualMachine>(bytes)
+            .map(|vm| nodes_of(&vm))
+            .unwrap_or_default()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,5 +144,23 @@ mod tests {
         assert_eq!(leaving.incoming_on(), Some("n1"));
         assert!(NodeConcern::of_node("n1").concerns(&leaving));
         assert!(!NodeConcern::of_node("n3").concerns(&leaving));
+        assert_eq!(nodes_of(&leaving), vec!["n2", "n1"]);
+    }
+
+    /// The store copies a record to exactly the nodes it concerns.
+    #[test]
+    fn a_record_is_copied_to_the_nodes_it_concerns() {
+        let members = record_nodes();
+        for (vm, nodes) in [(vm("a", Some("n1")), vec!["n1"]), (vm("a", None), vec![])] {
+            let bytes = serde_json::to_vec(&vm).expect("encodes");
+            assert_eq!(members(&bytes), nodes);
+            for node in ["n1", "n2"] {
+                assert_eq!(
+                    NodeConcern::of_node(node).concerns(&vm),
+                    nodes.contains(&node)
+                );
+            }
+        }
+        assert!(members(b"not a record").is_empty());
     }
 }

@@ -53,6 +53,13 @@ pub struct VmController {
     vm_index: Arc<ClusterReflector>,
     /// Which change of this node's record wakes its VMs (a drain's).
     drain_wake: crate::drain_wake::DrainWake,
+    /// What the runtime lists and watches for this node: the node's view
+    /// of a store with per-node copies of the VM records, or (`None`) the
+    /// store itself.
+    watched: Option<Arc<dyn keel_store::Store>>,
+    /// Every VM record, listed for the looks about the whole cluster when
+    /// the index holds only this node's.
+    whole: crate::own_records::WholeView,
 }
 
 impl VmController {
@@ -82,7 +89,31 @@ impl VmController {
             probes,
             vm_index,
             drain_wake: Default::default(),
+            watched: None,
+            whole: Default::default(),
         }
+    }
+
+    /// This node's runtime lists and watches `view`, a store in which the
+    /// VM records prefix holds only the records that concern this node
+    /// (`keel_store::node_shards::ShardedStore::node_view`): no other
+    /// node's change reaches it. A record not held is read from the store;
+    /// a look about the whole cluster lists it. Set before the reflector
+    /// is handed to a runtime: it starts a new one.
+    pub fn watching_own_records(mut self, view: Arc<dyn keel_store::Store>) -> Self {
+        self.vm_index = Arc::new(
+            ClusterReflector::judging(crate::node_concern::NodeConcern::of_node(&self.cfg.node))
+                .fed_own_records_only(),
+        );
+        self.watched = Some(view);
+        self
+    }
+
+    /// The store this node's runtime lists and watches.
+    pub fn watched_store(&self) -> Arc<dyn keel_store::Store> {
+        self.watched
+            .clone()
+            .unwrap_or_else(|| self.store.raw().clone())
     }
 
     /// This node decodes VM records with `decoder`, shared with the other

@@ -355,6 +355,11 @@ pub struct ClusterReflector {
     /// Whether its node's index keeps the records that cannot concern the
     /// node undecoded ([`crate::deferred_records`]).
     defers_others: bool,
+    /// Whether it is fed only the records that concern its node (the
+    /// node's view of a store with per-node copies,
+    /// `keel_store::node_shards`): it then answers no question about the
+    /// whole cluster.
+    own_only: bool,
 }
 
 #[derive(Debug)]
@@ -372,7 +377,21 @@ impl ClusterReflector {
             concern,
             decoder: VmDecoder::default(),
             defers_others: false,
+            own_only: false,
         }
+    }
+
+    /// This reflector is fed only the records that concern its node: a
+    /// record missing from it may exist (read the store), and a question
+    /// about the whole cluster ([`Self::read_whole`]) is not answered.
+    pub fn fed_own_records_only(mut self) -> Self {
+        self.own_only = true;
+        self
+    }
+
+    /// Whether it holds only the records concerning its node.
+    pub fn holds_own_records_only(&self) -> bool {
+        self.own_only
     }
 
     /// This reflector keeps the records that cannot concern its node
@@ -495,8 +514,12 @@ impl ClusterReflector {
     }
 
     /// `read` of the current VM index with every record decoded: for
-    /// questions about the whole cluster (where a VM could move).
+    /// questions about the whole cluster (where a VM could move). `None`
+    /// also when it holds only its node's records.
     pub fn read_whole<R>(&self, read: impl FnOnce(&VmIndex) -> R) -> Option<R> {
+        if self.own_only {
+            return None;
+        }
         self.lock().as_mut().map(|s| {
             s.vms.settle();
             read(&s.vms)

@@ -11,6 +11,7 @@ pub mod conformance;
 mod error;
 pub mod etcd;
 pub mod memory;
+pub mod node_shards;
 pub mod sqlite;
 mod typed;
 

@@ -37,7 +37,8 @@ pub struct NodeAgent {
 impl NodeAgent {
     /// Registers the node (heartbeat with the driver's facts), then runs
     /// the controller runtime for it until shut down. `lifecycle.node` is
-    /// the node's name.
+    /// the node's name. With `own_records` (the node's view of the
+    /// cluster's store), the runtime watches only this node's VM records.
     pub async fn spawn(
         store: TypedStore,
         hv: Arc<dyn Hypervisor>,
@@ -45,13 +46,17 @@ impl NodeAgent {
         mut lifecycle: LifecycleConfig,
         observer: Arc<dyn LifecycleObserver>,
         runtime: &RuntimeConfig,
+        own_records: Option<Arc<dyn keel_store::Store>>,
     ) -> anyhow::Result<Self> {
         let node = lifecycle.node.clone();
         let facts = hv.facts().await;
         lifecycle.default_machine = default_machine(&facts);
-        let ctrl = Arc::new(
-            VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer),
-        );
+        let mut ctrl =
+            VmController::new(store, hv, clock.clone(), lifecycle).with_observer(observer);
+        if let Some(view) = own_records {
+            ctrl = ctrl.watching_own_records(view);
+        }
+        let ctrl = Arc::new(ctrl);
         let controllers = RunningControllers::start(ctrl, clock, runtime.clone())
             .await
             .with_context(|| format!("registering node {node}"))?;
@@ -333,12 +338,13 @@ async fn start_locked(
     lock: std::fs::File,
 ) -> anyhow::Result<RunningAgent> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let raw = cfg
+    let sharded = cfg
         .store
-        .connect_etcd()
+        .connect_cluster()
         .await?
         .expect("checked: an etcd store");
-    let store = TypedStore::new(raw.clone());
+    let own_records = sharded.node_view(&cfg.node)?;
+    let store = TypedStore::new(sharded);
     let incarnation = load_or_create_incarnation(&cfg.data_dir)?;
     let lifecycle = crate::node_args::node_lifecycle(
         &cfg.lifecycle,
@@ -355,6 +361,7 @@ async fn start_locked(
         lifecycle,
         Arc::new(keel_ctrl::NoObserver),
         &cfg.runtime,
+        Some(own_records),
     )
     .await?;
     let consoles = match cfg.listen {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use keel_store::etcd::{EtcdOptions, EtcdStore, EtcdTls};
+use keel_store::node_shards::ShardedStore;
 use keel_store::Store;
 
 /// The etcd key namespace when `--store etcd://…` names none.
@@ -49,6 +50,15 @@ impl StoreSpec {
 
     /// Connects to the etcd cluster; `None` for SQLite (opened by `serve`).
     pub async fn connect_etcd(&self) -> anyhow::Result<Option<Arc<dyn Store>>> {
+        Ok(self
+            .connect_cluster()
+            .await?
+            .map(|store| store as Arc<dyn Store>))
+    }
+
+    /// Connects to the etcd cluster, writing VM records with their
+    /// per-node copies ([`with_node_copies`]); `None` for SQLite.
+    pub async fn connect_cluster(&self) -> anyhow::Result<Option<Arc<ShardedStore>>> {
         let StoreSpec::Etcd {
             endpoints,
             namespace,
@@ -75,7 +85,37 @@ impl StoreSpec {
         let store = EtcdStore::connect_with(endpoints, namespace, options)
             .await
             .with_context(|| format!("connecting to the store {self}"))?;
-        Ok(Some(Arc::new(store)))
+        Ok(Some(with_node_copies(Arc::new(store))))
+    }
+}
+
+/// The cluster's store as every Keel process writes it: each VM record
+/// with a copy under every node it concerns, in the same write
+/// (`keel_store::node_shards`), so a node's agent watches only its own
+/// (`ShardedStore::node_view`). Whatever writes VM records to the
+/// cluster's etcd goes through this, or the agents miss its writes until
+/// the next repair ([`repair_node_copies`]).
+pub fn with_node_copies(inner: Arc<dyn Store>) -> Arc<ShardedStore> {
+    Arc::new(ShardedStore::new(
+        inner,
+        keel_ctrl::keys::VMS_PREFIX,
+        keel_ctrl::node_concern::record_nodes(),
+    ))
+}
+
+/// Sets right every VM record's per-node copies (records written by a
+/// Keel before them, or around them); logged, never fatal: a record left
+/// wrong is set right by its next write.
+pub async fn repair_node_copies(store: Arc<ShardedStore>) {
+    match store.repair().await {
+        Ok(repaired) if repaired == Default::default() => {}
+        Ok(repaired) => tracing::info!(
+            records = repaired.records,
+            orphans = repaired.orphans,
+            raced = repaired.raced,
+            "VM records' per-node copies set right"
+        ),
+        Err(err) => tracing::warn!(err = %err, "cannot check the VM records' per-node copies"),
     }
 }
 

@@ -418,7 +418,13 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
-    let raw = cfg.store.connect_etcd().await?.expect("an etcd store spec");
+    let sharded = cfg
+        .store
+        .connect_cluster()
+        .await?
+        .expect("an etcd store spec");
+    tokio::spawn(crate::distributed::repair_node_copies(sharded.clone()));
+    let raw: Arc<dyn keel_store::Store> = sharded.clone();
     let store = TypedStore::new(raw.clone());
     let tokens = TokenBook::new(store.clone(), clock.clone());
     let token = token_book::bootstrap(&tokens, &cfg.token_path(), &cfg.node).await?;
@@ -459,6 +465,7 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
             lifecycle.clone(),
             metrics.clone(),
             &cfg.runtime,
+            Some(sharded.node_view(&cfg.node)?),
         )
         .await?;
         (Some(agent), Some(hv))

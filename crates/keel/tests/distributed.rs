@@ -123,7 +123,9 @@ impl Cluster {
         let spec: StoreSpec = format!("etcd://{host}{namespace}").parse().unwrap();
         Some(Self {
             spec,
-            store: TypedStore::new(Arc::new(store)),
+            // Written as every Keel process writes the cluster's store:
+            // with each VM record's per-node copies, which agents watch.
+            store: TypedStore::new(keel::distributed::with_node_copies(Arc::new(store))),
             fabric: SimFabric::default(),
             dir: tempfile::tempdir().unwrap(),
             planes: BTreeMap::new(),

@@ -97,7 +97,7 @@ impl Runtime {
         cfg: &RuntimeConfig,
     ) -> Self {
         let mut runtime = Self::new(
-            vms.store().raw().clone(),
+            vms.watched_store(),
             vms.domain_events(),
             clock,
             vms.observer().clone(),

@@ -72,7 +72,7 @@ impl VmController {
         let around = |vms: &VmIndex| self.look_around(vm, &nodes, vms, now);
         let (targets, no_target, drain_evictions_waiting) = match self.vm_index.read_whole(around) {
             Some(found) => found,
-            None => around(&ClusterState::read_vms(&self.store).await?.0),
+            None => around(&*self.whole.read(&self.store, &*self.clock).await?),
         };
         let (all, _) = self.store.list::<Migration>(MIGRATIONS_PREFIX).await?;
         let in_flight = all
@@ -117,10 +117,29 @@ impl VmController {
                 Vec::new()
             }
         };
+        let names: Vec<&str> = domains.iter().map(|d| d.vm.as_str()).collect();
+        let elsewhere = match crate::own_records::records_elsewhere(
+            &self.vm_index,
+            &self.store,
+            &names,
+        )
+        .await
+        {
+            Ok(found) => found,
+            // Unread, they would go uncounted: no start on a guess.
+            Err(err) => {
+                return Some(format!(
+                    "cannot read the records of the live domains here: {}",
+                    crate::error_chain(&err)
+                ))
+            }
+        };
         self.vm_index
-            .read_settled(domains.iter().map(|d| d.vm.as_str()), |vms| {
+            .read_settled(names.iter().copied(), |vms| {
                 let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
-                    vms.get(name).map(|v| &*v.vm)
+                    vms.get(name)
+                        .map(|v| &*v.vm)
+                        .or_else(|| elsewhere.get(name))
                 });
                 crate::schedule::room_on(vm, me, vms.load(), &extra)
             })

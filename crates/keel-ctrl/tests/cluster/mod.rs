@@ -29,6 +29,7 @@ use keel_ctrl::keys::{migrations_of_prefix, node_key, vm_key, VMS_PREFIX};
 use keel_ctrl::{ClusterController, LifecycleConfig, MigrationController, Runtime, VmController};
 use keel_hv::sim::{SimConfig, SimFabric, SimFaults, SimHypervisor};
 use keel_store::memory::MemoryStore;
+use keel_store::node_shards::ShardedStore;
 use keel_store::{Store, TypedStore};
 
 pub const T0: Millis = 1_700_000_000_000;
@@ -99,6 +100,12 @@ pub struct Cluster {
 /// The required anti-affinity group of [`Cluster::apart`].
 pub const APART_GROUP: &str = "apart";
 
+/// `inner` with the per-node copies of its VM records, as a cluster's
+/// processes write it (`keel::distributed::with_node_copies`).
+fn with_node_copies(inner: Arc<dyn Store>) -> ShardedStore {
+    ShardedStore::new(inner, VMS_PREFIX, keel_ctrl::node_concern::record_nodes())
+}
+
 /// A node's clocks: its wall clock is true time plus an offset that a
 /// test may step either way; its monotonic clock never steps.
 #[derive(Clone)]
@@ -139,7 +146,9 @@ impl Cluster {
         let clock = ManualClock::new(T0);
         let shared: Arc<dyn Clock> = Arc::new(clock.clone());
         let memory = MemoryStore::with_clock(shared.clone());
-        let raw: Arc<dyn Store> = Arc::new(memory.clone());
+        // As every process of a cluster writes it: VM records with their
+        // per-node copies, which each agent watches (its own only).
+        let raw: Arc<dyn Store> = Arc::new(with_node_copies(Arc::new(memory.clone())));
         let control = Arc::new(ClusterController::sole(
             TypedStore::new(raw.clone()),
             shared,
@@ -204,8 +213,13 @@ impl Cluster {
         });
         let partitioned = Arc::new(AtomicBool::new(false));
         let vm_reads = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let mut faulty = FaultyStore::partitionable(self.store.raw().clone(), partitioned.clone());
+        let mut faulty =
+            FaultyStore::partitionable(Arc::new(self.memory.clone()), partitioned.clone());
         faulty.vm_reads = vm_reads.clone();
+        // The agent's own connection, faults and all, writing copies and
+        // watching its node's.
+        let sharded = Arc::new(with_node_copies(Arc::new(faulty)));
+        let own_records = Some(sharded.node_view(name).unwrap());
         let wiring = NodeWiring {
             cfg: LifecycleConfig {
                 node: name.to_string(),
@@ -214,7 +228,8 @@ impl Cluster {
                 ..Default::default()
             },
             stuck_requeue_ms: TICK_MS,
-            ..NodeWiring::new(clock, Arc::new(faulty), hv.clone())
+            own_records,
+            ..NodeWiring::new(clock, sharded, hv.clone())
         };
         let node = SimNode::start(&wiring);
         Agent {

@@ -53,6 +53,10 @@ pub struct NodeWiring {
     pub migrations_stuck: Arc<AtomicBool>,
     /// How soon a stuck controller asks to look again.
     pub stuck_requeue_ms: Millis,
+    /// The node's view of a store with per-node copies of the VM records
+    /// (`keel_store::node_shards`), as `keel agent` watches it; `None`:
+    /// the runtime watches `store`.
+    pub own_records: Option<Arc<dyn Store>>,
 }
 
 impl NodeWiring {
@@ -67,6 +71,7 @@ impl NodeWiring {
             vms_stuck: Arc::default(),
             migrations_stuck: Arc::default(),
             stuck_requeue_ms: 500,
+            own_records: None,
         }
     }
 }
@@ -84,16 +89,20 @@ impl SimNode {
     /// (`Runtime::for_node`), each controller behind its stuck switch.
     pub fn start(wiring: &NodeWiring) -> Self {
         let clock = wiring.clock.clone();
-        let vms = Arc::new(VmController::new(
+        let mut vms = VmController::new(
             TypedStore::new(wiring.store.clone()),
             Arc::new(wiring.hv.clone()),
             clock.clone(),
             wiring.cfg.clone(),
-        ));
+        );
+        if let Some(view) = &wiring.own_records {
+            vms = vms.watching_own_records(view.clone());
+        }
+        let vms = Arc::new(vms);
         let snapshots = Arc::new(vms.snapshot_controller());
         let migrations = Arc::new(vms.migration_controller());
         let mut runtime = Runtime::new(
-            vms.store().raw().clone(),
+            vms.watched_store(),
             vms.domain_events(),
             clock.clone(),
             vms.observer().clone(),
