@@ -382,7 +382,7 @@ impl ShardedStore {
                     }
                 };
                 let event = match &map {
-                    Some(shard) => match store.from_copy(shard, event) {
+                    Some(shard) => match store.as_record_event(shard, event) {
                         Some(event) => event,
                         None => continue,
                     },
@@ -471,7 +471,7 @@ impl Shape {
     }
 
     /// A copy's event in `shard`, as its record's.
-    fn from_copy(&self, shard: &str, event: WatchEvent) -> Option<WatchEvent> {
+    fn as_record_event(&self, shard: &str, event: WatchEvent) -> Option<WatchEvent> {
         let record_key = |key: &str| {
             key.strip_prefix(shard)
                 .filter(|name| valid_segment(name))
