@@ -58,10 +58,18 @@ struct Shape {
     records: String,
     shards: String,
     members_of: MembersOf,
-    /// The nodes of each record at the revision last seen: writes need
-    /// the old record's nodes, and a record seen by this process (its own
-    /// write, a read, a watched change) is not read again for them.
-    known: Mutex<HashMap<String, (Revision, Vec<String>)>>,
+    /// Each record at the revision last seen: writes need the old
+    /// record's nodes, and a record seen by this process (its own write, a
+    /// read, a watched change) is not read again for them.
+    known: Mutex<HashMap<String, (Revision, Nodes)>>,
+}
+
+/// A record's nodes, or its bytes until they are asked for: most records
+/// a process sees it never writes, and judging each change as it came
+/// cost every watcher a decode per change.
+enum Nodes {
+    Judged(Vec<String>),
+    Unjudged(Vec<u8>),
 }
 
 /// What [`ShardedStore::repair`] did.
@@ -119,10 +127,8 @@ impl ShardedStore {
         name: &str,
         revision: Revision,
     ) -> Result<Option<Vec<String>>, StoreError> {
-        if let Some((seen, members)) = self.shape.known().get(name) {
-            if *seen == revision {
-                return Ok(Some(members.clone()));
-            }
+        if let Some(members) = self.shape.judged_at(name, revision) {
+            return Ok(Some(members));
         }
         match self
             .inner
@@ -131,7 +137,7 @@ impl ShardedStore {
         {
             Some(entry) if entry.mod_revision == revision => {
                 self.shape.learn_entry(&entry);
-                Ok(Some(self.shape.members(&entry.value)))
+                Ok(self.shape.judged_at(name, revision))
             }
             _ => Ok(None),
         }
@@ -238,7 +244,7 @@ impl ShardedStore {
                     for (name, members) in after {
                         match members {
                             Some(members) => {
-                                known.insert(name, (revision, members));
+                                known.insert(name, (revision, Nodes::Judged(members)));
                             }
                             None => {
                                 known.remove(&name);
@@ -338,7 +344,7 @@ impl ShardedStore {
                 Ok(revision) => {
                     self.shape
                         .known()
-                        .insert(name.to_string(), (revision, members));
+                        .insert(name.to_string(), (revision, Nodes::Judged(members)));
                     repaired.records += 1;
                 }
                 Err(StoreError::Conflict { .. }) => repaired.raced += 1,
@@ -438,8 +444,25 @@ impl Shape {
         set.into_iter().collect()
     }
 
-    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Revision, Vec<String>)>> {
+    fn known(&self) -> std::sync::MutexGuard<'_, HashMap<String, (Revision, Nodes)>> {
         self.known.lock().expect("shard membership lock")
+    }
+
+    /// The nodes of `name`'s record at `revision`, if that is the record
+    /// last seen (judged now if it was not yet).
+    fn judged_at(&self, name: &str, revision: Revision) -> Option<Vec<String>> {
+        let mut known = self.known();
+        let (seen, nodes) = known.get_mut(name)?;
+        if *seen != revision {
+            return None;
+        }
+        if let Nodes::Unjudged(bytes) = nodes {
+            *nodes = Nodes::Judged(self.members(bytes));
+        }
+        match nodes {
+            Nodes::Judged(members) => Some(members.clone()),
+            Nodes::Unjudged(_) => None,
+        }
     }
 
     /// Takes note of `name`'s record as read or written at `revision`.
@@ -447,12 +470,12 @@ impl Shape {
         let mut known = self.known();
         match value {
             Some(value) => {
-                let members = self.members(value);
+                let nodes = Nodes::Unjudged(value.to_vec());
                 match known.get_mut(name) {
                     Some(held) if held.0 > revision => {}
-                    Some(held) => *held = (revision, members),
+                    Some(held) => *held = (revision, nodes),
                     None => {
-                        known.insert(name.to_string(), (revision, members));
+                        known.insert(name.to_string(), (revision, nodes));
                     }
                 }
             }
