@@ -172,28 +172,13 @@ impl MigrationController {
         };
         let me = self.cfg.node.as_str();
         let domains = self.hv.list().await.map(|l| l.domains).unwrap_or_default();
-        let names: Vec<&str> = domains.iter().map(|d| d.vm.as_str()).collect();
-        let elsewhere = crate::own_records::records_elsewhere(index, &self.store, &names)
-            .await
-            .map_err(|err| {
-                format!(
-                    "cannot read the records of the live domains here: {}",
-                    crate::error_chain(&err)
-                )
-            })?;
-        let no_room = index.node(me).flatten().and_then(|node| {
-            index
-                .read_settled(names.iter().copied(), |vms| {
-                    let extra = crate::schedule::unaccounted(&domains, me, |name| {
-                        vms.get(name)
-                            .map(|v| &*v.vm)
-                            .or_else(|| elsewhere.get(name))
-                    });
-                    crate::schedule::room_on(vm, &node, vms.load(), &extra).err()
-                })
-                .flatten()
-        });
-        no_room.map_or(Ok(()), Err)
+        let Some(node) = index.node(me).flatten() else {
+            return Ok(());
+        };
+        match crate::own_records::no_room_on(index, &self.store, vm, &node, &domains).await {
+            Some(why) => Err(why),
+            None => Ok(()),
+        }
     }
 
     /// Carries out `step` for `m` as read at `wrote.revision`.

@@ -1,14 +1,16 @@
 //! What a node's agent reads from the store when its index holds only
 //! the records that concern its node (it watches the node's copies,
 //! `keel_store::node_shards`): the records of its live domains that are
-//! recorded elsewhere, and, for a question about the whole cluster (where
-//! a draining VM could go), every record, listed at most once in
-//! [`WHOLE_VIEW_MS`].
+//! recorded elsewhere, for the room check on the node ([`no_room_on`],
+//! a start's and an incoming migration's), and, for a question about the
+//! whole cluster (where a draining VM could go), every record, listed at
+//! most once in [`WHOLE_VIEW_MS`].
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use keel_api::{Clock, Millis, VirtualMachine};
+use keel_api::{Clock, Millis, Node, VirtualMachine};
+use keel_hv::DomainInfo;
 use keel_store::{StoreError, TypedStore};
 
 use crate::cluster_controller::ClusterState;
@@ -51,6 +53,42 @@ pub async fn records_elsewhere(
         }
     }
     Ok(found)
+}
+
+/// Why `vm` has no room on `node` (this node) beside what the records
+/// allocate there and the VMs of its live `domains` that no record
+/// accounts for there (a given-up migration's target, a handed-over
+/// source, until ended; `crate::schedule::unaccounted`). `None` while
+/// there is no index. Records of those domains that the index does not
+/// hold are read first ([`records_elsewhere`]): unread, they would go
+/// uncounted, so a failed read is a reason too.
+pub async fn no_room_on(
+    reflector: &ClusterReflector,
+    store: &TypedStore,
+    vm: &VirtualMachine,
+    node: &Node,
+    domains: &[DomainInfo],
+) -> Option<String> {
+    let names: Vec<&str> = domains.iter().map(|d| d.vm.as_str()).collect();
+    let elsewhere = match records_elsewhere(reflector, store, &names).await {
+        Ok(found) => found,
+        Err(err) => {
+            return Some(format!(
+                "cannot read the records of the live domains here: {}",
+                crate::error_chain(&err)
+            ))
+        }
+    };
+    reflector
+        .read_settled(names.iter().copied(), |vms| {
+            let extra = crate::schedule::unaccounted(domains, &node.name, |name| {
+                vms.get(name)
+                    .map(|v| &*v.vm)
+                    .or_else(|| elsewhere.get(name))
+            });
+            crate::schedule::room_on(vm, node, vms.load(), &extra).err()
+        })
+        .flatten()
 }
 
 /// Every VM record, as listed within the last [`WHOLE_VIEW_MS`].

@@ -117,33 +117,7 @@ impl VmController {
                 Vec::new()
             }
         };
-        let names: Vec<&str> = domains.iter().map(|d| d.vm.as_str()).collect();
-        let elsewhere = match crate::own_records::records_elsewhere(
-            &self.vm_index,
-            &self.store,
-            &names,
-        )
-        .await
-        {
-            Ok(found) => found,
-            // Unread, they would go uncounted: no start on a guess.
-            Err(err) => {
-                return Some(format!(
-                    "cannot read the records of the live domains here: {}",
-                    crate::error_chain(&err)
-                ))
-            }
-        };
-        self.vm_index
-            .read_settled(names.iter().copied(), |vms| {
-                let extra = crate::schedule::unaccounted(&domains, &me.name, |name| {
-                    vms.get(name)
-                        .map(|v| &*v.vm)
-                        .or_else(|| elsewhere.get(name))
-                });
-                crate::schedule::room_on(vm, me, vms.load(), &extra)
-            })
-            .and_then(Result::err)
+        crate::own_records::no_room_on(&self.vm_index, &self.store, vm, me, &domains).await
     }
 
     /// Where `vm` could move now, best first (or why nowhere), and how
