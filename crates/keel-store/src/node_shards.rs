@@ -98,11 +98,6 @@ impl ShardedStore {
         }
     }
 
-    /// The store this one writes through.
-    pub fn inner(&self) -> &Arc<dyn Store> {
-        &self.inner
-    }
-
     /// A view of this store in which the records prefix holds only the
     /// records that concern `node` (a list and a watch of it read the
     /// node's copies); everything else is this store.
@@ -422,6 +417,12 @@ impl Shape {
         key.starts_with(self.shards.as_str())
     }
 
+    /// Whether a write of `key` is one with copies (a record's), or one
+    /// refused (a copy's): either way not the inner store's to take alone.
+    fn copied(&self, key: &str) -> bool {
+        self.record_name(key).is_some() || self.is_shard_key(key)
+    }
+
     /// Whether a list or watch of `prefix` takes in shard keys.
     fn covers_shards(&self, prefix: &str) -> bool {
         self.shards.starts_with(prefix)
@@ -456,13 +457,12 @@ impl Shape {
         if *seen != revision {
             return None;
         }
-        if let Nodes::Unjudged(bytes) = nodes {
-            *nodes = Nodes::Judged(self.members(bytes));
-        }
-        match nodes {
-            Nodes::Judged(members) => Some(members.clone()),
-            Nodes::Unjudged(_) => None,
-        }
+        let members = match nodes {
+            Nodes::Judged(members) => members.clone(),
+            Nodes::Unjudged(bytes) => self.members(bytes),
+        };
+        *nodes = Nodes::Judged(members.clone());
+        Some(members)
     }
 
     /// Takes note of `name`'s record as read or written at `revision`.
@@ -533,7 +533,7 @@ impl Store for ShardedStore {
         value: Vec<u8>,
         precondition: Precondition,
     ) -> Result<Revision, StoreError> {
-        if self.shape.record_name(key).is_some() || self.shape.is_shard_key(key) {
+        if self.shape.copied(key) {
             let write = Write::Put {
                 key: key.to_string(),
                 value,
@@ -551,7 +551,7 @@ impl Store for ShardedStore {
         precondition: Precondition,
         lease: LeaseId,
     ) -> Result<Revision, StoreError> {
-        if self.shape.record_name(key).is_some() || self.shape.is_shard_key(key) {
+        if self.shape.copied(key) {
             return Err(StoreError::InvalidWrite {
                 key: key.to_string(),
                 reason: "a record copied to nodes is not attached to a lease".into(),
@@ -563,7 +563,7 @@ impl Store for ShardedStore {
     }
 
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
-        if self.shape.record_name(key).is_some() || self.shape.is_shard_key(key) {
+        if self.shape.copied(key) {
             let write = Write::Delete {
                 key: key.to_string(),
                 revision,
@@ -580,7 +580,7 @@ impl Store for ShardedStore {
         precondition: Precondition,
         guard: &Guard,
     ) -> Result<Revision, StoreError> {
-        if self.shape.record_name(key).is_some() || self.shape.is_shard_key(key) {
+        if self.shape.copied(key) {
             let write = Write::Put {
                 key: key.to_string(),
                 value,
@@ -599,7 +599,7 @@ impl Store for ShardedStore {
         revision: Revision,
         guard: &Guard,
     ) -> Result<Revision, StoreError> {
-        if self.shape.record_name(key).is_some() || self.shape.is_shard_key(key) {
+        if self.shape.copied(key) {
             let write = Write::Delete {
                 key: key.to_string(),
                 revision,
@@ -614,10 +614,7 @@ impl Store for ShardedStore {
         writes: Vec<Write>,
         guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
-        let copied = writes
-            .iter()
-            .any(|w| self.shape.record_name(w.key()).is_some() || self.shape.is_shard_key(w.key()));
-        if copied {
+        if writes.iter().any(|w| self.shape.copied(w.key())) {
             return self.write_with_copies(writes, guard).await;
         }
         self.inner.write_all(writes, guard).await
