@@ -58,10 +58,11 @@
 //!   etcd raises anything below its minimum (1.5 × election timeout, so
 //!   2 s with default settings) to that minimum. Expiry is checked by the
 //!   etcd leader about twice a second.
-//! * etcd keeps history until someone compacts it. Nothing here compacts on
-//!   its own: run etcd with `--auto-compaction-mode`/`--auto-compaction-retention`
-//!   or call [`EtcdStore::compact`]. A watch from a compacted revision fails
-//!   with `Compacted`, as the first item of the stream.
+//! * etcd keeps history until someone compacts it. The store does not
+//!   compact on its own; Keel's control planes take turns at it
+//!   ([`compaction`]), or call [`EtcdStore::compact`]. A watch from a
+//!   compacted revision fails with `Compacted`, as the first item of the
+//!   stream.
 //!
 //! # Failures
 //!
@@ -86,6 +87,8 @@ use etcd_client::{
     PutOptions, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse, WatchOptions, WatchStream,
 };
 use tokio::sync::mpsc;
+
+pub mod compaction;
 
 use crate::{
     check_batch, Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch,

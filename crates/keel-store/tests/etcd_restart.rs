@@ -421,3 +421,101 @@ async fn watch_from_compacted_revision_fails() {
     let (entries, _) = store.list("/h/").await.expect("list after compaction");
     assert_eq!(entries.len(), 1);
 }
+
+/// Whether a watch of `prefix` from `from` is refused as compacted.
+async fn compacted_at(store: &EtcdStore, prefix: &str, from: Revision) -> bool {
+    match store.watch(prefix, from).await {
+        Err(StoreError::Compacted { .. }) => true,
+        Err(e) => panic!("watch from {from}: {e}"),
+        Ok(mut w) => matches!(
+            tokio::time::timeout(Duration::from_millis(500), w.next()).await,
+            Ok(Some(Err(StoreError::Compacted { .. })))
+        ),
+    }
+}
+
+async fn bump(store: &EtcdStore, key: &str, times: usize) -> Revision {
+    let mut rev = match store.get(key).await.expect("read") {
+        Some(e) => e.mod_revision,
+        None => store
+            .put(key, b"0".to_vec(), Precondition::Absent)
+            .await
+            .expect("create"),
+    };
+    for i in 0..times {
+        rev = store
+            .put(key, i.to_string().into_bytes(), Precondition::Revision(rev))
+            .await
+            .expect("update");
+    }
+    rev
+}
+
+/// Two control planes take turns: each turn compacts only up to where
+/// history stood one turn earlier, and a turn is taken once, by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_planes_take_turns_compacting_one_turn_late() {
+    use keel_store::etcd::compaction::{HistoryCompactor, Round};
+    if skipped() {
+        return;
+    }
+    let etcd = LocalEtcd::start().await;
+    let store = connect(&etcd, "/keel-turns").await;
+    let mut a = HistoryCompactor::new(connect(&etcd, "/keel-turns").await);
+    let mut b = HistoryCompactor::new(connect(&etcd, "/keel-turns").await);
+    bump(&store, "/h/k", 5).await;
+
+    // The first turn only notes where history stands; the other finds
+    // the turn taken.
+    let Round::Noted { at: first } = a.round().await.expect("a's first round") else {
+        panic!("a's first turn compacts nothing")
+    };
+    let Round::TakenElsewhere { at: b_saw } = b.round().await.expect("b's first round") else {
+        panic!("the turn was a's")
+    };
+    assert!(b_saw >= first);
+    assert!(
+        !compacted_at(&store, "/h/", 1).await,
+        "nothing compacted yet"
+    );
+
+    // The next turn compacts up to what the turn before saw, not further.
+    let written_since = bump(&store, "/h/k", 3).await;
+    assert_eq!(
+        a.round().await.expect("a's second round"),
+        Round::Compacted { before: first }
+    );
+    assert!(compacted_at(&store, "/h/", first - 1).await);
+    assert!(
+        !compacted_at(&store, "/h/", first).await,
+        "history from the previous turn is kept"
+    );
+    assert!(!compacted_at(&store, "/h/", written_since).await);
+
+    // b's round in the same interval finds that turn taken; its next
+    // round takes the following turn, up to what it saw then.
+    let Round::TakenElsewhere { at: b_saw } = b.round().await.expect("b's second round") else {
+        panic!("the turn was a's")
+    };
+    bump(&store, "/h/k", 2).await;
+    assert_eq!(
+        b.round().await.expect("b's third round"),
+        Round::Compacted { before: b_saw }
+    );
+    assert!(compacted_at(&store, "/h/", b_saw - 1).await);
+    assert!(!compacted_at(&store, "/h/", b_saw).await);
+    let Round::TakenElsewhere { .. } = a.round().await.expect("a's third round") else {
+        panic!("the turn was b's")
+    };
+
+    // History compacted further meanwhile (by etcd itself, or by hand)
+    // is not a failure of the turn.
+    let newest = bump(&store, "/h/k", 1).await;
+    store.compact(newest).await.expect("compact by hand");
+    assert!(matches!(
+        a.round()
+            .await
+            .expect("a's round after a compaction by hand"),
+        Round::Compacted { .. }
+    ));
+}

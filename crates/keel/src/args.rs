@@ -248,6 +248,13 @@ pub struct ServeArgs {
     /// With an etcd store: also run a node agent (--node) in this process.
     #[arg(long)]
     pub agent: bool,
+    /// With an etcd store: how often the control planes take turns at
+    /// compacting etcd's history (discarding what is older than one such
+    /// interval), so etcd's database does not grow until it refuses
+    /// writes. 0s: leave it to etcd's own --auto-compaction-retention.
+    #[arg(long, env = "KEEL_ETCD_COMPACTION_INTERVAL", value_name = "DURATION",
+          value_parser = parse_window, default_value = "5m")]
+    pub etcd_compaction_interval: u64,
     /// With --hypervisor sim on SQLite (benchmarks, demos of placement):
     /// this many simulated nodes in this process, the local one (--node)
     /// and NODE-2 … NODE-N, each with a controller and heartbeat of its own.

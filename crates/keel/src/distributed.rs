@@ -59,6 +59,16 @@ impl StoreSpec {
     /// Connects to the etcd cluster, writing VM records with their
     /// per-node copies ([`with_node_copies`]); `None` for SQLite.
     pub async fn connect_cluster(&self) -> anyhow::Result<Option<Arc<ShardedStore>>> {
+        Ok(self
+            .connect_plain()
+            .await?
+            .map(|store| with_node_copies(Arc::new(store))))
+    }
+
+    /// Connects to the etcd cluster as it is, without the VM records'
+    /// per-node copies: for what needs etcd itself (compacting its
+    /// history), or to wrap with them ([`with_node_copies`]).
+    pub async fn connect_plain(&self) -> anyhow::Result<Option<EtcdStore>> {
         let StoreSpec::Etcd {
             endpoints,
             namespace,
@@ -85,7 +95,7 @@ impl StoreSpec {
         let store = EtcdStore::connect_with(endpoints, namespace, options)
             .await
             .with_context(|| format!("connecting to the store {self}"))?;
-        Ok(Some(with_node_copies(Arc::new(store))))
+        Ok(Some(store))
     }
 }
 

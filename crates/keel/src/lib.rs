@@ -21,6 +21,7 @@ pub mod cli;
 pub mod config_file;
 pub mod distributed;
 pub mod doctor;
+pub mod etcd_history;
 pub mod host;
 pub mod host_tools;
 pub mod http_listener;

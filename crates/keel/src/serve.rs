@@ -97,6 +97,10 @@ pub struct ServeConfig {
     pub agent: bool,
     /// With an etcd store: the leader election's timings.
     pub election: ElectionConfig,
+    /// With an etcd store: how often the control planes take turns at
+    /// compacting etcd's history (`--etcd-compaction-interval`); `None`
+    /// leaves it to etcd's own auto-compaction.
+    pub etcd_compaction: Option<Duration>,
     /// The controller runtime's settings (`--max-concurrent-reconciles`).
     pub runtime: keel_ctrl::RuntimeConfig,
     /// The API's caps (`--max-vms` and the like).
@@ -134,6 +138,7 @@ impl ServeConfig {
             store: StoreSpec::Sqlite,
             agent: false,
             election: ElectionConfig::default(),
+            etcd_compaction: Some(crate::etcd_history::DEFAULT_INTERVAL),
             runtime: Default::default(),
             api_limits: ApiLimits::default(),
             tls: ApiTls::default(),
@@ -418,11 +423,12 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     create_private_dir(&cfg.data_dir)?;
     let lock = lock_data_dir(&cfg.data_dir)?;
-    let sharded = cfg
+    let etcd = cfg
         .store
-        .connect_cluster()
+        .connect_plain()
         .await?
         .expect("an etcd store spec");
+    let sharded = crate::distributed::with_node_copies(Arc::new(etcd.clone()));
     tokio::spawn(crate::distributed::repair_node_copies(sharded.clone()));
     let raw: Arc<dyn keel_store::Store> = sharded.clone();
     let store = TypedStore::new(raw.clone());
@@ -447,6 +453,13 @@ async fn start_control_plane(cfg: ServeConfig) -> anyhow::Result<RunningServer> 
             .await?;
     }
     let (stop, stop_rx) = watch::channel(false);
+    if let Some(every) = cfg.etcd_compaction {
+        tokio::spawn(crate::etcd_history::compact_every(
+            etcd,
+            every,
+            stop_rx.clone(),
+        ));
+    }
     tokens.spawn_reflector(stop_rx.clone());
     let door = api::Door::new(tokens, store.clone(), cfg.token_limits);
     let metrics = Arc::new(Metrics::new());
@@ -601,6 +614,8 @@ pub fn main(args: ServeArgs) -> anyhow::Result<()> {
     cfg.demo = args.demo;
     cfg.store = args.store_access.resolve(args.store)?;
     cfg.agent = args.agent;
+    cfg.etcd_compaction = (args.etcd_compaction_interval > 0)
+        .then(|| Duration::from_secs(args.etcd_compaction_interval));
     cfg.tls = match (args.tls_cert, args.tls_key, args.insecure_http) {
         (None, None, false) => ApiTls::SelfSigned,
         (None, None, true) => ApiTls::InsecureHttp,

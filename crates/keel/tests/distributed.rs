@@ -142,6 +142,8 @@ impl Cluster {
             name.into(),
         );
         cfg.store = self.spec.clone();
+        // The shared test etcd keeps its whole history (scripts/start-etcd).
+        cfg.etcd_compaction = None;
         cfg.election = election();
         cfg.lifecycle = lifecycle();
         let server = serve::start(cfg).await.expect("control plane starts");

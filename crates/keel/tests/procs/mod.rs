@@ -29,10 +29,14 @@ impl Keel {
     }
 
     /// `command` (a `keel`, or something that execs one), with the test's
-    /// environment: no host config file, no inherited data dir.
+    /// environment: no host config file, no inherited data dir, and no
+    /// compaction of etcd's history (the shared test etcd keeps all of it
+    /// for the store's conformance suite; a test of compaction gives the
+    /// flag, which wins).
     pub fn spawn_with(name: &str, command: &mut Command) -> Keel {
         let mut child = command
             .env("KEEL_CONFIG", "")
+            .env("KEEL_ETCD_COMPACTION_INTERVAL", "0s")
             .env(
                 "RUST_LOG",
                 std::env::var("KEEL_TEST_LOG").unwrap_or_else(|_| "info".into()),
