@@ -9,7 +9,6 @@
 
 pub mod cluster_controller;
 pub mod config;
-mod deferred_records;
 mod domain_spec;
 mod drain_wake;
 pub mod election;

@@ -80,7 +80,7 @@ pub async fn no_room_on(
         }
     };
     reflector
-        .read_settled(names.iter().copied(), |vms| {
+        .read(|vms| {
             let extra = crate::schedule::unaccounted(domains, &node.name, |name| {
                 vms.get(name)
                     .map(|v| &*v.vm)

@@ -72,12 +72,10 @@ impl VmController {
         let mut probes = crate::readiness::GuestProbes::new(hv.clone(), clock.clone());
         probes.interval_ms = cfg.readiness_probe_ms;
         probes.ready_interval_ms = cfg.readiness_refresh_ms;
-        // Only its own VMs' changes wake this node (the per-node view),
-        // and only the records that could concern it are decoded at once.
-        let vm_index = Arc::new(
-            ClusterReflector::judging(crate::node_concern::NodeConcern::of_node(&cfg.node))
-                .deferring_others(),
-        );
+        // Only its own VMs' changes wake this node (the per-node view).
+        let vm_index = Arc::new(ClusterReflector::judging(
+            crate::node_concern::NodeConcern::of_node(&cfg.node),
+        ));
         Self {
             store,
             hv,
@@ -118,7 +116,7 @@ impl VmController {
 
     /// This node decodes VM records with `decoder`, shared with the other
     /// readers of its store in this process ([`crate::vm_decodes`]), each
-    /// as it comes (deferring would copy each record for every reader).
+    /// as it comes.
     /// Set before the reflector is handed to a runtime: it starts a new
     /// one.
     pub fn decoding_with(mut self, decoder: crate::vm_decodes::VmDecoder) -> Self {

@@ -19,7 +19,6 @@ use std::sync::{Arc, Mutex};
 use keel_api::{Millis, Node, VirtualMachine};
 use keel_store::{Entry, Revision, WatchEvent};
 
-use crate::deferred_records::DeferredRecords;
 use crate::keys::{name_of, NODES_PREFIX, VMS_PREFIX};
 use crate::node_concern::NodeConcern;
 use crate::schedule::NodeLoad;
@@ -54,12 +53,6 @@ pub struct VmIndex {
     tombstones: HashMap<String, Revision>,
     /// How the records the watch brings are decoded.
     decoder: VmDecoder,
-    /// For a node's index that defers them: the records that cannot
-    /// concern the node, undecoded ([`crate::deferred_records`]). They are
-    /// left out of every lookup until [`Self::settle`] decodes them, which
-    /// the node's own questions (its VMs, its load) never need: a VM adds
-    /// to a node's load only on a node it concerns.
-    deferred: Option<DeferredRecords>,
 }
 
 impl VmIndex {
@@ -79,57 +72,6 @@ impl VmIndex {
         self
     }
 
-    /// This index keeps the records that cannot concern `node` undecoded
-    /// until asked about the whole cluster ([`Self::settle`]).
-    pub fn deferring_for(mut self, node: &str) -> Self {
-        self.deferred = Some(DeferredRecords::for_node(node));
-        self
-    }
-
-    /// Decodes every record kept undecoded: for questions about the
-    /// whole cluster (loads of every node, VMs on other nodes).
-    pub fn settle(&mut self) {
-        if let Some(taken) = self.deferred.as_mut().map(DeferredRecords::take_all) {
-            self.decode_taken(taken);
-        }
-    }
-
-    /// Decodes the records of `names` kept undecoded, if any.
-    pub fn settle_names<'a>(&mut self, names: impl IntoIterator<Item = &'a str>) {
-        if let Some(taken) = self.deferred.as_mut().map(|d| d.take(names)) {
-            self.decode_taken(taken);
-        }
-    }
-
-    fn decode_taken(&mut self, taken: Vec<(String, Revision, Vec<u8>)>) {
-        for (name, revision, value) in taken {
-            match self.decoder.decode(&name, revision, &value) {
-                Some(vm) => self.upsert(vm, revision),
-                None => self.remove(&name, revision),
-            }
-        }
-    }
-
-    /// Whether this index keeps `value` (a record as stored) undecoded:
-    /// it defers, and the record does not name its node.
-    fn cannot_concern(&self, value: &[u8]) -> bool {
-        self.deferred.as_ref().is_some_and(|d| !d.names_node(value))
-    }
-
-    /// Keeps `name`'s record at `revision` undecoded, in place of what
-    /// was held of it.
-    fn defer(&mut self, name: &str, revision: Revision, value: &[u8]) {
-        self.forget(name);
-        if let Some(deferred) = &mut self.deferred {
-            deferred.keep(name, revision, value);
-        }
-    }
-
-    /// Whether `name`'s newest record is kept undecoded here.
-    pub fn defers(&self, name: &str) -> bool {
-        self.deferred.as_ref().is_some_and(|d| d.contains(name))
-    }
-
     /// Takes in `vm` as written at `revision`, unless a newer record of it
     /// is already here (an event for a write this process already took in
     /// arrives after it).
@@ -139,15 +81,6 @@ impl VmIndex {
             if old.revision > revision {
                 return;
             }
-        }
-        if let Some(deferred) = &mut self.deferred {
-            if deferred
-                .revision_of(&vm.name)
-                .is_some_and(|kept| kept > revision)
-            {
-                return;
-            }
-            deferred.superseded(&vm.name, revision);
         }
         match self.tombstones.get(&vm.name) {
             // Written before the deletion this index has taken in.
@@ -210,9 +143,6 @@ impl VmIndex {
         if self.vms.get(name).is_some_and(|v| v.revision > revision) {
             return;
         }
-        if let Some(deferred) = &mut self.deferred {
-            deferred.superseded(name, revision);
-        }
         self.forget(name);
         let deleted = self.tombstones.entry(name.to_string()).or_default();
         *deleted = (*deleted).max(revision);
@@ -259,19 +189,6 @@ impl VmIndex {
         };
         let before = self.vms.get(name).is_some_and(|held| concerns(&held.vm));
         let brought = match event {
-            // Neither the record held nor the one brought concerns the
-            // node: kept as written (unless this index already holds a
-            // newer record of this process's own).
-            WatchEvent::Put(entry) if !before && self.cannot_concern(&entry.value) => {
-                let newer_held = self
-                    .vms
-                    .get(name)
-                    .is_some_and(|held| held.revision > entry.mod_revision);
-                if !newer_held {
-                    self.defer(name, entry.mod_revision, &entry.value);
-                }
-                false
-            }
             WatchEvent::Put(entry) => {
                 match self.decoder.decode(name, entry.mod_revision, &entry.value) {
                     Some(vm) => {
@@ -300,20 +217,18 @@ impl VmIndex {
         before || brought
     }
 
-    /// `name`'s record, if decoded here (one kept undecoded is not: it
-    /// does not concern this node, and a reader needing it reads the
-    /// store, or settles it first).
+    /// `name`'s record, if held here.
     pub fn get(&self, name: &str) -> Option<&IndexedVm> {
         self.vms.get(name)
     }
 
-    /// The VMs known, decoded or not.
+    /// The VMs known.
     pub fn len(&self) -> usize {
-        self.vms.len() + self.deferred.as_ref().map_or(0, DeferredRecords::len)
+        self.vms.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.vms.is_empty() && self.deferred.as_ref().is_none_or(DeferredRecords::is_empty)
+        self.vms.is_empty()
     }
 
     /// Names of the VMs without a node, in name order.
@@ -352,9 +267,6 @@ pub struct ClusterReflector {
     /// view); every change is taken into the index whatever it says.
     concern: NodeConcern,
     decoder: VmDecoder,
-    /// Whether its node's index keeps the records that cannot concern the
-    /// node undecoded ([`crate::deferred_records`]).
-    defers_others: bool,
     /// Whether it is fed only the records that concern its node (the
     /// node's view of a store with per-node copies,
     /// `keel_store::node_shards`): it then answers no question about the
@@ -376,7 +288,6 @@ impl ClusterReflector {
             state: Mutex::default(),
             concern,
             decoder: VmDecoder::default(),
-            defers_others: false,
             own_only: false,
         }
     }
@@ -394,15 +305,6 @@ impl ClusterReflector {
         self.own_only
     }
 
-    /// This reflector keeps the records that cannot concern its node
-    /// undecoded until asked about the whole cluster. For a reader with a
-    /// decoder of its own: readers sharing one decode each record once
-    /// for all, and deferring would copy it for each instead.
-    pub fn deferring_others(mut self) -> Self {
-        self.defers_others = true;
-        self
-    }
-
     /// This reflector decodes records with `decoder` (shared with the
     /// other readers of its store in this process).
     pub fn decoding_with(mut self, decoder: VmDecoder) -> Self {
@@ -414,18 +316,11 @@ impl ClusterReflector {
     /// (undecodable ones are left out, as a typed list leaves them out).
     pub fn reset(&self, vms: &[Entry], nodes: &[Entry]) {
         let mut index = VmIndex::default().decoding_with(self.decoder.clone());
-        match self.concern.node().filter(|_| self.defers_others) {
-            Some(node) => index = index.deferring_for(node),
-            None => index.vms.reserve(vms.len()),
-        }
+        index.vms.reserve(vms.len());
         for e in vms {
             let Some(name) = name_of(VMS_PREFIX, &e.key) else {
                 continue;
             };
-            if index.cannot_concern(&e.value) {
-                index.defer(name, e.mod_revision, &e.value);
-                continue;
-            }
             if let Some(vm) = self.decoder.decode(name, e.mod_revision, &e.value) {
                 index.upsert(vm, e.mod_revision);
             }
@@ -475,10 +370,9 @@ impl ClusterReflector {
             return true;
         };
         self.read(|index| {
-            !index.defers(name)
-                && index
-                    .get(name)
-                    .is_none_or(|held| self.concern.concerns(&held.vm))
+            index
+                .get(name)
+                .is_none_or(|held| self.concern.concerns(&held.vm))
         })
         .unwrap_or(true)
     }
@@ -507,37 +401,20 @@ impl ClusterReflector {
     }
 
     /// `read` of the current VM index; `None` while there is none. For
-    /// this node's own questions: records that cannot concern it may be
-    /// left out ([`Self::read_whole`]).
+    /// this node's own questions: fed only its own records, it holds no
+    /// others ([`Self::read_whole`]).
     pub fn read<R>(&self, read: impl FnOnce(&VmIndex) -> R) -> Option<R> {
         self.lock().as_ref().map(|s| read(&s.vms))
     }
 
-    /// `read` of the current VM index with every record decoded: for
-    /// questions about the whole cluster (where a VM could move). `None`
-    /// also when it holds only its node's records.
+    /// `read` of the current VM index, for questions about the whole
+    /// cluster (where a VM could move): `None` also when it holds only its
+    /// node's records.
     pub fn read_whole<R>(&self, read: impl FnOnce(&VmIndex) -> R) -> Option<R> {
         if self.own_only {
             return None;
         }
-        self.lock().as_mut().map(|s| {
-            s.vms.settle();
-            read(&s.vms)
-        })
-    }
-
-    /// `read` of the current VM index with the records of `names` decoded
-    /// (the VMs of this node's live domains, some perhaps recorded
-    /// elsewhere).
-    pub fn read_settled<'a, R>(
-        &self,
-        names: impl IntoIterator<Item = &'a str>,
-        read: impl FnOnce(&VmIndex) -> R,
-    ) -> Option<R> {
-        self.lock().as_mut().map(|s| {
-            s.vms.settle_names(names);
-            read(&s.vms)
-        })
+        self.read(read)
     }
 
     /// Every node record, in name order; `None` while there is no index.
@@ -767,133 +644,5 @@ mod tests {
         // Without an index (a broken watch) nothing can be judged.
         reflector.lost();
         assert!(reflector.apply(&put(&vm("f", Some("n3")), 12)));
-    }
-
-    /// The same random changes into node n1's reflector that defers and
-    /// one that decodes everything: the same changes wake n1, n1's own
-    /// questions (its VMs, its load) get the same answers at every step
-    /// without any record decoded for them, and the whole view answers as
-    /// the full index does, but for instances on other nodes only seen in
-    /// records superseded before anyone asked (never newer).
-    #[test]
-    fn deferring_other_nodes_records_changes_no_answer() {
-        use rand::{Rng, SeedableRng};
-        const NODES: [&str; 4] = ["n1", "n2", "n3", "n4"];
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-        let full = ClusterReflector::judging(NodeConcern::of_node("n1"));
-        let deferring = ClusterReflector::judging(NodeConcern::of_node("n1")).deferring_others();
-        full.reset(&[], &[]);
-        deferring.reset(&[], &[]);
-        let answers = |r: &ClusterReflector, whole: bool| {
-            let ask = |i: &VmIndex| {
-                let nodes: &[&str] = if whole { &NODES } else { &NODES[..1] };
-                nodes
-                    .iter()
-                    .map(|n| {
-                        let owned: Vec<_> = i.owned_by(n).map(|v| v.vm.name.clone()).collect();
-                        (owned, i.load().allocated(n), i.newest_instance_on(n))
-                    })
-                    .collect::<Vec<_>>()
-            };
-            if whole {
-                r.read_whole(ask).unwrap()
-            } else {
-                r.read(ask).unwrap()
-            }
-        };
-        let mut deferred_at_some_step = false;
-        for revision in 1..3_000u64 {
-            let name = format!("vm-{}", rng.gen_range(0..12));
-            let event = match rng.gen_range(0..10) {
-                0 => WatchEvent::Deleted {
-                    key: format!("{VMS_PREFIX}{name}"),
-                    revision,
-                },
-                k => {
-                    let node = (k > 1).then(|| NODES[rng.gen_range(0..NODES.len())]);
-                    let mut v = vm(&name, node);
-                    if let Some(node) = node.filter(|_| rng.gen_bool(0.5)) {
-                        v.status.instance = Some(keel_api::Instance::new(
-                            format!("{name}-{revision}"),
-                            node,
-                            revision,
-                        ));
-                    }
-                    if rng.gen_bool(0.3) {
-                        v = bigger(v);
-                    }
-                    // This process's own write, taken in before the watch
-                    // brings it; or one that raced a newer write (older
-                    // than what either index holds).
-                    if rng.gen_bool(0.2) {
-                        full.written(&v, revision);
-                        deferring.written(&v, revision);
-                    } else if rng.gen_bool(0.2) {
-                        let other = format!("vm-{}", rng.gen_range(0..12));
-                        let raced = vm(&other, Some("n1"));
-                        let stale = revision.saturating_sub(rng.gen_range(1..20));
-                        full.written(&raced, stale);
-                        deferring.written(&raced, stale);
-                    }
-                    put(&v, revision)
-                }
-            };
-            assert_eq!(
-                full.apply(&event),
-                deferring.apply(&event),
-                "rev {revision}: wake differs"
-            );
-            deferred_at_some_step |= deferring.read(|i| i.defers(&name)).unwrap();
-            assert_eq!(
-                answers(&full, false),
-                answers(&deferring, false),
-                "rev {revision}"
-            );
-            if rng.gen_range(0..50) == 0 {
-                let (all, seen) = (answers(&full, true), answers(&deferring, true));
-                for ((owned, load, newest), (owned_d, load_d, newest_d)) in all.iter().zip(&seen) {
-                    assert_eq!((owned, load), (owned_d, load_d), "rev {revision}");
-                    assert!(newest_d <= newest, "rev {revision}");
-                }
-            }
-        }
-        assert!(deferred_at_some_step, "the test never deferred a record");
-        // A record kept undecoded is not looked at after a list.
-        deferring.reset(
-            &[
-                entry_of(&vm("here", Some("n1")), 1),
-                entry_of(&vm("there", Some("n2")), 2),
-            ],
-            &[],
-        );
-        assert!(deferring.listed_concerns(&format!("{VMS_PREFIX}here")));
-        assert!(!deferring.listed_concerns(&format!("{VMS_PREFIX}there")));
-        assert!(deferring.read(|i| i.defers("there")).unwrap());
-
-        // A write of this process's that raced a newer write of a VM kept
-        // undecoded is not taken in over it...
-        deferring.apply(&put(&vm("x", Some("n2")), 10));
-        deferring.written(&vm("x", Some("n1")), 5);
-        assert_eq!(deferring.read(|i| i.owned_by("n1").count()), Some(1));
-        // ...and an event older than a record of its own held here does
-        // not replace it: the whole view has the newer one.
-        deferring.written(&vm("y", Some("n2")), 12);
-        deferring.apply(&put(&vm("y", Some("n3")), 11));
-        let on_n2 = deferring.read_whole(|i| {
-            i.owned_by("n2")
-                .map(|v| v.vm.name.clone())
-                .collect::<Vec<_>>()
-        });
-        assert_eq!(
-            on_n2,
-            Some(vec!["there".to_string(), "x".into(), "y".into()])
-        );
-    }
-
-    fn entry_of(v: &VirtualMachine, revision: Revision) -> Entry {
-        match put(v, revision) {
-            WatchEvent::Put(entry) => entry,
-            WatchEvent::Deleted { .. } => unreachable!(),
-        }
     }
 }
