@@ -242,6 +242,14 @@ fn unavailable(subject: &str, failure: &Failure, write: bool) -> StoreError {
     }
 }
 
+fn compact_failed(revision: Revision, failure: &Failure) -> StoreError {
+    unavailable(
+        &format!("history before revision {revision}"),
+        failure,
+        true,
+    )
+}
+
 /// What a failed first request over TLS most likely means. With TLS 1.3
 /// the client's handshake completes before etcd checks the client
 /// certificate, so a refused certificate shows as a closed connection
@@ -366,11 +374,17 @@ impl EtcdStore {
     /// call this periodically, or etcd's database grows until it hits its
     /// quota and refuses writes.
     pub async fn compact(&self, revision: Revision) -> Result<(), StoreError> {
+        self.try_compact(revision)
+            .await
+            .map_err(|f| compact_failed(revision, &f))
+    }
+
+    /// [`Self::compact`], telling why it failed.
+    async fn try_compact(&self, revision: Revision) -> Result<(), Failure> {
         let mut kv = self.client.kv_client();
         self.call(kv.compact(to_etcd(revision), None))
             .await
             .map(drop)
-            .map_err(|f| unavailable(&format!("history before revision {revision}"), &f, true))
     }
 
     async fn call<T>(

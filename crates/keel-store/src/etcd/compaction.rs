@@ -20,7 +20,7 @@
 
 use etcd_client::{Compare, CompareOp, Txn, TxnOp, TxnOpResponse};
 
-use super::{from_etcd, to_etcd, unavailable, EtcdStore, Failure};
+use super::{compact_failed, from_etcd, unavailable, EtcdStore};
 use crate::{Revision, StoreError};
 
 /// The key whose version counts the turns taken, under the store's
@@ -100,16 +100,12 @@ impl HistoryCompactor {
         if before == 0 {
             return Ok(Round::Noted { at: now });
         }
-        match self.store.call(kv.compact(to_etcd(before), None)).await {
-            Ok(_) => Ok(Round::Compacted { before }),
+        match self.store.try_compact(before).await {
+            Ok(()) => Ok(Round::Compacted { before }),
             // Compacted further already (etcd's own auto-compaction, or an
             // operator): what this turn was for is done.
             Err(f) if f.is_compacted() => Ok(Round::Compacted { before }),
             Err(f) => Err(compact_failed(before, &f)),
         }
     }
-}
-
-fn compact_failed(before: Revision, failure: &Failure) -> StoreError {
-    unavailable(&format!("history before revision {before}"), failure, true)
 }
