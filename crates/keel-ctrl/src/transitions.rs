@@ -2,8 +2,9 @@
 //! (`Phase::may_become`, `EvictionPhase::may_become`) before anything is
 //! done for it. A forbidden change is a bug in a decision: it is refused,
 //! logged, and counted here, so the simulations fail on it
-//! ([`refused_so_far`]) and production keeps the last good record.
+//! ([`refused_on_this_thread`]) and production keeps the last good record.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -11,6 +12,13 @@ use keel_api::{EvictionPhase, Phase, VirtualMachine};
 
 static REFUSED: AtomicU64 = AtomicU64::new(0);
 static LAST_REFUSED: Mutex<Option<ForbiddenTransition>> = Mutex::new(None);
+
+thread_local! {
+    /// The refusals made on this thread: the simulations run a world per
+    /// thread, and a refusal is its world's, not the process's.
+    static REFUSED_HERE: RefCell<(u64, Option<ForbiddenTransition>)> =
+        const { RefCell::new((0, None)) };
+}
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ForbiddenTransition {
@@ -34,6 +42,10 @@ pub fn check(old: &VirtualMachine, new: &VirtualMachine) -> Result<(), Forbidden
         if let Ok(mut last) = LAST_REFUSED.lock() {
             *last = Some(err.clone());
         }
+        REFUSED_HERE.with_borrow_mut(|(count, last)| {
+            *count += 1;
+            *last = Some(err.clone());
+        });
     }
     result
 }
@@ -64,6 +76,13 @@ fn transition(old: &VirtualMachine, new: &VirtualMachine) -> Result<(), Forbidde
 pub fn refused_so_far() -> (u64, Option<ForbiddenTransition>) {
     let last = LAST_REFUSED.lock().ok().and_then(|l| l.clone());
     (REFUSED.load(Ordering::Relaxed), last)
+}
+
+/// [`refused_so_far`] on this thread only: what a world that runs on one
+/// thread (a simulation's seed) refused, whatever other threads' worlds
+/// did meanwhile.
+pub fn refused_on_this_thread() -> (u64, Option<ForbiddenTransition>) {
+    REFUSED_HERE.with_borrow(|(count, last)| (*count, last.clone()))
 }
 
 #[cfg(test)]
@@ -113,6 +132,9 @@ mod tests {
         let (after, last) = refused_so_far();
         assert!(after > before);
         assert!(last.is_some());
+        let (here, last_here) = refused_on_this_thread();
+        assert!(here >= 1);
+        assert_eq!(last_here, Some(err));
         check(&vm(Phase::Stopping), &vm(Phase::Stopped)).unwrap();
     }
 
