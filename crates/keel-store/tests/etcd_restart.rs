@@ -5,13 +5,11 @@
 //! conformance suite. Needs the `etcd` binary; `KEEL_SKIP_ETCD_TESTS=1`
 //! skips these tests like the others.
 
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use keel_store::etcd::{EtcdOptions, EtcdStore};
 use keel_store::{Precondition, Revision, Store, StoreError, Watch, WatchEvent};
+use keel_testkit::private_etcd::PrivateEtcd;
 
 /// Short, so the outage part of the test is quick; what is checked is that
 /// every call ends within it instead of hanging.
@@ -29,119 +27,7 @@ fn skipped() -> bool {
     skip
 }
 
-/// A private single-member etcd, killed when dropped (also when the test
-/// panics), its data removed with the temp dir.
-struct LocalEtcd {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl LocalEtcd {
-    async fn start() -> Self {
-        let etcd = Self {
-            dir: tempfile::tempdir().expect("temp dir for etcd"),
-            port: free_port_pair(),
-        };
-        etcd.run_script().await;
-        etcd
-    }
-
-    fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
-    }
-
-    /// (Re)starts etcd on the same port and data dir.
-    async fn run_script(&self) {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/start-etcd");
-        let dir: PathBuf = self.dir.path().to_path_buf();
-        let port = self.port;
-        let output = tokio::task::spawn_blocking(move || {
-            Command::new("bash")
-                .arg(&script)
-                .arg(&dir)
-                .arg(port.to_string())
-                .output()
-                .unwrap_or_else(|e| panic!("running {}: {e}", script.display()))
-        })
-        .await
-        .expect("start-etcd task");
-        assert!(
-            output.status.success(),
-            "scripts/start-etcd {} {port} failed ({}); is etcd installed \
-             (apt-get install -y etcd-server etcd-client)?\nstdout:\n{}\nstderr:\n{}",
-            self.dir.path().display(),
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr),
-        );
-    }
-
-    fn pid(&self) -> Option<u32> {
-        std::fs::read_to_string(self.dir.path().join("etcd.pid"))
-            .ok()?
-            .trim()
-            .parse()
-            .ok()
-    }
-
-    /// SIGSTOP / SIGCONT: etcd keeps its connections open but answers
-    /// nothing, like a frozen machine or a partition without resets.
-    fn signal(&self, signal: &str) {
-        let pid = self.pid().expect("etcd pid file");
-        let status = Command::new("kill")
-            .args([signal, &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill {signal} {pid} failed");
-    }
-
-    /// SIGKILL, as in a crash, then waits until the process is gone so the
-    /// ports are free for the restart.
-    fn kill(&self) {
-        let Some(pid) = self.pid() else { return };
-        let _ = Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while alive(pid) {
-            assert!(Instant::now() < deadline, "etcd pid {pid} survived SIGKILL");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for LocalEtcd {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Whether `pid` is a running process. etcd is detached from us, so if
-/// nobody reaps it a killed etcd stays a zombie: that counts as gone.
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => false,
-        // The state follows the parenthesised command name.
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
-    }
-}
-
-/// A client port whose successor (etcd's peer port) is free too. A fixed
-/// port would collide with a leftover etcd of an aborted run.
-fn free_port_pair() -> u16 {
-    for _ in 0..100 {
-        let client = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-        let port = client.local_addr().expect("local addr").port();
-        if port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no two consecutive free ports on 127.0.0.1");
-}
-
-async fn connect(etcd: &LocalEtcd, namespace: &str) -> EtcdStore {
+async fn connect(etcd: &PrivateEtcd, namespace: &str) -> EtcdStore {
     let options = EtcdOptions {
         request_timeout: REQUEST_TIMEOUT,
         ..EtcdOptions::default()
@@ -197,7 +83,7 @@ async fn survives_etcd_restart() {
     if skipped() {
         return;
     }
-    let etcd = LocalEtcd::start().await;
+    let etcd = PrivateEtcd::start();
     let store = connect(&etcd, "/keel-restart").await;
 
     let a1 = store
@@ -267,7 +153,7 @@ async fn survives_etcd_restart() {
     .await;
     eprintln!("outage checks took {:?}", outage.elapsed());
 
-    etcd.run_script().await;
+    tokio::task::block_in_place(|| etcd.run_script());
     let restarted = Instant::now();
     // The same handle reconnects on its own.
     let a = loop {
@@ -372,7 +258,7 @@ async fn watch_from_compacted_revision_fails() {
     if skipped() {
         return;
     }
-    let etcd = LocalEtcd::start().await;
+    let etcd = PrivateEtcd::start();
     let store = connect(&etcd, "/keel-compact").await;
     let mut rev = store
         .put("/h/k", b"0".to_vec(), Precondition::Absent)
@@ -459,7 +345,7 @@ async fn control_planes_take_turns_compacting_one_turn_late() {
     if skipped() {
         return;
     }
-    let etcd = LocalEtcd::start().await;
+    let etcd = PrivateEtcd::start();
     let store = connect(&etcd, "/keel-turns").await;
     let mut a = HistoryCompactor::new(connect(&etcd, "/keel-turns").await);
     let mut b = HistoryCompactor::new(connect(&etcd, "/keel-turns").await);

@@ -23,8 +23,8 @@
 
 mod procs;
 
+use keel_testkit::private_etcd::PrivateEtcd;
 use std::collections::BTreeMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,54 +49,6 @@ const SELF_FENCE_MS: u64 = 20_000;
 #[test]
 fn faketime_probe() {
     faketime::probe();
-}
-
-/// A private single-member etcd (`scripts/start-etcd` on free ports, its
-/// data under the test's dir, so the test's `KillAll` ends it too).
-struct OwnEtcd {
-    pid: i32,
-    endpoint: String,
-}
-
-impl OwnEtcd {
-    fn start(root: &Path) -> Self {
-        let port = (0..100)
-            .find_map(|_| {
-                let client = TcpListener::bind("127.0.0.1:0").ok()?;
-                let port = client.local_addr().ok()?.port();
-                (port < u16::MAX && TcpListener::bind(("127.0.0.1", port + 1)).is_ok())
-                    .then_some(port)
-            })
-            .expect("two consecutive free ports");
-        let dir = root.join("etcd");
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/start-etcd");
-        let out = Command::new(script)
-            .arg(&dir)
-            .arg(port.to_string())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "scripts/start-etcd failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let pid = std::fs::read_to_string(dir.join("etcd.pid"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        Self {
-            pid,
-            endpoint: format!("127.0.0.1:{port}"),
-        }
-    }
-}
-
-impl Drop for OwnEtcd {
-    fn drop(&mut self) {
-        // SAFETY: the etcd this test started (pid from its own pid file).
-        unsafe { libc::kill(self.pid, libc::SIGKILL) };
-    }
 }
 
 fn qemu_pid(root: &Path, instance: &str) -> Option<i32> {
@@ -166,8 +118,8 @@ async fn wall_clock_steps_move_no_vm_and_fence_no_guest() {
     }
     let began = Instant::now();
     faketime::verify(&work.root, "faketime_probe");
-    let etcd = OwnEtcd::start(&work.root);
-    work.store = format!("etcd://{}/keel-test/clocksteps", etcd.endpoint);
+    let etcd = PrivateEtcd::start_in(&work.root.join("etcd"));
+    work.store = format!("etcd://127.0.0.1:{}/keel-test/clocksteps", etcd.port());
     let (root, store, guest_dir) = (
         work.root.clone(),
         work.store.clone(),

@@ -6,61 +6,12 @@
 
 mod procs;
 
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use keel_store::etcd::EtcdStore;
 use keel_store::{Store, StoreError};
+use keel_testkit::private_etcd::PrivateEtcd;
 use procs::{cli, serving_url, spawn_control_plane, vm_json, Workdir};
-
-/// A private single-member etcd, killed when dropped.
-struct PrivateEtcd {
-    dir: tempfile::TempDir,
-    port: u16,
-}
-
-impl PrivateEtcd {
-    fn start() -> Self {
-        let dir = tempfile::tempdir().expect("temp dir for etcd");
-        // The script takes the client port and the one after it.
-        let port = loop {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            if port < 65534 && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
-                break port;
-            }
-        };
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/start-etcd");
-        let out = Command::new("bash")
-            .arg(script)
-            .arg(dir.path())
-            .arg(port.to_string())
-            .output()
-            .expect("running scripts/start-etcd");
-        assert!(
-            out.status.success(),
-            "scripts/start-etcd failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Self { dir, port }
-    }
-}
-
-impl Drop for PrivateEtcd {
-    fn drop(&mut self) {
-        if let Ok(pid) = std::fs::read_to_string(self.dir.path().join("etcd.pid")) {
-            if let Ok(pid) = pid.trim().parse::<i32>() {
-                // SAFETY: the etcd this test started.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-        }
-    }
-}
 
 /// Whether a watch of everything from revision 1 is refused as compacted.
 async fn history_compacted(store: &EtcdStore) -> bool {
@@ -81,7 +32,7 @@ async fn a_control_plane_compacts_etcds_history_and_keeps_serving() {
     };
     let etcd = PrivateEtcd::start();
     let namespace = "/keel-compaction";
-    let store = format!("etcd://127.0.0.1:{}{namespace}", etcd.port);
+    let store = format!("etcd://127.0.0.1:{}{namespace}", etcd.port());
     let cp = spawn_control_plane(
         &store,
         &work.dir("cp"),
@@ -100,7 +51,7 @@ async fn a_control_plane_compacts_etcds_history_and_keeps_serving() {
         cp.log()
     );
 
-    let etcd_store = EtcdStore::connect(&[format!("http://127.0.0.1:{}", etcd.port)], namespace)
+    let etcd_store = EtcdStore::connect(&[format!("http://127.0.0.1:{}", etcd.port())], namespace)
         .await
         .expect("connect to the private etcd");
     let deadline = Instant::now() + Duration::from_secs(30);
