@@ -1,7 +1,9 @@
 //! Running a seeded simulation: which seeds, on how many threads, and
 //! reporting failures.
 
+use std::any::Any;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -23,14 +25,18 @@ pub fn seeds(one: &str, count: &str, default: u64) -> Vec<u64> {
 }
 
 /// Runs every seed (stopping after three failures) and fails with their
-/// reports, each of which names its seed.
+/// reports, each of which names its seed (a panic's says to replay it
+/// with `replay_var`).
 ///
 /// Each seed is a world of its own on a manual clock, so its run does not
 /// depend on which thread runs it or what ran before: the seeds are dealt
-/// out to one thread per core (`KEEL_SIM_THREADS` sets how many), each
-/// with its own single-threaded runtime. One thread ran a thousand worlds
-/// in six minutes on two cores while the other core idled.
-pub fn run_seeds<F, Fut>(what: &str, seeds: &[u64], run: F)
+/// out to one thread per core (`KEEL_SIM_THREADS` sets how many). One
+/// thread ran a thousand worlds in six minutes on two cores while the
+/// other core idled. Each seed gets a fresh single-threaded runtime, so
+/// no task a world left behind runs into the next one (a replay of that
+/// seed alone would not have it), and a seed that panics is reported by
+/// its seed like one that fails.
+pub fn run_seeds<F, Fut>(what: &str, replay_var: &str, seeds: &[u64], run: F)
 where
     F: Fn(u64) -> Fut + Sync,
     Fut: Future<Output = Result<(), String>>,
@@ -46,16 +52,26 @@ where
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("a runtime for the simulation's worlds");
                 while !enough() {
                     let Some(&seed) = seeds.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         break;
                     };
-                    if let Err(e) = runtime.block_on(run(seed)) {
-                        failures.lock().expect("failures").push((seed, e));
+                    let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                        tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .expect("a runtime for the seed's world")
+                            .block_on(run(seed))
+                    }));
+                    let failed = match ran {
+                        Ok(outcome) => outcome.err(),
+                        Err(panic) => Some(format!(
+                            "{what}: seed {seed} panicked: {}\nreplay: {replay_var}={seed}",
+                            panic_text(panic.as_ref())
+                        )),
+                    };
+                    if let Some(report) = failed {
+                        failures.lock().expect("failures").push((seed, report));
                     }
                 }
             });
@@ -66,4 +82,12 @@ where
     failures.sort_by_key(|(seed, _)| *seed);
     let reports: Vec<String> = failures.into_iter().map(|(_, e)| e).collect();
     assert!(reports.is_empty(), "{}", reports.join("\n\n"));
+}
+
+fn panic_text(panic: &(dyn Any + Send)) -> &str {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("(not a string)")
 }
