@@ -252,7 +252,7 @@ async fn check_step(
     deleting: &BTreeSet<String>,
     orphans: &BTreeSet<String>,
 ) -> Result<(), String> {
-    if let (n @ 1.., last) = keel_ctrl::transitions::refused_so_far() {
+    if let (n @ 1.., last) = keel_ctrl::transitions::refused_on_this_thread() {
         return Err(format!(
             "{n} forbidden phase transitions refused, the last: {last:?}"
         ));

@@ -3,7 +3,6 @@
 
 use std::any::Any;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -32,10 +31,11 @@ pub fn seeds(one: &str, count: &str, default: u64) -> Vec<u64> {
 /// depend on which thread runs it or what ran before: the seeds are dealt
 /// out to one thread per core (`KEEL_SIM_THREADS` sets how many). One
 /// thread ran a thousand worlds in six minutes on two cores while the
-/// other core idled. Each seed gets a fresh single-threaded runtime, so
-/// no task a world left behind runs into the next one (a replay of that
-/// seed alone would not have it), and a seed that panics is reported by
-/// its seed like one that fails.
+/// other core idled. Each seed gets a thread and a single-threaded
+/// runtime of its own, so no task a world left behind runs into the next
+/// one, nor does a count it kept per thread (a replay of that seed alone
+/// would have neither), and a seed that panics is reported by its seed
+/// like one that fails.
 pub fn run_seeds<F, Fut>(what: &str, replay_var: &str, seeds: &[u64], run: F)
 where
     F: Fn(u64) -> Fut + Sync,
@@ -56,13 +56,18 @@ where
                     let Some(&seed) = seeds.get(next.fetch_add(1, Ordering::Relaxed)) else {
                         break;
                     };
-                    let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                        tokio::runtime::Builder::new_current_thread()
-                            .enable_all()
-                            .build()
-                            .expect("a runtime for the seed's world")
-                            .block_on(run(seed))
-                    }));
+                    // A thread of its own, so that what the world counts
+                    // per thread (refused transitions) is this seed's.
+                    let ran = std::thread::scope(|own| {
+                        own.spawn(|| {
+                            tokio::runtime::Builder::new_current_thread()
+                                .enable_all()
+                                .build()
+                                .expect("a runtime for the seed's world")
+                                .block_on(run(seed))
+                        })
+                        .join()
+                    });
                     let failed = match ran {
                         Ok(outcome) => outcome.err(),
                         Err(panic) => Some(format!(
