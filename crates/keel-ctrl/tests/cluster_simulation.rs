@@ -480,11 +480,4 @@ fn report(seed: u64, trace: &[String], err: &str) -> String {
 fn seeded_cluster_simulation() {
     let seeds = seeds::seeds("KEEL_CLUSTER_SEED", "KEEL_CLUSTER_SEEDS", 200);
     seeds::run_seeds("cluster simulation", "KEEL_CLUSTER_SEED", &seeds, run_seed);
-    // Each world checks its own thread's refusals; none may have been
-    // made anywhere else either.
-    let (refused, last) = keel_ctrl::transitions::refused_so_far();
-    assert_eq!(
-        refused, 0,
-        "forbidden phase transitions refused, the last: {last:?}"
-    );
 }

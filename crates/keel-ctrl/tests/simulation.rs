@@ -384,11 +384,4 @@ fn report(seed: u64, trace: &[String], w: &World, err: &str) -> String {
 fn seeded_lifecycle_simulation() {
     let seeds = seeds::seeds("KEEL_SIM_SEED", "KEEL_SIM_SEEDS", 1000);
     seeds::run_seeds("simulation", "KEEL_SIM_SEED", &seeds, run_seed);
-    // Each world checks its own thread's refusals; none may have been
-    // made anywhere else either.
-    let (refused, last) = keel_ctrl::transitions::refused_so_far();
-    assert_eq!(
-        refused, 0,
-        "forbidden phase transitions refused, the last: {last:?}"
-    );
 }

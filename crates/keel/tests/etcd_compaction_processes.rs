@@ -51,7 +51,7 @@ async fn a_control_plane_compacts_etcds_history_and_keeps_serving() {
         cp.log()
     );
 
-    let etcd_store = EtcdStore::connect(&[format!("http://127.0.0.1:{}", etcd.port())], namespace)
+    let etcd_store = EtcdStore::connect(&[etcd.endpoint()], namespace)
         .await
         .expect("connect to the private etcd");
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -25,7 +25,8 @@ pub fn seeds(one: &str, count: &str, default: u64) -> Vec<u64> {
 
 /// Runs every seed (stopping after three failures) and fails with their
 /// reports, each of which names its seed (a panic's says to replay it
-/// with `replay_var`).
+/// with `replay_var`), or with a forbidden transition refused outside
+/// any seed's own check.
 ///
 /// Each seed is a world of its own on a manual clock, so its run does not
 /// depend on which thread runs it or what ran before: the seeds are dealt
@@ -87,6 +88,13 @@ where
     failures.sort_by_key(|(seed, _)| *seed);
     let reports: Vec<String> = failures.into_iter().map(|(_, e)| e).collect();
     assert!(reports.is_empty(), "{}", reports.join("\n\n"));
+    // Each world checks the refusals made on its own thread; none may
+    // have been made anywhere else either.
+    let (refused, last) = keel_ctrl::transitions::refused_so_far();
+    assert_eq!(
+        refused, 0,
+        "forbidden phase transitions refused, the last: {last:?}"
+    );
 }
 
 fn panic_text(panic: &(dyn Any + Send)) -> &str {
