@@ -7,8 +7,10 @@
 //! Each test gets its own namespace, so runs and tests never see each
 //! other's keys. They still share etcd's one revision counter, and two
 //! checks assert that `list` returns exactly the revision of the test's own
-//! last write, which holds only while nobody else writes to the cluster;
-//! those run exclusively (see [`EXCLUSIVE_CHECKS`]), the rest in parallel.
+//! last write, which holds only while nobody else writes to the cluster.
+//! The test runner runs tests of other binaries beside these, and those
+//! write to the shared etcd too, so those two checks (see
+//! [`EXCLUSIVE_CHECKS`]) each get an etcd of their own.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,18 +19,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use keel_store::conformance::{self, Fixture};
 use keel_store::etcd::{EtcdOptions, EtcdStore};
 use keel_store::{Precondition, Store, StoreError};
-use tokio::sync::{OnceCell, RwLock};
+use keel_testkit::private_etcd::PrivateEtcd;
+use tokio::sync::OnceCell;
 
 /// etcd leases are whole seconds, and with default settings etcd raises any
 /// TTL below 2 s to 2 s; asking for less would make the suite's timing
 /// (fractions of this TTL) wrong.
 const LEASE_TTL_MS: u64 = 2_000;
 
-/// Checks that compare a `list` revision with the test's own last write.
+/// Checks that compare a `list` revision with the test's own last write:
+/// they need an etcd nobody else writes to.
 const EXCLUSIVE_CHECKS: &[&str] = &["revision_increases_across_keys", "list_by_prefix"];
-
-/// Shared by the parallel checks, taken exclusively by [`EXCLUSIVE_CHECKS`].
-static CLUSTER: RwLock<()> = RwLock::const_new(());
 /// Whether etcd answered, probed once for the whole binary so that a
 /// missing etcd fails every test at once instead of after a timeout each.
 static REACHABLE: OnceCell<Result<(), String>> = OnceCell::const_new();
@@ -93,17 +94,22 @@ async fn run(check: &str, body: impl AsyncFnOnce(Fixture)) {
     }
     let started = std::time::Instant::now();
     if EXCLUSIVE_CHECKS.contains(&check) {
-        let _alone = CLUSTER.write().await;
-        body(fixture(check).await).await;
+        // Started on a blocking thread: the helper waits for etcd to answer.
+        let etcd = tokio::task::spawn_blocking(PrivateEtcd::start)
+            .await
+            .expect("private etcd starts");
+        let store = EtcdStore::connect(&[etcd.endpoint()], &unique_namespace(check))
+            .await
+            .unwrap_or_else(|e| panic!("connecting to the private etcd: {e}"));
+        body(Fixture::real_time(Arc::new(store), LEASE_TTL_MS)).await;
     } else {
-        let _shared = CLUSTER.read().await;
         body(fixture(check).await).await;
     }
     eprintln!("{check}: {:?}", started.elapsed());
 }
 
 /// One test per conformance check, like `keel_store::conformance_tests!`,
-/// plus the skip switch and the lock the macro cannot add.
+/// plus the skip switch and the private etcd the macro cannot add.
 macro_rules! etcd_checks {
     ($($check:ident),* $(,)?) => {
         $(
@@ -148,8 +154,9 @@ etcd_checks!(
     atomic_writes_replay_whole,
 );
 
-/// The list above is spelled out (the suite's macro cannot skip or lock);
-/// this keeps it from falling behind when a check is added to the suite.
+/// The list above is spelled out (the suite's macro can neither skip nor
+/// start an etcd); this keeps it from falling behind when a check is added
+/// to the suite.
 #[test]
 fn every_conformance_check_runs_against_etcd() {
     let suite = include_str!("../src/conformance.rs");
@@ -182,7 +189,6 @@ async fn namespaces_do_not_overlap() {
     if skipped() {
         return;
     }
-    let _shared = CLUSTER.read().await;
     let base = unique_namespace("ns");
     let short = connect(&base).await;
     let long = connect(&format!("{base}0")).await;
@@ -215,7 +221,6 @@ async fn list_spans_pages() {
     if skipped() {
         return;
     }
-    let _shared = CLUSTER.read().await;
     let store = connect(&unique_namespace("pages")).await;
     let mut keys = Vec::new();
     for i in 0..1_203 {
