@@ -48,7 +48,9 @@ const SSH_AFTER_READY: Duration = Duration::from_secs(180);
 const GRACE_S: u64 = 120;
 
 /// Debian guests under TCG each take most of a core: the tests here run one
-/// after the other, not side by side.
+/// after the other, not side by side. This lock does it under `cargo test`;
+/// nextest runs each test in a process of its own, where the test group
+/// `debian-guests` of `.config/nextest.toml` does it.
 static ONE_DEBIAN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn workspace() -> PathBuf {

@@ -13,8 +13,8 @@
 //! `KEEL_FAULT_SEED=<n>` replays a run's fault schedule,
 //! `KEEL_FAULT_SECONDS=<n>` sets the chaos time (default 100; the nemesis suite injects the other faults).
 //! Needs the etcd of `scripts/start-etcd`, QEMU and the test guest.
-//! `scripts/test` runs it (`cargo test -p keel --test fault_processes --
-//! --ignored --nocapture`).
+//! `scripts/test` runs it with the workspace's ignored tests; by hand:
+//! `cargo test -p keel --test fault_processes -- --ignored --nocapture`.
 
 mod procs;
 
@@ -31,9 +31,10 @@ use rand_chacha::ChaCha8Rng;
 
 const VMS: [&str; 3] = ["v0", "v1", "v2"];
 
-// Ignored by a plain `cargo test` (it takes minutes); `scripts/test` runs
-// it with `--ignored --nocapture`, so that its figures are printed.
-#[ignore = "minutes long: scripts/test runs it with --ignored --nocapture"]
+// Ignored by a plain `cargo test` (minutes long); `scripts/test` runs it
+// with the ignored tests, and nextest prints its figures even on a pass
+// (`.config/nextest.toml`). By hand: `-- --ignored --nocapture`.
+#[ignore = "minutes long: scripts/test runs it with the ignored tests"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_kills_and_pauses_never_run_a_vm_twice_or_lose_a_record() {
     let Some(work) = Workdir::start("faults") else {

@@ -35,7 +35,8 @@
 //! with the same `KEEL_NEMESIS_ONLY`, a comma list of names that runs just
 //! those). Needs etcd (`KEEL_ETCD_ENDPOINT`, else the one of
 //! `scripts/start-etcd`), QEMU and the test guest. `scripts/test` runs it
-//! (`cargo test -p keel --test nemesis_processes -- --ignored --nocapture`).
+//! with the workspace's ignored tests; by hand: `cargo test -p keel --test
+//! nemesis_processes -- --ignored --nocapture`.
 
 mod procs;
 
@@ -627,8 +628,9 @@ fn etcd_addr() -> SocketAddr {
 }
 
 // Ignored by a plain `cargo test` (minutes long); `scripts/test` runs it
-// with `--ignored --nocapture`, so that its lines are printed.
-#[ignore = "minutes long: scripts/test runs it with --ignored --nocapture"]
+// with the ignored tests, and nextest prints its figures even on a pass
+// (`.config/nextest.toml`). By hand: `-- --ignored --nocapture`.
+#[ignore = "minutes long: scripts/test runs it with the ignored tests"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nemeses_never_run_a_vm_twice_kill_a_guest_for_nothing_or_lose_a_record() {
     let Some(work) = Workdir::start("nemesis") else {
