@@ -470,12 +470,17 @@ impl Shape {
         let mut known = self.known();
         match value {
             Some(value) => {
-                let nodes = Nodes::Unjudged(value.to_vec());
                 match known.get_mut(name) {
-                    Some(held) if held.0 > revision => {}
-                    Some(held) => *held = (revision, nodes),
+                    // A revision is one value: one already held (this
+                    // process's own write coming back on the watch, most
+                    // often, judged as it was written) is kept.
+                    Some(held) if held.0 >= revision => {}
+                    Some(held) => *held = (revision, Nodes::Unjudged(value.to_vec())),
                     None => {
-                        known.insert(name.to_string(), (revision, nodes));
+                        known.insert(
+                            name.to_string(),
+                            (revision, Nodes::Unjudged(value.to_vec())),
+                        );
                     }
                 }
             }

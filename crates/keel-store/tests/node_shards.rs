@@ -346,3 +346,65 @@ async fn a_nodes_view_holds_the_records_naming_it() {
     assert!(view.get("/vms/b").await.unwrap().is_some());
     assert_eq!(view.count("/vms/").await.unwrap(), 1);
 }
+
+/// A record's nodes are judged once per revision: a writer's own write
+/// coming back on its watch keeps the nodes judged when it was written,
+/// so its next write judges only the new value. (Judging decodes the
+/// record; every agent write paid for two decodes of it.)
+#[tokio::test]
+async fn a_writers_own_write_seen_again_is_not_judged_again() {
+    let judged = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counting: MembersOf = {
+        let judged = Arc::clone(&judged);
+        let members = members_of();
+        Arc::new(move |value: &[u8]| {
+            judged.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            members(value)
+        })
+    };
+    let inner = memory();
+    let store = Arc::new(ShardedStore::new(
+        Arc::clone(&inner) as Arc<dyn Store>,
+        "/vms/",
+        counting,
+    ));
+    let view = store.node_view("n1").unwrap();
+    let mut watch = view.watch("/vms/", 1).await.unwrap();
+    let judged_now = || judged.load(std::sync::atomic::Ordering::SeqCst);
+
+    let r1 = store
+        .put("/vms/a", b"n1".to_vec(), Precondition::Absent)
+        .await
+        .unwrap();
+    assert_eq!(judged_now(), 1, "the new value, once");
+    // Its own write, back on the watch.
+    match next(&mut watch).await {
+        WatchEvent::Put(e) => assert_eq!(e.mod_revision, r1),
+        other => panic!("expected a's put, got {other:?}"),
+    }
+    let r2 = store
+        .put("/vms/a", b"n1".to_vec(), Precondition::Revision(r1))
+        .await
+        .unwrap();
+    assert_eq!(judged_now(), 2, "only the new value: the old was judged at r1");
+
+    // A change written elsewhere is judged when this writer next writes.
+    let other = sharded(&inner);
+    let r3 = other
+        .put("/vms/a", b"n1".to_vec(), Precondition::Revision(r2))
+        .await
+        .unwrap();
+    for want in [r2, r3] {
+        match next(&mut watch).await {
+            WatchEvent::Put(e) => assert_eq!(e.mod_revision, want),
+            other => panic!("expected a's put at {want}, got {other:?}"),
+        }
+    }
+    let before = judged_now();
+    store
+        .put("/vms/a", b"n1".to_vec(), Precondition::Revision(r3))
+        .await
+        .unwrap();
+    assert_eq!(judged_now() - before, 2, "the old value as seen, and the new");
+    assert_eq!(copies(&inner).await.len(), 1);
+}
