@@ -21,11 +21,11 @@ pub struct LifecycleConfig {
     pub start_backoff_max_ms: Millis,
     /// An instance running this long counts as a successful boot.
     pub boot_settle_ms: Millis,
-    /// How often a VM in a transitional state is looked at: a guest still
-    /// booting (until `boot_settle_ms`), a pause, a start waiting for room
-    /// or for a drain, a migration under way. A steadily running guest is
-    /// watched through the hypervisor's domain events instead, and looked
-    /// at only every `resync_ms`.
+    /// How often a VM in a transitional state is looked at: an instance
+    /// not running yet, a pause, a start waiting for room or for a drain,
+    /// a migration under way. A running guest is watched through the
+    /// hypervisor's domain events instead, and looked at once its boot
+    /// settles (`boot_settle_ms`), then only every `resync_ms`.
     pub poll_ms: Millis,
     /// How often a VM with nothing under way (running steadily, or
     /// stopped with nothing to do) is looked at anyway, jittered per VM

@@ -386,10 +386,13 @@ fn keep_running(
         }
     }
     let requeue_at = match since {
-        // Booting: looked at until the boot counts as settled (the start
-        // backoff is cleared then), and a guest dying in its first seconds
-        // is the likeliest crash there is.
-        Some(s) if !settled => (s + cfg.boot_settle_ms).min(now + cfg.poll_ms),
+        // Booting: looked at once the boot counts as settled (the start
+        // backoff and a fulfilled power intent are cleared then). A guest
+        // dying in its first seconds, the likeliest crash there is, wakes
+        // its VM by the hypervisor's exit event like any other; a look
+        // every `poll_ms` meanwhile found nothing those events do not
+        // bring, and was most of an agent's looks while VMs were starting.
+        Some(s) if !settled => s + cfg.boot_settle_ms,
         // Running steadily: the hypervisor's events (exit, SHUTDOWN, STOP,
         // RESET, GUEST_PANICKED, …) wake this VM; the resync only backs
         // them up.

@@ -1,7 +1,8 @@
 //! Each agent hears only the changes of the VMs that concern its node (it
-//! watches its node's copies of the VM records), and looks at each of its
-//! own running VMs every couple of seconds. Neither may cost a store read
-//! of the record: with ten agents, that was ten reads for each write, and
+//! watches its node's copies of the VM records), and looks at its own VMs
+//! when something happens to them, when a passing state is due to pass,
+//! and at the slow resync; a booting guest once more when its boot
+//! settles. No look may cost a store read of the record: with ten agents, that was ten reads for each write, and
 //! a read per VM per look. The agent's index, kept by the same watch, has
 //! the record. And a change wakes only the agent it concerns: fifty nodes
 //! made fifty looks at each write.
@@ -91,4 +92,72 @@ async fn a_vms_change_wakes_only_the_agent_it_concerns() {
         assert_eq!(indexed(a), wanted);
         assert!(looks_on_a >= 1, "round {round}: a was not woken for its VM");
     }
+}
+
+/// The running instance's `running_since`, once it has one.
+async fn running_since(c: &Cluster, vm: &str) -> Option<keel_api::Millis> {
+    c.vm(vm)
+        .await
+        .status
+        .instance
+        .and_then(|inst| inst.running_since)
+}
+
+/// A booting guest is looked at once its boot settles, not every
+/// `poll_ms` until then: at 10,000 VMs starting, those looks were most of
+/// an agent's. What they were for (a guest dying in its first seconds)
+/// wakes the VM by the hypervisor's exit event.
+#[tokio::test]
+async fn a_booting_vm_is_looked_at_when_its_boot_settles_not_every_poll() {
+    let cfg = keel_ctrl::LifecycleConfig::default();
+    let mut c = Cluster::new(cluster::sim());
+    c.add_node("a").await;
+    c.create("vm", RunPolicy::AlwaysOn).await;
+    for _ in 0..20 {
+        if running_since(&c, "vm").await.is_some() {
+            break;
+        }
+        c.tick().await;
+    }
+    let since = running_since(&c, "vm").await.expect("the VM runs");
+    // Its Running write, readiness and their echoes come first.
+    c.run(2_000).await;
+    let mut looks = 0;
+    while c.now() + cluster::TICK_MS < since + cfg.boot_settle_ms {
+        looks += c.tick_counting_looks().await["a"];
+    }
+    assert_eq!(
+        looks, 0,
+        "looked at while booting, with nothing announced (poll every {} ms)",
+        cfg.poll_ms
+    );
+    let settled = c.tick_counting_looks().await["a"] + c.tick_counting_looks().await["a"];
+    assert_eq!(settled, 1, "looked at once as the boot settled");
+    assert_eq!(c.vm("vm").await.status.phase, Phase::Running);
+}
+
+/// A guest that dies while booting is seen at once, by its exit event:
+/// no look was due before its boot would have settled.
+#[tokio::test]
+async fn a_guest_dying_while_booting_is_seen_at_once() {
+    let mut c = Cluster::new(cluster::sim());
+    c.add_node("a").await;
+    c.create("vm", RunPolicy::AlwaysOn).await;
+    for _ in 0..20 {
+        if running_since(&c, "vm").await.is_some() {
+            break;
+        }
+        c.tick().await;
+    }
+    c.run(3_000).await;
+    let crashed = c.vm("vm").await.status.instance.expect("an instance").id;
+    c.agent("a").hv.crash(&crashed);
+    c.tick().await;
+    let vm = c.vm("vm").await;
+    assert_eq!(
+        vm.status.last_exit.as_ref().map(|e| e.instance.as_str()),
+        Some(crashed.as_str()),
+        "the crash was not seen within a tick: {}",
+        c.explain("vm").await
+    );
 }

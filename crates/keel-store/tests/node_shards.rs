@@ -386,7 +386,11 @@ async fn a_writers_own_write_seen_again_is_not_judged_again() {
         .put("/vms/a", b"n1".to_vec(), Precondition::Revision(r1))
         .await
         .unwrap();
-    assert_eq!(judged_now(), 2, "only the new value: the old was judged at r1");
+    assert_eq!(
+        judged_now(),
+        2,
+        "only the new value: the old was judged at r1"
+    );
 
     // A change written elsewhere is judged when this writer next writes.
     let other = sharded(&inner);
@@ -405,6 +409,10 @@ async fn a_writers_own_write_seen_again_is_not_judged_again() {
         .put("/vms/a", b"n1".to_vec(), Precondition::Revision(r3))
         .await
         .unwrap();
-    assert_eq!(judged_now() - before, 2, "the old value as seen, and the new");
+    assert_eq!(
+        judged_now() - before,
+        2,
+        "the old value as seen, and the new"
+    );
     assert_eq!(copies(&inner).await.len(), 1);
 }

@@ -356,19 +356,27 @@ impl Cluster {
     /// One tick: time moves, then every running agent does its
     /// housekeeping and lets its runtime do what is due.
     pub async fn tick(&mut self) {
+        self.tick_counting_looks().await;
+    }
+
+    /// [`Self::tick`], returning how many reconciles each running agent
+    /// finished in it, by node.
+    pub async fn tick_counting_looks(&mut self) -> BTreeMap<String, usize> {
         self.clock.advance(TICK_MS);
         if let Err(err) = self.control.reconcile().await {
             panic!("cluster pass on the unfaulted store: {err}");
         }
+        let mut looks = BTreeMap::new();
         for a in self.agents.iter_mut().filter(|a| a.running) {
             a.house.run_due(&a.vms, &self.clock).await;
             a.wiring
                 .migrations_stuck
                 .store(a.migrations_stuck, Ordering::SeqCst);
             a.wiring.vms_stuck.store(a.vms_stuck, Ordering::SeqCst);
-            a.runtime.settle().await;
+            looks.insert(a.name.clone(), a.runtime.settle().await);
         }
         self.check_invariants().await;
+        looks
     }
 
     pub async fn run(&mut self, ms: Millis) {
