@@ -103,6 +103,20 @@ async fn running_since(c: &Cluster, vm: &str) -> Option<keel_api::Millis> {
         .and_then(|inst| inst.running_since)
 }
 
+/// Node `a` with VM `vm` just booted on it, and when it started running.
+async fn booted_on_a() -> (Cluster, keel_api::Millis) {
+    let mut c = Cluster::new(cluster::sim());
+    c.add_node("a").await;
+    c.create("vm", RunPolicy::AlwaysOn).await;
+    for _ in 0..20 {
+        if let Some(since) = running_since(&c, "vm").await {
+            return (c, since);
+        }
+        c.tick().await;
+    }
+    panic!("the VM does not run: {}", c.explain("vm").await)
+}
+
 /// A booting guest is looked at once its boot settles, not every
 /// `poll_ms` until then: at 10,000 VMs starting, those looks were most of
 /// an agent's. What they were for (a guest dying in its first seconds)
@@ -110,16 +124,7 @@ async fn running_since(c: &Cluster, vm: &str) -> Option<keel_api::Millis> {
 #[tokio::test]
 async fn a_booting_vm_is_looked_at_when_its_boot_settles_not_every_poll() {
     let cfg = keel_ctrl::LifecycleConfig::default();
-    let mut c = Cluster::new(cluster::sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOn).await;
-    for _ in 0..20 {
-        if running_since(&c, "vm").await.is_some() {
-            break;
-        }
-        c.tick().await;
-    }
-    let since = running_since(&c, "vm").await.expect("the VM runs");
+    let (mut c, since) = booted_on_a().await;
     // Its Running write, readiness and their echoes come first.
     c.run(2_000).await;
     let mut looks = 0;
@@ -140,15 +145,7 @@ async fn a_booting_vm_is_looked_at_when_its_boot_settles_not_every_poll() {
 /// no look was due before its boot would have settled.
 #[tokio::test]
 async fn a_guest_dying_while_booting_is_seen_at_once() {
-    let mut c = Cluster::new(cluster::sim());
-    c.add_node("a").await;
-    c.create("vm", RunPolicy::AlwaysOn).await;
-    for _ in 0..20 {
-        if running_since(&c, "vm").await.is_some() {
-            break;
-        }
-        c.tick().await;
-    }
+    let (mut c, _) = booted_on_a().await;
     c.run(3_000).await;
     let crashed = c.vm("vm").await.status.instance.expect("an instance").id;
     c.agent("a").hv.crash(&crashed);
