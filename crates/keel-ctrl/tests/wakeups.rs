@@ -2,10 +2,11 @@
 //! watches its node's copies of the VM records), and looks at its own VMs
 //! when something happens to them, when a passing state is due to pass,
 //! and at the slow resync; a booting guest once more when its boot
-//! settles. No look may cost a store read of the record: with ten agents, that was ten reads for each write, and
-//! a read per VM per look. The agent's index, kept by the same watch, has
-//! the record. And a change wakes only the agent it concerns: fifty nodes
-//! made fifty looks at each write.
+//! settles. No look may cost a store read of the record: with ten agents,
+//! that was ten reads for each write, and a read per VM per look. The
+//! agent's index, kept by the same watch, has the record. And a change
+//! wakes only the agent it concerns: fifty nodes made fifty looks at each
+//! write.
 
 mod cluster;
 
