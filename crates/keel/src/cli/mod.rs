@@ -8,6 +8,7 @@ mod events;
 mod freeze;
 mod image;
 mod image_url;
+mod literal_resolver;
 mod live_progress;
 mod migration;
 pub mod net;

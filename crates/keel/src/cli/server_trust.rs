@@ -34,12 +34,12 @@ use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvi
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::{ClientConfig, ClientConnection, DigitallySignedStruct, SignatureScheme, StreamOwned};
-use ureq::unversioned::resolver::DefaultResolver;
 use ureq::unversioned::transport::{
     Buffers, ConnectionDetails, Connector, Either, LazyBuffers, NextTimeout, TcpConnector,
     Transport, TransportAdapter,
 };
 
+use super::literal_resolver::LiteralResolver;
 use crate::api_tls::{fingerprint, self_signed_cert_path};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -338,7 +338,7 @@ impl ServerTrust {
         let connector = ().chain(TcpConnector::default()).chain(TlsConnector {
             config: self.client_config(),
         });
-        ureq::Agent::with_parts(config, connector, DefaultResolver::default())
+        ureq::Agent::with_parts(config, connector, LiteralResolver::default())
     }
 }
 
