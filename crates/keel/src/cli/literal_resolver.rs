@@ -66,22 +66,14 @@ mod tests {
 
     #[test]
     fn ip_hosts_are_their_own_address() {
-        assert_eq!(
-            address("https://127.0.0.1:7443/api/v1/vms"),
-            Some("127.0.0.1:7443".parse().unwrap())
-        );
-        assert_eq!(
-            address("https://[::1]:7443/"),
-            Some("[::1]:7443".parse().unwrap())
-        );
-        assert_eq!(
-            address("https://10.0.0.5/"),
-            Some("10.0.0.5:443".parse().unwrap())
-        );
-        assert_eq!(
-            address("http://10.0.0.5/"),
-            Some("10.0.0.5:80".parse().unwrap())
-        );
+        for (url, want) in [
+            ("https://127.0.0.1:7443/api/v1/vms", "127.0.0.1:7443"),
+            ("https://[::1]:7443/", "[::1]:7443"),
+            ("https://10.0.0.5/", "10.0.0.5:443"),
+            ("http://10.0.0.5/", "10.0.0.5:80"),
+        ] {
+            assert_eq!(address(url), Some(want.parse().unwrap()), "{url}");
+        }
     }
 
     #[test]
