@@ -46,6 +46,8 @@ pub struct VmController {
     liveness: std::sync::Mutex<Liveness>,
     /// This node's own lease and freeze, as this agent counts them.
     lease: Arc<NodeLease>,
+    /// This node's record as last written here: the heartbeat writes on it.
+    own_record: crate::node_lease::own_record::OwnRecord,
     /// Readiness probes of this node's guests.
     probes: crate::readiness::GuestProbes,
     /// Every VM record, kept current by the runtime's watch; read where a
@@ -84,6 +86,7 @@ impl VmController {
             observer: Arc::new(NoObserver),
             liveness: Default::default(),
             lease: Default::default(),
+            own_record: Default::default(),
             probes,
             vm_index,
             drain_wake: Default::default(),

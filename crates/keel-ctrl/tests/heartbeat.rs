@@ -11,7 +11,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::slow_store::SlowListStore;
+use common::slow_store::SlowStore;
 use common::tokio_clock::{until, TokioClock};
 use common::{spec, T0};
 use keel_api::{Clock, EvictionWindows, Node, PowerState, RunPolicy, VirtualMachine};
@@ -142,7 +142,7 @@ fn tokio_clock() -> Arc<dyn Clock> {
 async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
     let clock = tokio_clock();
     let memory = MemoryStore::with_clock(clock.clone());
-    let slow = SlowListStore::new(Arc::new(memory.clone()));
+    let slow = SlowStore::new(Arc::new(memory.clone()));
     let n = Node1::on(Arc::new(slow.clone()), clock.clone());
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(keel_ctrl::run_vm_controller(
@@ -193,6 +193,71 @@ async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
     })
     .await;
     assert!(completed.is_some(), "{:?}", n.node().await.drain);
+    stop.send(true).unwrap();
+    task.await.unwrap();
+    assert!(n.hv.violations().is_empty(), "{:?}", n.hv.violations());
+}
+
+/// A slow link to the store: every read or write of the node's record
+/// takes 3.5 s, most of the heartbeat's bound, and one heartbeat's write
+/// hangs outright. The guest runs on, never fenced: a heartbeat is one
+/// write (on the revision of the agent's own last write), and heartbeats
+/// start one interval apart whatever each takes, so the one that hung is
+/// followed at once by one that gets through. (With a read before each
+/// write, every heartbeat outlasted its bound; with the next heartbeat
+/// counted from the end of the last, the one after the hang started
+/// nearly twenty seconds after the last good one, and the keeper ended
+/// the guest.)
+#[tokio::test(start_paused = true)]
+async fn a_slow_store_link_and_one_hung_heartbeat_never_fence_a_healthy_node() {
+    let clock = tokio_clock();
+    let memory = MemoryStore::with_clock(clock.clone());
+    let slow = SlowStore::new(Arc::new(memory.clone()));
+    let n = Node1::on(Arc::new(slow.clone()), clock.clone());
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(keel_ctrl::run_vm_controller(
+        n.ctrl.clone(),
+        clock.clone(),
+        stop_rx,
+    ));
+    let instance = n.running_vm("web").await;
+
+    // Read past the slow link: the checks must not wait on it.
+    let direct = TypedStore::new(Arc::new(memory.clone()));
+    let own_record = node_key(&n.ctrl.config().node);
+    let last_heartbeat = || async {
+        let node = direct.get::<Node>(&own_record).await.unwrap().unwrap();
+        node.value.status.last_heartbeat
+    };
+    slow.slow_keys(&own_record, Duration::from_millis(3_500));
+    let mut longest_gap = 0;
+    let mut beat = last_heartbeat().await;
+    for second in 1..=90 {
+        if second == 30 {
+            slow.hang_next_write();
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let what = format!("{second} s into the slow link");
+        assert_eq!(
+            n.hv.live_instances("web"),
+            [instance.as_str()],
+            "{what}: the guest was ended; {:?}",
+            n.hv.log()
+        );
+        let now = last_heartbeat().await;
+        if now != beat {
+            longest_gap = longest_gap.max(now - beat);
+            beat = now;
+        }
+    }
+    assert!(slow.hang_met(), "no heartbeat hung: the test tests nothing");
+    assert!(
+        n.now() - beat < 10_000,
+        "the heartbeats stopped getting through: the last was sent {} ms ago",
+        n.now() - beat
+    );
+    // One interval between heartbeats, two around the one that hung.
+    assert!(longest_gap <= 10_000, "heartbeats {longest_gap} ms apart");
     stop.send(true).unwrap();
     task.await.unwrap();
     assert!(n.hv.violations().is_empty(), "{:?}", n.hv.violations());

@@ -15,6 +15,31 @@ use keel_api::{Clock, Millis, Mono};
 /// counts as failed. The other chores run as often.
 pub const HEARTBEAT_INTERVAL_MS: Millis = 5_000;
 
+/// How soon a heartbeat that failed quickly (refused, not timed out) is
+/// tried again: the lease is at stake, and a refusal costs the store
+/// little.
+pub const RETRY_FAILED_MS: Millis = 1_000;
+
+/// The pause between the end of one heartbeat, which took `took_ms` and
+/// got through or not, and the start of the next: heartbeats start every
+/// [`HEARTBEAT_INTERVAL_MS`] whatever each takes (within the bound, which
+/// is that interval), and one that failed early is tried again after
+/// [`RETRY_FAILED_MS`].
+///
+/// Counted from the end instead, a store slow enough to take most of the
+/// bound stretched the round to nearly two intervals; one heartbeat timing
+/// out then left the next attempt starting nearly four intervals after the
+/// last good one was sent, and a node whose heartbeats were all but one
+/// getting through fenced its guests.
+pub fn pause_after(took_ms: Millis, got_through: bool) -> Millis {
+    let rest_of_round = HEARTBEAT_INTERVAL_MS.saturating_sub(took_ms);
+    if got_through {
+        rest_of_round
+    } else {
+        rest_of_round.min(RETRY_FAILED_MS)
+    }
+}
+
 /// What the heartbeat acts on: the node's controller.
 pub trait LeaseHolder {
     type Error: std::error::Error + 'static;
@@ -89,5 +114,25 @@ impl Heartbeat {
     /// through within the last two intervals.
     pub fn recent(&self, now: Mono) -> bool {
         now.since(self.last_ok()) <= 2 * HEARTBEAT_INTERVAL_MS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heartbeats_start_one_interval_apart_whatever_each_takes() {
+        assert_eq!(pause_after(0, true), HEARTBEAT_INTERVAL_MS);
+        assert_eq!(pause_after(3_500, true), HEARTBEAT_INTERVAL_MS - 3_500);
+        assert_eq!(pause_after(HEARTBEAT_INTERVAL_MS, true), 0);
+        // A timed-out heartbeat took the whole round: the next starts now.
+        assert_eq!(pause_after(HEARTBEAT_INTERVAL_MS, false), 0);
+    }
+
+    #[test]
+    fn a_heartbeat_refused_early_is_tried_again_soon() {
+        assert_eq!(pause_after(50, false), RETRY_FAILED_MS);
+        assert_eq!(pause_after(4_500, false), 500);
     }
 }

@@ -15,6 +15,8 @@
 //!   not ready after `node_ready_ms`, lost after `node_lease_ms`.
 //! - [`name_claim`]: an agent starting under a node name another
 //!   incarnation holds waits one full lease of that one's silence.
+//! - [`own_record`]: the node's record as the agent last wrote it, so a
+//!   heartbeat is one write, not a read and a write.
 //!
 //! The durations are `LifecycleConfig`'s `node_ready_ms` (15 s),
 //! `self_fence_ms` (20 s) and `node_lease_ms` (40 s); every one is measured
@@ -28,6 +30,7 @@ pub mod agent_view;
 pub mod heartbeat;
 pub mod liveness;
 pub mod name_claim;
+pub mod own_record;
 
 pub use agent_view::{LeasePlan, NodeLease};
 pub use heartbeat::{Heartbeat, LeaseHolder, HEARTBEAT_INTERVAL_MS};

@@ -30,6 +30,7 @@ pub use runner::{Key, Runner};
 pub use running::{RunningControllers, StopError};
 pub use source::{EventSource, Incoming};
 
+use crate::node_lease::heartbeat::pause_after;
 use crate::node_lease::{Heartbeat, HEARTBEAT_INTERVAL_MS};
 use crate::{LifecycleObserver, MigrationController, SnapshotController, VmController};
 
@@ -330,9 +331,12 @@ async fn run_housekeeping(
     let lease = async {
         let mut stop = finished;
         while !*stop.borrow() {
-            heartbeat.beat(vms, clock.as_ref()).await;
+            let started = tokio::time::Instant::now();
+            let got_through = heartbeat.beat(vms, clock.as_ref()).await;
+            let took_ms = started.elapsed().as_millis() as Millis;
+            let pause = Duration::from_millis(pause_after(took_ms, got_through));
             tokio::select! {
-                _ = tokio::time::sleep(every) => {}
+                _ = tokio::time::sleep(pause) => {}
                 _ = stop.changed() => {}
             }
         }

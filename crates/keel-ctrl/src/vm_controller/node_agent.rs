@@ -53,7 +53,10 @@ impl VmController {
 
     /// Changes this node's own record (creating it if absent) by
     /// compare-and-swap, refusing if another incarnation holds the name.
-    /// Returns the record as written.
+    /// Returns the record as written. It writes on the record as this
+    /// agent last wrote it, and reads the store only when that is not
+    /// known or someone else has written since (the write conflicts): so a
+    /// heartbeat is one round trip (`node_lease::own_record`).
     async fn update_own_record(
         &self,
         mut change: impl FnMut(&mut Node, Millis),
@@ -61,13 +64,17 @@ impl VmController {
         let key = node_key(&self.cfg.node);
         loop {
             let now = self.clock.now_ms();
-            let current = self.store.get::<Node>(&key).await?;
+            let current = match self.own_record.known() {
+                Some(known) => Some(known),
+                None => self.store.get::<Node>(&key).await?,
+            };
             let mut node = current
                 .as_ref()
                 .map(|e| e.value.clone())
                 .unwrap_or_else(|| Node::new(&self.cfg.node));
             if let (Some(ours), Some(theirs)) = (&self.cfg.incarnation, &node.status.incarnation) {
                 if ours != theirs {
+                    self.own_record.forget();
                     return Err(HeartbeatError::Superseded {
                         node: self.cfg.node.clone(),
                         theirs: theirs.clone(),
@@ -84,8 +91,14 @@ impl VmController {
                 None => self.store.create(&key, &node).await,
             };
             match result {
-                Ok(_) => return Ok(node),
-                Err(StoreError::Conflict { .. }) => continue,
+                Ok(revision) => {
+                    self.own_record.remember(node.clone(), revision);
+                    return Ok(node);
+                }
+                Err(StoreError::Conflict { .. }) => {
+                    self.own_record.forget();
+                    continue;
+                }
                 Err(e) => return Err(e.into()),
             }
         }

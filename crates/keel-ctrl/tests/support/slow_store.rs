@@ -1,9 +1,11 @@
-//! A store wrapper for tests: a list of keys under a chosen prefix takes
-//! as long as asked (an etcd answering a large range slowly, a SQLite
-//! waiting on a busy disk), on tokio's clock; every other call goes
+//! A store wrapper for tests, on tokio's clock: a list of keys under a
+//! chosen prefix takes as long as asked (an etcd answering a large range
+//! slowly, a SQLite waiting on a busy disk); a read or write of a key under
+//! another chosen prefix takes as long as asked too (a slow link to the
+//! store), and the next write of one can be made to hang. Every other call goes
 //! straight through.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -11,21 +13,67 @@ use async_trait::async_trait;
 use keel_store::{Entry, Guard, LeaseId, Precondition, Revision, Store, StoreError, Watch, Write};
 
 #[derive(Clone)]
-pub struct SlowListStore {
+pub struct SlowStore {
     inner: Arc<dyn Store>,
     /// Lists of a prefix starting with the first take the second this long.
     slow: Arc<Mutex<Option<(String, Duration)>>>,
     /// How many lists were slowed and have answered.
     slowed: Arc<AtomicU64>,
+    /// Reads and writes of keys starting with the first take the second.
+    slow_keys: Arc<Mutex<Option<(String, Duration)>>>,
+    /// The next write of a slowed key hangs (for a minute).
+    hang_next: Arc<AtomicBool>,
+    /// How many reads and writes of slowed keys were made.
+    key_calls: Arc<AtomicU64>,
 }
 
-impl SlowListStore {
+impl SlowStore {
     pub fn new(inner: Arc<dyn Store>) -> Self {
         Self {
             inner,
             slow: Default::default(),
             slowed: Default::default(),
+            slow_keys: Default::default(),
+            hang_next: Default::default(),
+            key_calls: Default::default(),
         }
+    }
+
+    /// From now on, each read or write of a key under `prefix` takes
+    /// `delay`.
+    pub fn slow_keys(&self, prefix: &str, delay: Duration) {
+        *self.slow_keys.lock().unwrap() = Some((prefix.to_string(), delay));
+    }
+
+    /// The next write of a slowed key hangs.
+    pub fn hang_next_write(&self) {
+        self.hang_next.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the hang asked for has been met (a call hung on it).
+    pub fn hang_met(&self) -> bool {
+        !self.hang_next.load(Ordering::SeqCst)
+    }
+
+    /// How many reads and writes of slowed keys were made.
+    pub fn key_calls(&self) -> u64 {
+        self.key_calls.load(Ordering::SeqCst)
+    }
+
+    /// The wait of a read (`write` false) or write of `key`.
+    async fn key_call(&self, key: &str, write: bool) {
+        let delay = {
+            let slow = self.slow_keys.lock().unwrap();
+            slow.as_ref()
+                .filter(|(prefix, _)| key.starts_with(prefix.as_str()))
+                .map(|(_, delay)| *delay)
+        };
+        let Some(delay) = delay else { return };
+        self.key_calls.fetch_add(1, Ordering::SeqCst);
+        if write && self.hang_next.swap(false, Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        }
+        tokio::time::sleep(delay).await;
     }
 
     /// From now on, a list of anything under `prefix` takes `delay`.
@@ -47,8 +95,9 @@ impl SlowListStore {
 }
 
 #[async_trait]
-impl Store for SlowListStore {
+impl Store for SlowStore {
     async fn get(&self, key: &str) -> Result<Option<Entry>, StoreError> {
+        self.key_call(key, false).await;
         self.inner.get(key).await
     }
     async fn put(
@@ -57,6 +106,7 @@ impl Store for SlowListStore {
         value: Vec<u8>,
         p: Precondition,
     ) -> Result<Revision, StoreError> {
+        self.key_call(key, true).await;
         self.inner.put(key, value, p).await
     }
     async fn put_with_lease(
@@ -75,6 +125,7 @@ impl Store for SlowListStore {
         p: Precondition,
         guard: &Guard,
     ) -> Result<Revision, StoreError> {
+        self.key_call(key, true).await;
         self.inner.put_guarded(key, value, p, guard).await
     }
     async fn delete_guarded(
@@ -90,9 +141,13 @@ impl Store for SlowListStore {
         writes: Vec<Write>,
         guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
+        if let Some(write) = writes.first() {
+            self.key_call(write.key(), true).await;
+        }
         self.inner.write_all(writes, guard).await
     }
     async fn delete(&self, key: &str, revision: Revision) -> Result<Revision, StoreError> {
+        self.key_call(key, true).await;
         self.inner.delete(key, revision).await
     }
     async fn list(&self, prefix: &str) -> Result<(Vec<Entry>, Revision), StoreError> {
