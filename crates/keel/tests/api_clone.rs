@@ -195,12 +195,7 @@ fn an_export_is_imported_as_a_new_vm_elsewhere_and_refusals_name_their_field() {
     // Export while it runs: the CLI's snapshot is taken, then deleted.
     let err = String::from_utf8(keel(&server, &["vm", "export", "src", file_arg]).stderr).unwrap();
     assert!(err.contains("src: exported at snapshot export-"), "{err}");
-    let snaps: Value = server.get("/api/v1/vms/src/snapshots").json();
-    assert_eq!(
-        snaps["items"],
-        json!([]),
-        "the export's snapshot is deleted"
-    );
+    server.wait_no_snapshots("src");
     let entries = archive_entries(&file);
     let names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["manifest.json", "root.qcow2", "data.qcow2"]);

@@ -274,6 +274,31 @@ impl TestServer {
         }
     }
 
+    /// Polls until the VM has no snapshot left. A deleted snapshot may
+    /// still be listed a moment, with its deletion requested, until the
+    /// snapshot controller removes it; anything else listed fails at once.
+    pub fn wait_no_snapshots(&self, vm: &str) {
+        let start = Instant::now();
+        loop {
+            let snaps: Value = self.get(&format!("/api/v1/vms/{vm}/snapshots")).json();
+            let items = snaps["items"].as_array().cloned().unwrap_or_default();
+            if items.is_empty() {
+                return;
+            }
+            assert!(
+                items
+                    .iter()
+                    .all(|s| s["snapshot"]["deletion_requested_at"].is_u64()),
+                "VM {vm} has snapshots not being deleted: {snaps}"
+            );
+            assert!(
+                start.elapsed() < DEADLINE,
+                "VM {vm}'s snapshots were not deleted within {DEADLINE:?}: {snaps}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Polls the node until `pred` holds for its response.
     pub fn wait_node(&self, name: &str, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
         let start = Instant::now();
