@@ -132,14 +132,18 @@ fn tokio_clock() -> Arc<dyn Clock> {
     Arc::new(TokioClock::starting_at(T0))
 }
 
-/// A draining node whose store lists VMs slower than the heartbeat's
-/// timeout (the drain's completion check lists every VM): the heartbeat
-/// and the fence lease go on being renewed, the guest runs on, nothing is
-/// fenced; and the drain's completion is still checked, on the chores'
-/// schedule. (With the check inside the heartbeat, the whole heartbeat was
-/// dropped at its timeout, every time, and the keeper ended the guest.)
-#[tokio::test(start_paused = true)]
-async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
+/// One node on the production housekeeping, its store wrapped to be made
+/// slow, with VM `web` running (its instance).
+struct Running {
+    n: Node1,
+    memory: MemoryStore,
+    slow: SlowStore,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    instance: String,
+}
+
+async fn running_on_a_slow_store() -> Running {
     let clock = tokio_clock();
     let memory = MemoryStore::with_clock(clock.clone());
     let slow = SlowStore::new(Arc::new(memory.clone()));
@@ -151,6 +155,32 @@ async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
         stop_rx,
     ));
     let instance = n.running_vm("web").await;
+    Running {
+        n,
+        memory,
+        slow,
+        stop,
+        task,
+        instance,
+    }
+}
+
+/// A draining node whose store lists VMs slower than the heartbeat's
+/// timeout (the drain's completion check lists every VM): the heartbeat
+/// and the fence lease go on being renewed, the guest runs on, nothing is
+/// fenced; and the drain's completion is still checked, on the chores'
+/// schedule. (With the check inside the heartbeat, the whole heartbeat was
+/// dropped at its timeout, every time, and the keeper ended the guest.)
+#[tokio::test(start_paused = true)]
+async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
+    let Running {
+        n,
+        slow,
+        stop,
+        task,
+        instance,
+        ..
+    } = running_on_a_slow_store().await;
 
     // Drained, its VM has nowhere to go (no other node): the drain stops
     // it, but its guest ignores the power button (and has no agent), so it
@@ -210,17 +240,14 @@ async fn a_slow_vm_list_never_holds_up_the_heartbeat_or_the_fence_lease() {
 /// the guest.)
 #[tokio::test(start_paused = true)]
 async fn a_slow_store_link_and_one_hung_heartbeat_never_fence_a_healthy_node() {
-    let clock = tokio_clock();
-    let memory = MemoryStore::with_clock(clock.clone());
-    let slow = SlowStore::new(Arc::new(memory.clone()));
-    let n = Node1::on(Arc::new(slow.clone()), clock.clone());
-    let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(keel_ctrl::run_vm_controller(
-        n.ctrl.clone(),
-        clock.clone(),
-        stop_rx,
-    ));
-    let instance = n.running_vm("web").await;
+    let Running {
+        n,
+        memory,
+        slow,
+        stop,
+        task,
+        instance,
+    } = running_on_a_slow_store().await;
 
     // Read past the slow link: the checks must not wait on it.
     let direct = TypedStore::new(Arc::new(memory.clone()));
