@@ -1,5 +1,5 @@
-//! This node's record as this agent last wrote (or read) it, so that a
-//! heartbeat is one round trip to the store, not two.
+//! This node's record as this agent last wrote it, so that a heartbeat
+//! is one round trip to the store, not two.
 //!
 //! The heartbeat rewrites the node's record by compare-and-swap. Read
 //! first each time, a heartbeat cost a read and a write, and over a slow
@@ -21,8 +21,8 @@ pub struct OwnRecord {
 }
 
 impl OwnRecord {
-    /// The record as last written or read here, to write on; `None`: read
-    /// it from the store.
+    /// The record as last written here, to write on; `None`: read it from
+    /// the store.
     pub fn known(&self) -> Option<TypedEntry<Node>> {
         self.last.lock().expect("own record lock").clone()
     }
