@@ -68,13 +68,12 @@ impl VmController {
                 Some(known) => Some(known),
                 None => self.store.get::<Node>(&key).await?,
             };
-            let mut node = current
-                .as_ref()
-                .map(|e| e.value.clone())
-                .unwrap_or_else(|| Node::new(&self.cfg.node));
+            let revision = current.as_ref().map(|e| e.revision);
+            let mut node = current.map_or_else(|| Node::new(&self.cfg.node), |e| e.value);
+            // A record remembered here was written by this incarnation: a
+            // foreign one is only ever found by a read.
             if let (Some(ours), Some(theirs)) = (&self.cfg.incarnation, &node.status.incarnation) {
                 if ours != theirs {
-                    self.own_record.forget();
                     return Err(HeartbeatError::Superseded {
                         node: self.cfg.node.clone(),
                         theirs: theirs.clone(),
@@ -86,8 +85,8 @@ impl VmController {
                 node.status.incarnation = self.cfg.incarnation.clone();
             }
             change(&mut node, now);
-            let result = match &current {
-                Some(e) => self.store.update(&key, &node, e.revision).await,
+            let result = match revision {
+                Some(revision) => self.store.update(&key, &node, revision).await,
                 None => self.store.create(&key, &node).await,
             };
             match result {

@@ -23,8 +23,6 @@ pub struct SlowStore {
     slow_keys: Arc<Mutex<Option<(String, Duration)>>>,
     /// The next write of a slowed key hangs (for a minute).
     hang_next: Arc<AtomicBool>,
-    /// How many reads and writes of slowed keys were made.
-    key_calls: Arc<AtomicU64>,
 }
 
 impl SlowStore {
@@ -35,7 +33,6 @@ impl SlowStore {
             slowed: Default::default(),
             slow_keys: Default::default(),
             hang_next: Default::default(),
-            key_calls: Default::default(),
         }
     }
 
@@ -55,21 +52,19 @@ impl SlowStore {
         !self.hang_next.load(Ordering::SeqCst)
     }
 
-    /// How many reads and writes of slowed keys were made.
-    pub fn key_calls(&self) -> u64 {
-        self.key_calls.load(Ordering::SeqCst)
+    /// How long a read or write of `key` takes, if it is slowed.
+    fn slowed(&self, key: &str) -> Option<Duration> {
+        let slow = self.slow_keys.lock().unwrap();
+        slow.as_ref()
+            .filter(|(prefix, _)| key.starts_with(prefix.as_str()))
+            .map(|(_, delay)| *delay)
     }
 
     /// The wait of a read (`write` false) or write of `key`.
     async fn key_call(&self, key: &str, write: bool) {
-        let delay = {
-            let slow = self.slow_keys.lock().unwrap();
-            slow.as_ref()
-                .filter(|(prefix, _)| key.starts_with(prefix.as_str()))
-                .map(|(_, delay)| *delay)
+        let Some(delay) = self.slowed(key) else {
+            return;
         };
-        let Some(delay) = delay else { return };
-        self.key_calls.fetch_add(1, Ordering::SeqCst);
         if write && self.hang_next.swap(false, Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_secs(60)).await;
         }
@@ -141,7 +136,8 @@ impl Store for SlowStore {
         writes: Vec<Write>,
         guard: Option<&Guard>,
     ) -> Result<Revision, StoreError> {
-        if let Some(write) = writes.first() {
+        // Slowed once if any key it writes is.
+        if let Some(write) = writes.iter().find(|w| self.slowed(w.key()).is_some()) {
             self.key_call(write.key(), true).await;
         }
         self.inner.write_all(writes, guard).await
