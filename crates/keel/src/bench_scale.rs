@@ -15,6 +15,10 @@
 //!   store itself: `phase_watch`);
 //! - restart all: from just before the first restart request until every
 //!   VM runs a new instance for it (`observed_restart_generation`);
+//! - CPU per VM until all Running, of each kind of process and of the
+//!   bench's own clients ([`cpu_share`]);
+//! - etcd run: the same store writes made by this process alone on a
+//!   fresh etcd, the run's anchor on this machine ([`etcd_floor`]);
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
 //!   on disk (SQLite files, or etcd's backend file);
 //! - single node: `/metrics` with every VM's series, its scrape time
@@ -22,6 +26,8 @@
 //! - single node: the server's idle CPU (% of one core) once every VM runs
 //!   and nothing changes ([`idle`]).
 
+mod cpu_share;
+mod etcd_floor;
 pub(crate) mod idle;
 mod phase_watch;
 mod scrape;
@@ -104,6 +110,9 @@ pub struct ScaleReport {
     pub running_at_timeout: usize,
     pub restart_all_s: Option<f64>,
     pub restarted_at_timeout: usize,
+    /// CPU of each kind of process (and `bench`, this process) from the
+    /// first create until all ran, in ms per VM; empty on a timeout.
+    pub cpu_ms_per_vm: BTreeMap<String, f64>,
     pub peak_rss_mib: BTreeMap<String, f64>,
     pub store_bytes: u64,
     /// The mixed run's samples of every node's allocation.
@@ -113,6 +122,8 @@ pub struct ScaleReport {
     pub scrape: Option<scrape::ScrapeFigures>,
     /// The single-node runs' idle CPU with every VM running.
     pub idle: Option<idle::IdleFigures>,
+    /// The etcd run's writes made by this process alone on a fresh etcd.
+    pub store_floor: Option<etcd_floor::StoreFloor>,
 }
 
 /// What the mixed run saw of the nodes' allocations while the VMs were
@@ -206,6 +217,7 @@ fn sqlite_run(
     let serve = spawn_sim_serve(&mut procs, &data, &[])?;
     let api = Api::connect(&procs, serve, &data)?;
     let mut report = drive(
+        &procs,
         std::slice::from_ref(&api),
         vms,
         args.clients,
@@ -230,15 +242,16 @@ fn sqlite_run(
     Ok(report)
 }
 
-fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
+/// A private single-member etcd with its data in `dir`: its client URL
+/// and its place in `procs`.
+fn spawn_etcd(procs: &mut Procs, dir: &Path, args: &ScaleArgs) -> anyhow::Result<(String, usize)> {
     std::fs::create_dir_all(dir)?;
-    let mut procs = Procs::default();
     let client_port = free_port()?;
     let peer_port = free_port()?;
     let etcd_data = dir.join("etcd");
     let client_url = format!("http://127.0.0.1:{client_port}");
     let peer_url = format!("http://127.0.0.1:{peer_port}");
-    procs.spawn_program(
+    let etcd = procs.spawn_program(
         "etcd",
         &args.etcd_bin,
         &dir.join("etcd.log"),
@@ -262,8 +275,33 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
         ],
     )?;
     wait_etcd(&client_url)?;
+    Ok((client_url, etcd))
+}
+
+fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
+    std::fs::create_dir_all(dir)?;
+    let floor_dir = dir.join("store-floor");
+    let floor = {
+        // Its own etcd, gone before the cluster's starts.
+        let mut procs = Procs::default();
+        let (url, etcd) = spawn_etcd(&mut procs, &floor_dir, args)?;
+        etcd_floor::measure(
+            &url,
+            procs.pid(etcd),
+            args.etcd_vms,
+            args.clients,
+            args.agents,
+        )
+        .context("the store floor")?
+    };
+    let _ = std::fs::remove_dir_all(&floor_dir);
+    let mut procs = Procs::default();
+    let (client_url, _) = spawn_etcd(&mut procs, dir, args)?;
     // Its own throwaway etcd on loopback: plain is acceptable here.
-    let store = format!("etcd://127.0.0.1:{client_port}/keel-bench");
+    let store = format!(
+        "etcd://{}/keel-bench",
+        client_url.trim_start_matches("http://")
+    );
     let mut apis = Vec::new();
     for i in 0..args.control_planes {
         let data = dir.join(format!("cp{i}"));
@@ -311,12 +349,20 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
         )?;
     }
     wait_nodes(&apis[0], args.agents, Duration::from_secs(60))?;
-    let mut report = drive(&apis, args.etcd_vms, args.clients, timeout, &small_vm)?;
+    let mut report = drive(
+        &procs,
+        &apis,
+        args.etcd_vms,
+        args.clients,
+        timeout,
+        &small_vm,
+    )?;
     report.store = "etcd".into();
     report.control_planes = args.control_planes;
     report.nodes = args.agents;
     report.peak_rss_mib = procs.peak_rss_mib();
-    report.store_bytes = files_bytes(&etcd_data.join("member/snap"), "db");
+    report.store_bytes = files_bytes(&dir.join("etcd/member/snap"), "db");
+    report.store_floor = Some(floor);
     Ok(report)
 }
 
@@ -365,6 +411,7 @@ fn mixed_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<
     let (report, capacity) = std::thread::scope(|scope| {
         let sampler = scope.spawn(|| sample_capacity(&api, &done));
         let report = drive(
+            &procs,
             std::slice::from_ref(&api),
             args.mixed_vms,
             args.clients,
@@ -435,6 +482,7 @@ fn mixed_vm(i: usize) -> Value {
 /// Creates `vms` VMs of `spec`'s sizes through `apis` (clients spread
 /// over them), waits for all to run, restarts all, waits for that.
 fn drive(
+    procs: &Procs,
     apis: &[Api],
     vms: usize,
     clients: usize,
@@ -443,6 +491,7 @@ fn drive(
 ) -> anyhow::Result<ScaleReport> {
     let names: Vec<String> = (0..vms).map(|i| format!("vm-{i:05}")).collect();
     let phases = phase_watch::PhaseWatch::follow(apis[0].stream("/api/v1/vms?watch=true")?);
+    let cpu_before = cpu_share::CpuMark::now(procs.kinds_and_pids())?;
     let started = Instant::now();
     let latencies = fan_out(apis, &names, clients, |api, name| {
         let index = name
@@ -455,6 +504,12 @@ fn drive(
     let create_s = started.elapsed().as_secs_f64();
     let (all_running_s, running_at_timeout) =
         wait_until(started, timeout, || phases.running().map(|n| (n >= vms, n)))?;
+    let cpu_ms_per_vm = match all_running_s {
+        Some(_) => {
+            cpu_share::CpuMark::now(procs.kinds_and_pids())?.ms_per_vm_since(&cpu_before, vms)
+        }
+        None => BTreeMap::new(),
+    };
     let restart_started = Instant::now();
     fan_out(apis, &names, clients, |api, name| {
         api.post(&format!("/api/v1/vms/{name}/restart"), "")
@@ -475,11 +530,13 @@ fn drive(
         running_at_timeout,
         restart_all_s,
         restarted_at_timeout,
+        cpu_ms_per_vm,
         peak_rss_mib: BTreeMap::new(),
         store_bytes: 0,
         capacity: None,
         scrape: None,
         idle: None,
+        store_floor: None,
     })
 }
 
@@ -612,6 +669,28 @@ fn print_report(r: &ScaleReport) {
         restart = secs(r.restart_all_s, r.restarted_at_timeout),
         size = r.store_bytes as f64 / (1024.0 * 1024.0),
     );
+    if !r.cpu_ms_per_vm.is_empty() {
+        println!(
+            "  CPU until all Running: {}",
+            cpu_share::describe(&r.cpu_ms_per_vm)
+        );
+    }
+    if let Some(f) = &r.store_floor {
+        let times = r
+            .all_running_s
+            .map(|s| format!("; all Running took {:.2}× that", s / f.seconds.max(1e-9)))
+            .unwrap_or_default();
+        println!(
+            "  etcd alone: the same writes ({txns} transactions, {puts} puts, {events} watch \
+             events) straight from this process to a fresh etcd: {secs:.1} s, etcd {cpu:.2} ms \
+             CPU per VM{times}",
+            txns = f.transactions,
+            puts = f.puts,
+            events = f.watch_events,
+            secs = f.seconds,
+            cpu = f.etcd_cpu_ms_per_vm,
+        );
+    }
     if let Some(c) = &r.capacity {
         println!(
             "  capacity: {over} of {samples} node samples over capacity; fullest node CPU {cpu:.0}%, memory {mem:.0}%",
@@ -797,6 +876,13 @@ impl Procs {
             .map_while(Result::ok)
             .collect::<Vec<_>>()
             .join("\n")
+    }
+
+    /// Each process still known, by its kind.
+    pub(crate) fn kinds_and_pids(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.children
+            .iter()
+            .map(|(kind, child, _)| (kind.as_str(), child.id()))
     }
 
     pub(crate) fn pid(&self, index: usize) -> u32 {

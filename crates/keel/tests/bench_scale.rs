@@ -87,8 +87,25 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
                 r["peak_rss_mib"][kind].as_f64().unwrap() > 1.0,
                 "{kind}: {r}"
             );
+            // Each kind's CPU to all Running is counted, and the bench's own.
+            assert!(r["cpu_ms_per_vm"][kind].as_f64().is_some(), "{kind}: {r}");
         }
+        assert!(r["cpu_ms_per_vm"]["bench"].as_f64().is_some(), "{r}");
     }
+    assert!(stdout.contains("CPU until all Running: "), "{stdout}");
+    // The etcd run's anchor: its VMs' writes (three transactions each, the
+    // placements 32 to one) and watches, on a fresh etcd of their own.
+    let floor = &reports[2]["store_floor"];
+    assert_eq!(floor["transactions"], 3 * 30 + 1, "{floor}");
+    assert_eq!(floor["puts"], 10 * 30, "{floor}");
+    assert_eq!(floor["watch_events"], 11 * 30, "{floor}");
+    assert!(floor["seconds"].as_f64().unwrap() > 0.0, "{floor}");
+    assert!(
+        floor["etcd_cpu_ms_per_vm"].as_f64().unwrap() >= 0.0,
+        "{floor}"
+    );
+    assert!(stdout.contains("etcd alone: the same writes"), "{stdout}");
+    assert!(reports[0]["store_floor"].is_null(), "{}", reports[0]);
     // The mixed run's three simulated nodes in one `keel serve` took the
     // VMs, and the sampler saw every node's allocation within its capacity.
     let mixed = &reports[1];

@@ -1,0 +1,272 @@
+//! The etcd run's anchor: the store writes its VMs make on their way to
+//! Running, made straight to a fresh etcd member of the same kind by this
+//! process through Keel's own etcd client, with no Keel process running.
+//! That is what the store alone costs on this machine at this
+//! concurrency; the etcd run's all Running over it is what the rest of
+//! Keel (its API, placement, agents and their looks) adds.
+//!
+//! The writes are the etcd run's, each VM's in its order and with the
+//! same preconditions, at the sizes its records have:
+//! - the create: the record and its audit event (one transaction, from
+//!   `--clients` writers, as the API clients do);
+//! - the placement: the record and its node copy, 32 VMs to a
+//!   transaction (as the leader places a burst);
+//! - the start, then Running: each the record, its node copy and its
+//!   phase event, from one writer per agent, a VM's two in order and the
+//!   agent's VMs side by side.
+//!
+//! and with the etcd run's watches open and drained: each agent's on its
+//! node's copies, and two on the records (the leader's, and the one the
+//! bench counts Running from).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Context;
+use keel_store::etcd::EtcdStore;
+use keel_store::{Precondition, Revision, Store, Write};
+use tokio::sync::mpsc;
+
+use super::scrape::cpu_seconds;
+
+/// The leader places at most this many VMs in one store write.
+const PLACEMENT_BATCH: usize = 32;
+/// Bytes of a VM record of the etcd run as stored at each step (JSON:
+/// created, placed, starting, running), as measured from one.
+const RECORD_BYTES: [usize; 4] = [480, 490, 830, 990];
+/// Bytes of the create's audit event, as measured.
+const AUDIT_BYTES: usize = 280;
+/// Bytes of a phase event, as measured.
+const EVENT_BYTES: usize = 130;
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoreFloor {
+    /// From the first create until every VM's Running write was answered.
+    pub seconds: f64,
+    pub transactions: usize,
+    pub puts: usize,
+    /// Changes the watches received.
+    pub watch_events: usize,
+    /// etcd's CPU over those seconds, in ms per VM.
+    pub etcd_cpu_ms_per_vm: f64,
+}
+
+/// Watches on the records, beside the agents' on their copies.
+const RECORD_WATCHES: usize = 2;
+/// How long the watches may lag the last write before the run fails.
+const WATCH_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Makes `vms` VMs' writes on the etcd at `url` (nothing else on it).
+pub fn measure(
+    url: &str,
+    etcd_pid: u32,
+    vms: usize,
+    clients: usize,
+    agents: usize,
+) -> anyhow::Result<StoreFloor> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the store floor's runtime")?;
+    runtime.block_on(async {
+        let store: Arc<dyn Store> = Arc::new(
+            EtcdStore::connect(&[url.to_string()], "/keel-bench-floor")
+                .await
+                .context("connecting to the store floor's etcd")?,
+        );
+        let agents = agents.max(1);
+        let mut prefixes: Vec<String> = (0..agents).map(|a| format!("/vm-shards/node{a}/")).collect();
+        prefixes.extend(std::iter::repeat_n("/vms/".to_string(), RECORD_WATCHES));
+        let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut watchers = tokio::task::JoinSet::new();
+        for prefix in prefixes {
+            let mut watch = store.watch(&prefix, 1).await?;
+            let received = received.clone();
+            watchers.spawn(async move {
+                while let Some(Ok(_)) = watch.next().await {
+                    received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        let cpu_before = cpu_seconds(etcd_pid)?;
+        let started = Instant::now();
+        run(store, vms, clients.max(1), agents).await?;
+        // Until every change has reached the watches.
+        let expected = vms * (3 + 4 * RECORD_WATCHES);
+        let written = Instant::now();
+        while received.load(std::sync::atomic::Ordering::Relaxed) < expected {
+            if written.elapsed() > WATCH_CATCH_UP {
+                anyhow::bail!(
+                    "the watches received {} of {expected} changes within {WATCH_CATCH_UP:?} of the last write",
+                    received.load(std::sync::atomic::Ordering::Relaxed)
+                );
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let etcd_cpu = cpu_seconds(etcd_pid)? - cpu_before;
+        watchers.abort_all();
+        let placements = vms.div_ceil(PLACEMENT_BATCH);
+        Ok(StoreFloor {
+            seconds,
+            transactions: 3 * vms + placements,
+            puts: 10 * vms,
+            watch_events: received.load(std::sync::atomic::Ordering::Relaxed),
+            etcd_cpu_ms_per_vm: 1000.0 * etcd_cpu / vms.max(1) as f64,
+        })
+    })
+}
+
+/// One VM's keys and what was last written to them.
+struct Vm {
+    index: usize,
+    record: Revision,
+    copy: Revision,
+}
+
+fn name(index: usize) -> String {
+    format!("vm-{index:05}")
+}
+
+fn put(key: String, bytes: usize, precondition: Precondition) -> Write {
+    Write::Put {
+        key,
+        value: vec![b'x'; bytes],
+        precondition,
+    }
+}
+
+async fn run(
+    store: Arc<dyn Store>,
+    vms: usize,
+    clients: usize,
+    agents: usize,
+) -> anyhow::Result<()> {
+    let (created_tx, created_rx) = mpsc::unbounded_channel();
+    let mut agent_txs = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for agent in 0..agents {
+        let (tx, rx) = mpsc::unbounded_channel();
+        agent_txs.push(tx);
+        tasks.spawn(start_and_run(store.clone(), agent, rx));
+    }
+    tasks.spawn(place(store.clone(), created_rx, agent_txs));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..clients {
+        let (store, next, created) = (store.clone(), next.clone(), created_tx.clone());
+        tasks.spawn(async move {
+            loop {
+                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if index >= vms {
+                    return Ok(());
+                }
+                let vm = name(index);
+                let writes = vec![
+                    put(format!("/vms/{vm}"), RECORD_BYTES[0], Precondition::Absent),
+                    put(
+                        format!("/events/_audit/{index}"),
+                        AUDIT_BYTES,
+                        Precondition::Absent,
+                    ),
+                ];
+                let record = store.write_all(writes, None).await?;
+                let _ = created.send(Vm {
+                    index,
+                    record,
+                    copy: 0,
+                });
+            }
+        });
+    }
+    drop(created_tx);
+    while let Some(done) = tasks.join_next().await {
+        done.context("a store floor writer panicked")??;
+    }
+    Ok(())
+}
+
+/// The leader's part: places what has been created, a batch at a time.
+async fn place(
+    store: Arc<dyn Store>,
+    mut created: mpsc::UnboundedReceiver<Vm>,
+    agents: Vec<mpsc::UnboundedSender<Vm>>,
+) -> anyhow::Result<()> {
+    while let Some(first) = created.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < PLACEMENT_BATCH {
+            match created.try_recv() {
+                Ok(vm) => batch.push(vm),
+                Err(_) => break,
+            }
+        }
+        let mut writes = Vec::with_capacity(2 * batch.len());
+        for vm in &batch {
+            let node = vm.index % agents.len();
+            let vm_name = name(vm.index);
+            writes.push(put(
+                format!("/vms/{vm_name}"),
+                RECORD_BYTES[1],
+                Precondition::Revision(vm.record),
+            ));
+            writes.push(put(
+                format!("/vm-shards/node{node}/{vm_name}"),
+                RECORD_BYTES[1],
+                Precondition::Absent,
+            ));
+        }
+        let revision = store.write_all(writes, None).await?;
+        for mut vm in batch {
+            vm.record = revision;
+            vm.copy = revision;
+            let _ = agents[vm.index % agents.len()].send(vm);
+        }
+    }
+    Ok(())
+}
+
+/// An agent's part: each of its VMs' start and Running writes, in order,
+/// its VMs side by side.
+async fn start_and_run(
+    store: Arc<dyn Store>,
+    agent: usize,
+    mut placed: mpsc::UnboundedReceiver<Vm>,
+) -> anyhow::Result<()> {
+    let mut vms = tokio::task::JoinSet::new();
+    while let Some(vm) = placed.recv().await {
+        let store = store.clone();
+        vms.spawn(async move {
+            let vm_name = name(vm.index);
+            let (mut record, mut copy) = (vm.record, vm.copy);
+            for (step, bytes) in RECORD_BYTES[2..].iter().enumerate() {
+                let writes = vec![
+                    put(
+                        format!("/vms/{vm_name}"),
+                        *bytes,
+                        Precondition::Revision(record),
+                    ),
+                    put(
+                        format!("/vm-shards/node{agent}/{vm_name}"),
+                        *bytes,
+                        Precondition::Revision(copy),
+                    ),
+                    put(
+                        format!("/events/{vm_name}/{record}-{step}"),
+                        EVENT_BYTES,
+                        Precondition::Absent,
+                    ),
+                ];
+                record = store.write_all(writes, None).await?;
+                copy = record;
+            }
+            anyhow::Ok(())
+        });
+        while let Some(done) = vms.try_join_next() {
+            done.context("a store floor VM panicked")??;
+        }
+    }
+    while let Some(done) = vms.join_next().await {
+        done.context("a store floor VM panicked")??;
+    }
+    Ok(())
+}
