@@ -93,10 +93,11 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
         assert!(r["cpu_ms_per_vm"]["bench"].as_f64().is_some(), "{r}");
     }
     assert!(stdout.contains("CPU until all Running: "), "{stdout}");
-    // The etcd run's anchor: its VMs' writes (three transactions each, the
-    // placements 32 to one) and watches, on a fresh etcd of their own.
+    // The etcd run's anchor: its VMs' writes (three transactions each, and
+    // the placements, up to 32 VMs to one) and watches, on a fresh etcd.
     let floor = &reports[2]["store_floor"];
-    assert_eq!(floor["transactions"], 3 * 30 + 1, "{floor}");
+    let transactions = floor["transactions"].as_u64().unwrap();
+    assert!((3 * 30 + 1..=4 * 30).contains(&transactions), "{floor}");
     assert_eq!(floor["puts"], 10 * 30, "{floor}");
     assert_eq!(floor["watch_events"], 11 * 30, "{floor}");
     assert!(floor["seconds"].as_f64().unwrap() > 0.0, "{floor}");

@@ -9,8 +9,8 @@
 //! same preconditions, at the sizes its records have:
 //! - the create: the record and its audit event (one transaction, from
 //!   `--clients` writers, as the API clients do);
-//! - the placement: the record and its node copy, 32 VMs to a
-//!   transaction (as the leader places a burst);
+//! - the placement: the record and its node copy, every VM created
+//!   meanwhile (up to 32) in one transaction, as the leader places a burst;
 //! - the start, then Running: each the record, its node copy and its
 //!   phase event, from one writer per agent, a VM's two in order and the
 //!   agent's VMs side by side.
@@ -19,6 +19,7 @@
 //! node's copies, and two on the records (the leader's, and the one the
 //! bench counts Running from).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -41,8 +42,10 @@ const EVENT_BYTES: usize = 130;
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StoreFloor {
-    /// From the first create until every VM's Running write was answered.
+    /// From the first create until every VM's Running write was answered
+    /// and every change had reached the watches.
     pub seconds: f64,
+    /// Store writes made (each one transaction), and the puts in them.
     pub transactions: usize,
     pub puts: usize,
     /// Changes the watches received.
@@ -78,28 +81,33 @@ pub fn measure(
         let agents = agents.max(1);
         let mut prefixes: Vec<String> = (0..agents).map(|a| format!("/vm-shards/node{a}/")).collect();
         prefixes.extend(std::iter::repeat_n("/vms/".to_string(), RECORD_WATCHES));
-        let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let received = Arc::new(AtomicUsize::new(0));
         let mut watchers = tokio::task::JoinSet::new();
         for prefix in prefixes {
             let mut watch = store.watch(&prefix, 1).await?;
             let received = received.clone();
             watchers.spawn(async move {
                 while let Some(Ok(_)) = watch.next().await {
-                    received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    received.fetch_add(1, Ordering::Relaxed);
                 }
             });
         }
         let cpu_before = cpu_seconds(etcd_pid)?;
         let started = Instant::now();
-        run(store, vms, clients.max(1), agents).await?;
+        let counted = Arc::new(Counted {
+            store,
+            transactions: AtomicUsize::new(0),
+            puts: AtomicUsize::new(0),
+        });
+        run(counted.clone(), vms, clients.max(1), agents).await?;
         // Until every change has reached the watches.
         let expected = vms * (3 + 4 * RECORD_WATCHES);
         let written = Instant::now();
-        while received.load(std::sync::atomic::Ordering::Relaxed) < expected {
+        while received.load(Ordering::Relaxed) < expected {
             if written.elapsed() > WATCH_CATCH_UP {
                 anyhow::bail!(
                     "the watches received {} of {expected} changes within {WATCH_CATCH_UP:?} of the last write",
-                    received.load(std::sync::atomic::Ordering::Relaxed)
+                    received.load(Ordering::Relaxed)
                 );
             }
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
@@ -107,15 +115,29 @@ pub fn measure(
         let seconds = started.elapsed().as_secs_f64();
         let etcd_cpu = cpu_seconds(etcd_pid)? - cpu_before;
         watchers.abort_all();
-        let placements = vms.div_ceil(PLACEMENT_BATCH);
         Ok(StoreFloor {
             seconds,
-            transactions: 3 * vms + placements,
-            puts: 10 * vms,
-            watch_events: received.load(std::sync::atomic::Ordering::Relaxed),
+            transactions: counted.transactions.load(Ordering::Relaxed),
+            puts: counted.puts.load(Ordering::Relaxed),
+            watch_events: received.load(Ordering::Relaxed),
             etcd_cpu_ms_per_vm: 1000.0 * etcd_cpu / vms.max(1) as f64,
         })
     })
+}
+
+/// The store, counting the transactions and puts made through it.
+struct Counted {
+    store: Arc<dyn Store>,
+    transactions: AtomicUsize,
+    puts: AtomicUsize,
+}
+
+impl Counted {
+    async fn write(&self, writes: Vec<Write>) -> Result<Revision, keel_store::StoreError> {
+        self.transactions.fetch_add(1, Ordering::Relaxed);
+        self.puts.fetch_add(writes.len(), Ordering::Relaxed);
+        self.store.write_all(writes, None).await
+    }
 }
 
 /// One VM's keys and what was last written to them.
@@ -137,12 +159,7 @@ fn put(key: String, bytes: usize, precondition: Precondition) -> Write {
     }
 }
 
-async fn run(
-    store: Arc<dyn Store>,
-    vms: usize,
-    clients: usize,
-    agents: usize,
-) -> anyhow::Result<()> {
+async fn run(store: Arc<Counted>, vms: usize, clients: usize, agents: usize) -> anyhow::Result<()> {
     let (created_tx, created_rx) = mpsc::unbounded_channel();
     let mut agent_txs = Vec::new();
     let mut tasks = tokio::task::JoinSet::new();
@@ -152,12 +169,12 @@ async fn run(
         tasks.spawn(start_and_run(store.clone(), agent, rx));
     }
     tasks.spawn(place(store.clone(), created_rx, agent_txs));
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
     for _ in 0..clients {
         let (store, next, created) = (store.clone(), next.clone(), created_tx.clone());
         tasks.spawn(async move {
             loop {
-                let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let index = next.fetch_add(1, Ordering::Relaxed);
                 if index >= vms {
                     return Ok(());
                 }
@@ -170,7 +187,7 @@ async fn run(
                         Precondition::Absent,
                     ),
                 ];
-                let record = store.write_all(writes, None).await?;
+                let record = store.write(writes).await?;
                 let _ = created.send(Vm {
                     index,
                     record,
@@ -188,7 +205,7 @@ async fn run(
 
 /// The leader's part: places what has been created, a batch at a time.
 async fn place(
-    store: Arc<dyn Store>,
+    store: Arc<Counted>,
     mut created: mpsc::UnboundedReceiver<Vm>,
     agents: Vec<mpsc::UnboundedSender<Vm>>,
 ) -> anyhow::Result<()> {
@@ -215,7 +232,7 @@ async fn place(
                 Precondition::Absent,
             ));
         }
-        let revision = store.write_all(writes, None).await?;
+        let revision = store.write(writes).await?;
         for mut vm in batch {
             vm.record = revision;
             vm.copy = revision;
@@ -228,7 +245,7 @@ async fn place(
 /// An agent's part: each of its VMs' start and Running writes, in order,
 /// its VMs side by side.
 async fn start_and_run(
-    store: Arc<dyn Store>,
+    store: Arc<Counted>,
     agent: usize,
     mut placed: mpsc::UnboundedReceiver<Vm>,
 ) -> anyhow::Result<()> {
@@ -256,7 +273,7 @@ async fn start_and_run(
                         Precondition::Absent,
                     ),
                 ];
-                record = store.write_all(writes, None).await?;
+                record = store.write(writes).await?;
                 copy = record;
             }
             anyhow::Ok(())
