@@ -100,8 +100,10 @@ pub fn measure(
             puts: AtomicUsize::new(0),
         });
         run(counted.clone(), vms, clients.max(1), agents).await?;
-        // Until every change has reached the watches.
-        let expected = vms * (3 + 4 * RECORD_WATCHES);
+        // Until every change has reached the watches: each record write
+        // to the record watches, and each after the create (the copy's) to
+        // its agent's.
+        let expected = vms * (RECORD_BYTES.len() * RECORD_WATCHES + RECORD_BYTES.len() - 1);
         let written = Instant::now();
         while received.load(Ordering::Relaxed) < expected {
             if written.elapsed() > WATCH_CATCH_UP {
@@ -140,11 +142,11 @@ impl Counted {
     }
 }
 
-/// One VM's keys and what was last written to them.
+/// A VM and the revision of its last write (its node copy, once placed,
+/// is written with the record, so at the same revision).
 struct Vm {
     index: usize,
     record: Revision,
-    copy: Revision,
 }
 
 fn name(index: usize) -> String {
@@ -188,11 +190,7 @@ async fn run(store: Arc<Counted>, vms: usize, clients: usize, agents: usize) -> 
                     ),
                 ];
                 let record = store.write(writes).await?;
-                let _ = created.send(Vm {
-                    index,
-                    record,
-                    copy: 0,
-                });
+                let _ = created.send(Vm { index, record });
             }
         });
     }
@@ -235,7 +233,6 @@ async fn place(
         let revision = store.write(writes).await?;
         for mut vm in batch {
             vm.record = revision;
-            vm.copy = revision;
             let _ = agents[vm.index % agents.len()].send(vm);
         }
     }
@@ -254,7 +251,7 @@ async fn start_and_run(
         let store = store.clone();
         vms.spawn(async move {
             let vm_name = name(vm.index);
-            let (mut record, mut copy) = (vm.record, vm.copy);
+            let mut record = vm.record;
             for (step, bytes) in RECORD_BYTES[2..].iter().enumerate() {
                 let writes = vec![
                     put(
@@ -265,7 +262,7 @@ async fn start_and_run(
                     put(
                         format!("/vm-shards/node{agent}/{vm_name}"),
                         *bytes,
-                        Precondition::Revision(copy),
+                        Precondition::Revision(record),
                     ),
                     put(
                         format!("/events/{vm_name}/{record}-{step}"),
@@ -274,7 +271,6 @@ async fn start_and_run(
                     ),
                 ];
                 record = store.write(writes).await?;
-                copy = record;
             }
             anyhow::Ok(())
         });
