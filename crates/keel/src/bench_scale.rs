@@ -18,7 +18,9 @@
 //! - CPU per VM until all Running, of each kind of process and of the
 //!   bench's own clients ([`cpu_share`]);
 //! - etcd run: the same store writes made by this process alone on a
-//!   fresh etcd, the run's anchor on this machine ([`etcd_floor`]);
+//!   fresh etcd, the run's anchor on this machine ([`etcd_floor`]): as
+//!   fast as they go, and with the creates at the target's pace, what etcd
+//!   alone answers a create in and leaves of the machine at that pace;
 //! - peak RSS of each kind of Keel process (`VmHWM`), and the store's size
 //!   on disk (SQLite files, or etcd's backend file);
 //! - single node: `/metrics` with every VM's series, its scrape time
@@ -92,6 +94,10 @@ pub struct ScaleArgs {
     /// The etcd binary of the cluster run.
     #[arg(long, default_value = "etcd")]
     pub etcd_bin: PathBuf,
+    /// Creates per second of the etcd run's second anchor, etcd alone at
+    /// a steady pace (default: 10,000 VMs in 15 s); 0 skips it.
+    #[arg(long, default_value_t = 667.0)]
+    pub floor_pace: f64,
 }
 
 /// One scenario's figures.
@@ -122,8 +128,11 @@ pub struct ScaleReport {
     pub scrape: Option<scrape::ScrapeFigures>,
     /// The single-node runs' idle CPU with every VM running.
     pub idle: Option<idle::IdleFigures>,
-    /// The etcd run's writes made by this process alone on a fresh etcd.
+    /// The etcd run's writes made by this process alone on a fresh etcd,
+    /// as fast as they go.
     pub store_floor: Option<etcd_floor::StoreFloor>,
+    /// The same with the creates at `--floor-pace`.
+    pub store_floor_paced: Option<etcd_floor::StoreFloor>,
 }
 
 /// What the mixed run saw of the nodes' allocations while the VMs were
@@ -280,21 +289,11 @@ fn spawn_etcd(procs: &mut Procs, dir: &Path, args: &ScaleArgs) -> anyhow::Result
 
 fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
     std::fs::create_dir_all(dir)?;
-    let floor_dir = dir.join("store-floor");
-    let floor = {
-        // Its own etcd, gone before the cluster's starts.
-        let mut procs = Procs::default();
-        let (url, etcd) = spawn_etcd(&mut procs, &floor_dir, args)?;
-        etcd_floor::measure(
-            &url,
-            procs.pid(etcd),
-            args.etcd_vms,
-            args.clients,
-            args.agents,
-        )
-        .context("the store floor")?
+    let floor = store_floor(dir, args, None)?;
+    let floor_paced = match args.floor_pace > 0.0 {
+        true => Some(store_floor(dir, args, Some(args.floor_pace))?),
+        false => None,
     };
-    let _ = std::fs::remove_dir_all(&floor_dir);
     let mut procs = Procs::default();
     let (client_url, _) = spawn_etcd(&mut procs, dir, args)?;
     // Its own throwaway etcd on loopback: plain is acceptable here.
@@ -363,7 +362,33 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
     report.peak_rss_mib = procs.peak_rss_mib();
     report.store_bytes = files_bytes(&dir.join("etcd/member/snap"), "db");
     report.store_floor = Some(floor);
+    report.store_floor_paced = floor_paced;
     Ok(report)
+}
+
+/// The etcd run's VMs' writes made by this process on an etcd of their
+/// own, gone before the cluster's starts.
+fn store_floor(
+    dir: &Path,
+    args: &ScaleArgs,
+    pace_per_s: Option<f64>,
+) -> anyhow::Result<etcd_floor::StoreFloor> {
+    let floor_dir = dir.join("store-floor");
+    let floor = {
+        let mut procs = Procs::default();
+        let (url, etcd) = spawn_etcd(&mut procs, &floor_dir, args)?;
+        etcd_floor::measure(
+            &url,
+            procs.pid(etcd),
+            args.etcd_vms,
+            args.clients,
+            args.agents,
+            pace_per_s,
+        )
+        .context("the store floor")?
+    };
+    let _ = std::fs::remove_dir_all(&floor_dir);
+    Ok(floor)
 }
 
 /// A `keel serve` on SQLite and the sim driver in `data`, node `bench`,
@@ -537,6 +562,7 @@ fn drive(
         scrape: None,
         idle: None,
         store_floor: None,
+        store_floor_paced: None,
     })
 }
 
@@ -682,12 +708,38 @@ fn print_report(r: &ScaleReport) {
             .unwrap_or_default();
         println!(
             "  etcd alone: the same writes ({txns} transactions, {puts} puts, {events} watch \
-             events) straight from this process to a fresh etcd: {secs:.1} s, etcd {cpu:.2} ms \
-             CPU per VM{times}",
+             events) straight from this process to a fresh etcd: {secs:.1} s, a create's \
+             transaction p50 {p50:.1} ms, p99 {p99:.1} ms, etcd {cpu:.2} ms CPU per VM{times}",
+            p50 = f.create_p50_ms,
+            p99 = f.create_p99_ms,
             txns = f.transactions,
             puts = f.puts,
             events = f.watch_events,
             secs = f.seconds,
+            cpu = f.etcd_cpu_ms_per_vm,
+        );
+    }
+    if let (Some(f), Some(pace)) = (
+        &r.store_floor_paced,
+        r.store_floor_paced.as_ref().and_then(|f| f.pace_per_s),
+    ) {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // The machine's CPU time per VM at this pace, less etcd's.
+        let left = 1000.0 * cpus as f64 / pace - f.etcd_cpu_ms_per_vm;
+        let rest: f64 = r
+            .cpu_ms_per_vm
+            .iter()
+            .filter(|(kind, _)| kind.as_str() != "etcd")
+            .map(|(_, ms)| ms)
+            .sum();
+        println!(
+            "  etcd alone at {pace:.0} creates/s: answered {rate:.0}/s, a create's \
+             transaction p50 {p50:.1} ms, p99 {p99:.1} ms; etcd {cpu:.2} ms CPU per VM, \
+             leaving {left:.2} ms per VM of {cpus} CPUs to the rest at that pace (this \
+             run's other processes took {rest:.2})",
+            rate = f.create_per_s,
+            p50 = f.create_p50_ms,
+            p99 = f.create_p99_ms,
             cpu = f.etcd_cpu_ms_per_vm,
         );
     }

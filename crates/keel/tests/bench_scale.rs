@@ -107,6 +107,22 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
     );
     assert!(stdout.contains("etcd alone: the same writes"), "{stdout}");
     assert!(reports[0]["store_floor"].is_null(), "{}", reports[0]);
+    // The same again with the creates at the target's pace (10,000 VMs in
+    // 15 s): never ahead of it, so the 30 creates take at least 29 of its
+    // intervals, and each create's answer is timed.
+    let paced = &reports[2]["store_floor_paced"];
+    assert_eq!(paced["pace_per_s"], 667.0, "{paced}");
+    let rate = paced["create_per_s"].as_f64().unwrap();
+    assert!(rate > 0.0 && rate <= 667.0 * 30.0 / 29.0, "{paced}");
+    assert_eq!(paced["puts"], 10 * 30, "{paced}");
+    assert_eq!(paced["watch_events"], 11 * 30, "{paced}");
+    for floor in [floor, paced] {
+        let p50 = floor["create_p50_ms"].as_f64().unwrap();
+        assert!(p50 > 0.0, "{floor}");
+        assert!(floor["create_p99_ms"].as_f64().unwrap() >= p50, "{floor}");
+    }
+    assert!(stdout.contains("etcd alone at 667 creates/s"), "{stdout}");
+    assert!(reports[0]["store_floor_paced"].is_null(), "{}", reports[0]);
     // The mixed run's three simulated nodes in one `keel serve` took the
     // VMs, and the sampler saw every node's allocation within its capacity.
     let mixed = &reports[1];

@@ -18,16 +18,24 @@
 //! and with the etcd run's watches open and drained: each agent's on its
 //! node's copies, and two on the records (the leader's, and the one the
 //! bench counts Running from).
+//!
+//! Made twice, each on an etcd of its own: as fast as the writers go
+//! (the time the store alone needs), and with the creates paced at the
+//! target's rate (`--floor-pace`), where etcd's CPU per VM tells how much
+//! of the machine the store alone leaves the rest at that rate, and a
+//! create's time tells what the store alone answers in, the part of the
+//! API's latency no Keel change can take away.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use keel_store::etcd::EtcdStore;
 use keel_store::{Precondition, Revision, Store, Write};
 use tokio::sync::mpsc;
 
+use super::percentile;
 use super::scrape::cpu_seconds;
 
 /// The leader places at most this many VMs in one store write.
@@ -52,20 +60,29 @@ pub struct StoreFloor {
     pub watch_events: usize,
     /// etcd's CPU over those seconds, in ms per VM.
     pub etcd_cpu_ms_per_vm: f64,
+    /// Creates asked per second, when paced; None: as fast as answered.
+    pub pace_per_s: Option<f64>,
+    /// Creates answered per second, over the create phase.
+    pub create_per_s: f64,
+    /// A create's transaction, from asking to its answer.
+    pub create_p50_ms: f64,
+    pub create_p99_ms: f64,
 }
 
 /// Watches on the records, beside the agents' on their copies.
 const RECORD_WATCHES: usize = 2;
 /// How long the watches may lag the last write before the run fails.
-const WATCH_CATCH_UP: std::time::Duration = std::time::Duration::from_secs(60);
+const WATCH_CATCH_UP: Duration = Duration::from_secs(60);
 
-/// Makes `vms` VMs' writes on the etcd at `url` (nothing else on it).
+/// Makes `vms` VMs' writes on the etcd at `url` (nothing else on it),
+/// their creates at `pace_per_s` if given.
 pub fn measure(
     url: &str,
     etcd_pid: u32,
     vms: usize,
     clients: usize,
     agents: usize,
+    pace_per_s: Option<f64>,
 ) -> anyhow::Result<StoreFloor> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -99,7 +116,12 @@ pub fn measure(
             transactions: AtomicUsize::new(0),
             puts: AtomicUsize::new(0),
         });
-        run(counted.clone(), vms, clients.max(1), agents).await?;
+        let creates = Creates {
+            vms,
+            clients: clients.max(1),
+            pace_per_s,
+        };
+        let (create_ms, create_s) = run(counted.clone(), creates, agents).await?;
         // Until every change has reached the watches: each record write
         // to the record watches, and each after the create (the copy's) to
         // its agent's.
@@ -112,7 +134,7 @@ pub fn measure(
                     received.load(Ordering::Relaxed)
                 );
             }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let seconds = started.elapsed().as_secs_f64();
         let etcd_cpu = cpu_seconds(etcd_pid)? - cpu_before;
@@ -123,6 +145,10 @@ pub fn measure(
             puts: counted.puts.load(Ordering::Relaxed),
             watch_events: received.load(Ordering::Relaxed),
             etcd_cpu_ms_per_vm: 1000.0 * etcd_cpu / vms.max(1) as f64,
+            pace_per_s,
+            create_per_s: vms as f64 / create_s.max(1e-9),
+            create_p50_ms: percentile(&create_ms, 0.50),
+            create_p99_ms: percentile(&create_ms, 0.99),
         })
     })
 }
@@ -161,7 +187,21 @@ fn put(key: String, bytes: usize, precondition: Precondition) -> Write {
     }
 }
 
-async fn run(store: Arc<Counted>, vms: usize, clients: usize, agents: usize) -> anyhow::Result<()> {
+/// The creates: how many, from how many writers, at what pace.
+#[derive(Clone, Copy)]
+struct Creates {
+    vms: usize,
+    clients: usize,
+    pace_per_s: Option<f64>,
+}
+
+/// Every VM's writes; each create's time in ms, and the seconds from the
+/// first create until the last was answered.
+async fn run(
+    store: Arc<Counted>,
+    creates: Creates,
+    agents: usize,
+) -> anyhow::Result<(Vec<f64>, f64)> {
     let (created_tx, created_rx) = mpsc::unbounded_channel();
     let mut agent_txs = Vec::new();
     let mut tasks = tokio::task::JoinSet::new();
@@ -172,13 +212,23 @@ async fn run(store: Arc<Counted>, vms: usize, clients: usize, agents: usize) -> 
     }
     tasks.spawn(place(store.clone(), created_rx, agent_txs));
     let next = Arc::new(AtomicUsize::new(0));
-    for _ in 0..clients {
+    let first = tokio::time::Instant::now();
+    let mut writers = tokio::task::JoinSet::new();
+    for _ in 0..creates.clients {
         let (store, next, created) = (store.clone(), next.clone(), created_tx.clone());
-        tasks.spawn(async move {
+        writers.spawn(async move {
+            let mut create_ms = Vec::new();
             loop {
                 let index = next.fetch_add(1, Ordering::Relaxed);
-                if index >= vms {
-                    return Ok(());
+                if index >= creates.vms {
+                    return anyhow::Ok(create_ms);
+                }
+                if let Some(pace) = creates.pace_per_s {
+                    // On the pace's schedule, as a steady stream of users
+                    // would ask: never ahead of it, and behind it only when
+                    // the store is.
+                    tokio::time::sleep_until(first + Duration::from_secs_f64(index as f64 / pace))
+                        .await;
                 }
                 let vm = name(index);
                 let writes = vec![
@@ -189,16 +239,23 @@ async fn run(store: Arc<Counted>, vms: usize, clients: usize, agents: usize) -> 
                         Precondition::Absent,
                     ),
                 ];
+                let asked = Instant::now();
                 let record = store.write(writes).await?;
+                create_ms.push(asked.elapsed().as_secs_f64() * 1000.0);
                 let _ = created.send(Vm { index, record });
             }
         });
     }
     drop(created_tx);
+    let mut create_ms = Vec::with_capacity(creates.vms);
+    while let Some(done) = writers.join_next().await {
+        create_ms.extend(done.context("a store floor writer panicked")??);
+    }
+    let create_s = first.elapsed().as_secs_f64();
     while let Some(done) = tasks.join_next().await {
         done.context("a store floor writer panicked")??;
     }
-    Ok(())
+    Ok((create_ms, create_s))
 }
 
 /// The leader's part: places what has been created, a batch at a time.
