@@ -63,6 +63,11 @@ pub struct ScaleArgs {
     /// Concurrent API clients.
     #[arg(long, default_value_t = 8)]
     pub clients: usize,
+    /// Creates per second the clients ask at, together, on a steady
+    /// schedule (as users arriving at that rate would); 0: each client
+    /// asks again as soon as it is answered.
+    #[arg(long, default_value_t = 0.0)]
+    pub create_pace: f64,
     /// Longest wait for one phase (all Running, restart all), seconds.
     #[arg(long, default_value_t = 900)]
     pub timeout_s: u64,
@@ -100,6 +105,24 @@ pub struct ScaleArgs {
     pub floor_pace: f64,
 }
 
+/// How the clients ask.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    clients: usize,
+    /// Requests per second of all clients together, on a schedule; None:
+    /// back to back.
+    pace_per_s: Option<f64>,
+}
+
+impl ScaleArgs {
+    fn create_load(&self) -> Load {
+        Load {
+            clients: self.clients,
+            pace_per_s: (self.create_pace > 0.0).then_some(self.create_pace),
+        }
+    }
+}
+
 /// One scenario's figures.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ScaleReport {
@@ -108,6 +131,8 @@ pub struct ScaleReport {
     pub nodes: usize,
     pub vms: usize,
     pub clients: usize,
+    /// The creates' pace (`--create-pace`); None: back to back.
+    pub create_pace_per_s: Option<f64>,
     pub create_per_s: f64,
     pub create_p50_ms: f64,
     pub create_p99_ms: f64,
@@ -229,7 +254,7 @@ fn sqlite_run(
         &procs,
         std::slice::from_ref(&api),
         vms,
-        args.clients,
+        args.create_load(),
         timeout,
         &small_vm,
     )?;
@@ -352,7 +377,7 @@ fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<S
         &procs,
         &apis,
         args.etcd_vms,
-        args.clients,
+        args.create_load(),
         timeout,
         &small_vm,
     )?;
@@ -439,7 +464,7 @@ fn mixed_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<
             &procs,
             std::slice::from_ref(&api),
             args.mixed_vms,
-            args.clients,
+            args.create_load(),
             timeout,
             &mixed_vm,
         );
@@ -510,7 +535,7 @@ fn drive(
     procs: &Procs,
     apis: &[Api],
     vms: usize,
-    clients: usize,
+    load: Load,
     timeout: Duration,
     spec: &(dyn Fn(usize) -> Value + Sync),
 ) -> anyhow::Result<ScaleReport> {
@@ -518,7 +543,7 @@ fn drive(
     let phases = phase_watch::PhaseWatch::follow(apis[0].stream("/api/v1/vms?watch=true")?);
     let cpu_before = cpu_share::CpuMark::now(procs.kinds_and_pids())?;
     let started = Instant::now();
-    let latencies = fan_out(apis, &names, clients, |api, name| {
+    let latencies = fan_out(apis, &names, load, |api, name| {
         let index = name
             .trim_start_matches("vm-")
             .parse()
@@ -536,7 +561,11 @@ fn drive(
         None => BTreeMap::new(),
     };
     let restart_started = Instant::now();
-    fan_out(apis, &names, clients, |api, name| {
+    let back_to_back = Load {
+        pace_per_s: None,
+        ..load
+    };
+    fan_out(apis, &names, back_to_back, |api, name| {
         api.post(&format!("/api/v1/vms/{name}/restart"), "")
     })?;
     let (restart_all_s, restarted_at_timeout) = wait_until(restart_started, timeout, || {
@@ -547,7 +576,8 @@ fn drive(
         control_planes: 0,
         nodes: 0,
         vms,
-        clients,
+        clients: load.clients,
+        create_pace_per_s: load.pace_per_s,
         create_per_s: vms as f64 / create_s.max(1e-9),
         create_p50_ms: percentile(&latencies, 0.50),
         create_p99_ms: percentile(&latencies, 0.99),
@@ -566,17 +596,19 @@ fn drive(
     })
 }
 
-/// Runs `request` once per name on `clients` threads; each request's
-/// latency in ms. Any refused request fails the run: the figures would lie.
+/// Runs `request` once per name on `load.clients` threads, at its pace if
+/// it has one; each request's latency in ms, from asking to the answer.
+/// Any refused request fails the run: the figures would lie.
 fn fan_out(
     apis: &[Api],
     names: &[String],
-    clients: usize,
+    load: Load,
     request: impl Fn(&Api, &str) -> anyhow::Result<()> + Sync,
 ) -> anyhow::Result<Vec<f64>> {
     let next = AtomicUsize::new(0);
+    let first = Instant::now();
     let results: Vec<anyhow::Result<Vec<f64>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..clients)
+        let handles: Vec<_> = (0..load.clients)
             .map(|c| {
                 let (next, request) = (&next, &request);
                 let api = &apis[c % apis.len()];
@@ -587,6 +619,13 @@ fn fan_out(
                         let Some(name) = names.get(i) else {
                             return Ok(mine);
                         };
+                        if let Some(pace) = load.pace_per_s {
+                            // Request i is due i/pace after the first:
+                            // never sooner, later only if every client is
+                            // still waiting on an answer.
+                            let due = first + Duration::from_secs_f64(i as f64 / pace);
+                            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                        }
                         let t = Instant::now();
                         request(api, name)?;
                         mine.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -680,7 +719,7 @@ fn print_report(r: &ScaleReport) {
         .join(", ");
     println!(
         "{store}: {vms} VMs, {cps} control plane(s), {nodes} node(s), {clients} clients\n  \
-         create: {rate:.0} VMs/s, API p50 {p50:.1} ms, p99 {p99:.1} ms\n  \
+         create: {rate:.0} VMs/s{paced}, API p50 {p50:.1} ms, p99 {p99:.1} ms\n  \
          all Running: {running}\n  restart all: {restart}\n  \
          peak RSS: {rss}\n  store size: {size:.1} MiB",
         store = r.store,
@@ -689,6 +728,10 @@ fn print_report(r: &ScaleReport) {
         nodes = r.nodes,
         clients = r.clients,
         rate = r.create_per_s,
+        paced = r
+            .create_pace_per_s
+            .map(|p| format!(" (asked at {p:.0}/s)"))
+            .unwrap_or_default(),
         p50 = r.create_p50_ms,
         p99 = r.create_p99_ms,
         running = secs(r.all_running_s, r.running_at_timeout),

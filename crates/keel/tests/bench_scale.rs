@@ -34,6 +34,8 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
             "2",
             "--clients",
             "4",
+            "--create-pace",
+            "100",
             "--scrapes",
             "2",
             "--idle-settle-s",
@@ -69,6 +71,12 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
         assert!(r["all_running_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["restart_all_s"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["create_p99_ms"].as_f64().unwrap() >= r["create_p50_ms"].as_f64().unwrap());
+        // The creates were asked on the pace's schedule: never ahead of
+        // it, so they took at least 29 of its intervals for 30 VMs.
+        assert_eq!(r["create_pace_per_s"], 100.0, "{r}");
+        let rate = r["create_per_s"].as_f64().unwrap();
+        let most = 100.0 * vms as f64 / (vms - 1) as f64;
+        assert!(rate > 0.0 && rate <= most, "{r}");
         assert!(r["store_bytes"].as_u64().unwrap() > 0, "{r}");
         if store == "sqlite" {
             // Every VM's series, on the node that runs them.
@@ -93,6 +101,7 @@ fn the_scale_bench_reports_every_figure_for_sqlite_and_etcd() {
         assert!(r["cpu_ms_per_vm"]["bench"].as_f64().is_some(), "{r}");
     }
     assert!(stdout.contains("CPU until all Running: "), "{stdout}");
+    assert!(stdout.contains("VMs/s (asked at 100/s)"), "{stdout}");
     // The etcd run's anchor: its VMs' writes (three transactions each, and
     // the placements, up to 32 VMs to one) and watches, on a fresh etcd.
     let floor = &reports[2]["store_floor"];
