@@ -315,9 +315,10 @@ fn spawn_etcd(procs: &mut Procs, dir: &Path, args: &ScaleArgs) -> anyhow::Result
 fn etcd_run(dir: &Path, args: &ScaleArgs, timeout: Duration) -> anyhow::Result<ScaleReport> {
     std::fs::create_dir_all(dir)?;
     let floor = store_floor(dir, args, None)?;
-    let floor_paced = match args.floor_pace > 0.0 {
-        true => Some(store_floor(dir, args, Some(args.floor_pace))?),
-        false => None,
+    let floor_paced = if args.floor_pace > 0.0 {
+        Some(store_floor(dir, args, Some(args.floor_pace))?)
+    } else {
+        None
     };
     let mut procs = Procs::default();
     let (client_url, _) = spawn_etcd(&mut procs, dir, args)?;
@@ -400,6 +401,8 @@ fn store_floor(
 ) -> anyhow::Result<etcd_floor::StoreFloor> {
     let floor_dir = dir.join("store-floor");
     let floor = {
+        // Its etcd is killed with `procs` at the block's end, before its
+        // directory goes.
         let mut procs = Procs::default();
         let (url, etcd) = spawn_etcd(&mut procs, &floor_dir, args)?;
         etcd_floor::measure(
@@ -762,10 +765,11 @@ fn print_report(r: &ScaleReport) {
             cpu = f.etcd_cpu_ms_per_vm,
         );
     }
-    if let (Some(f), Some(pace)) = (
-        &r.store_floor_paced,
-        r.store_floor_paced.as_ref().and_then(|f| f.pace_per_s),
-    ) {
+    if let Some((f, pace)) = r
+        .store_floor_paced
+        .as_ref()
+        .and_then(|f| Some((f, f.pace_per_s?)))
+    {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         // The machine's CPU time per VM at this pace, less etcd's.
         let left = 1000.0 * cpus as f64 / pace - f.etcd_cpu_ms_per_vm;
